@@ -1,0 +1,25 @@
+"""Write one benchmark's results into its own section of docs/BENCHMARKS.md and a JSON file."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+BENCHMARKS = DOCS / "BENCHMARKS.md"
+
+
+def write_section(title: str, body: str, raw: dict, json_name: str) -> None:
+    """Replace (or append) the section `## title` of BENCHMARKS.md; keep the other sections."""
+    (DOCS / "bench").mkdir(parents=True, exist_ok=True)
+    (DOCS / "bench" / json_name).write_text(json.dumps(raw, indent=2) + "\n")
+    text = BENCHMARKS.read_text() if BENCHMARKS.exists() else "# Benchmarks\n"
+    section = f"## {title}\n\n{body.rstrip()}\n"
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text).rstrip() + "\n"
+    else:
+        text = text.rstrip() + "\n\n" + section
+    BENCHMARKS.write_text(text)
+    print(f"wrote {BENCHMARKS.relative_to(DOCS.parent)} and docs/bench/{json_name}")

@@ -1,0 +1,32 @@
+"""The attention backend interface: per-forward metadata once, then one call per layer.
+
+A backend writes the new tokens' K and V into the KV pool at `batch.out_cache_loc` and attends
+each new query to its request's cached tokens (positions < seq_len) causally.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> Any:
+        """Build what every layer of this forward shares (indices, masks); stored on the batch."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """q [T, H, D], k and v [T, Hkv, D] of the new tokens -> attention output [T, H, D]."""

@@ -1,0 +1,88 @@
+"""Reference attention on torch's scaled_dot_product_attention; runs on CPU and GPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend
+from engine.forward_batch import ForwardBatch
+
+
+@dataclass
+class DecodeMetadata:
+    slots: torch.Tensor  # [B, L] slots of every cached token, padded with the padding slot
+    mask: torch.Tensor  # [B, 1, 1, L] True where a real token is
+
+
+@dataclass
+class ExtendMetadata:
+    # Per request: (first flat token index, new tokens, prefix slots or None, causal mask or None)
+    spans: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def prepare(self, batch: ForwardBatch) -> DecodeMetadata | ExtendMetadata:
+        rows = batch.req_to_token_pool.req_to_token
+        device = rows.device
+        if batch.is_decode:
+            max_len = max(batch.seq_lens)
+            lens = torch.tensor(batch.seq_lens, device=device)
+            mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+            # Padded positions read slot 0, a harmless buffer; the mask hides them.
+            slots = rows[batch.req_pool_indices, :max_len] * mask
+            return DecodeMetadata(slots=slots, mask=mask[:, None, None, :])
+        spans = []
+        start = 0
+        for i, (seq_len, new) in enumerate(zip(batch.seq_lens, batch.extend_lens)):
+            prefix = seq_len - new
+            if prefix == 0:
+                spans.append((start, new, None, None))
+            else:
+                slots = rows[batch.req_pool_indices[i], :seq_len]
+                q_pos = torch.arange(prefix, seq_len, device=device)[:, None]
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
+                spans.append((start, new, slots, mask))
+            start += new
+        return ExtendMetadata(spans=spans)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        pool = batch.kv_pool
+        pool.write(layer, batch.out_cache_loc, k, v)
+        meta = batch.attn_metadata
+        if isinstance(meta, DecodeMetadata):
+            keys = pool.k_buffers[layer][meta.slots].transpose(1, 2)  # [B, Hkv, L, D]
+            values = pool.v_buffers[layer][meta.slots].transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q[:, :, None, :],
+                keys,
+                values,
+                attn_mask=meta.mask,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            return out[:, :, 0, :]
+        out = torch.empty_like(q)
+        for start, new, prefix_slots, mask in meta.spans:
+            q_i = q[start : start + new].transpose(0, 1)[None]  # [1, H, n, D]
+            if prefix_slots is None:
+                k_i = k[start : start + new].transpose(0, 1)[None]
+                v_i = v[start : start + new].transpose(0, 1)[None]
+            else:
+                k_i = pool.k_buffers[layer][prefix_slots].transpose(0, 1)[None]
+                v_i = pool.v_buffers[layer][prefix_slots].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                q_i,
+                k_i,
+                v_i,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            out[start : start + new] = o[0].transpose(0, 1)
+        return out

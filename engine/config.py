@@ -1,0 +1,143 @@
+"""Frozen configuration: what the model is (ModelConfig) and how the engine runs it
+(EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.errors import UnsupportedModelError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shapes and constants of a Llama-family decoder, read once from a HF config."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hc_mult: int = 1
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def spec_hidden_size(self) -> int:
+        """Width of the hidden state handed to a draft model: the residual stream's full width."""
+        return self.hidden_size * self.hc_mult
+
+    @classmethod
+    def from_hf(cls, hf: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
+        act = getattr(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        return cls(
+            architecture=(getattr(hf, "architectures", None) or ["LlamaForCausalLM"])[0],
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=hf.max_position_embeddings,
+            rope=_rope_from_hf(hf),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            hc_mult=int(getattr(hf, "hc_mult", 1) or 1),
+            eos_token_ids=eos_token_ids,
+        )
+
+
+def _rope_from_hf(hf: Any) -> RopeConfig:
+    # transformers >= 5 names everything in `rope_parameters`; older configs split
+    # `rope_theta` and `rope_scaling`.
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope scaling {rope_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if getattr(hf, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        raise UnsupportedModelError("partial rotary embeddings are not supported")
+    known = {f for f in RopeConfig.__dataclass_fields__} - {"theta", "rope_type"}
+    extras = {k: v for k, v in params.items() if k in known and v is not None}
+    return RopeConfig(theta=float(params["rope_theta"]), rope_type=rope_type, **extras)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """float32 on CPU and bfloat16 on GPU unless told otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(names)}")
+    return names[dtype]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine instance runs a model. Built once; derived values are properties."""
+
+    device: str = field(default_factory=default_device)
+    dtype: torch.dtype = torch.float32
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    kv_cache_tokens: int = 16384
+    max_prefill_tokens: int = 8192
+    attention_backend: str = "torch"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "kv_cache_tokens", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

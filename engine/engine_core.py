@@ -1,0 +1,88 @@
+"""One engine step at a time: schedule, forward, sample, process. Shared by `engine.LLM` and
+the serving nodes, which drive `step()` from their own loops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.errors import RequestRejectedError
+from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestOutput, Usage
+from engine.sampler import compute_logprobs, sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stopping import StopChecker
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, tokenizer: Any) -> None:
+        config = runner.config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.kv_cache = KVCacheManager(runner.kv_pool, runner.req_to_token_pool)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_prefill_tokens)
+        self.stop_checker = StopChecker(
+            tokenizer, runner.model_config.eos_token_ids, config.max_model_len
+        )
+        self.default_generator = torch.Generator().manual_seed(config.seed)
+
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Validate a request against this engine's limits; raises RequestRejectedError."""
+        self._validate(prompt_token_ids, params)
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        return Request(request_id, list(prompt_token_ids), params, generator)
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add(req)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Request]:
+        """Run one batch; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        forward_batch = self.runner.build_batch(batch.requests)
+        logits = self.runner.forward(forward_batch)
+        params = [req.params for req in batch.requests]
+        tokens = sample(
+            logits, params, [req.generator for req in batch.requests], self.default_generator
+        )
+        logprobs = compute_logprobs(logits, tokens, params)
+        return self.scheduler.process_result(batch, tokens.tolist(), logprobs, self.stop_checker)
+
+    def output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=self.stop_checker.final_text(req),
+            finish_reason=req.finish_reason or "abort",
+            usage=Usage(len(req.prompt_token_ids), len(req.output_token_ids)),
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+        )
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        config = self.runner.config
+        vocab = self.runner.model_config.vocab_size
+        if not prompt:
+            raise RequestRejectedError("the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise RequestRejectedError(f"prompt token ids must be integers in [0, {vocab})")
+        total = len(prompt) + params.max_tokens
+        if total > config.max_model_len:
+            raise RequestRejectedError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the context length of {config.max_model_len} tokens"
+            )
+        if total > config.kv_cache_tokens:
+            raise RequestRejectedError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the KV cache of {config.kv_cache_tokens} tokens"
+            )

@@ -1,0 +1,17 @@
+"""Typed errors raised at the engine's boundaries (weights, config, requests)."""
+
+
+class PdclusterError(Exception):
+    """Base class for every error pdcluster raises on purpose."""
+
+
+class ModelLoadError(PdclusterError):
+    """A model path is missing, incomplete or unreadable."""
+
+
+class UnsupportedModelError(PdclusterError):
+    """The model's architecture or one of its settings is not implemented."""
+
+
+class RequestRejectedError(PdclusterError, ValueError):
+    """A request can never be served (too long for the context or the KV pool, bad parameters)."""

@@ -1,0 +1,57 @@
+"""ForwardBatch: everything one forward pass needs, passed to the model explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.kv_pool import KVPool, ReqToTokenPool
+
+
+@dataclass
+class ForwardBatch:
+    """A batch of requests, each extending its cached prefix by one or more new tokens.
+
+    Tokens of all requests are flattened into one sequence of length T; request i owns the
+    `extend_lens[i]` tokens after those of requests < i. Decode is the case where every request
+    extends by exactly one token.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64, the KV slot each new token writes
+    req_pool_indices: torch.Tensor  # [B] int64, each request's row in req_to_token_pool
+    seq_lens: list[int]  # [B] tokens in the cache after this forward
+    extend_lens: list[int]  # [B] new tokens in this forward
+    kv_pool: KVPool
+    req_to_token_pool: ReqToTokenPool
+    # Optional per-token input embeddings [T, hidden]; rows where `input_embeds_mask` is True
+    # replace the token embedding (prompt embeddings, multimodal placeholders).
+    input_embeds: torch.Tensor | None = None
+    input_embeds_mask: torch.Tensor | None = None
+    attn_metadata: Any = field(default=None, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == self.batch_size
+
+    @property
+    def prefix_lens(self) -> list[int]:
+        return [s - e for s, e in zip(self.seq_lens, self.extend_lens)]
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index in the flat token sequence of each request's last new token."""
+        if self.is_decode:
+            return torch.arange(self.batch_size, device=self.input_ids.device)
+        ends = torch.tensor(self.extend_lens, device=self.input_ids.device).cumsum(0)
+        return ends - 1

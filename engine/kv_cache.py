@@ -1,0 +1,50 @@
+"""KV slot bookkeeping for requests: rows, slots, release. The one place that mutates both pools'
+allocation state, so a request's `slots` and its req_to_token row always agree."""
+
+from __future__ import annotations
+
+from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token_pool = req_to_token_pool
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.kv_pool.allocator.num_free
+
+    @property
+    def capacity(self) -> int:
+        return self.kv_pool.capacity
+
+    def can_grow(self, num_slots: int, num_new_rows: int = 0) -> bool:
+        return (
+            self.kv_pool.allocator.can_allocate(num_slots)
+            and self.req_to_token_pool.num_free_rows >= num_new_rows
+        )
+
+    def grow(self, req: Request, num_slots: int) -> None:
+        """Give `req` slots for its next `num_slots` tokens, taking a row first if it has none."""
+        if req.row is None:
+            req.row = self.req_to_token_pool.allocate_row()
+        slots = self.kv_pool.allocator.allocate(num_slots)
+        self.req_to_token_pool.write(req.row, len(req.slots), slots)
+        req.slots.extend(slots)
+
+    def release(self, req: Request) -> None:
+        if req.slots:
+            self.kv_pool.allocator.free(req.slots)
+        if req.row is not None:
+            self.req_to_token_pool.free_row(req.row)
+        req.slots = []
+        req.row = None
+        req.kv_len = 0
+
+    def is_empty(self) -> bool:
+        allocator = self.kv_pool.allocator
+        allocator.check_integrity()
+        rows_free = self.req_to_token_pool.num_free_rows == self.req_to_token_pool.max_reqs
+        return allocator.num_used == 0 and rows_free

@@ -1,0 +1,81 @@
+"""Paged KV storage (page size 1): per-layer K and V indexed by slot, and request rows of slots.
+
+Invariants:
+- `KVPool` holds `capacity + 1` slots per layer; slot 0 is the padding slot (see engine.allocator),
+  so padded positions may write there and nobody reads it as real data;
+- `ReqToTokenPool.req_to_token[row, i]` is the slot holding token i of the request in `row`, for
+  every i below the request's computed length; rows are handed out and returned whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.allocator import SlotAllocator
+
+
+class KVPool:
+    """K and V caches of every layer, shape [capacity + 1, num_kv_heads, head_dim] each."""
+
+    layout = "slot-major NHD"
+
+    def __init__(
+        self,
+        capacity: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> None:
+        self.capacity = capacity
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (capacity + 1, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.allocator = SlotAllocator(capacity)
+
+    @staticmethod
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer][slots] = k
+        self.v_buffers[layer][slots] = v
+
+
+class ReqToTokenPool:
+    """Maps a request row to the KV slots of its tokens, shape [max_reqs, max_context_len]."""
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: str | torch.device) -> None:
+        self.max_reqs = max_reqs
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros(
+            (max_reqs, max_context_len), dtype=torch.int64, device=device
+        )
+        self._free_rows = list(range(max_reqs - 1, -1, -1))
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def allocate_row(self) -> int:
+        if not self._free_rows:
+            raise MemoryError("no free request row")
+        return self._free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        if row in self._free_rows or not 0 <= row < self.max_reqs:
+            raise ValueError(f"request row {row} freed but not allocated")
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: list[int]) -> None:
+        self.req_to_token[row, start : start + len(slots)] = torch.tensor(
+            slots, dtype=torch.int64, device=self.req_to_token.device
+        )

@@ -1,0 +1,103 @@
+"""Owns the model, its KV pools and attention backend on one device; turns scheduled requests
+into a ForwardBatch and returns last-position logits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from engine.attention import create_attention_backend
+from engine.config import EngineConfig, ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.models.llama import LlamaForCausalLM
+from engine.models.rope import RotaryEmbedding
+from engine.request import Request
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        weights: Iterable[tuple[str, torch.Tensor]],
+    ) -> None:
+        self.model_config = model_config
+        self.config = engine_config
+        self.device = torch.device(engine_config.device)
+        self.model = build_model(model_config, engine_config, weights)
+        self.rotary = RotaryEmbedding(
+            model_config.rope,
+            model_config.head_dim,
+            max(engine_config.max_model_len, model_config.max_position_embeddings),
+            self.device,
+        )
+        self.attention = create_attention_backend(
+            engine_config.attention_backend,
+            model_config.num_heads,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+        )
+        self.kv_pool = KVPool(
+            engine_config.kv_cache_tokens,
+            model_config.num_layers,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            engine_config.dtype,
+            self.device,
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            engine_config.max_num_seqs, engine_config.max_model_len, self.device
+        )
+
+    def build_batch(self, requests: list[Request]) -> ForwardBatch:
+        """Each request extends its cached prefix (`kv_len`) to all of its tokens."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens, extend_lens = [], []
+        for req in requests:
+            start, end = req.kv_len, req.num_tokens
+            ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(req.slots[start:end])
+            seq_lens.append(end)
+            extend_lens.append(end - start)
+        batch = ForwardBatch(
+            input_ids=self._tensor(ids),
+            positions=self._tensor(positions),
+            out_cache_loc=self._tensor(slots),
+            req_pool_indices=self._tensor([req.row for req in requests]),
+            seq_lens=seq_lens,
+            extend_lens=extend_lens,
+            kv_pool=self.kv_pool,
+            req_to_token_pool=self.req_to_token_pool,
+        )
+        batch.attn_metadata = self.attention.prepare(batch)
+        return batch
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, vocab] (float32) at each request's last new token."""
+        hidden = self.model(batch, self.rotary, self.attention)
+        return self.model.compute_logits(hidden[batch.last_token_indices()])
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def build_model(
+    model_config: ModelConfig,
+    engine_config: EngineConfig,
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> LlamaForCausalLM:
+    # Build on the meta device so no memory is spent on a random initialisation that the
+    # checkpoint overwrites anyway.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_config)
+    model = model.to_empty(device=engine_config.device).to(engine_config.dtype)
+    if model_config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.load_weights(weights)
+    return model.eval()

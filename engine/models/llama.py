@@ -1,0 +1,189 @@
+"""Llama-family decoder over a paged KV cache: RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU MLP, tied or untied LM head. Weights load from HF names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.forward_batch import ForwardBatch
+from engine.models.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 whatever the model dtype, as the reference implementation does.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, *rotary)
+        out = backend.forward(q, k, v, self.layer, batch)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, rotary, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward` returns the last layer's hidden states [T, hidden] before the final norm;
+    `compute_logits` applies the final norm and the LM head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model.embed_tokens(batch.input_ids)
+        if batch.input_embeds is not None:
+            mask = batch.input_embeds_mask[:, None]
+            hidden = torch.where(mask, batch.input_embeds.to(hidden.dtype), hidden)
+        return hidden
+
+    def forward(
+        self, batch: ForwardBatch, rotary: RotaryEmbedding, backend: AttentionBackend
+    ) -> torch.Tensor:
+        hidden = self.embed(batch)
+        cos_sin = rotary.lookup(batch.positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, batch, cos_sin, backend)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden)).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up into their packed projections."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, offset = self._packed_target(name)
+            if target not in params:
+                raise ModelLoadError(f"unexpected weight {name!r} in checkpoint")
+            param = params[target]
+            rows = tensor.shape[0]
+            dest = param.data if offset is None else param.data.narrow(0, offset, rows)
+            if dest.shape != tensor.shape:
+                raise ModelLoadError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(name if offset is None else f"{target}:{offset}")
+        expected = self._expected_keys(params)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:4]}")
+
+    def _packed_target(self, name: str) -> tuple[str, int | None]:
+        c = self.config
+        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        packed = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", q),
+            "v_proj": ("qkv_proj", q + kv),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", inter),
+        }
+        for part, (fused, offset) in packed.items():
+            if f".{part}." in name:
+                return name.replace(part, fused), offset
+        return name, None
+
+    def _expected_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
+        c = self.config
+        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        keys = set()
+        for name in params:
+            if ".qkv_proj." in name:
+                keys.update(f"{name}:{o}" for o in (0, q, q + kv))
+            elif ".gate_up_proj." in name:
+                keys.update(f"{name}:{o}" for o in (0, inter))
+            elif not (name == "lm_head.weight" and c.tie_word_embeddings):
+                keys.add(name)
+        return keys

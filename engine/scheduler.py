@@ -1,0 +1,110 @@
+"""Continuous batching with a two-call contract: `schedule()` picks the next batch and reserves
+its KV slots; `process_result()` takes the sampled tokens and retires finished requests.
+
+Prefill goes first whenever waiting requests fit in free KV; otherwise every running request
+decodes one token. When the pool runs dry mid-decode the newest running request is preempted:
+its slots are freed and it waits to be prefilled again over prompt + output so far."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request
+from engine.sampler import TokenLogprob
+from engine.stopping import StopChecker
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request]
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(
+        self, kv_cache: KVCacheManager, max_num_seqs: int, max_prefill_tokens: int
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        prefill = self._admit_waiting()
+        if prefill:
+            return ScheduledBatch(prefill, is_prefill=True)
+        if not self.running:
+            return None
+        while not self.kv_cache.can_grow(len(self.running)):
+            victim = self.running.pop()
+            assert self.running, "a lone request outgrew the pool; admission should refuse it"
+            self._preempt(victim)
+        for req in self.running:
+            self.kv_cache.grow(req, 1)
+        return ScheduledBatch(list(self.running), is_prefill=False)
+
+    def _admit_waiting(self) -> list[Request]:
+        batch: list[Request] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
+            req = self.waiting[0]
+            need = req.num_tokens - req.kv_len
+            if batch and tokens + need > self.max_prefill_tokens:
+                break
+            # Leave one slot per running request so admitting this prompt cannot force a
+            # preemption on the very next decode step.
+            if not self.kv_cache.can_grow(need + len(self.running) + len(batch), 1):
+                break
+            self.kv_cache.grow(req, need)
+            batch.append(self.waiting.popleft())
+            tokens += need
+        return batch
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache.release(req)
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def process_result(
+        self,
+        batch: ScheduledBatch,
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+        stop_checker: StopChecker,
+    ) -> list[Request]:
+        finished = []
+        for req, token, logprob in zip(batch.requests, tokens, logprobs):
+            req.kv_len = req.num_tokens
+            req.output_token_ids.append(token)
+            if logprob is not None:
+                req.logprobs.append(logprob)
+            req.finish_reason = stop_checker.check(req)
+            if req.finished:
+                finished.append(req)
+            elif batch.is_prefill:
+                self.running.append(req)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for req in finished:
+                self.kv_cache.release(req)
+        return finished
+
+    def abort(self, request_id: str) -> Request | None:
+        for queue in (self.waiting, self.running):
+            for req in list(queue):
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self.kv_cache.release(req)
+                    req.finish_reason = "abort"
+                    return req
+        return None

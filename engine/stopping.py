@@ -1,0 +1,45 @@
+"""Decide when a request is done, and the text it returns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.request import Request
+
+# Decoding a few extra tokens before a stop string's possible start covers tokens that
+# produce no full character on their own (byte fallback).
+_STOP_WINDOW_SLACK = 4
+
+
+class StopChecker:
+    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def check(self, req: Request) -> str | None:
+        """Finish reason after the request's newest token, or None to go on."""
+        params = req.params
+        last = req.output_token_ids[-1]
+        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+            return "stop"
+        if params.stop_strings:
+            window = max(len(s) for s in params.stop_strings) + _STOP_WINDOW_SLACK
+            tail = self.tokenizer.decode(req.output_token_ids[-window:], skip_special_tokens=True)
+            for stop in params.stop_strings:
+                if stop in tail:
+                    req.stopped_by_string = stop
+                    return "stop"
+        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def final_text(self, req: Request) -> str:
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        if req.stopped_by_string is not None:
+            # The stop string itself is not part of the answer, as in the OpenAI API.
+            cut = min(
+                (i for s in req.params.stop_strings if (i := text.find(s)) >= 0), default=len(text)
+            )
+            text = text[:cut]
+        return text

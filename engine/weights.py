@@ -1,0 +1,159 @@
+"""Finding a model on disk and reading its config, weights and tokenizer, with typed errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from engine.default_model import convert_gguf, default_model_path, ensure_converted
+from engine.env import cache_dir
+from engine.errors import ModelLoadError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "convert_gguf",
+    "iter_safetensors",
+    "load_hf_config",
+    "load_tokenizer",
+    "resolve_model",
+]
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """The HF folder to load: the default model, a converted .gguf file, or a checked folder."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model path not found: {path} (expected a folder with config.json and "
+            "*.safetensors, or a .gguf file)"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"model file {path} is not a .gguf file (expected a .gguf file, or a folder "
+                "with config.json and *.safetensors)"
+            )
+        return ensure_converted(path, cache_dir() / "models" / _gguf_cache_name(path))
+    _check_folder(path)
+    return path
+
+
+def _gguf_cache_name(gguf_file: Path) -> str:
+    stat = gguf_file.stat()
+    key = f"{gguf_file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return f"{gguf_file.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _check_folder(folder: Path) -> None:
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"model folder {folder} has no config.json")
+    if _safetensors_files(folder):
+        return
+    if any(folder.glob("pytorch_model*.bin")) or any(folder.glob("*.pt")):
+        raise ModelLoadError(
+            f"model folder {folder} holds only PyTorch pickle weights (*.bin/*.pt); only "
+            "safetensors is supported: convert them to *.safetensors first"
+        )
+    raise ModelLoadError(f"model folder {folder} has no *.safetensors weight files")
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def load_hf_config(path: Path) -> PretrainedConfig:
+    """The folder's HF config, refused with UnsupportedModelError unless we implement it."""
+    from transformers import AutoConfig
+
+    config_file = Path(path) / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"could not read {config_file}: {err}") from err
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_file} does not hold a JSON object")
+    # Checked on the raw JSON first, so an architecture transformers does not know still gets
+    # this message rather than an AutoConfig error.
+    _check_supported(raw, config_file)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelLoadError(f"could not load the config in {path}: {err}") from err
+    if getattr(config, "sliding_window", None) is not None:
+        raise UnsupportedModelError(
+            f"{config_file}: sliding_window={config.sliding_window} is not supported "
+            "(sliding-window attention is not implemented; it must be null)"
+        )
+    return config
+
+
+def _check_supported(raw: dict[str, Any], config_file: Path) -> None:
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    architectures = raw.get("architectures") or []
+    unknown = [name for name in architectures if name not in SUPPORTED_ARCHITECTURES]
+    if unknown:
+        raise UnsupportedModelError(
+            f"{config_file}: architecture {', '.join(unknown)} is not supported "
+            f"(supported: {supported})"
+        )
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{config_file}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}; architectures: {supported})"
+        )
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise UnsupportedModelError(
+            f"{config_file}: quantized checkpoints ({method or 'unknown method'}) are not "
+            "supported; use unquantized safetensors weights"
+        )
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, CPU tensor) of the folder's *.safetensors files, streamed one at a time."""
+    files = _safetensors_files(Path(path))
+    if not files:
+        raise ModelLoadError(f"model folder {path} has no *.safetensors weight files")
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except (OSError, SafetensorError) as err:
+            raise ModelLoadError(f"could not read weights file {file}: {err}") from err
+        with handle:
+            names = handle.keys()  # safe_open handles are not iterable
+            for name in names:
+                try:
+                    tensor = handle.get_tensor(name)
+                except (OSError, SafetensorError) as err:
+                    raise ModelLoadError(
+                        f"could not read tensor {name!r} from {file}: {err}"
+                    ) from err
+                yield name, tensor
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The folder's tokenizer (AutoTokenizer)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    # Tokenizer loading fails through many exception types depending on the backend and file.
+    except Exception as err:
+        raise ModelLoadError(f"could not load the tokenizer in {path}: {err}") from err

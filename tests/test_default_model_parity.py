@@ -1,0 +1,96 @@
+"""The embedded default model: greedy token ids identical to transformers' `generate`, whether
+requests run one by one or batched together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.default_model import default_model_path
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion to a child in two sentences.",
+    "List three prime numbers greater than 50.",
+    "Translate 'good morning' into Spanish and German.",
+    "What is 17 times 23?",
+    "Give me a short recipe for pancakes.",
+    "Who wrote Pride and Prejudice?",
+    "Summarize the plot of Romeo and Juliet in one sentence.",
+    "What are the three states of matter?",
+    "Write a Python function that reverses a string.",
+    "Why is the sky blue?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "How many legs does a spider have?",
+    "Suggest a name for a pet turtle.",
+    "Qu'est-ce que la photosynthèse ?",
+    "Describe the color red to someone who cannot see.",
+    "What is the boiling point of water in Fahrenheit?",
+]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def default_llm() -> LLM:
+    return LLM(device="cpu", max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def prompts(default_llm) -> list[list[int]]:
+    return [default_llm.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(prompts) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+    eos = hf.generation_config.eos_token_id
+    outputs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            generated = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+        outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
+
+
+def _trim_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+
+
+def test_one_by_one_matches_transformers(default_llm, prompts, hf_reference):
+    eos = set(default_llm.model_config.eos_token_ids)
+    for prompt, ref in zip(prompts, hf_reference):
+        [out] = default_llm.generate([prompt], GREEDY)
+        assert out.token_ids == _trim_after_eos(ref, eos)
+
+
+def test_batched_matches_transformers(default_llm, prompts, hf_reference):
+    eos = set(default_llm.model_config.eos_token_ids)
+    outputs = default_llm.generate(prompts, GREEDY)
+    for out, ref in zip(outputs, hf_reference):
+        assert out.token_ids == _trim_after_eos(ref, eos)
+    assert default_llm.engine.kv_cache.is_empty()
+
+
+def test_chat_returns_text_of_its_tokens(default_llm):
+    [out] = default_llm.chat([[{"role": "user", "content": CHATS[0]}]], GREEDY)
+    assert out.text == default_llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert "Paris" in out.text
+    assert out.usage.prompt_tokens == len(
+        default_llm.apply_chat_template([{"role": "user", "content": CHATS[0]}])
+    )
