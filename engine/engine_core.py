@@ -17,6 +17,15 @@ from engine.scheduler import Scheduler
 from engine.stopping import StopChecker
 
 
+def step_generator(req: Request) -> torch.Generator | None:
+    """A seeded request draws each token from a generator keyed by (seed, token index), so the
+    same seed gives the same tokens whichever node or batch samples a given position."""
+    if req.params.seed is None:
+        return None
+    key = (req.params.seed * 0x9E3779B97F4A7C15 + len(req.output_token_ids)) % (2**63)
+    return torch.Generator().manual_seed(key)
+
+
 class EngineCore:
     def __init__(self, runner: ModelRunner, tokenizer: Any) -> None:
         config = runner.config
@@ -34,8 +43,7 @@ class EngineCore:
     ) -> Request:
         """Validate a request against this engine's limits; raises RequestRejectedError."""
         self._validate(prompt_token_ids, params)
-        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        return Request(request_id, list(prompt_token_ids), params, generator)
+        return Request(request_id, list(prompt_token_ids), params)
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -48,13 +56,18 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        forward_batch = self.runner.build_batch(batch.requests)
-        logits = self.runner.forward(forward_batch)
-        params = [req.params for req in batch.requests]
-        tokens = sample(
-            logits, params, [req.generator for req in batch.requests], self.default_generator
-        )
-        logprobs = compute_logprobs(logits, tokens, params)
+        try:
+            forward_batch = self.runner.build_batch(batch.requests)
+            logits = self.runner.forward(forward_batch).logits
+            params = [req.params for req in batch.requests]
+            generators = [step_generator(req) for req in batch.requests]
+            tokens = sample(logits, params, generators, self.default_generator)
+            logprobs = compute_logprobs(logits, tokens, params)
+        except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
+            stage = "prefill" if batch.is_prefill else "decode"
+            for req in batch.requests:
+                self.scheduler.fail(req, f"{stage} forward failed: {type(err).__name__}: {err}")
+            return batch.requests
         return self.scheduler.process_result(batch, tokens.tolist(), logprobs, self.stop_checker)
 
     def output(self, req: Request) -> RequestOutput:

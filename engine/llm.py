@@ -5,24 +5,17 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig, default_device, resolve_dtype
 from engine.engine_core import EngineCore
-from engine.kv_pool import KVPool
-from engine.model_runner import ModelRunner
+from engine.errors import PdclusterError
+from engine.loader import EngineArgs, load_runner, model_path_arg, resolve
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.weights import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 
 Prompt = str | list[int]
 Message = dict[str, str]
-
-DEFAULT_CPU_KV_BYTES = 2 * 1024**3
-DEFAULT_GPU_KV_FRACTION = 0.8
 
 
 class LLM:
@@ -41,30 +34,25 @@ class LLM:
         attention_backend: str = "torch",
         seed: int = 0,
     ) -> None:
-        self.model_path = resolve_model(model)
-        hf_config = load_hf_config(self.model_path)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.model_config = ModelConfig.from_hf(
-            hf_config, _eos_token_ids(self.model_path, hf_config)
-        )
-        device = device or default_device()
-        torch_dtype = resolve_dtype(dtype, device)
-        max_model_len = max_model_len or self.model_config.max_position_embeddings
-        if kv_cache_tokens is None:
-            kv_cache_tokens = _default_kv_tokens(self.model_config, torch_dtype, device)
-        self.config = EngineConfig(
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        self.args = EngineArgs(
+            model=model_path_arg(model),
+            dtype=dtype or "auto",
             device=device,
-            dtype=torch_dtype,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
-            # More slots than every sequence at full length could use are never needed.
-            kv_cache_tokens=min(kv_cache_tokens, max_num_seqs * max_model_len),
+            kv_cache_tokens=kv_cache_tokens,
             max_prefill_tokens=max_prefill_tokens,
             attention_backend=attention_backend,
             seed=seed,
         )
-        runner = ModelRunner(self.model_config, self.config, iter_safetensors(self.model_path))
-        self.engine = EngineCore(runner, self.tokenizer)
+        spec = resolve(self.args)
+        self.model_path = spec.path
+        self.tokenizer = spec.tokenizer
+        self.model_config = spec.model_config
+        self.config = spec.engine_config
+        self.engine = EngineCore(load_runner(spec), self.tokenizer)
         self._ids = itertools.count()
 
     def generate(
@@ -120,38 +108,7 @@ class LLM:
             self.engine.add_request(req)
         while self.engine.has_work():
             self.engine.step()
+        failed = [req for req in requests if req.error is not None]
+        if failed:
+            raise PdclusterError(f"{len(failed)} request(s) failed, first: {failed[0].error}")
         return [self.engine.output(req) for req in requests]
-
-
-def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
-    from transformers import GenerationConfig
-
-    eos: Any = None
-    if (path / "generation_config.json").exists():
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
-
-
-def _default_kv_tokens(config: ModelConfig, dtype: torch.dtype, device: str) -> int:
-    per_token = KVPool.bytes_per_token(
-        config.num_layers, config.num_kv_heads, config.head_dim, dtype
-    )
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        # Weights are not loaded yet: leave room for them, and a share for activations.
-        budget = int(free * DEFAULT_GPU_KV_FRACTION) - _weight_bytes(config, dtype)
-    else:
-        budget = DEFAULT_CPU_KV_BYTES
-    return max(1, budget // per_token)
-
-
-def _weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    c = config
-    attention = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return (c.num_layers * (attention + mlp) + embeddings) * dtype.itemsize

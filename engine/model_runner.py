@@ -4,6 +4,7 @@ into a ForwardBatch and returns last-position logits."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +15,12 @@ from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from engine.request import Request
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, vocab] float32 at each request's last new token
+    last_hidden: torch.Tensor  # [B, spec_hidden_size] the last layer's output there, before norm
 
 
 class ModelRunner:
@@ -78,10 +85,10 @@ class ModelRunner:
         return batch
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, vocab] (float32) at each request's last new token."""
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
         hidden = self.model(batch, self.rotary, self.attention)
-        return self.model.compute_logits(hidden[batch.last_token_indices()])
+        last_hidden = hidden[batch.last_token_indices()]
+        return ForwardOutput(self.model.compute_logits(last_hidden), last_hidden)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

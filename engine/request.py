@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -15,7 +13,6 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # KV bookkeeping: the request's row in the ReqToTokenPool and the slot of each cached token.
@@ -24,6 +21,7 @@ class Request:
     kv_len: int = 0
     finish_reason: str | None = None
     stopped_by_string: str | None = None
+    error: str | None = None
     num_preemptions: int = 0
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,15 +30,17 @@ class SamplingParams:
         problems = []
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             problems.append(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
             problems.append(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
+        if not isinstance(self.top_k, int) or self.top_k < 0:
             problems.append(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             problems.append("stop strings must be non-empty strings")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
             problems.append(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if problems:
             raise RequestRejectedError("; ".join(problems))

@@ -44,13 +44,23 @@ class Scheduler:
             return ScheduledBatch(prefill, is_prefill=True)
         if not self.running:
             return None
-        while not self.kv_cache.can_grow(len(self.running)):
+        # Requests with preallocated slots (decode nodes reserve prompt + max_tokens) need none.
+        while not self.kv_cache.can_grow(self._slots_for_next_token()):
             victim = self.running.pop()
             assert self.running, "a lone request outgrew the pool; admission should refuse it"
             self._preempt(victim)
         for req in self.running:
-            self.kv_cache.grow(req, 1)
+            if len(req.slots) < req.num_tokens:
+                self.kv_cache.grow(req, 1)
         return ScheduledBatch(list(self.running), is_prefill=False)
+
+    def _slots_for_next_token(self) -> int:
+        return sum(len(req.slots) < req.num_tokens for req in self.running)
+
+    def add_running(self, req: Request) -> None:
+        """Join a request whose prompt KV is already cached (computed elsewhere) to decoding."""
+        assert req.kv_len == req.num_tokens - 1 and len(req.slots) >= req.num_tokens - 1
+        self.running.append(req)
 
     def _admit_waiting(self) -> list[Request]:
         batch: list[Request] = []
@@ -62,7 +72,7 @@ class Scheduler:
                 break
             # Leave one slot per running request so admitting this prompt cannot force a
             # preemption on the very next decode step.
-            if not self.kv_cache.can_grow(need + len(self.running) + len(batch), 1):
+            if not self.kv_cache.can_grow(need + len(self.running) + len(batch) + 1, 1):
                 break
             self.kv_cache.grow(req, need)
             batch.append(self.waiting.popleft())
@@ -98,6 +108,16 @@ class Scheduler:
             for req in finished:
                 self.kv_cache.release(req)
         return finished
+
+    def fail(self, req: Request, error: str) -> None:
+        """End a request that hit an error: it leaves every queue and gives back its slots."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.kv_cache.release(req)
+        req.error = error
+        req.finish_reason = "error"
 
     def abort(self, request_id: str) -> Request | None:
         for queue in (self.waiting, self.running):

@@ -24,7 +24,8 @@ class StopChecker:
         if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
             return "stop"
         if params.stop_strings:
-            window = max(len(s) for s in params.stop_strings) + _STOP_WINDOW_SLACK
+            # A character can take up to one token per UTF-8 byte.
+            window = max(len(s.encode()) for s in params.stop_strings) + _STOP_WINDOW_SLACK
             tail = self.tokenizer.decode(req.output_token_ids[-window:], skip_special_tokens=True)
             for stop in params.stop_strings:
                 if stop in tail:

@@ -1,0 +1,108 @@
+"""Turn user-facing engine options into a loaded model: one path for `LLM` and the serving nodes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig, default_device, resolve_dtype
+from engine.kv_pool import KVPool
+from engine.model_runner import ModelRunner
+from engine.weights import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
+
+DEFAULT_CPU_KV_BYTES = 2 * 1024**3
+DEFAULT_GPU_KV_FRACTION = 0.8
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What a user chooses (CLI flags, `LLM(...)` keywords); plain values, so it crosses Ray."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    max_prefill_tokens: int = 8192
+    attention_backend: str = "torch"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model as resolved on disk: enough to tokenize, validate and describe, no weights."""
+
+    path: Path
+    model_config: ModelConfig
+    engine_config: EngineConfig
+    tokenizer: Any
+
+
+def resolve(args: EngineArgs) -> ModelSpec:
+    path = resolve_model(args.model)
+    hf_config = load_hf_config(path)
+    tokenizer = load_tokenizer(path)
+    model_config = ModelConfig.from_hf(hf_config, _eos_token_ids(path, hf_config))
+    device = args.device or default_device()
+    dtype = resolve_dtype(None if args.dtype == "auto" else args.dtype, device)
+    max_model_len = args.max_model_len or model_config.max_position_embeddings
+    kv_tokens = args.kv_cache_tokens or _default_kv_tokens(model_config, dtype, device)
+    engine_config = EngineConfig(
+        device=device,
+        dtype=dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len,
+        # More slots than every sequence at full length could use are never needed.
+        kv_cache_tokens=min(kv_tokens, args.max_num_seqs * max_model_len),
+        max_prefill_tokens=args.max_prefill_tokens,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+    )
+    return ModelSpec(path, model_config, engine_config, tokenizer)
+
+
+def load_runner(spec: ModelSpec) -> ModelRunner:
+    return ModelRunner(spec.model_config, spec.engine_config, iter_safetensors(spec.path))
+
+
+def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
+    from transformers import GenerationConfig
+
+    eos: Any = None
+    if (path / "generation_config.json").exists():
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
+
+
+def _default_kv_tokens(config: ModelConfig, dtype: torch.dtype, device: str) -> int:
+    per_token = KVPool.bytes_per_token(
+        config.num_layers, config.num_kv_heads, config.head_dim, dtype
+    )
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        # Weights are not loaded yet: leave room for them, and a share for activations.
+        budget = int(free * DEFAULT_GPU_KV_FRACTION) - _weight_bytes(config, dtype)
+    else:
+        budget = DEFAULT_CPU_KV_BYTES
+    return max(1, budget // per_token)
+
+
+def _weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    c = config
+    attention = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return (c.num_layers * (attention + mlp) + embeddings) * dtype.itemsize
+
+
+def model_path_arg(model: str | os.PathLike | None) -> str | None:
+    return None if model is None else os.fspath(model)

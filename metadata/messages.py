@@ -1,0 +1,180 @@
+"""Typed control-plane messages, encoded with msgpack (never pickle).
+
+Every message is a frozen dataclass with a registered type name. On the wire it is a msgpack map
+{"type": name, "version": PROTOCOL_VERSION, "body": {field: value}}; `decode` checks the type, the
+version and every field's type, and raises MessageError on anything else."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+
+class MessageError(ValueError):
+    """A control-plane message could not be decoded or failed validation."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def message(cls: type) -> type:
+    cls = dataclass(frozen=True)(cls)
+    _REGISTRY[cls.__name__] = cls
+    return cls
+
+
+@message
+class SamplingSpec:
+    """The sampling settings that cross the wire (engine.SamplingParams' fields)."""
+
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    logprobs: int | None
+
+
+@message
+class GenerateRequest:
+    """Router -> decode node: preallocate for this request, then ask `prefill_node` to run it."""
+
+    room: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    prefill_node: int
+
+
+@message
+class PrefillRequest:
+    """Decode node -> prefill node: slots are reserved; compute and send to `decode_rank`."""
+
+    room: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    decode_node: int
+    decode_rank: int
+
+
+@message
+class TransferAnnounce:
+    """Prefill node -> decode node, sent before the tensors: receive `num_tokens` of KV next."""
+
+    room: int
+    prefill_rank: int
+    num_tokens: int
+
+
+@message
+class TransferAbandoned:
+    """Prefill node -> decode node: this room will not be sent (prefill failed or aborted)."""
+
+    room: int
+    reason: str
+
+
+@message
+class AbortRequest:
+    """Router -> decode node, decode node -> prefill node: stop the request, free its slots."""
+
+    room: int
+
+
+@message
+class TokenUpdate:
+    """Decode node -> router: new tokens of one request and, at the end, why it ended."""
+
+    room: int
+    token_ids: list[int]
+    logprobs: list[list[Any]] = field(default_factory=list)  # [token, logprob, [[id, lp], ...]]
+    finish_reason: str | None = None
+    error: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def encode(msg: Any) -> bytes:
+    name = type(msg).__name__
+    if _REGISTRY.get(name) is not type(msg):
+        raise MessageError(f"{name} is not a registered message type")
+    body = dataclasses.asdict(msg)
+    return msgpack.packb({"type": name, "version": PROTOCOL_VERSION, "body": body})
+
+
+def decode(data: bytes) -> Any:
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as err:  # msgpack raises several unrelated exception types
+        raise MessageError(f"not a msgpack message: {err}") from err
+    if not isinstance(raw, dict) or set(raw) != {"type", "version", "body"}:
+        raise MessageError("a message is a map of exactly type, version and body")
+    if raw["version"] != PROTOCOL_VERSION:
+        raise MessageError(f"protocol version {raw['version']!r}, expected {PROTOCOL_VERSION}")
+    cls = _REGISTRY.get(raw["type"])
+    if cls is None:
+        raise MessageError(f"unknown message type {raw['type']!r}")
+    return _build(cls, raw["body"])
+
+
+def _build(cls: type, body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise MessageError(f"{cls.__name__} body must be a map")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(body) - set(fields)
+    if unknown:
+        raise MessageError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    values = {}
+    for name, f in fields.items():
+        if name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MessageError(f"{cls.__name__} lacks field {name!r}")
+            continue
+        values[name] = _check(hints[name], body[name], f"{cls.__name__}.{name}")
+    return cls(**values)
+
+
+def _check(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _check(option, value, where)
+            except MessageError:
+                continue
+        raise MessageError(f"{where}: {value!r} does not match {hint}")
+    if hint is type(None):
+        if value is not None:
+            raise MessageError(f"{where}: expected None")
+        return None
+    if hint is Any:
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise MessageError(f"{where}: expected a list")
+        (item,) = typing.get_args(hint) or (Any,)
+        return [_check(item, v, f"{where}[]") for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise MessageError(f"{where}: expected a map")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool, float):
+        if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+            raise MessageError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        return value
+    raise MessageError(f"{where}: unsupported field type {hint}")

@@ -1,0 +1,32 @@
+"""Shared fixtures: one tiny random Llama checkpoint per test session, and an engine over it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_models import make_tiny_llama
+from transformers import LlamaForCausalLM
+
+from engine import LLM
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (seed 0, byte-level tokenizer, EOS id 2) saved as a HF folder."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    make_tiny_llama(path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_model_path: Path) -> LlamaForCausalLM:
+    """The reference: the same checkpoint loaded back by HF transformers (float32, CPU)."""
+    return LlamaForCausalLM.from_pretrained(tiny_model_path).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_path: Path) -> LLM:
+    """An engine with a pool large enough that nothing is ever preempted. Shared by tests, so
+    tests must not rely on its unseeded random state or mutate it without restoring."""
+    return LLM(str(tiny_model_path), device="cpu", kv_cache_tokens=8192, max_num_seqs=16)
