@@ -1,19 +1,12 @@
-"""`pdcluster` command line: `demo` and `generate` run the offline engine."""
+"""`pdcluster` command line: `serve` runs the cluster, `demo` shows it off, `generate` runs
+the offline engine."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from engine.errors import PdclusterError
-
-DEMO_CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Give three tips for staying focused while studying.",
-    "Explain in two sentences what a GPU is.",
-]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +26,45 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="KV slots per node (default: 2 GiB worth on CPU, 80%% of free memory on GPU)",
+    )
+
+
+def add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    from cluster.policies import POLICIES
+
+    parser.add_argument("--prefill-nodes", type=int, default=1, help="prefill actors (default 1)")
+    parser.add_argument("--decode-nodes", type=int, default=1, help="decode actors (default 1)")
+    parser.add_argument("--prefill-policy", default="round_robin", choices=sorted(POLICIES))
+    parser.add_argument("--decode-policy", default="least_load", choices=sorted(POLICIES))
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="join an existing Ray cluster (auto or HOST:PORT); default: start a local one",
+    )
+    parser.add_argument(
+        "--cpu-threads-per-node",
+        type=int,
+        default=1,
+        help="torch threads per node when running on CPU (nodes share the host's cores)",
+    )
+
+
+def engine_args(args: argparse.Namespace):
+    from engine.loader import EngineArgs
+
+    return EngineArgs(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kv_cache_tokens=args.kv_cache_tokens,
+    )
 
 
 def build_llm(args: argparse.Namespace):
@@ -44,31 +76,36 @@ def build_llm(args: argparse.Namespace):
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        kv_cache_tokens=args.kv_cache_tokens,
     )
 
 
 def run_demo(args: argparse.Namespace) -> None:
-    from engine import SamplingParams
+    from cluster.demo import run_cluster_demo
 
-    print("loading the model ...", flush=True)
-    started = time.perf_counter()
-    llm = build_llm(args)
-    print(f"loaded {llm.model_path} in {time.perf_counter() - started:.1f} s", flush=True)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    chats = [[{"role": "user", "content": c}] for c in DEMO_CHATS]
-    started = time.perf_counter()
-    outputs = llm.chat(chats, params)
-    elapsed = time.perf_counter() - started
-    for chat, out in zip(DEMO_CHATS, outputs):
-        print(
-            f"\n> {chat}\n{out.text.strip()}\n  [{out.usage.completion_tokens} tokens, "
-            f"finish: {out.finish_reason}]"
-        )
-    generated = sum(o.usage.completion_tokens for o in outputs)
-    print(
-        f"\n{len(outputs)} requests batched: {generated} tokens in {elapsed:.2f} s = "
-        f"{generated / elapsed:.1f} tokens/s"
+    run_cluster_demo(args)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    from cluster.config import ClusterConfig, ServeConfig
+    from cluster.serve import serve
+
+    config = ServeConfig(
+        cluster=ClusterConfig(
+            engine=engine_args(args),
+            prefill_nodes=args.prefill_nodes,
+            decode_nodes=args.decode_nodes,
+            prefill_policy=args.prefill_policy,
+            decode_policy=args.decode_policy,
+            ray_address=args.ray_address,
+            cpu_threads_per_node=args.cpu_threads_per_node,
+        ),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
     )
+    serve(config)
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -93,8 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="answer a few chat prompts and print tokens/s")
+    serve = commands.add_parser("serve", help="run the cluster behind an OpenAI-compatible API")
+    add_engine_args(serve)
+    add_cluster_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require this bearer token")
+    serve.add_argument("--served-model-name", default=None, help="model name in the API")
+    serve.set_defaults(func=run_serve)
+
+    demo = commands.add_parser(
+        "demo", help="start a cluster, send a few chat requests through the SDK, print timings"
+    )
     add_engine_args(demo)
+    add_cluster_args(demo)
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.set_defaults(func=run_demo)
 

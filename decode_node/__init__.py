@@ -1,5 +1,5 @@
-"""The decode actor: preallocation of KV slots and metadata rows, receiving what prefill sends, the
-running batch with speculative decoding, and streaming tokens back to the router.
+"""The decode node (a Ray actor in the cluster): receives KV, generates, streams tokens."""
 
-Not built yet: a later milestone fills this package.
-"""
+from decode_node.node import DecodeNode
+
+__all__ = ["DecodeNode"]

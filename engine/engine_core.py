@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from engine.errors import RequestRejectedError
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, Usage
@@ -15,6 +14,7 @@ from engine.sampler import compute_logprobs, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stopping import StopChecker
+from engine.validation import validate_request
 
 
 def step_generator(req: Request) -> torch.Generator | None:
@@ -83,19 +83,7 @@ class EngineCore:
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         config = self.runner.config
-        vocab = self.runner.model_config.vocab_size
-        if not prompt:
-            raise RequestRejectedError("the prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
-            raise RequestRejectedError(f"prompt token ids must be integers in [0, {vocab})")
-        total = len(prompt) + params.max_tokens
-        if total > config.max_model_len:
-            raise RequestRejectedError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the context length of {config.max_model_len} tokens"
-            )
-        if total > config.kv_cache_tokens:
-            raise RequestRejectedError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the KV cache of {config.kv_cache_tokens} tokens"
-            )
+        validate_request(
+            prompt, params, vocab_size=self.runner.model_config.vocab_size,
+            max_model_len=config.max_model_len, kv_cache_tokens=config.kv_cache_tokens,
+        )

@@ -75,6 +75,8 @@ class TransferAnnounce:
     room: int
     prefill_rank: int
     num_tokens: int
+    # Top log-probabilities of the first token, when the request asked for them: [[id, lp], ...]
+    first_token_top_logprobs: list[list[Any]] = field(default_factory=list)
 
 
 @message

@@ -1,5 +1,5 @@
-"""The prefill actor: admission, batched prefill of prompts, draft extend for prefill, and sending
-each request's KV cache and metadata row to its decode node.
+"""The prefill node (a Ray actor in the cluster): prompts in, KV and first tokens out."""
 
-Not built yet: a later milestone fills this package.
-"""
+from prefill_node.node import PrefillNode
+
+__all__ = ["PrefillNode"]

@@ -1,0 +1,277 @@
+"""The router: the cluster's GenerationBackend. It validates and tokenizes, mints a room per
+request, picks a prefill and a decode node by policy, sends the request to the decode node (which
+preallocates and drives the prefill node), and turns the decode node's token stream into
+detokenized deltas. It watches node health, so a dead node ends its requests with an error."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from cluster.backend import BackendError, TokenDelta, make_usage
+from cluster.detokenizer import IncrementalDetokenizer
+from cluster.policies import create_policy
+from engine.loader import ModelSpec
+from engine.sampler import TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.validation import validate_request
+from metadata.messages import (
+    AbortRequest,
+    GenerateRequest,
+    MessageError,
+    SamplingSpec,
+    TokenUpdate,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+HEALTH_INTERVAL_S = 1.0
+
+
+@dataclass
+class NodeState:
+    """The router's view of one node; `ping` is an awaitable health probe (a Ray call)."""
+
+    role: str
+    index: int
+    ping: Callable[[], Awaitable[Any]]
+    endpoint: str | None = None
+    alive: bool = True
+    in_flight: int = 0
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+@dataclass
+class _Flight:
+    prefill: NodeState
+    decode: NodeState
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    got_first_token: bool = False
+
+
+class _NodeDied:
+    def __init__(self, node: NodeState, stage: str) -> None:
+        self.node, self.stage = node, stage
+
+
+class Router:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        prefill_nodes: list[NodeState],
+        decode_nodes: list[NodeState],
+        *,
+        kv_cache_tokens: int,
+        prefill_policy: str = "round_robin",
+        decode_policy: str = "least_load",
+        host: str = "127.0.0.1",
+        model_name: str | None = None,
+    ) -> None:
+        self.spec = spec
+        self.tokenizer = spec.tokenizer
+        self.model_name = model_name or spec.path.name
+        self.max_model_len = spec.engine_config.max_model_len
+        self.kv_cache_tokens = kv_cache_tokens
+        self.prefill_nodes = prefill_nodes
+        self.decode_nodes = decode_nodes
+        self.prefill_policy = create_policy(prefill_policy)
+        self.decode_policy = create_policy(decode_policy)
+        self._context = zmq.asyncio.Context()
+        self._inbox = self._context.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        port = self._inbox.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._outboxes: dict[int, zmq.asyncio.Socket] = {}
+        self._flights: dict[int, _Flight] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        for node in self.decode_nodes:
+            socket = self._context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(node.endpoint)
+            self._outboxes[node.index] = socket
+        self._tasks = [
+            asyncio.create_task(self._receive_updates()),
+            asyncio.create_task(self._watch_health()),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for socket in [self._inbox, *self._outboxes.values()]:
+            socket.close(linger=0)
+        self._context.term()
+
+    # --- GenerationBackend ---
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        validate_request(
+            prompt_token_ids,
+            params,
+            vocab_size=self.spec.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            kv_cache_tokens=self.kv_cache_tokens,
+        )
+
+    async def health(self) -> dict[str, Any]:
+        nodes = [
+            {
+                "name": n.name,
+                "status": "ok" if n.alive else "down",
+                "in_flight": n.in_flight,
+                **({"error": n.error} if n.error else {}),
+            }
+            for n in self.prefill_nodes + self.decode_nodes
+        ]
+        alive_p = any(n.alive for n in self.prefill_nodes)
+        alive_d = any(n.alive for n in self.decode_nodes)
+        all_alive = all(n["status"] == "ok" for n in nodes)
+        status = "ok" if all_alive else ("degraded" if alive_p and alive_d else "down")
+        return {"status": status, "nodes": nodes}
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenDelta]:
+        prefill = self._pick(self.prefill_nodes, self.prefill_policy, "prefill")
+        decode_node = self._pick(self.decode_nodes, self.decode_policy, "decode")
+        room = secrets.randbits(63)
+        flight = _Flight(prefill, decode_node)
+        self._flights[room] = flight
+        prefill.in_flight += 1
+        decode_node.in_flight += 1
+        finished = False
+        try:
+            await self._outboxes[decode_node.index].send(
+                encode(
+                    GenerateRequest(
+                        room,
+                        request_id,
+                        list(prompt_token_ids),
+                        _sampling_spec(params),
+                        prefill.index,
+                    )
+                )
+            )
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
+            completion_tokens = 0
+            while True:
+                update = await flight.queue.get()
+                if isinstance(update, _NodeDied):
+                    finished = True
+                    raise BackendError(
+                        f"{update.node.name} died: {update.node.error}",
+                        stage=update.stage,
+                        node=update.node.name,
+                        status=503,
+                    )
+                if update.error is not None:
+                    finished = True
+                    stage = "decode" if flight.got_first_token else "prefill/transfer"
+                    raise BackendError(update.error, stage=stage, node=decode_node.name)
+                if update.token_ids and not flight.got_first_token:
+                    flight.got_first_token = True
+                    prefill.in_flight -= 1
+                completion_tokens += len(update.token_ids)
+                text = detokenizer.push(update.token_ids)
+                logprobs = [_logprob(entry) for entry in update.logprobs]
+                if update.finish_reason is None:
+                    yield TokenDelta(list(update.token_ids), text, logprobs)
+                    continue
+                finished = True
+                text += detokenizer.finish()
+                usage = make_usage(
+                    len(prompt_token_ids),
+                    completion_tokens,
+                    prefill_node=prefill.name,
+                    decode_node=decode_node.name,
+                )
+                yield TokenDelta(
+                    list(update.token_ids), text, logprobs, update.finish_reason, usage
+                )
+                return
+        finally:
+            self._flights.pop(room, None)
+            if not flight.got_first_token:
+                prefill.in_flight -= 1
+            decode_node.in_flight -= 1
+            if not finished and decode_node.alive:
+                # The client went away (or the task was cancelled): free the request's KV.
+                await self._outboxes[decode_node.index].send(encode(AbortRequest(room)))
+
+    # --- background tasks ---
+    async def _receive_updates(self) -> None:
+        while True:
+            data = await self._inbox.recv()
+            try:
+                update = decode(data)
+            except MessageError as err:
+                log.warning("dropped a malformed token update: %s", err)
+                continue
+            if not isinstance(update, TokenUpdate):
+                continue
+            flight = self._flights.get(update.room)
+            if flight is not None:
+                flight.queue.put_nowait(update)
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            for node in self.prefill_nodes + self.decode_nodes:
+                if node.alive:
+                    await self._probe(node)
+
+    async def _probe(self, node: NodeState) -> None:
+        try:
+            await asyncio.wait_for(node.ping(), timeout=10 * HEALTH_INTERVAL_S)
+        except Exception as err:  # noqa: BLE001 - any failed probe means the node is gone
+            node.alive = False
+            node.error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            log.error("%s is down: %s", node.name, node.error)
+            for flight in list(self._flights.values()):
+                if flight.decode is node:
+                    flight.queue.put_nowait(_NodeDied(node, "decode"))
+                elif flight.prefill is node and not flight.got_first_token:
+                    flight.queue.put_nowait(_NodeDied(node, "prefill"))
+
+    def _pick(self, nodes: list[NodeState], policy, role: str) -> NodeState:
+        alive = [n for n in nodes if n.alive]
+        if not alive:
+            raise BackendError(f"no {role} node is alive", stage="routing", status=503)
+        return policy.pick(alive)
+
+
+def _sampling_spec(params: SamplingParams) -> SamplingSpec:
+    return SamplingSpec(
+        max_tokens=params.max_tokens,
+        temperature=float(params.temperature),
+        top_k=params.top_k,
+        top_p=float(params.top_p),
+        seed=params.seed,
+        stop=list(params.stop_strings),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+    )
+
+
+def _logprob(entry: list) -> TokenLogprob:
+    token, logprob, top = entry
+    return TokenLogprob(int(token), float(logprob), [(int(t), float(v)) for t, v in top])

@@ -1,0 +1,332 @@
+"""The decode node: preallocates for each request, asks a prefill node to run it, receives the
+prompt's KV and metadata row, then generates and streams tokens to the router.
+
+Life of a request here: GenerateRequest -> prealloc queue (waits while KV or metadata rows are
+short: backpressure) -> PrefillRequest sent -> TransferAnnounce -> receive posted in announcement
+order -> landed (room tag checked) -> first token streamed, request joins the running batch ->
+decode steps -> finished, slots freed."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from engine.engine_core import EngineCore
+from engine.errors import RequestRejectedError
+from engine.loader import EngineArgs
+from engine.request import Request
+from engine.sampler import TokenLogprob
+from engine.sampling_params import SamplingParams
+from metadata.buffers import MetadataBuffers
+from metadata.control import Inbox, Outbox
+from metadata.handshake import PairingError, TransferSpec, check_compatible
+from metadata.messages import (
+    AbortRequest,
+    GenerateRequest,
+    PrefillRequest,
+    TokenUpdate,
+    TransferAbandoned,
+    TransferAnnounce,
+)
+from metadata.node_common import NodeOptions, join_transfer_group, load_node_engine, transfer_spec
+from metadata.transfer import KVReceiver, TransferHandle, TransferState
+
+log = logging.getLogger(__name__)
+IDLE_POLL_MS = 5
+
+
+@dataclass
+class _Tracked:
+    req: Request
+    message: GenerateRequest
+    meta_row: int | None = None
+    handle: TransferHandle | None = None
+    aborted: bool = False
+    sent_tokens: int = 0
+    announce: TransferAnnounce | None = None
+
+
+class DecodeNode:
+    def __init__(self, args: EngineArgs, options: NodeOptions) -> None:
+        self.options = options
+        self.spec, runner = load_node_engine(args, options)
+        self.engine = EngineCore(runner, self.spec.tokenizer)
+        config = self.spec.engine_config
+        self.metadata = MetadataBuffers(
+            options.metadata_rows,
+            self.spec.model_config.spec_hidden_size,
+            0,
+            1,
+            config.dtype,
+            config.device,
+        )
+        self.inbox = Inbox(options.host)
+        self.prefill_outboxes: dict[int, Outbox] = {}
+        self.router: Outbox | None = None
+        self.receiver: KVReceiver | None = None
+        self.rank = -1
+        self.rooms: dict[int, _Tracked] = {}
+        self.prealloc: deque[_Tracked] = deque()
+        self.receiving: list[_Tracked] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.tokens_out = 0
+
+    # --- setup and health (Ray calls) ---
+    def describe(self) -> dict:
+        return {"endpoint": self.inbox.endpoint, "spec": transfer_spec(self.spec).to_dict()}
+
+    def join_group(self, store_host: str, store_port: int, rank: int, world_size: int) -> None:
+        join_transfer_group(self.spec, store_host, store_port, rank, world_size)
+        self.rank = rank
+        self.receiver = KVReceiver(
+            self.spec.engine_config.device, timeout_s=self.options.transfer_timeout_s
+        )
+
+    def connect(
+        self,
+        prefill_endpoints: dict[int, str],
+        prefill_specs: dict[int, dict],
+        router_endpoint: str,
+    ) -> None:
+        """Pair with every prefill node, refusing (PairingError) any whose KV layout, dtype,
+        model or spec_hidden_size differs from this node's."""
+        mine = transfer_spec(self.spec)
+        for index in sorted(prefill_specs):
+            try:
+                check_compatible(TransferSpec.from_dict(prefill_specs[index]), mine)
+            except PairingError as err:
+                raise PairingError(f"prefill-{index} and {self.options.name}: {err}") from None
+        self.prefill_outboxes = {i: Outbox(e) for i, e in prefill_endpoints.items()}
+        self.router = Outbox(router_endpoint)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name=self.options.name, daemon=True)
+        self._thread.start()
+
+    def ping(self) -> str:
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError(f"{self.options.name}: its serving loop is not running")
+        return "ok"
+
+    def stats(self) -> dict:
+        allocator = self.engine.runner.kv_pool.allocator
+        return {
+            "node": self.options.name,
+            "running": len(self.engine.scheduler.running),
+            "queued": len(self.prealloc),
+            "receiving": len(self.receiving),
+            "kv_used": allocator.num_used,
+            "kv_capacity": allocator.capacity,
+            "tokens_out": self.tokens_out,
+        }
+
+    def kv_is_empty(self) -> bool:
+        return self.engine.kv_cache.is_empty() and self.metadata.num_free == self.metadata.num_rows
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self.receiver is not None:
+            self.receiver.close()
+
+    # --- the serving loop ---
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            busy = bool(self.engine.scheduler.running or self.receiving or self.prealloc)
+            for msg in self.inbox.receive(0 if busy else IDLE_POLL_MS):
+                self._handle(msg)
+            self._preallocate()
+            self._land_transfers()
+            if self.engine.scheduler.running:
+                self._decode_step()
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, GenerateRequest):
+            self._accept(msg)
+        elif isinstance(msg, TransferAnnounce):
+            self._post_receive(msg)
+        elif isinstance(msg, TransferAbandoned):
+            tracked = self.rooms.get(msg.room)
+            if tracked is not None:
+                self._fail(tracked, msg.reason)
+        elif isinstance(msg, AbortRequest):
+            self._abort(msg.room)
+        else:
+            log.warning("unexpected message %s", type(msg).__name__)
+
+    def _accept(self, msg: GenerateRequest) -> None:
+        try:
+            params = SamplingParams(**msg.sampling.__dict__)
+            req = self.engine.make_request(str(msg.room), list(msg.prompt_token_ids), params)
+        except RequestRejectedError as err:
+            self._send(TokenUpdate(msg.room, [], error=f"{self.options.name}: {err}"))
+            return
+        tracked = _Tracked(req, msg)
+        self.rooms[msg.room] = tracked
+        self.prealloc.append(tracked)
+
+    def _preallocate(self) -> None:
+        kv_cache = self.engine.kv_cache
+        while self.prealloc:
+            tracked = self.prealloc[0]
+            req = tracked.req
+            # The whole generation's slots up front: decode never waits for KV mid-request.
+            need = req.num_tokens + req.params.max_tokens
+            if self.metadata.num_free == 0 or not kv_cache.can_grow(need, 1):
+                return
+            self.prealloc.popleft()
+            kv_cache.grow(req, need)
+            tracked.meta_row = self.metadata.allocate()
+            msg = tracked.message
+            self.prefill_outboxes[msg.prefill_node].send(
+                PrefillRequest(
+                    msg.room,
+                    msg.request_id,
+                    msg.prompt_token_ids,
+                    msg.sampling,
+                    self.options.index,
+                    self.rank,
+                )
+            )
+            self.receiving.append(tracked)
+
+    def _post_receive(self, announce: TransferAnnounce) -> None:
+        tracked = self.rooms.get(announce.room)
+        if tracked is None or tracked.meta_row is None:
+            # Aborted meanwhile: the sender still sends, so receive into a scratch request.
+            log.warning("announcement for unknown room %s", announce.room)
+            return
+        prompt_len = len(tracked.req.prompt_token_ids)
+        if announce.num_tokens != prompt_len:
+            self._fail(
+                tracked, f"prefill announced {announce.num_tokens} tokens, expected {prompt_len}"
+            )
+            return
+        tracked.announce = announce
+        tracked.handle = self.receiver.expect(
+            announce.prefill_rank,
+            announce.room,
+            [(self.engine.runner.kv_pool, tracked.req.slots[:prompt_len])],
+            self.metadata,
+            tracked.meta_row,
+        )
+
+    def _land_transfers(self) -> None:
+        still = []
+        for tracked in self.receiving:
+            handle = tracked.handle
+            if handle is None or handle.state not in (TransferState.SUCCESS, TransferState.FAILED):
+                still.append(tracked)
+                continue
+            if tracked.aborted:
+                self._forget(tracked)
+            elif handle.state == TransferState.FAILED:
+                prefill = tracked.message.prefill_node
+                self._fail(
+                    tracked,
+                    f"KV transfer from prefill-{prefill} failed: {handle.error}",
+                    remove_from_receiving=False,
+                )
+            else:
+                self._join_running(tracked)
+        self.receiving = still
+
+    def _join_running(self, tracked: _Tracked) -> None:
+        req = tracked.req
+        row = tracked.meta_row
+        first = int(self.metadata.output_ids[row])
+        if req.params.logprobs is not None:
+            top = [(int(t), float(lp)) for t, lp in tracked.announce.first_token_top_logprobs]
+            req.logprobs.append(TokenLogprob(first, float(self.metadata.output_logprob[row]), top))
+        self.metadata.free(row)
+        tracked.meta_row = None
+        req.kv_len = len(req.prompt_token_ids)
+        req.output_token_ids.append(first)
+        req.finish_reason = self.engine.stop_checker.check(req)
+        if req.finished:
+            self._report(tracked)
+            self._forget(tracked)
+        else:
+            self._report(tracked)
+            self.engine.scheduler.add_running(req)
+
+    def _decode_step(self) -> None:
+        stepped = list(self.engine.scheduler.running)
+        finished = self.engine.step()
+        done = {id(r) for r in finished}
+        for req in stepped:
+            tracked = self.rooms.get(int(req.request_id))
+            if tracked is None:
+                continue
+            self._report(tracked)
+            if id(req) in done:
+                self._forget(tracked)
+
+    def _report(self, tracked: _Tracked) -> None:
+        req = tracked.req
+        new = req.output_token_ids[tracked.sent_tokens :]
+        logprobs = [
+            [lp.token_id, lp.logprob, [[t, v] for t, v in lp.top_logprobs]]
+            for lp in req.logprobs[tracked.sent_tokens :]
+        ]
+        tracked.sent_tokens = len(req.output_token_ids)
+        self.tokens_out += len(new)
+        if req.error is not None:
+            self._send(
+                TokenUpdate(
+                    tracked.message.room, new, logprobs, error=f"{self.options.name}: {req.error}"
+                )
+            )
+            return
+        stats = {}
+        if req.finished:
+            stats = {
+                "prefill_node": tracked.message.prefill_node,
+                "decode_node": self.options.index,
+                "stop_string": req.stopped_by_string,
+            }
+        self._send(TokenUpdate(tracked.message.room, new, logprobs, req.finish_reason, stats=stats))
+
+    def _abort(self, room: int) -> None:
+        tracked = self.rooms.get(room)
+        if tracked is None:
+            return
+        if tracked in self.prealloc:
+            self.prealloc.remove(tracked)
+            self._forget(tracked)
+        elif tracked in self.receiving:
+            # The KV may be on its way: keep the slots until the transfer ends, then free them.
+            tracked.aborted = True
+            self.prefill_outboxes[tracked.message.prefill_node].send(AbortRequest(room))
+        else:
+            self.engine.scheduler.abort(tracked.req.request_id)
+            self._forget(tracked)
+
+    def _fail(self, tracked: _Tracked, reason: str, remove_from_receiving: bool = True) -> None:
+        if remove_from_receiving and tracked in self.receiving:
+            if tracked.handle is not None and tracked.handle.state not in (
+                TransferState.SUCCESS,
+                TransferState.FAILED,
+            ):
+                # A receive is posted into these slots: free them when it ends.
+                tracked.aborted = True
+                self._send(TokenUpdate(tracked.message.room, [], error=reason))
+                return
+            self.receiving.remove(tracked)
+        self._send(TokenUpdate(tracked.message.room, [], error=reason))
+        self._forget(tracked)
+
+    def _forget(self, tracked: _Tracked) -> None:
+        self.engine.kv_cache.release(tracked.req)
+        if tracked.meta_row is not None:
+            self.metadata.free(tracked.meta_row)
+            tracked.meta_row = None
+        self.rooms.pop(tracked.message.room, None)
+
+    def _send(self, update: TokenUpdate) -> None:
+        if self.router is not None:
+            self.router.send(update)

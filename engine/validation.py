@@ -1,0 +1,31 @@
+"""Checks that a request can ever be served, shared by the engine and the cluster's router."""
+
+from __future__ import annotations
+
+from engine.errors import RequestRejectedError
+from engine.sampling_params import SamplingParams
+
+
+def validate_request(
+    prompt: list[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    kv_cache_tokens: int,
+) -> None:
+    if not prompt:
+        raise RequestRejectedError("the prompt is empty")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt):
+        raise RequestRejectedError(f"prompt token ids must be integers in [0, {vocab_size})")
+    total = len(prompt) + params.max_tokens
+    if total > max_model_len:
+        raise RequestRejectedError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            f"exceeds the context length of {max_model_len} tokens"
+        )
+    if total > kv_cache_tokens:
+        raise RequestRejectedError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            f"exceeds the KV cache of {kv_cache_tokens} tokens"
+        )

@@ -1,0 +1,69 @@
+"""What prefill and decode nodes share: loading their engine, describing it for pairing, and
+joining the data-plane process group."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.loader import EngineArgs, ModelSpec, load_runner, resolve
+from engine.model_runner import ModelRunner
+from metadata.handshake import TransferSpec
+from metadata.process_group import init_transfer_group
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """How one node runs; plain values so it crosses a Ray call."""
+
+    role: str  # "prefill" or "decode"
+    index: int
+    host: str = "127.0.0.1"
+    cpu_threads: int | None = None  # torch threads on CPU; None leaves torch's default
+    metadata_rows: int = 256
+    transfer_timeout_s: float = 120.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+def load_node_engine(args: EngineArgs, options: NodeOptions) -> tuple[ModelSpec, ModelRunner]:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {options.name} %(message)s")
+    if options.cpu_threads:
+        # Several nodes on one CPU host must not each spin a thread per core.
+        torch.set_num_threads(options.cpu_threads)
+    spec = resolve(args)
+    if spec.engine_config.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(spec.engine_config.device))
+    runner = load_runner(spec)
+    return spec, runner
+
+
+def transfer_spec(spec: ModelSpec) -> TransferSpec:
+    config = spec.model_config
+    fingerprint = hashlib.sha256(repr(config).encode()).hexdigest()[:16]
+    return TransferSpec(
+        model=f"{spec.path.name}:{fingerprint}",
+        kv_dtype=str(spec.engine_config.dtype),
+        page_size=1,
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        kv_layout="slot-major NHD",
+        spec_hidden_size=config.spec_hidden_size,
+        num_draft_steps=0,
+        topk=1,
+        draft_kv=(),
+    )
+
+
+def join_transfer_group(
+    spec: ModelSpec, store_host: str, store_port: int, rank: int, world_size: int
+) -> None:
+    init_transfer_group(store_host, store_port, rank, world_size, spec.engine_config.device)

@@ -1,0 +1,216 @@
+"""The prefill node: runs prompts, samples each request's first token, and sends the prompt's KV
+and the metadata row to the decode node that reserved room for it.
+
+A request arrives only after its decode node has preallocated (decode-driven handshake), so the
+prefill node may send as soon as its forward is done: it announces each transfer on the control
+plane, then hands it to the per-peer sender; slots are freed when the transfer ends."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from engine.engine_core import step_generator
+from engine.kv_cache import KVCacheManager
+from engine.loader import EngineArgs
+from engine.request import Request
+from engine.sampler import compute_logprobs, sample
+from engine.sampling_params import SamplingParams
+from metadata.buffers import MetadataBuffers
+from metadata.control import Inbox, Outbox
+from metadata.messages import AbortRequest, PrefillRequest, TransferAbandoned, TransferAnnounce
+from metadata.node_common import NodeOptions, join_transfer_group, load_node_engine, transfer_spec
+from metadata.transfer import KVSender, TransferHandle, TransferState
+
+log = logging.getLogger(__name__)
+IDLE_POLL_MS = 5
+
+
+@dataclass
+class _Pending:
+    req: Request
+    decode_node: int
+    decode_rank: int
+    meta_row: int | None = None
+    handle: TransferHandle | None = None
+
+
+class PrefillNode:
+    def __init__(self, args: EngineArgs, options: NodeOptions) -> None:
+        self.options = options
+        self.spec, self.runner = load_node_engine(args, options)
+        config = self.spec.engine_config
+        self.kv_cache = KVCacheManager(self.runner.kv_pool, self.runner.req_to_token_pool)
+        self.metadata = MetadataBuffers(
+            options.metadata_rows,
+            self.spec.model_config.spec_hidden_size,
+            0,
+            1,
+            config.dtype,
+            config.device,
+        )
+        self.inbox = Inbox(options.host)
+        self.outboxes: dict[int, Outbox] = {}
+        self.sender: KVSender | None = None
+        self.waiting: deque[_Pending] = deque()
+        self.sending: list[_Pending] = []
+        # Unseeded sampling differs per node on purpose; seeded requests use step_generator.
+        self.default_generator = torch.Generator().manual_seed(config.seed + 7919 * options.index)
+        self.rank = -1
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.prompts_done = 0
+
+    # --- setup and health (Ray calls) ---
+    def describe(self) -> dict:
+        return {"endpoint": self.inbox.endpoint, "spec": transfer_spec(self.spec).to_dict()}
+
+    def join_group(self, store_host: str, store_port: int, rank: int, world_size: int) -> None:
+        join_transfer_group(self.spec, store_host, store_port, rank, world_size)
+        self.rank = rank
+        self.sender = KVSender(self.spec.engine_config.device)
+
+    def connect(self, decode_endpoints: dict[int, str]) -> None:
+        self.outboxes = {i: Outbox(e) for i, e in decode_endpoints.items()}
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name=self.options.name, daemon=True)
+        self._thread.start()
+
+    def ping(self) -> str:
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError(f"{self.options.name}: its serving loop is not running")
+        return "ok"
+
+    def stats(self) -> dict:
+        allocator = self.runner.kv_pool.allocator
+        return {
+            "node": self.options.name,
+            "queued": len(self.waiting),
+            "sending": len(self.sending),
+            "kv_used": allocator.num_used,
+            "kv_capacity": allocator.capacity,
+            "prompts_done": self.prompts_done,
+        }
+
+    def kv_is_empty(self) -> bool:
+        return self.kv_cache.is_empty() and self.metadata.num_free == self.metadata.num_rows
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self.sender is not None:
+            self.sender.close()
+
+    # --- the serving loop (one thread owns the engine and the sockets) ---
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            busy = bool(self.waiting or self.sending)
+            for msg in self.inbox.receive(0 if busy else IDLE_POLL_MS):
+                self._handle(msg)
+            self._finish_transfers()
+            batch = self._admit()
+            if batch:
+                self._prefill(batch)
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, PrefillRequest):
+            params = SamplingParams(**msg.sampling.__dict__)
+            req = Request(str(msg.room), list(msg.prompt_token_ids), params)
+            self.waiting.append(_Pending(req, msg.decode_node, msg.decode_rank))
+        elif isinstance(msg, AbortRequest):
+            for pending in list(self.waiting):
+                if pending.req.request_id == str(msg.room):
+                    self.waiting.remove(pending)
+                    self._abandon(pending, "aborted before prefill")
+        else:
+            log.warning("unexpected message %s", type(msg).__name__)
+
+    def _admit(self) -> list[_Pending]:
+        batch: list[_Pending] = []
+        tokens = 0
+        config = self.spec.engine_config
+        while self.waiting and len(batch) < config.max_num_seqs:
+            pending = self.waiting[0]
+            need = pending.req.num_tokens
+            if batch and tokens + need > config.max_prefill_tokens:
+                break
+            if self.metadata.num_free == 0 or not self.kv_cache.can_grow(need, 1):
+                break
+            self.kv_cache.grow(pending.req, need)
+            pending.meta_row = self.metadata.allocate()
+            batch.append(self.waiting.popleft())
+            tokens += need
+        return batch
+
+    def _prefill(self, batch: list[_Pending]) -> None:
+        requests = [p.req for p in batch]
+        try:
+            output = self.runner.forward(self.runner.build_batch(requests))
+            params = [r.params for r in requests]
+            generators = [step_generator(r) for r in requests]
+            tokens = sample(output.logits, params, generators, self.default_generator)
+            logprobs = compute_logprobs(output.logits, tokens, params)
+        except Exception as err:  # noqa: BLE001 - a failed batch fails its requests, not the node
+            log.exception("prefill forward failed")
+            for pending in batch:
+                self._abandon(pending, f"prefill forward failed: {type(err).__name__}: {err}")
+            return
+        self.prompts_done += len(batch)
+        for i, pending in enumerate(batch):
+            req = pending.req
+            room = int(req.request_id)
+            logprob = logprobs[i]
+            self.metadata.write_row(
+                pending.meta_row,
+                room=room,
+                output_id=int(tokens[i]),
+                output_logprob=logprob.logprob if logprob else 0.0,
+                hidden_state=output.last_hidden[i],
+            )
+            top = [[t, lp] for t, lp in logprob.top_logprobs] if logprob else []
+            self.outboxes[pending.decode_node].send(
+                TransferAnnounce(room, self.rank, req.num_tokens, top)
+            )
+            pending.handle = self.sender.send(
+                pending.decode_rank,
+                room,
+                [(self.runner.kv_pool, req.slots)],
+                self.metadata,
+                pending.meta_row,
+            )
+            self.sending.append(pending)
+
+    def _finish_transfers(self) -> None:
+        still = []
+        for pending in self.sending:
+            state = pending.handle.state
+            if state in (TransferState.SUCCESS, TransferState.FAILED):
+                if state == TransferState.FAILED:
+                    log.warning(
+                        "transfer of room %s failed: %s",
+                        pending.req.request_id,
+                        pending.handle.error,
+                    )
+                self._release(pending)
+            else:
+                still.append(pending)
+        self.sending = still
+
+    def _abandon(self, pending: _Pending, reason: str) -> None:
+        room = int(pending.req.request_id)
+        outbox = self.outboxes.get(pending.decode_node)
+        if outbox is not None:
+            outbox.send(TransferAbandoned(room, f"{self.options.name}: {reason}"))
+        self._release(pending)
+
+    def _release(self, pending: _Pending) -> None:
+        self.kv_cache.release(pending.req)
+        if pending.meta_row is not None:
+            self.metadata.free(pending.meta_row)
+            pending.meta_row = None
