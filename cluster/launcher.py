@@ -46,12 +46,7 @@ class Cluster:
         on_gpu = device.startswith("cuda")
         started_ray = not ray.is_initialized()
         if started_ray:
-            ray.init(
-                address=config.ray_address,
-                include_dashboard=False,
-                log_to_driver=True,
-                runtime_env={"env_vars": _forwarded_env()},
-            )
+            init_ray(config.ray_address)
         host = "127.0.0.1" if config.ray_address is None else ray.util.get_node_ip_address()
         bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": CPU_NODE_SHARE}
         placement = placement_group([dict(bundle) for _ in range(config.world_size)], "PACK")
@@ -186,6 +181,17 @@ class Cluster:
         remove_placement_group(self.placement)
         if self.started_ray:
             ray.shutdown()
+
+
+def init_ray(address: str | None) -> None:
+    """Start a local Ray instance (address None) or join one; nodes inherit the settings they
+    need from this process's environment."""
+    ray.init(
+        address=address,
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={"env_vars": _forwarded_env()},
+    )
 
 
 def _prefill_class():

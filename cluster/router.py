@@ -98,6 +98,10 @@ class Router:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
+        """Connect to the decode nodes and start listening; idempotent, and run on first use
+        by whichever event loop serves the router."""
+        if self._tasks:
+            return
         for node in self.decode_nodes:
             socket = self._context.socket(zmq.PUSH)
             socket.setsockopt(zmq.LINGER, 0)
@@ -132,6 +136,7 @@ class Router:
         )
 
     async def health(self) -> dict[str, Any]:
+        await self.start()
         nodes = [
             {
                 "name": n.name,
@@ -150,6 +155,7 @@ class Router:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenDelta]:
+        await self.start()
         prefill = self._pick(self.prefill_nodes, self.prefill_policy, "prefill")
         decode_node = self._pick(self.decode_nodes, self.decode_policy, "decode")
         room = secrets.randbits(63)

@@ -3,6 +3,8 @@ requests run one by one or batched together."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -94,3 +96,33 @@ def test_chat_returns_text_of_its_tokens(default_llm):
     assert out.usage.prompt_tokens == len(
         default_llm.apply_chat_template([{"role": "user", "content": CHATS[0]}])
     )
+
+
+def test_disaggregated_matches_offline_and_transformers(default_llm, prompts, hf_reference):
+    """Prefill and decode in different processes (Ray actors, KV over gloo): same tokens."""
+    pytest.importorskip("ray")
+    from cluster_helpers import launch
+
+    eos = set(default_llm.model_config.eos_token_ids)
+    offline = default_llm.generate(prompts, GREEDY)
+    cluster = launch(None, prefill=2, decode=2, kv_cache_tokens=8192)
+    try:
+        outputs = asyncio.run(_generate_all(cluster.router, prompts))
+        assert cluster.kv_pools_empty()
+    finally:
+        cluster.shutdown()
+    for tokens, off, ref in zip(outputs, offline, hf_reference):
+        assert tokens == off.token_ids == _trim_after_eos(ref, eos)
+
+
+async def _generate_all(router, prompts: list[list[int]]) -> list[list[int]]:
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for delta in router.generate(f"parity-{i}", prompt, GREEDY):
+            tokens += delta.token_ids
+        return tokens
+
+    try:
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    finally:
+        await router.close()
