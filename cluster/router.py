@@ -93,7 +93,10 @@ class Router:
         self._inbox.setsockopt(zmq.LINGER, 0)
         port = self._inbox.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
-        self._outboxes: dict[int, zmq.asyncio.Socket] = {}
+        # Plain (blocking-API) PUSH sockets: a send only queues the message, so it needs no
+        # await, and an abort sent from a cancelled generator's `finally` still goes out.
+        self._send_context = zmq.Context()
+        self._outboxes: dict[int, zmq.Socket] = {}
         self._flights: dict[int, _Flight] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -103,7 +106,7 @@ class Router:
         if self._tasks:
             return
         for node in self.decode_nodes:
-            socket = self._context.socket(zmq.PUSH)
+            socket = self._send_context.socket(zmq.PUSH)
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(node.endpoint)
             self._outboxes[node.index] = socket
@@ -118,6 +121,7 @@ class Router:
         for socket in [self._inbox, *self._outboxes.values()]:
             socket.close(linger=0)
         self._context.term()
+        self._send_context.term()
 
     # --- GenerationBackend ---
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -165,7 +169,7 @@ class Router:
         decode_node.in_flight += 1
         finished = False
         try:
-            await self._outboxes[decode_node.index].send(
+            self._outboxes[decode_node.index].send(
                 encode(
                     GenerateRequest(
                         room,
@@ -220,7 +224,7 @@ class Router:
             decode_node.in_flight -= 1
             if not finished and decode_node.alive:
                 # The client went away (or the task was cancelled): free the request's KV.
-                await self._outboxes[decode_node.index].send(encode(AbortRequest(room)))
+                self._outboxes[decode_node.index].send(encode(AbortRequest(room)))
 
     # --- background tasks ---
     async def _receive_updates(self) -> None:

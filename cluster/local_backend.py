@@ -1,0 +1,256 @@
+"""`LocalBackend`: one in-process engine behind the GenerationBackend interface.
+
+EngineCore is not thread-safe, so one background thread owns it: requests and aborts reach the
+thread through a queue, the thread steps the engine while there is work, and after each step it
+hands each request's new tokens to that request's asyncio.Queue on the event loop. Everything
+else (detokenizing, formatting) happens on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.backend import BackendError, TokenDelta, make_usage
+from cluster.detokenizer import IncrementalDetokenizer
+from engine import LLM, SamplingParams, TokenLogprob
+from engine.request import Request
+
+log = logging.getLogger(__name__)
+
+NODE_NAME = "local"
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """What the engine thread sends a request's stream after a step."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class _Stream:
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    sent: int = 0  # output tokens already handed over
+
+    def put(self, item: _Tokens | BackendError) -> bool:
+        """False when the event loop is gone (nobody will ever read)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
+
+
+class LocalBackend:
+    def __init__(self, llm: LLM, model_name: str | None = None) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.tokenizer = llm.tokenizer
+        self.model_name = model_name or llm.model_path.name
+        # The engine refuses anything longer than either limit; report the tighter one.
+        self.max_model_len = min(llm.config.max_model_len, llm.config.kv_cache_tokens)
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
+        self._closed = False
+        self._close_lock = threading.Lock()  # orders "submit" against "close + drain"
+        self._stats = {"running": 0, "waiting": 0, "finished": 0, "aborted": 0, "failed": 0}
+        self._thread = threading.Thread(target=self._run, name="local-engine", daemon=True)
+        self._thread.start()
+
+    # ---- GenerationBackend ----------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.llm.apply_chat_template(messages)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        # make_request only reads the engine's fixed config, so it is safe off the thread.
+        self.engine.make_request("validate", prompt_token_ids, params)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenDelta]:
+        request = self.engine.make_request(request_id, prompt_token_ids, params)
+        stream = _Stream(request, asyncio.get_running_loop(), asyncio.Queue())
+        self._submit("add", stream)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BackendError):
+                    finished = True  # the engine thread already dropped the request
+                    raise item
+                text = detokenizer.push(item.token_ids)
+                usage = None
+                if item.finish_reason is not None:
+                    finished = True
+                    text += detokenizer.finish()
+                    usage = make_usage(item.num_prompt_tokens, item.num_output_tokens)
+                yield TokenDelta(item.token_ids, text, item.logprobs, item.finish_reason, usage)
+        finally:
+            if not finished:
+                # Closed early (client gone): free the request's KV. Never raises.
+                self._submit("abort", request_id, quiet=True)
+
+    async def health(self) -> dict[str, Any]:
+        alive = self._thread.is_alive() and not self._closed
+        node = {"name": NODE_NAME, "role": "aggregated", "status": "ok" if alive else "down"}
+        node.update(self._stats)
+        node["kv_free_slots"] = self.engine.kv_cache.num_free_slots
+        return {"status": node["status"], "nodes": [node]}
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; running requests end with finish_reason "abort"."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+
+    def __enter__(self) -> LocalBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _submit(self, command: str, payload: Any, quiet: bool = False) -> None:
+        with self._close_lock:
+            if not self._closed:
+                self._inbox.put((command, payload))
+                return
+        if not quiet:
+            raise BackendError(
+                "the local engine is shut down", stage="admission", node=NODE_NAME, status=503
+            )
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._handle_commands(block=not self.engine.has_work()):
+                if self.engine.has_work():
+                    self._step()
+        except BaseException:
+            log.exception("the local engine thread crashed")
+            self._fail_all("the engine thread crashed")
+        finally:
+            with self._close_lock:
+                self._closed = True
+            self._end_all()
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if the engine is idle); False on "stop"."""
+        while True:
+            try:
+                command, payload = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command == "stop":
+                return False
+            if command == "add":
+                self._add(payload)
+            elif command == "abort":
+                self._abort(payload)
+
+    def _add(self, stream: _Stream) -> None:
+        request_id = stream.request.request_id
+        if request_id in self._streams:
+            stream.put(
+                BackendError(
+                    f"request id {request_id!r} is already running",
+                    stage="admission",
+                    node=NODE_NAME,
+                )
+            )
+            return
+        self._streams[request_id] = stream
+        self.engine.add_request(stream.request)
+
+    def _abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self.engine.scheduler.abort(request_id)
+            self._stats["aborted"] += 1
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except Exception as err:
+            log.exception("engine step failed")
+            self._fail_all(f"engine step failed: {err!r}")
+            return
+        for request_id, stream in list(self._streams.items()):
+            request = stream.request
+            if len(request.output_token_ids) == stream.sent and not request.finished:
+                continue
+            if not self._publish(stream) or request.finished:
+                del self._streams[request_id]
+                if not request.finished:  # the loop that would read it is gone
+                    self.engine.scheduler.abort(request_id)
+                self._stats["finished" if request.finished else "aborted"] += 1
+        self._stats["running"] = len(self.engine.scheduler.running)
+        self._stats["waiting"] = len(self.engine.scheduler.waiting)
+
+    def _publish(self, stream: _Stream, finish_reason: str | None = None) -> bool:
+        request = stream.request
+        end = len(request.output_token_ids)
+        logprobs = (
+            request.logprobs[stream.sent : end] if request.params.logprobs is not None else []
+        )
+        item = _Tokens(
+            token_ids=request.output_token_ids[stream.sent : end],
+            logprobs=list(logprobs),
+            finish_reason=finish_reason or request.finish_reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_output_tokens=end,
+        )
+        stream.sent = end
+        return stream.put(item)
+
+    def _fail_all(self, message: str) -> None:
+        # After a failed step the engine's state is suspect: drop every request, each with a
+        # terminal error, rather than let any wait forever.
+        for request_id, stream in list(self._streams.items()):
+            with contextlib.suppress(Exception):
+                self.engine.scheduler.abort(request_id)
+            stream.put(BackendError(message, stage="engine step", node=NODE_NAME))
+            self._stats["failed"] += 1
+        self._streams.clear()
+
+    def _end_all(self) -> None:
+        """On shutdown: abort what runs, and answer anything still queued."""
+        for request_id, stream in list(self._streams.items()):
+            self.engine.scheduler.abort(request_id)
+            self._publish(stream, finish_reason="abort")
+            self._stats["aborted"] += 1
+        self._streams.clear()
+        while True:
+            try:
+                command, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command == "add":
+                payload.put(
+                    BackendError(
+                        "the local engine is shut down",
+                        stage="admission",
+                        node=NODE_NAME,
+                        status=503,
+                    )
+                )
