@@ -5,3 +5,7 @@ policies, the OpenAI-compatible HTTP server, the Python client SDK, and metrics 
 at the top of the dependency order:
 cluster -> prefill_node, decode_node -> spec, metadata -> engine.
 """
+
+from cluster.client import APIConnectionError, APIError, APITimeoutError, AsyncClient, Client
+
+__all__ = ["APIConnectionError", "APIError", "APITimeoutError", "AsyncClient", "Client"]
