@@ -47,6 +47,25 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
         help="join an existing Ray cluster (auto or HOST:PORT); default: start a local one",
     )
     parser.add_argument(
+        "--prefill-resource",
+        default="prefill",
+        help="custom Ray resource that marks prefill hosts; used where the cluster declares it, "
+        "else prefill nodes go to any free GPU (default: prefill)",
+    )
+    parser.add_argument(
+        "--decode-resource",
+        default="decode",
+        help="custom Ray resource that marks decode hosts, as --prefill-resource (default: decode)",
+    )
+    parser.add_argument(
+        "--wait-for-nodes",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for the Ray cluster to hold the GPUs and resources asked for "
+        "(workers still joining) before failing (default: 0, fail at once)",
+    )
+    parser.add_argument(
         "--cpu-threads-per-node",
         type=int,
         default=1,
@@ -98,6 +117,9 @@ def run_serve(args: argparse.Namespace) -> None:
             prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy,
             ray_address=args.ray_address,
+            prefill_resource=args.prefill_resource,
+            decode_resource=args.decode_resource,
+            node_wait_s=args.wait_for_nodes,
             cpu_threads_per_node=args.cpu_threads_per_node,
         ),
         host=args.host,

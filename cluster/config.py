@@ -15,6 +15,14 @@ class ClusterConfig:
     prefill_policy: str = "round_robin"
     decode_policy: str = "least_load"
     ray_address: str | None = None
+    # Custom Ray resources that mark the hosts for each role. Where the Ray cluster declares one,
+    # each node of that role asks for one unit of it; where it does not, a node goes anywhere
+    # with a free GPU. An empty name never asks.
+    prefill_resource: str = "prefill"
+    decode_resource: str = "decode"
+    # How long to wait for the Ray cluster to hold the resources asked for (workers still
+    # joining) before failing; 0 fails at once.
+    node_wait_s: float = 0.0
     # Torch threads per node on CPU: several nodes share the host's cores.
     cpu_threads_per_node: int = 1
     transfer_timeout_s: float = 120.0
@@ -23,6 +31,13 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1:
             raise ValueError("a cluster needs at least one prefill node and one decode node")
+        if self.node_wait_s < 0:
+            raise ValueError(f"node_wait_s must be >= 0, got {self.node_wait_s}")
+        if self.prefill_resource and self.prefill_resource == self.decode_resource:
+            raise ValueError(
+                f"prefill and decode nodes need different Ray resources, both are "
+                f"{self.prefill_resource!r}"
+            )
 
     @property
     def world_size(self) -> int:

@@ -1,22 +1,26 @@
 """Start a cluster on Ray: one actor per prefill and decode node, each in a placement-group
-bundle of its own (one GPU each on GPU), paired, joined into the data-plane process group and
-connected to the router. `Cluster.shutdown` stops every actor."""
+bundle of its own (one GPU each on GPU; on hosts that carry the role's custom resource where the
+Ray cluster declares one), paired, joined into the data-plane process group and connected to the
+router. `Cluster.shutdown` stops every actor."""
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig
 from cluster.router import NodeState, Router
 from decode_node import DecodeNode
-from engine.loader import ModelSpec, resolve
-from metadata.node_common import NodeOptions
+from engine.errors import PdclusterError
+from engine.loader import EngineArgs, ModelSpec, resolve
+from metadata.node_common import AUTO_HOST, NodeOptions
 from metadata.process_group import create_store_server
 
 log = logging.getLogger(__name__)
@@ -24,7 +28,7 @@ log = logging.getLogger(__name__)
 CPU_NODE_SHARE = 0.01
 
 
-class ClusterStartError(RuntimeError):
+class ClusterStartError(PdclusterError, RuntimeError):
     """The cluster could not start; the message says which node or step failed."""
 
 
@@ -41,62 +45,25 @@ class Cluster:
 
     @classmethod
     def launch(cls, config: ClusterConfig) -> Cluster:
-        spec = resolve(config.engine)
-        device = spec.engine_config.device
-        on_gpu = device.startswith("cuda")
         started_ray = not ray.is_initialized()
         if started_ray:
             init_ray(config.ray_address)
-        host = "127.0.0.1" if config.ray_address is None else ray.util.get_node_ip_address()
-        bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": CPU_NODE_SHARE}
-        placement = placement_group([dict(bundle) for _ in range(config.world_size)], "PACK")
-        ready = placement.ready()
-        done, _ = ray.wait([ready], timeout=config.startup_timeout_s)
-        if not done:
-            remove_placement_group(placement)
-            raise ClusterStartError(
-                f"Ray could not place {config.world_size} nodes needing {bundle} each "
-                f"within {config.startup_timeout_s:.0f} s: {ray.available_resources()} available"
-            )
-        engine_args = config.engine
-        if on_gpu:
-            # Each actor sees only its own GPU, as cuda:0.
-            engine_args = type(engine_args)(**{**engine_args.__dict__, "device": "cuda:0"})
-        else:
-            engine_args = type(engine_args)(**{**engine_args.__dict__, "device": "cpu"})
-
-        def options(bundle_index: int) -> dict:
-            return {
-                "num_gpus": 1 if on_gpu else 0,
-                "num_cpus": 1 if on_gpu else CPU_NODE_SHARE,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement, placement_group_bundle_index=bundle_index
-                ),
-            }
-
-        threads = None if on_gpu else config.cpu_threads_per_node
-        prefill_cls = ray.remote(_prefill_class())
-        decode_cls = ray.remote(DecodeNode)
-        prefill_actors = [
-            prefill_cls.options(**options(config.prefill_rank(i))).remote(
-                engine_args,
-                NodeOptions(
-                    "prefill", i, host, threads, transfer_timeout_s=config.transfer_timeout_s
-                ),
-            )
-            for i in range(config.prefill_nodes)
-        ]
-        decode_actors = [
-            decode_cls.options(**options(config.decode_rank(i))).remote(
-                engine_args,
-                NodeOptions(
-                    "decode", i, host, threads, transfer_timeout_s=config.transfer_timeout_s
-                ),
-            )
-            for i in range(config.decode_nodes)
-        ]
+        placement = None
+        prefill_actors: list = []
+        decode_actors: list = []
         store = None
         try:
+            device = cluster_device(config.engine.device)
+            spec = resolve(_driver_engine_args(config.engine, device))
+            on_gpu = device.startswith("cuda")
+            # On a cluster of hosts every socket binds its own host's address: the router and the
+            # store the driver's, each node its own (resolved inside the node).
+            joined = config.ray_address is not None
+            host = ray.util.get_node_ip_address() if joined else "127.0.0.1"
+            placement = _place(config, on_gpu)
+            prefill_actors, decode_actors = _start_nodes(
+                config, placement, on_gpu, AUTO_HOST if joined else "127.0.0.1"
+            )
             prefill_info = _get([a.describe.remote() for a in prefill_actors], "prefill", config)
             decode_info = _get([a.describe.remote() for a in decode_actors], "decode", config)
             kv_tokens = min(
@@ -133,17 +100,23 @@ class Cluster:
             )
             _get([a.connect.remote(decode_endpoints) for a in prefill_actors], "prefill", config)
             store, port = create_store_server(host)
+            prefill_ranks = [config.prefill_rank(i) for i in range(config.prefill_nodes)]
+            decode_ranks = [config.decode_rank(i) for i in range(config.decode_nodes)]
+            # Each prefill node opens a channel to every decode node and vice versa.
             joins = [
-                a.join_group.remote(host, port, rank, config.world_size)
-                for rank, a in [(config.prefill_rank(i), a) for i, a in enumerate(prefill_actors)]
-                + [(config.decode_rank(i), a) for i, a in enumerate(decode_actors)]
+                a.join_group.remote(host, port, rank, config.world_size, decode_ranks)
+                for rank, a in zip(prefill_ranks, prefill_actors)
+            ] + [
+                a.join_group.remote(host, port, rank, config.world_size, prefill_ranks)
+                for rank, a in zip(decode_ranks, decode_actors)
             ]
             _get(joins, "node", config)
             _get([a.start.remote() for a in prefill_actors + decode_actors], "node", config)
-        except Exception:
+        except BaseException:
             for actor in prefill_actors + decode_actors:
                 ray.kill(actor)
-            remove_placement_group(placement)
+            if placement is not None:
+                remove_placement_group(placement)
             if started_ray:
                 ray.shutdown()
             raise
@@ -194,6 +167,137 @@ def init_ray(address: str | None) -> None:
     )
 
 
+def cluster_device(requested: str | None) -> str:
+    """The device the nodes run on: the one asked for, else cuda when the Ray cluster has GPUs
+    (the head that runs this may have none), else cpu."""
+    if requested:
+        return requested
+    return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+
+def _driver_engine_args(args: EngineArgs, device: str) -> EngineArgs:
+    # The driver needs the tokenizer and the model's shape, not a KV pool: each node sizes its
+    # own, and the head may have no GPU to measure (a placeholder skips the measurement).
+    return replace(args, device=device, kv_cache_tokens=args.kv_cache_tokens or 1)
+
+
+@dataclass(frozen=True)
+class RoleDemand:
+    """What the nodes of one role ask Ray for: `count` bundles of `bundle` each."""
+
+    role: str
+    count: int
+    bundle: dict[str, float]
+
+
+def role_demands(
+    config: ClusterConfig, on_gpu: bool, cluster_resources: dict[str, float]
+) -> list[RoleDemand]:
+    base = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": CPU_NODE_SHARE}
+    demands = []
+    for role, count, resource in (
+        ("prefill", config.prefill_nodes, config.prefill_resource),
+        ("decode", config.decode_nodes, config.decode_resource),
+    ):
+        declared = bool(resource) and cluster_resources.get(resource, 0) > 0
+        demands.append(RoleDemand(role, count, {resource: 1, **base} if declared else base))
+    return demands
+
+
+def shortfall(demands: list[RoleDemand], cluster_resources: dict[str, float]) -> str | None:
+    """Why the cluster can never hold `demands` (its totals fall short), or None if it might."""
+    asked: Counter[str] = Counter()
+    for demand in demands:
+        for name, amount in demand.bundle.items():
+            asked[name] += amount * demand.count
+    short = {name for name, amount in asked.items() if cluster_resources.get(name, 0) < amount}
+    if not short:
+        return None
+    asked_for = ", ".join(
+        f"{d.count} {d.role} node{'s' if d.count != 1 else ''} with {d.bundle} each"
+        for d in demands
+        if short & d.bundle.keys()
+    )
+    has = ", ".join(f"{name}={cluster_resources.get(name, 0):g}" for name in sorted(short))
+    return f"asked for {asked_for}; the cluster has {has} in all"
+
+
+def _wait_for_capacity(config: ClusterConfig, on_gpu: bool) -> list[RoleDemand]:
+    deadline = time.monotonic() + config.node_wait_s
+    announced = False
+    while True:
+        resources = ray.cluster_resources()
+        demands = role_demands(config, on_gpu, resources)
+        missing = shortfall(demands, resources)
+        if missing is None:
+            return demands
+        if time.monotonic() >= deadline:
+            waited = f" after waiting {config.node_wait_s:g} s" if config.node_wait_s else ""
+            raise ClusterStartError(
+                f"the Ray cluster is too small{waited}: {missing}. Add nodes that carry these "
+                "resources, ask for fewer nodes, or wait for workers still joining "
+                "(--wait-for-nodes SECONDS)"
+            )
+        if not announced:
+            log.info("waiting up to %g s for the Ray cluster: %s", config.node_wait_s, missing)
+            announced = True
+        time.sleep(1.0)
+
+
+def _place(config: ClusterConfig, on_gpu: bool) -> PlacementGroup:
+    """One bundle per node, in rank order: prefill nodes first, then decode nodes."""
+    demands = _wait_for_capacity(config, on_gpu)
+    bundles = [dict(d.bundle) for d in demands for _ in range(d.count)]
+    # PACK fills as few hosts as it can (GPUs of one host share the fastest links) and spills
+    # over to more hosts when the bundles do not fit on one; STRICT_PACK would never spill.
+    placement = placement_group(bundles, "PACK")
+    done, _ = ray.wait([placement.ready()], timeout=config.startup_timeout_s)
+    if not done:
+        remove_placement_group(placement)
+        wanted = "; ".join(f"{d.count} x {d.bundle}" for d in demands)
+        raise ClusterStartError(
+            f"Ray could not place the nodes ({wanted}) within {config.startup_timeout_s:.0f} s: "
+            f"{ray.available_resources()} available"
+        )
+    return placement
+
+
+def _start_nodes(
+    config: ClusterConfig, placement: PlacementGroup, on_gpu: bool, node_host: str
+) -> tuple[list, list]:
+    """Create every node actor in its bundle; returns (prefill actors, decode actors)."""
+    # Each actor sees only its own GPU, as cuda:0.
+    engine_args = replace(config.engine, device="cuda:0" if on_gpu else "cpu")
+    threads = None if on_gpu else config.cpu_threads_per_node
+
+    def create(actor_cls, role: str, index: int, rank: int):
+        options = NodeOptions(
+            role,
+            index,
+            bind_host=node_host,
+            cpu_threads=threads,
+            transfer_timeout_s=config.transfer_timeout_s,
+        )
+        return actor_cls.options(
+            num_gpus=1 if on_gpu else 0,
+            num_cpus=1 if on_gpu else CPU_NODE_SHARE,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement, placement_group_bundle_index=rank
+            ),
+        ).remote(engine_args, options)
+
+    prefill_cls = ray.remote(_prefill_class())
+    decode_cls = ray.remote(DecodeNode)
+    prefill = [
+        create(prefill_cls, "prefill", i, config.prefill_rank(i))
+        for i in range(config.prefill_nodes)
+    ]
+    decode = [
+        create(decode_cls, "decode", i, config.decode_rank(i)) for i in range(config.decode_nodes)
+    ]
+    return prefill, decode
+
+
 def _prefill_class():
     from prefill_node import PrefillNode
 
@@ -220,7 +324,9 @@ def _get(refs: list, role: str, config: ClusterConfig) -> list:
 
 
 def _forwarded_env() -> dict[str, str]:
-    """Environment the nodes need from the driver (model cache location, NCCL settings)."""
-    keys = [k for k in os.environ if k.startswith(("PDCLUSTER_", "NCCL_", "TORCH_", "NVSHMEM_"))]
+    """Environment the nodes need from the driver (model cache location, NCCL and gloo
+    settings)."""
+    prefixes = ("PDCLUSTER_", "NCCL_", "TORCH_", "NVSHMEM_", "GLOO_")
+    keys = [k for k in os.environ if k.startswith(prefixes)]
     keys += [k for k in ("XDG_CACHE_HOME", "HF_HOME") if k in os.environ]
     return {k: os.environ[k] for k in keys}

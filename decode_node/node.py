@@ -30,11 +30,18 @@ from metadata.messages import (
     TransferAbandoned,
     TransferAnnounce,
 )
-from metadata.node_common import NodeOptions, join_transfer_group, load_node_engine, transfer_spec
+from metadata.node_common import (
+    NodeOptions,
+    join_transfer_group,
+    load_node_engine,
+    open_channels,
+    transfer_spec,
+)
 from metadata.transfer import KVReceiver, TransferHandle, TransferState
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
+WAITING_POLL_MS = 1
 
 
 @dataclass
@@ -78,12 +85,15 @@ class DecodeNode:
     def describe(self) -> dict:
         return {"endpoint": self.inbox.endpoint, "spec": transfer_spec(self.spec).to_dict()}
 
-    def join_group(self, store_host: str, store_port: int, rank: int, world_size: int) -> None:
+    def join_group(
+        self, store_host: str, store_port: int, rank: int, world_size: int, peers: list[int]
+    ) -> None:
         join_transfer_group(self.spec, store_host, store_port, rank, world_size)
         self.rank = rank
         self.receiver = KVReceiver(
             self.spec.engine_config.device, timeout_s=self.options.transfer_timeout_s
         )
+        open_channels(self.receiver, peers, self.options.transfer_timeout_s)
 
     def connect(
         self,
@@ -136,13 +146,19 @@ class DecodeNode:
     # --- the serving loop ---
     def _serve(self) -> None:
         while not self._stop.is_set():
-            busy = bool(self.engine.scheduler.running or self.receiving or self.prealloc)
-            for msg in self.inbox.receive(0 if busy else IDLE_POLL_MS):
+            for msg in self.inbox.receive(self._poll_timeout_ms()):
                 self._handle(msg)
             self._preallocate()
             self._land_transfers()
             if self.engine.scheduler.running:
                 self._decode_step()
+
+    def _poll_timeout_ms(self) -> int:
+        if self.engine.scheduler.running:
+            return 0
+        # Waiting on transfers only: block briefly rather than spin, so the receiver threads
+        # get the interpreter.
+        return WAITING_POLL_MS if (self.receiving or self.prealloc) else IDLE_POLL_MS
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, GenerateRequest):

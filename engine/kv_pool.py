@@ -15,9 +15,10 @@ from engine.allocator import SlotAllocator
 
 
 class KVPool:
-    """K and V caches of every layer, shape [capacity + 1, num_kv_heads, head_dim] each."""
+    """K and V caches of every layer, shape [capacity + 1, num_kv_heads, head_dim] each, all views
+    into `kv_buffer` [capacity + 1, num_layers, 2, num_kv_heads, head_dim]."""
 
-    layout = "slot-major NHD"
+    layout = "slot, layer, k/v, head, dim"
 
     def __init__(
         self,
@@ -34,9 +35,14 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (capacity + 1, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Slot-major: one slot's K and V of every layer are contiguous, so a request's KV is
+        # gathered for a transfer (and scattered on arrival) by one indexing op over large rows.
+        # The per-layer lists are strided views into it.
+        self.kv_buffer = torch.zeros(
+            (capacity + 1, num_layers, 2, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+        self.k_buffers = [self.kv_buffer[:, layer, 0] for layer in range(num_layers)]
+        self.v_buffers = [self.kv_buffer[:, layer, 1] for layer in range(num_layers)]
         self.allocator = SlotAllocator(capacity)
 
     @staticmethod

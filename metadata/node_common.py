@@ -9,10 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_pool import KVPool
 from engine.loader import EngineArgs, ModelSpec, load_runner, resolve
 from engine.model_runner import ModelRunner
 from metadata.handshake import TransferSpec
 from metadata.process_group import init_transfer_group
+from metadata.transfer import KVReceiver, KVSender, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +25,9 @@ class NodeOptions:
 
     role: str  # "prefill" or "decode"
     index: int
-    host: str = "127.0.0.1"
+    # The address the node's sockets bind and advertise. AUTO_HOST resolves inside the node's
+    # own process, so that on a multi-host cluster each node binds its own host's address.
+    bind_host: str = "127.0.0.1"
     cpu_threads: int | None = None  # torch threads on CPU; None leaves torch's default
     metadata_rows: int = 256
     transfer_timeout_s: float = 120.0
@@ -31,6 +35,22 @@ class NodeOptions:
     @property
     def name(self) -> str:
         return f"{self.role}-{self.index}"
+
+    @property
+    def host(self) -> str:
+        return resolve_host(self.bind_host)
+
+
+AUTO_HOST = "auto"
+
+
+def resolve_host(host: str) -> str:
+    """`host` itself, or for AUTO_HOST the IP address Ray knows this process's host by."""
+    if host != AUTO_HOST:
+        return host
+    import ray  # only nodes that Ray placed are given AUTO_HOST
+
+    return ray.util.get_node_ip_address()
 
 
 def load_node_engine(args: EngineArgs, options: NodeOptions) -> tuple[ModelSpec, ModelRunner]:
@@ -55,12 +75,22 @@ def transfer_spec(spec: ModelSpec) -> TransferSpec:
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
-        kv_layout="slot-major NHD",
+        kv_layout=KVPool.layout,
         spec_hidden_size=config.spec_hidden_size,
         num_draft_steps=0,
         topk=1,
         draft_kv=(),
     )
+
+
+def open_channels(endpoint: KVSender | KVReceiver, peers: list[int], timeout_s: float) -> None:
+    """Open the data-plane channel with every peer now (NCCL builds a pair's communicator on
+    first use, blocking until both join), so the first request does not pay for it."""
+    handles = [endpoint.connect(peer) for peer in peers]
+    for handle in handles:
+        if handle.wait(timeout_s) != TransferState.SUCCESS:
+            raise RuntimeError(f"could not open the channel with rank {handle.peer}: "
+                               f"{handle.error or 'timed out'}")
 
 
 def join_transfer_group(

@@ -23,11 +23,18 @@ from engine.sampling_params import SamplingParams
 from metadata.buffers import MetadataBuffers
 from metadata.control import Inbox, Outbox
 from metadata.messages import AbortRequest, PrefillRequest, TransferAbandoned, TransferAnnounce
-from metadata.node_common import NodeOptions, join_transfer_group, load_node_engine, transfer_spec
+from metadata.node_common import (
+    NodeOptions,
+    join_transfer_group,
+    load_node_engine,
+    open_channels,
+    transfer_spec,
+)
 from metadata.transfer import KVSender, TransferHandle, TransferState
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
+WAITING_POLL_MS = 1
 
 
 @dataclass
@@ -69,10 +76,15 @@ class PrefillNode:
     def describe(self) -> dict:
         return {"endpoint": self.inbox.endpoint, "spec": transfer_spec(self.spec).to_dict()}
 
-    def join_group(self, store_host: str, store_port: int, rank: int, world_size: int) -> None:
+    def join_group(
+        self, store_host: str, store_port: int, rank: int, world_size: int, peers: list[int]
+    ) -> None:
         join_transfer_group(self.spec, store_host, store_port, rank, world_size)
         self.rank = rank
-        self.sender = KVSender(self.spec.engine_config.device)
+        self.sender = KVSender(
+            self.spec.engine_config.device, timeout_s=self.options.transfer_timeout_s
+        )
+        open_channels(self.sender, peers, self.options.transfer_timeout_s)
 
     def connect(self, decode_endpoints: dict[int, str]) -> None:
         self.outboxes = {i: Outbox(e) for i, e in decode_endpoints.items()}
@@ -110,8 +122,10 @@ class PrefillNode:
     # --- the serving loop (one thread owns the engine and the sockets) ---
     def _serve(self) -> None:
         while not self._stop.is_set():
-            busy = bool(self.waiting or self.sending)
-            for msg in self.inbox.receive(0 if busy else IDLE_POLL_MS):
+            # Only transfers in flight: block briefly rather than spin, so the sender threads
+            # get the interpreter.
+            timeout = 0 if self.waiting else (WAITING_POLL_MS if self.sending else IDLE_POLL_MS)
+            for msg in self.inbox.receive(timeout):
                 self._handle(msg)
             self._finish_transfers()
             batch = self._admit()

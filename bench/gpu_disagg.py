@@ -1,0 +1,537 @@
+"""KV-transfer throughput, prefill GPU -> decode GPU, against raw NCCL send/recv, in one run.
+
+1. Data plane, two processes (rank 0 = prefill on GPU0, rank 1 = decode on GPU1), each seeing only
+   its own GPU as Ray gives it to a node:
+   a. raw: `dist.send`/`dist.recv` of one contiguous tensor of a prompt's KV size;
+   b. the nodes' code: `KVSender.send` -> `KVReceiver.expect` of the same prompt's KV from a real
+      `KVPool` at scattered slots (gather, 1 KV tensor + the metadata row, scatter), timed from the
+      sender's handle (`elapsed_s`: worker start to SUCCESS) and from the caller's `send()` to
+      SUCCESS; the received KV is checked against the sent values.
+   Then (c) raw again with both GPUs visible to both processes, for reference.
+2. The real cluster (1 prefill + 1 decode node on Ray, the real model): long prompts, each node's
+   transfer handles recorded (subclasses that log `nbytes` and `elapsed_s` as transfers end).
+
+Every figure is a median over `--iters` timed runs after warm-ups (NCCL creates its p2p
+communicator on first use). GB/s = bytes / 1e9 / s.
+
+    python3 -m bench.gpu_disagg --model PATH [--device cuda] [--tokens 1024,4096,8000] [--write]
+
+`--write` puts the JSON in docs/bench/gpu_transfer.json. `--device cpu` runs the same code over
+gloo (for checking the script, not for figures)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.kv_pool import KVPool
+from metadata.buffers import MetadataBuffers
+from metadata.process_group import create_store_server, destroy_transfer_group, init_transfer_group
+from metadata.transfer import KVReceiver, KVSender, TransferState, gather_kv
+
+OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "bench" / "gpu_transfer.json"
+WAIT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_layers: int = 30  # SmolLM2-135M-Instruct
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    spec_hidden_size: int = 576
+    dtype: str = "bfloat16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def kv_bytes(self, tokens: int) -> int:
+        return (
+            self.num_layers
+            * 2
+            * tokens
+            * self.num_kv_heads
+            * self.head_dim
+            * self.torch_dtype.itemsize
+        )
+
+
+# --- 1. the data plane in two processes ---------------------------------------------------------
+
+
+def _pattern(slots: torch.Tensor, shape: Shape, layer: int, dtype: torch.dtype) -> torch.Tensor:
+    """[2, n, heads, dim] values that depend on the slot: small integers, exact in bf16."""
+    h = torch.arange(shape.num_kv_heads, device=slots.device).view(1, 1, -1, 1)
+    d = torch.arange(shape.head_dim, device=slots.device).view(1, 1, 1, -1)
+    kv = torch.arange(2, device=slots.device).view(-1, 1, 1, 1)
+    s = slots.view(1, -1, 1, 1)
+    return ((s * 3 + layer * 5 + kv * 11 + h * 13 + d) % 251).to(dtype)
+
+
+def _slots(n: int, capacity: int, seed: int) -> list[int]:
+    perm = torch.randperm(capacity, generator=torch.Generator().manual_seed(seed)) + 1
+    return perm[:n].tolist()
+
+
+def _dataplane_worker(rank: int, port: int, cfg: dict, results: mp.Queue) -> None:
+    try:
+        results.put((rank, _dataplane(rank, port, cfg)))
+    except BaseException as err:  # noqa: BLE001 - the parent reports it
+        results.put((rank, {"error": f"{type(err).__name__}: {err}", "tb": traceback.format_exc()}))
+    finally:
+        destroy_transfer_group()
+
+
+def _dataplane(rank: int, port: int, cfg: dict) -> dict:
+    shape = Shape(**cfg["shape"])
+    on_cuda = cfg["device"] == "cuda"
+    if on_cuda and cfg["visible"] == "own":
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # as Ray does for a node: one GPU, cuda:0
+        device = "cuda:0"
+    elif on_cuda:
+        device = f"cuda:{rank}"
+    else:
+        device = "cpu"
+    init_transfer_group("127.0.0.1", port, rank, 2, device)
+    dev = torch.device(device)
+    dtype = shape.torch_dtype
+    peer = 1 - rank
+
+    def sync() -> None:
+        if on_cuda:
+            dist.all_reduce(torch.zeros(1, device=dev))
+            torch.cuda.synchronize(dev)
+        else:
+            dist.barrier()
+
+    def finish() -> None:
+        if on_cuda:
+            torch.cuda.synchronize(dev)
+
+    out: dict = {"device": device, "raw": {}, "kv": {}}
+    if on_cuda:
+        out["gpu"] = torch.cuda.get_device_name(dev)
+    tokens_list = cfg["tokens"]
+    iters, warmup = cfg["iters"], cfg["warmup"]
+    # raw send/recv of one contiguous tensor of the KV's size
+    for n in tokens_list:
+        buf = torch.ones(shape.kv_bytes(n) // dtype.itemsize, dtype=dtype, device=dev)
+        times = []
+        for i in range(warmup + iters):
+            sync()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, peer)
+            else:
+                dist.recv(buf, peer)
+            finish()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        out["raw"][n] = {"bytes": buf.numel() * buf.element_size(), "times_s": times}
+        del buf
+    if cfg["raw_only"]:
+        return out
+    # the nodes' KVSender/KVReceiver over a real KVPool
+    capacity = max(tokens_list) + 64
+    pool = KVPool(capacity, shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, device)
+    if rank == 0:
+        every = torch.arange(capacity + 1, device=dev)
+        for layer in range(shape.num_layers):
+            values = _pattern(every, shape, layer, dtype)
+            pool.k_buffers[layer].copy_(values[0])
+            pool.v_buffers[layer].copy_(values[1])
+    metadata = MetadataBuffers(4, shape.spec_hidden_size, 0, 1, dtype, device)
+    row = metadata.allocate()
+    timeout = cfg["transfer_timeout_s"]
+    sender = KVSender(device, timeout_s=timeout) if rank == 0 else None
+    receiver = KVReceiver(device, timeout_s=timeout) if rank == 1 else None
+    room = 1000
+    for n in tokens_list:
+        send_slots = _slots(n, capacity, seed=n)
+        recv_slots = _slots(n, capacity, seed=n + 1)
+        elapsed, wall, nbytes, verified = [], [], 0, None
+        for i in range(warmup + iters):
+            room += 1
+            if rank == 0:
+                metadata.write_row(
+                    row,
+                    room=room,
+                    output_id=room % 1000,
+                    output_logprob=-0.5,
+                    hidden_state=torch.full((shape.spec_hidden_size,), 0.25, dtype=dtype),
+                )
+            sync()
+            t0 = time.perf_counter()
+            if rank == 0:
+                handle = sender.send(peer, room, [(pool, send_slots)], metadata, row)
+            else:
+                handle = receiver.expect(peer, room, [(pool, recv_slots)], metadata, row)
+            state = handle.wait(timeout + 10)
+            wall_s = time.perf_counter() - t0
+            if state != TransferState.SUCCESS:
+                raise RuntimeError(f"{n} tokens, try {i}: {state.name}: {handle.error}")
+            if i >= warmup:
+                elapsed.append(handle.elapsed_s)
+                wall.append(wall_s)
+            nbytes = handle.nbytes
+        if rank == 1:
+            got = gather_kv(pool, recv_slots)
+            index = torch.tensor(send_slots, device=dev)
+            # [layers, 2, n, heads, dim] -> the wire's [n, layers, 2, heads, dim]
+            want = torch.stack(
+                [_pattern(index, shape, layer, dtype) for layer in range(shape.num_layers)]
+            ).permute(2, 0, 1, 3, 4)
+            verified = bool(torch.equal(got, want)) and metadata.row_landed(row, room)
+            cleared = torch.tensor(recv_slots, device=dev)
+            for buf in pool.k_buffers + pool.v_buffers:
+                buf.index_fill_(0, cleared, 0)
+        out["kv"][n] = {
+            "bytes": nbytes,
+            "kv_bytes": shape.kv_bytes(n),
+            "elapsed_s": elapsed,
+            "wall_s": wall,
+            "verified": verified,
+        }
+        sync()
+    for workers in (sender, receiver):
+        if workers is not None:
+            workers.close()
+    return out
+
+
+def run_dataplane(cfg: dict) -> dict[int, dict]:
+    ctx = mp.get_context("spawn")
+    store, port = create_store_server("127.0.0.1")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_dataplane_worker, args=(rank, port, cfg, results), daemon=True)
+        for rank in range(2)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, dict] = {}
+    deadline = time.monotonic() + cfg["phase_timeout_s"]
+    try:
+        while len(got) < 2:
+            try:
+                rank, value = results.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                raise TimeoutError(f"data-plane ranks {sorted({0, 1} - set(got))} hung") from None
+            if "error" in value:
+                raise RuntimeError(f"rank {rank}: {value['error']}\n{value['tb']}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        del store
+    return got
+
+
+# --- 2. the real cluster ------------------------------------------------------------------------
+
+
+def _recording_classes():
+    """Node subclasses that log each transfer handle as it ends (Ray pickles them by value)."""
+    from decode_node import DecodeNode
+    from prefill_node import PrefillNode
+
+    def entry(handle, tokens: int) -> dict:
+        return {
+            "tokens": tokens,
+            "bytes": handle.nbytes,
+            "elapsed_s": handle.elapsed_s,
+            "ok": handle.state == TransferState.SUCCESS,
+        }
+
+    class RecordingPrefillNode(PrefillNode):
+        def _finish_transfers(self) -> None:
+            log = self.__dict__.setdefault("transfer_log", [])
+            for pending in self.sending:
+                if pending.handle.state in (TransferState.SUCCESS, TransferState.FAILED):
+                    log.append(entry(pending.handle, pending.req.num_tokens))
+            super()._finish_transfers()
+
+        def transfers(self) -> list[dict]:
+            return list(self.__dict__.get("transfer_log", []))
+
+    class RecordingDecodeNode(DecodeNode):
+        def _land_transfers(self) -> None:
+            log = self.__dict__.setdefault("transfer_log", [])
+            for tracked in self.receiving:
+                handle = tracked.handle
+                if handle is not None and handle.state in (
+                    TransferState.SUCCESS,
+                    TransferState.FAILED,
+                ):
+                    log.append(entry(handle, len(tracked.req.prompt_token_ids)))
+            super()._land_transfers()
+
+        def transfers(self) -> list[dict]:
+            return list(self.__dict__.get("transfer_log", []))
+
+    return RecordingPrefillNode, RecordingDecodeNode
+
+
+def run_cluster(model: str | None, device: str, tokens_list: list[int], reps: int) -> dict:
+    import cluster.launcher as launcher
+    from cluster.config import ClusterConfig
+    from engine import SamplingParams
+    from engine.loader import EngineArgs
+
+    prefill_cls, decode_cls = _recording_classes()
+    launcher._prefill_class = lambda: prefill_cls
+    launcher.DecodeNode = decode_cls
+    engine = EngineArgs(model=model, device=device, kv_cache_tokens=max(tokens_list) * 4)
+    t0 = time.perf_counter()
+    cluster = launcher.Cluster.launch(ClusterConfig(engine=engine))
+    launch_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    vocab = cluster.spec.model_config.vocab_size
+    requests = []
+    try:
+
+        async def main() -> None:
+            router = cluster.router
+            await router.start()
+            try:
+                gen = torch.Generator().manual_seed(0)
+                for n in tokens_list:
+                    for rep in range(reps):
+                        prompt = torch.randint(100, vocab - 100, (n,), generator=gen).tolist()
+                        start = time.perf_counter()
+                        async for _ in router.generate(f"bench-{n}-{rep}", prompt, params):
+                            pass
+                        requests.append({"tokens": n, "e2e_s": time.perf_counter() - start})
+            finally:
+                await router.close()
+
+        asyncio.run(main())
+        import ray
+
+        time.sleep(0.5)
+        prefill_log = ray.get(cluster.prefill_actors[0].transfers.remote(), timeout=60)
+        decode_log = ray.get(cluster.decode_actors[0].transfers.remote(), timeout=60)
+        empty = cluster.kv_pools_empty()
+    finally:
+        cluster.shutdown()
+    return {
+        "launch_s": launch_s,
+        "requests": requests,
+        "prefill": prefill_log,
+        "decode": decode_log,
+        "kv_pools_empty": empty,
+    }
+
+
+# --- report -------------------------------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _gbps(nbytes: int, seconds: float | None) -> float | None:
+    return nbytes / 1e9 / seconds if seconds else None
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def summarize(tokens_list, shape, dataplane, raw_all, cluster_result, reps_warm: int) -> list[dict]:
+    rows = []
+    for n in tokens_list:
+        raw = dataplane[0]["raw"][n]
+        raw_s = _median(raw["times_s"])
+        raw_gbps = _gbps(raw["bytes"], raw_s)
+        kv = dataplane[0]["kv"].get(n)
+        row = {
+            "tokens": n,
+            "kv_bytes": shape.kv_bytes(n),
+            "raw_ms": raw_s * 1e3,
+            "raw_gbps": raw_gbps,
+            "raw_min_ms": min(raw["times_s"]) * 1e3,
+        }
+        if raw_all is not None:
+            r = raw_all[0]["raw"][n]
+            row["raw_all_visible_ms"] = _median(r["times_s"]) * 1e3
+            row["raw_all_visible_gbps"] = _gbps(r["bytes"], _median(r["times_s"]))
+        if kv is not None:
+            s = _median(kv["elapsed_s"])
+            row.update(
+                {
+                    "transfer_bytes": kv["bytes"],
+                    "kvsender_ms": s * 1e3,
+                    "kvsender_gbps": _gbps(kv["bytes"], s),
+                    "kvsender_pct_raw": 100 * _gbps(kv["bytes"], s) / raw_gbps,
+                    "kvsender_wall_ms": _median(kv["wall_s"]) * 1e3,
+                    "kvreceiver_ms": _median(dataplane[1]["kv"][n]["elapsed_s"]) * 1e3,
+                    "verified": dataplane[1]["kv"][n]["verified"],
+                }
+            )
+        if cluster_result is not None:
+            sent = [e for e in cluster_result["prefill"] if e["tokens"] == n and e["ok"]]
+            got = [e for e in cluster_result["decode"] if e["tokens"] == n and e["ok"]]
+            sent, got = sent[reps_warm:], got[reps_warm:]  # the first one builds NCCL's comm
+            if sent:
+                s = _median([e["elapsed_s"] for e in sent])
+                nbytes = sent[0]["bytes"]
+                row.update(
+                    {
+                        "cluster_transfers": len(sent),
+                        "cluster_bytes": nbytes,
+                        "cluster_prefill_ms": s * 1e3,
+                        "cluster_gbps": _gbps(nbytes, s),
+                        "cluster_pct_raw": 100 * _gbps(nbytes, s) / raw_gbps,
+                        "cluster_decode_ms": _median([e["elapsed_s"] for e in got]) * 1e3
+                        if got
+                        else None,
+                        "cluster_e2e_ms": _median(
+                            [r["e2e_s"] for r in cluster_result["requests"] if r["tokens"] == n][
+                                reps_warm:
+                            ]
+                        )
+                        * 1e3,
+                    }
+                )
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (
+        f"{'tokens':>6} {'KV bytes':>11} | {'raw ms':>7} {'raw GB/s':>8} | "
+        f"{'KVSend ms':>9} {'GB/s':>6} {'%raw':>5} {'ok':>3} | "
+        f"{'cluster ms':>10} {'GB/s':>6} {'%raw':>5} | {'raw(all vis) GB/s':>17}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['tokens']:>6} {r['kv_bytes']:>11} | {r['raw_ms']:>7.3f} {r['raw_gbps']:>8.1f} | "
+            f"{_fmt(r.get('kvsender_ms'), '9.3f')} {_fmt(r.get('kvsender_gbps'), '6.1f')} "
+            f"{_fmt(r.get('kvsender_pct_raw'), '5.1f')} {str(r.get('verified', '-'))[:3]:>3} | "
+            f"{_fmt(r.get('cluster_prefill_ms'), '10.3f')} {_fmt(r.get('cluster_gbps'), '6.1f')} "
+            f"{_fmt(r.get('cluster_pct_raw'), '5.1f')} | "
+            f"{_fmt(r.get('raw_all_visible_gbps'), '17.1f')}"
+        )
+
+
+def machine_info(device: str) -> dict:
+    info = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    if device == "cuda":
+        try:
+            info["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError) as err:
+            info["nvidia_smi"] = f"unavailable: {err}"
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return info
+
+
+def model_shape(model: str | None) -> Shape:
+    from engine.loader import EngineArgs, resolve
+
+    config = resolve(EngineArgs(model=model, device="cpu", dtype="bfloat16")).model_config
+    return Shape(config.num_layers, config.num_kv_heads, config.head_dim, config.spec_hidden_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tokens", default="1024,4096,8000")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--cluster-reps", type=int, default=6, help="prompts per length")
+    parser.add_argument("--skip-cluster", action="store_true")
+    parser.add_argument("--write", action="store_true", help=f"write {OUTPUT}")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    shape = model_shape(args.model)
+    if args.device == "cpu":
+        shape = Shape(**{**shape.__dict__, "dtype": "float32"})
+    print(f"shape {shape}; KV per token {shape.kv_bytes(1)} B", flush=True)
+    cfg = {
+        "shape": shape.__dict__,
+        "device": args.device,
+        "visible": "own",
+        "tokens": tokens_list,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "raw_only": False,
+        "transfer_timeout_s": 60.0,
+        "phase_timeout_s": 240.0,
+    }
+    t0 = time.perf_counter()
+    dataplane = run_dataplane(cfg)
+    print(
+        f"data plane (each rank sees its own GPU) done in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
+    raw_all = None
+    if args.device == "cuda":
+        t0 = time.perf_counter()
+        raw_all = run_dataplane({**cfg, "visible": "all", "raw_only": True})
+        print(f"raw, both GPUs visible, done in {time.perf_counter() - t0:.1f} s", flush=True)
+    cluster_result = None
+    if not args.skip_cluster:
+        t0 = time.perf_counter()
+        cluster_result = run_cluster(args.model, args.device, tokens_list, args.cluster_reps)
+        print(
+            f"cluster done in {time.perf_counter() - t0:.1f} s "
+            f"(launch {cluster_result['launch_s']:.1f} s)",
+            flush=True,
+        )
+    rows = summarize(tokens_list, shape, dataplane, raw_all, cluster_result, reps_warm=1)
+    print_table(rows)
+    report = {
+        "what": "KV transfer prefill rank -> decode rank vs raw send/recv; medians",
+        "machine": machine_info(args.device),
+        "gpu": dataplane[0].get("gpu"),
+        "device": args.device,
+        "model": args.model,
+        "shape": shape.__dict__,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "cluster_reps": args.cluster_reps,
+        "rows": rows,
+        "cluster_kv_pools_empty": None
+        if cluster_result is None
+        else cluster_result["kv_pools_empty"],
+        "raw_times_s": {n: dataplane[0]["raw"][n]["times_s"] for n in tokens_list},
+        "cluster_log": None
+        if cluster_result is None
+        else {k: cluster_result[k] for k in ("prefill", "decode", "requests")},
+    }
+    text = json.dumps(report, indent=2)
+    if args.write:
+        OUTPUT.parent.mkdir(parents=True, exist_ok=True)
+        OUTPUT.write_text(text + "\n")
+        print(f"wrote {OUTPUT}")
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    ok = all(r.get("verified", True) for r in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The data-plane process group: every prefill and decode node process is one rank of it.
+
+The launcher owns a TCPStore server (`create_store_server`) on a port the OS picks, and hands
+host and port to the nodes through Ray; each node then joins with `init_transfer_group`. NCCL
+between GPUs, gloo on CPU. This initializes the default torch.distributed group of the node
+process, so the KV transfer (metadata.transfer) uses it without being passed a group.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def backend_for(device: str | torch.device) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def create_store_server(host: str, timeout_s: float = 600) -> tuple[dist.TCPStore, int]:
+    """Start the rendezvous store; returns it (keep it alive as long as the group) and its port."""
+    # Port 0 lets the OS choose a free port, so two clusters can share a host.
+    store = dist.TCPStore(
+        host,
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return store, store.port
+
+
+def init_transfer_group(
+    store_host: str,
+    store_port: int,
+    rank: int,
+    world_size: int,
+    device: str,
+    timeout_s: float = 600,
+) -> None:
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group")
+    torch_device = torch.device(device)
+    if torch_device.type == "cuda":
+        # NCCL binds communicators to the current device; p2p comms are created lazily per peer
+        # pair, on whatever device is current at the time, so set it before anything else.
+        torch.cuda.set_device(torch_device)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(store_host, store_port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend=backend_for(torch_device),
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+
+
+def destroy_transfer_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

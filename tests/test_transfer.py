@@ -1,0 +1,374 @@
+"""The KV + metadata transfer over a real gloo group of 3 processes: 0 = prefill A, 1 = prefill B,
+2 = decode. One scripted run (module fixture) covers, per room: KV byte-identical at different
+slot numbers on each side, the metadata row landed; two senders interleaved; a room-tag mismatch;
+a receive whose sender never sends (timeout, which breaks that channel only) next to a transfer
+from another peer that completes; a send that fails inside the worker, which then sends the next.
+Children report plain Python values through a multiprocessing Queue."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.kv_pool import KVPool
+from metadata.buffers import MetadataBuffers
+from metadata.process_group import create_store_server, init_transfer_group
+from metadata.transfer import (
+    KVReceiver,
+    KVSender,
+    KVSource,
+    TransferHandle,
+    TransferState,
+    gather_kv,
+    scatter_kv,
+)
+
+CAPACITY = 96
+HIDDEN_SIZE = 16
+SPEC_HIDDEN_SIZE = 2 * HIDDEN_SIZE  # wider than hidden_size, as with hc_mult = 2
+DRAFT_STEPS, TOPK = 2, 1
+# (room, tokens) per prefill rank, in send order; B's 204 is announced but never sent.
+ROOMS = {0: [(101, 1), (102, 7), (103, 33)], 1: [(201, 5), (202, 1), (203, 12)]}
+MISMATCH_ROOM, WRONG_TAG = 104, 999
+NEVER_SENT, AFTER_TIMEOUT_B, AFTER_TIMEOUT_A = (204, 3), (205, 4), (105, 6)
+# Short deadlines only where a timeout is the point; generous ones elsewhere, so that a loaded
+# machine never fails a transfer that should succeed.
+RECEIVE_TIMEOUT_S, SEND_TIMEOUT_S, GENEROUS_S = 5.0, 3.0, 30.0
+GATHER_FAILS, AFTER_SEND_FAILURE = 301, 302
+ALL = ROOMS[0] + ROOMS[1] + [(MISMATCH_ROOM, 2), NEVER_SENT, AFTER_TIMEOUT_B, AFTER_TIMEOUT_A]
+
+
+def make_pools(seed: int | None, device: str = "cpu") -> list[KVPool]:
+    """Target pool (bf16) and one draft depth (fp32); random contents when seeded, else zeros."""
+    pools = [
+        KVPool(CAPACITY, 3, 2, 8, torch.bfloat16, device),
+        KVPool(CAPACITY, 1, 2, 4, torch.float32, device),
+    ]
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)  # on the CPU: the same values on any device
+        for pool in pools:
+            for buf in pool.k_buffers + pool.v_buffers:
+                buf.copy_(torch.randn(buf.shape, generator=gen))
+    return pools
+
+
+def slot_plan(seed: int) -> dict[int, list[int]]:
+    """Disjoint random slots per room (every room, so both sides can derive either side's)."""
+    perm = (torch.randperm(CAPACITY, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+    plan, start = {}, 0
+    for room, n in ALL:
+        plan[room], start = perm[start : start + n], start + n
+    return plan
+
+
+def row_values(room: int) -> dict:
+    gen = torch.Generator().manual_seed(room)
+    return dict(
+        output_id=room * 3,
+        output_logprob=-room / 1000,
+        hidden_state=torch.randn(SPEC_HIDDEN_SIZE, generator=gen).to(torch.bfloat16),
+        topk_index=torch.tensor([room, room + 1]),
+        topk_p=torch.tensor([0.5, 0.25]),
+        cached_tokens=room % 5,
+    )
+
+
+def make_metadata(device: str = "cpu") -> MetadataBuffers:
+    return MetadataBuffers(16, SPEC_HIDDEN_SIZE, DRAFT_STEPS, TOPK, torch.bfloat16, device)
+
+
+def run_prefill(rank: int) -> dict:
+    pools, plan, metadata = make_pools(seed=rank), slot_plan(seed=rank), make_metadata()
+    sender = KVSender("cpu", timeout_s=GENEROUS_S)
+    connected = [sender.connect(2)] + ([sender.connect(1)] if rank == 0 else [])
+    script = [(room, room) for room, _ in ROOMS[rank]]
+    script += [(MISMATCH_ROOM, WRONG_TAG), (AFTER_TIMEOUT_A[0],) * 2] if rank == 0 else []
+    script += [(AFTER_TIMEOUT_B[0],) * 2] if rank == 1 else []
+    handles: list[tuple[TransferHandle, int]] = []
+    for room, tag in script:
+        row = metadata.allocate()
+        metadata.write_row(row, room=tag, **row_values(room))
+        pairs = [(pool, plan[room]) for pool in pools]
+        # Short for B's room that the decode rank will no longer receive: it fails quickly.
+        timeout = SEND_TIMEOUT_S if room == AFTER_TIMEOUT_B[0] else None
+        handles.append((sender.send(2, room, pairs, metadata, row, timeout_s=timeout), row))
+    result = {}
+    if rank == 0:
+        # A pool whose storage is broken: the gather raises inside the worker (as a CUDA OOM
+        # would) before anything is posted; the worker then sends 302.
+        corrupt = make_pools(seed=None)[1]
+        corrupt.kv_buffer = torch.zeros(1)
+        for room, pool in ((GATHER_FAILS, corrupt), (AFTER_SEND_FAILURE, pools[0])):
+            row = metadata.allocate()
+            metadata.write_row(row, room=room, **row_values(room))
+            handles.append((sender.send(1, room, [(pool, [1, 2])], metadata, row), row))
+        try:
+            sender.send(7, 999, [(pools[0], [1])], metadata, 15)
+        except ValueError as err:
+            result["bad_peer"] = str(err)
+    else:
+        receiver = KVReceiver("cpu", timeout_s=GENEROUS_S)
+        result["connected_receiver"] = receiver.connect(0).wait(60).name
+        target, target_row = make_pools(seed=None)[0], metadata.allocate()
+        received = receiver.expect(0, AFTER_SEND_FAILURE, [(target, [5, 6])], metadata, target_row)
+        result["received_after_send_failure"] = received.wait(60).name
+        receiver.close()
+    for handle, row in handles:
+        result[handle.room] = (handle.wait(60).name, handle.error)
+        metadata.free(row)
+    result["connected"] = [handle.wait(60).name for handle in connected]
+    sender.close()
+    return result
+
+
+def run_decode() -> dict:
+    pools, plan, metadata = make_pools(seed=None), slot_plan(seed=2), make_metadata()
+    receiver = KVReceiver("cpu", timeout_s=GENEROUS_S)
+    connected = [receiver.connect(0), receiver.connect(1)]
+    order = [(0, r) for r in ROOMS[0]] + [(1, r) for r in ROOMS[1]]
+    order = order[0::3] + order[1::3] + order[2::3]  # interleave A and B room by room
+    order += [(0, (MISMATCH_ROOM, 2)), (1, NEVER_SENT), (1, AFTER_TIMEOUT_B), (0, AFTER_TIMEOUT_A)]
+    handles = {}
+    for src, (room, _) in order:
+        row = metadata.allocate()
+        pairs = [(pool, plan[room]) for pool in pools]
+        timeout = RECEIVE_TIMEOUT_S if room == NEVER_SENT[0] else None
+        handle = receiver.expect(src, room, pairs, metadata, row, timeout_s=timeout)
+        handles[room] = (handle, src, row)
+    handles[AFTER_TIMEOUT_A[0]][0].wait(60)
+    result = {"never_sent_state_when_a_done": handles[NEVER_SENT[0]][0].state.name}
+    senders = {src: (make_pools(seed=src), slot_plan(seed=src)) for src in (0, 1)}
+    for room, (handle, src, row) in handles.items():
+        state = handle.wait(60)
+        src_pools, src_plan = senders[src]
+        kv_equal = all(
+            torch.equal(gather_kv(p, plan[room]), gather_kv(q, src_plan[room]))
+            for p, q in zip(pools, src_pools)
+        )
+        expected = row_values(room)
+        row_ok = (
+            int(metadata.output_ids[row]) == expected["output_id"]
+            and metadata.output_logprob[row].item()
+            == torch.tensor(expected["output_logprob"], dtype=torch.float32).item()
+            and torch.equal(metadata.hidden_states[row], expected["hidden_state"])
+            and metadata.topk_index[row].tolist() == expected["topk_index"].tolist()
+            and metadata.topk_p[row].tolist() == expected["topk_p"].tolist()
+            and int(metadata.cached_tokens[row]) == expected["cached_tokens"]
+        )
+        result[room] = dict(state=state.name, error=handle.error, kv_equal=kv_equal,
+                            row_ok=row_ok, landed=metadata.row_landed(row, room))
+    used = sorted(s for room, _ in ALL if room != NEVER_SENT[0] for s in plan[room])
+    untouched = torch.ones(CAPACITY + 1, dtype=torch.bool)
+    untouched[used] = False
+    result["connected"] = [handle.wait(60).name for handle in connected]
+    result["untouched_zero"] = all(
+        not buf[untouched].any() for p in pools for buf in p.k_buffers + p.v_buffers
+    )
+    receiver.close()
+    return result
+
+
+def child(scenario: str, rank: int, world: int, port: int, results: mp.Queue) -> None:
+    torch.set_num_threads(1)  # up to three processes on two cores
+    try:
+        device = f"cuda:{rank}" if scenario == "cuda" else "cpu"
+        init_transfer_group("127.0.0.1", port, rank, world, device, timeout_s=60)
+        if scenario == "cuda":
+            result = run_cuda(rank)
+        else:
+            result = run_decode() if rank == 2 else run_prefill(rank)
+        results.put((rank, result))
+    except BaseException:
+        results.put((rank, {"crash": traceback.format_exc()}))
+    # Nobody leaves while a peer may still be receiving. Not a gloo barrier: the timeouts above
+    # broke a channel on purpose, and the store is independent of it.
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    store.add("finished", 1)
+    while store.add("finished", 0) < world:
+        time.sleep(0.05)
+    # Leave without tearing down the group or finalizing the interpreter: operations parked by
+    # the timeouts are still posted (NCCL would wait for them), and a daemon thread woken inside
+    # gloo that re-enters Python during finalization aborts the process ("terminate called
+    # without an active exception").
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def run_ranks(scenario: str, world: int) -> dict[int, dict]:
+    store, port = create_store_server("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=child, args=(scenario, rank, world, port, results))
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    collected = {}
+    try:
+        for _ in procs:
+            rank, result = results.get(timeout=120)
+            collected[rank] = result
+    except queue.Empty:
+        pytest.fail(f"ranks {sorted(set(range(world)) - set(collected))} never reported")
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        del store
+    for rank, result in collected.items():
+        assert "crash" not in result, f"rank {rank}:\n{result['crash']}"
+    assert [proc.exitcode for proc in procs] == [0] * world
+    return collected
+
+
+@pytest.fixture(scope="module")
+def outcome() -> dict[int, dict]:
+    return run_ranks("cpu", world=3)
+
+
+def test_connect_opens_every_channel(outcome: dict) -> None:
+    assert outcome[0]["connected"] == ["SUCCESS", "SUCCESS"]
+    assert outcome[1]["connected"] == ["SUCCESS"]
+    assert outcome[1]["connected_receiver"] == "SUCCESS"
+    assert outcome[2]["connected"] == ["SUCCESS", "SUCCESS"]
+
+
+@pytest.mark.parametrize("room", [room for room, _ in ROOMS[0] + ROOMS[1]] + [105])
+def test_kv_and_row_land_at_other_slots(outcome: dict, room: int) -> None:
+    got = outcome[2][room]
+    assert got["state"] == "SUCCESS", got["error"]
+    assert got["kv_equal"] and got["row_ok"] and got["landed"]
+
+
+def test_receiver_writes_only_its_slots(outcome: dict) -> None:
+    assert outcome[2]["untouched_zero"]
+
+
+def test_senders_succeed(outcome: dict) -> None:
+    for rank in (0, 1):
+        for room, _ in ROOMS[rank]:
+            state, error = outcome[rank][room]
+            assert state == "SUCCESS", (room, error)
+
+
+def test_room_tag_mismatch_fails_with_reason(outcome: dict) -> None:
+    got = outcome[2][MISMATCH_ROOM]
+    assert got["state"] == "FAILED" and not got["landed"]
+    assert f"room tag mismatch: expected {MISMATCH_ROOM} got {WRONG_TAG}" in got["error"]
+    assert got["kv_equal"]  # the KV itself arrived; only the tag says it is not this room's
+
+
+def test_receive_that_never_comes_times_out_without_blocking_other_peers(outcome: dict) -> None:
+    got = outcome[2][NEVER_SENT[0]]
+    assert got["state"] == "FAILED"
+    assert "rank 1" in got["error"] and f"within {RECEIVE_TIMEOUT_S:g} s" in got["error"]
+    # A's later room finished while B's stuck receive was still pending, and A's channel (and
+    # the whole gloo group: no timed gloo wait was used) stays usable after the timeout.
+    assert outcome[2]["never_sent_state_when_a_done"] in ("WAITING", "TRANSFERRING")
+    assert outcome[2][AFTER_TIMEOUT_A[0]]["state"] == "SUCCESS"
+    assert outcome[1]["received_after_send_failure"] == "SUCCESS"
+
+
+def test_timeout_breaks_that_channel_on_both_sides(outcome: dict) -> None:
+    # The receive of 204 is still posted, so B's next room must not be received after it...
+    got = outcome[2][AFTER_TIMEOUT_B[0]]
+    assert got["state"] == "FAILED" and "channel to rank 1 unusable since room 204" in got["error"]
+    # ...and B's send of it, never matched, fails at the sender's own deadline.
+    state, error = outcome[1][AFTER_TIMEOUT_B[0]]
+    assert state == "FAILED" and f"within {SEND_TIMEOUT_S:g} s" in error
+
+
+def test_send_failure_names_room_and_peer_and_worker_survives(outcome: dict) -> None:
+    state, error = outcome[0][GATHER_FAILS]
+    assert state == "FAILED" and f"room {GATHER_FAILS}, peer rank 1" in error
+    assert outcome[0][AFTER_SEND_FAILURE] == ("SUCCESS", None)
+    assert outcome[1]["received_after_send_failure"] == "SUCCESS"
+
+
+def test_send_to_a_rank_outside_the_world_is_refused(outcome: dict) -> None:
+    assert "peer rank 7 is not another rank of this world (size 3" in outcome[0]["bad_peer"]
+
+
+def test_handle_moves_forward_only_and_failure_is_sticky() -> None:
+    handle = TransferHandle(room=5, peer=1)
+    assert handle.state == TransferState.BOOTSTRAPPING
+    handle.advance(TransferState.TRANSFERRING)
+    handle.advance(TransferState.WAITING)
+    assert handle.state == TransferState.TRANSFERRING
+    assert handle.wait(0.01) == TransferState.TRANSFERRING  # not done: returns after timeout
+    handle.fail("lost")
+    handle.advance(TransferState.SUCCESS)
+    assert handle.wait() == TransferState.FAILED and handle.error == "lost"
+
+
+def test_gather_scatter_round_trip_and_slot_validation() -> None:
+    source, target = make_pools(seed=3)[0], make_pools(seed=None)[0]
+    kv = gather_kv(source, [5, 2, 9])
+    assert kv.shape == (3, 3, 2, 2, 8) and kv.is_contiguous()
+    scatter_kv(target, [1, 40, 7], kv)
+    assert torch.equal(gather_kv(target, [1, 40, 7]), kv)
+    # The per-layer views the model writes through see what the transfer scattered.
+    assert torch.equal(target.k_buffers[2][40], kv[1, 2, 0])
+    assert torch.equal(target.v_buffers[0][7], kv[2, 0, 1])
+    for bad in ([0], [CAPACITY + 1]):
+        with pytest.raises(ValueError, match="slots must lie in"):
+            KVSource.build([(source, bad)], make_metadata(), 0)
+
+
+def run_cuda(rank: int) -> dict:
+    """Rank 0 -> rank 1 on two GPUs over NCCL: two rooms land byte-identical, then a room that
+    is never sent times out on the receiver's own clock and breaks that channel."""
+    device = f"cuda:{rank}"
+    pools = make_pools(seed=0 if rank == 0 else None, device=device)
+    plan, metadata = slot_plan(seed=rank), make_metadata(device)
+    rooms = [(101, 1), (102, 33)]
+    if rank == 0:
+        sender = KVSender(device)
+        handles = [sender.connect(1)]
+        for room, _ in rooms:
+            row = metadata.allocate()
+            metadata.write_row(row, room=room, **row_values(room))
+            handles.append(sender.send(1, room, [(p, plan[room]) for p in pools], metadata, row))
+        result = {"sent": [h.wait(60).name for h in handles]}
+        sender.close()
+        return result
+    receiver = KVReceiver(device, timeout_s=GENEROUS_S)
+    result = {"connected": receiver.connect(0).wait(60).name}
+    sent_pools, sent_plan = make_pools(seed=0), slot_plan(seed=0)
+    for room, _ in rooms:
+        row = metadata.allocate()
+        handle = receiver.expect(0, room, [(p, plan[room]) for p in pools], metadata, row)
+        result[room] = (handle.wait(60).name, handle.error, metadata.row_landed(row, room), all(
+            torch.equal(gather_kv(p, plan[room]).cpu(), gather_kv(q, sent_plan[room]))
+            for p, q in zip(pools, sent_pools)
+        ))
+    for room in (103, 104):  # 103 is never sent; 104 queues behind it on the broken channel
+        handle = receiver.expect(0, room, [(pools[0], [1])], metadata, metadata.allocate(),
+                                 timeout_s=RECEIVE_TIMEOUT_S)
+        result[room] = (handle.wait(60).name, handle.error)
+    receiver.close()
+    return result
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_transfer_between_two_gpus() -> None:
+    got = run_ranks("cuda", world=2)
+    assert got[0]["sent"] == ["SUCCESS"] * 3
+    assert got[1]["connected"] == "SUCCESS"
+    for room in (101, 102):
+        assert got[1][room] == ("SUCCESS", None, True, True)
+    state, error = got[1][103]
+    assert state == "FAILED" and f"within {RECEIVE_TIMEOUT_S:g} s" in error
+    state, error = got[1][104]
+    assert state == "FAILED" and "channel to rank 0 unusable since room 103" in error
