@@ -1,20 +1,31 @@
 """One engine step at a time: schedule, forward, sample, process. Shared by `engine.LLM` and
-the serving nodes, which drive `step()` from their own loops."""
+the serving nodes, which drive `step()` from their own loops.
+
+With a speculator (spec.MultiLayerEagleWorker, handed in by whoever builds the engine: engine
+never imports spec, which depends on it), a prefill step also runs the draft over the prompt, and
+a decode step verifies each request's draft chain, commits the accepted tokens, then extends the
+draft over them."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestOutput, Usage
+from engine.request import Request, RequestOutput, SpecStats, Usage
 from engine.sampler import compute_logprobs, sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stopping import StopChecker
 from engine.validation import validate_request
+
+
+def position_generator(seed: int, index: int) -> torch.Generator:
+    """The generator that draws output token number `index` of a request seeded with `seed`."""
+    key = (seed * 0x9E3779B97F4A7C15 + index) % (2**63)
+    return torch.Generator().manual_seed(key)
 
 
 def step_generator(req: Request) -> torch.Generator | None:
@@ -22,28 +33,66 @@ def step_generator(req: Request) -> torch.Generator | None:
     same seed gives the same tokens whichever node or batch samples a given position."""
     if req.params.seed is None:
         return None
-    key = (req.params.seed * 0x9E3779B97F4A7C15 + len(req.output_token_ids)) % (2**63)
-    return torch.Generator().manual_seed(key)
+    return position_generator(req.params.seed, len(req.output_token_ids))
+
+
+class Speculator(Protocol):
+    """What the engine asks of speculative decoding (implemented in spec/)."""
+
+    num_draft_steps: int
+
+    def draft_extend_prefill(self, requests: list[Request], hidden: list[torch.Tensor]) -> None:
+        """Run every draft depth over freshly prefilled prompts (hidden: the target's, per
+        request, at every prompt position) and build each request's first draft chain."""
+
+    def verify(self, requests: list[Request], default_generator: torch.Generator) -> Any:
+        """One target forward over each request's newest token and draft chain; returns the
+        tokens to commit (`.tokens`, `.logprobs`, one list per request) and what the draft
+        extend needs."""
+
+    def finish_round(self, requests: list[Request], verified: Any) -> None:
+        """After the tokens were committed: count statistics, extend the draft of each request
+        still running over its new tokens, building its next chain."""
+
+    def release(self, req: Request) -> None:
+        """Free the request's draft KV (called whenever its target KV is freed)."""
 
 
 class EngineCore:
-    def __init__(self, runner: ModelRunner, tokenizer: Any) -> None:
+    def __init__(
+        self, runner: ModelRunner, tokenizer: Any, speculator: Speculator | None = None
+    ) -> None:
         config = runner.config
         self.runner = runner
         self.tokenizer = tokenizer
+        self.speculator = speculator
         self.kv_cache = KVCacheManager(runner.kv_pool, runner.req_to_token_pool)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_prefill_tokens)
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            config.max_num_seqs,
+            config.max_prefill_tokens,
+            on_release=speculator.release if speculator is not None else None,
+        )
         self.stop_checker = StopChecker(
             tokenizer, runner.model_config.eos_token_ids, config.max_model_len
         )
         self.default_generator = torch.Generator().manual_seed(config.seed)
 
     def make_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        speculative: bool = True,
     ) -> Request:
-        """Validate a request against this engine's limits; raises RequestRejectedError."""
+        """Validate a request against this engine's limits; raises RequestRejectedError.
+        `speculative=False` opts this request out of an engine's speculative decoding."""
         self._validate(prompt_token_ids, params)
-        return Request(request_id, list(prompt_token_ids), params)
+        req = Request(request_id, list(prompt_token_ids), params)
+        if self.speculator is not None and speculative:
+            req.num_draft_tokens = self.speculator.num_draft_steps
+            req.spec_stats = SpecStats(accepted_per_position=[0] * req.num_draft_tokens)
+        return req
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -56,19 +105,64 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        if not batch.is_prefill and any(req.num_draft_tokens for req in batch.requests):
+            return self._speculative_decode(batch)
         try:
             forward_batch = self.runner.build_batch(batch.requests)
-            logits = self.runner.forward(forward_batch).logits
+            keep_hidden = batch.is_prefill and any(r.num_draft_tokens for r in batch.requests)
+            output = self.runner.forward(forward_batch, keep_hidden=keep_hidden)
+            logits = output.logits
             params = [req.params for req in batch.requests]
             generators = [step_generator(req) for req in batch.requests]
             tokens = sample(logits, params, generators, self.default_generator)
             logprobs = compute_logprobs(logits, tokens, params)
         except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
             stage = "prefill" if batch.is_prefill else "decode"
-            for req in batch.requests:
-                self.scheduler.fail(req, f"{stage} forward failed: {type(err).__name__}: {err}")
-            return batch.requests
-        return self.scheduler.process_result(batch, tokens.tolist(), logprobs, self.stop_checker)
+            return self._fail(batch.requests, stage, err)
+        finished = self.scheduler.process_result(
+            batch, tokens.tolist(), logprobs, self.stop_checker
+        )
+        if keep_hidden:
+            finished += self._draft_extend_prefill(batch, forward_batch.extend_lens, output.hidden)
+        return finished
+
+    def _draft_extend_prefill(
+        self, batch: ScheduledBatch, extend_lens: list[int], hidden: torch.Tensor
+    ) -> list[Request]:
+        assert self.speculator is not None
+        pairs = [
+            (req, h)
+            for req, h in zip(batch.requests, hidden.split(extend_lens))
+            # No chain is worth drafting for a request that has one token left to emit.
+            if req.num_draft_tokens and not req.finished and req.lookahead
+        ]
+        requests = [req for req, _ in pairs]
+        try:
+            self.speculator.draft_extend_prefill(requests, [h for _, h in pairs])
+        except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only
+            return self._fail(requests, "draft extend (prefill)", err)
+        return []
+
+    def _speculative_decode(self, batch: ScheduledBatch) -> list[Request]:
+        assert self.speculator is not None
+        try:
+            verified = self.speculator.verify(batch.requests, self.default_generator)
+        except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
+            return self._fail(batch.requests, "verify", err)
+        finished = self.scheduler.process_tokens(
+            batch, verified.tokens, verified.logprobs, self.stop_checker
+        )
+        try:
+            self.speculator.finish_round(batch.requests, verified)
+        except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only
+            alive = [req for req in batch.requests if not req.finished]
+            return finished + self._fail(alive, "draft extend", err)
+        return finished
+
+    def _fail(self, requests: list[Request], stage: str, err: Exception) -> list[Request]:
+        for req in requests:
+            self.scheduler.fail(req, f"{stage} forward failed: {type(err).__name__}: {err}")
+        return requests
 
     def output(self, req: Request) -> RequestOutput:
         return RequestOutput(
@@ -77,7 +171,7 @@ class EngineCore:
             token_ids=list(req.output_token_ids),
             text=self.stop_checker.final_text(req),
             finish_reason=req.finish_reason or "abort",
-            usage=Usage(len(req.prompt_token_ids), len(req.output_token_ids)),
+            usage=Usage.of(req),
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
         )
 

@@ -33,7 +33,13 @@ class LLM:
         max_prefill_tokens: int = 8192,
         attention_backend: str = "torch",
         seed: int = 0,
+        speculative_algorithm: str | None = None,
+        draft_model: str | os.PathLike | None = None,
+        num_draft_steps: int | None = None,
     ) -> None:
+        """With `speculative_algorithm` ("multi-layer-eagle") and `draft_model` (a draft folder,
+        see docs/draft-format.md), every request speculates with `num_draft_steps` draft depths
+        (default: all the draft has) unless `generate(..., speculative=False)` opts it out."""
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         self.args = EngineArgs(
@@ -52,19 +58,34 @@ class LLM:
         self.tokenizer = spec.tokenizer
         self.model_config = spec.model_config
         self.config = spec.engine_config
-        self.engine = EngineCore(load_runner(spec), self.tokenizer)
+        runner = load_runner(spec)
+        speculator = None
+        if speculative_algorithm is not None:
+            # Imported here, not at the top: spec depends on engine, so engine must not import
+            # spec while it is itself being imported (and plain engines never load it).
+            from spec import build_speculator
+
+            speculator = build_speculator(
+                speculative_algorithm, runner, draft_model, num_draft_steps
+            )
+        elif draft_model is not None or num_draft_steps is not None:
+            raise ValueError("draft_model and num_draft_steps need a speculative_algorithm")
+        self.engine = EngineCore(runner, self.tokenizer, speculator)
         self._ids = itertools.count()
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        speculative: bool | Sequence[bool] = True,
     ) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists; outputs come back in the same order."""
+        """Prompts are strings or token-id lists; outputs come back in the same order.
+        `speculative` (one flag, or one per prompt) lets requests opt out of speculation."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        return self._run(token_lists, sampling_params)
+        return self._run(token_lists, sampling_params, speculative)
 
     def chat(
         self,
@@ -88,6 +109,7 @@ class LLM:
         self,
         token_lists: list[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        speculative: bool | Sequence[bool] = True,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -99,10 +121,13 @@ class LLM:
                 raise ValueError(
                     f"{len(params_list)} SamplingParams for {len(token_lists)} prompts"
                 )
+        flags = [speculative] * len(token_lists) if isinstance(speculative, bool) else speculative
+        if len(flags) != len(token_lists):
+            raise ValueError(f"{len(flags)} speculative flags for {len(token_lists)} prompts")
         # Validate everything before running anything, so one bad prompt costs no work.
         requests = [
-            self.engine.make_request(str(next(self._ids)), tokens, params)
-            for tokens, params in zip(token_lists, params_list)
+            self.engine.make_request(str(next(self._ids)), tokens, params, flag)
+            for tokens, params, flag in zip(token_lists, params_list, flags)
         ]
         for req in requests:
             self.engine.add_request(req)

@@ -21,6 +21,8 @@ from engine.request import Request
 class ForwardOutput:
     logits: torch.Tensor  # [B, vocab] float32 at each request's last new token
     last_hidden: torch.Tensor  # [B, spec_hidden_size] the last layer's output there, before norm
+    # [T, spec_hidden_size] at every new token, when asked for: the draft model's input.
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -85,10 +87,18 @@ class ModelRunner:
         return batch
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, keep_hidden: bool = False) -> ForwardOutput:
         hidden = self.model(batch, self.rotary, self.attention)
         last_hidden = hidden[batch.last_token_indices()]
-        return ForwardOutput(self.model.compute_logits(last_hidden), last_hidden)
+        logits = self.model.compute_logits(last_hidden)
+        return ForwardOutput(logits, last_hidden, hidden if keep_hidden else None)
+
+    @torch.inference_mode()
+    def forward_every_token(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [T, vocab] and hidden states [T, spec_hidden_size] at every new token: what
+        speculative verify needs, since it checks a draft token at each position."""
+        hidden = self.model(batch, self.rotary, self.attention)
+        return self.model.compute_logits(hidden), hidden
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

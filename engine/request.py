@@ -3,9 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding counters of one request. A verify step is a decode step that
+    checked at least one draft token (none fit when max_tokens leaves room for one token only).
+    A draft token counts as accepted when the target verified it and it became output (a stop
+    condition can cut accepted drafts short); the rest of those proposed count as rejected."""
+
+    verify_steps: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # tokens committed by verify steps, bonus tokens included
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: draft j+1 accepted
+
+    @property
+    def rejected_tokens(self) -> int:
+        return self.proposed_tokens - self.accepted_tokens
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens committed per verify step (1.0 means no draft token was ever accepted)."""
+        return self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0
 
 
 @dataclass
@@ -23,6 +47,12 @@ class Request:
     stopped_by_string: str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens each verify step checks (0: this request does not
+    # speculate), the speculator's per-request state (engine code never looks inside it, since
+    # spec depends on engine and not the reverse), and the counters.
+    num_draft_tokens: int = 0
+    spec_state: Any = None
+    spec_stats: SpecStats | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -36,11 +66,44 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def lookahead(self) -> int:
+        """Draft tokens the next decode step verifies beyond the newest token. Never more than
+        the request may still emit minus the bonus token, so a request's KV slots stay within
+        prompt + max_tokens, which admission checked against the context and the pool."""
+        remaining = self.params.max_tokens - len(self.output_token_ids) - 1
+        return max(0, min(self.num_draft_tokens, remaining))
+
+
+@dataclass(frozen=True)
+class CompletionTokensDetails:
+    """OpenAI's names for speculative decoding's verified draft tokens."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
 
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # Set only for requests that speculated.
+    completion_tokens_details: CompletionTokensDetails | None = None
+    spec_verify_steps: int | None = None
+    spec_accept_length: float | None = None
+
+    @classmethod
+    def of(cls, req: Request) -> Usage:
+        stats = req.spec_stats
+        if stats is None:
+            return cls(len(req.prompt_token_ids), len(req.output_token_ids))
+        return cls(
+            len(req.prompt_token_ids),
+            len(req.output_token_ids),
+            CompletionTokensDetails(stats.accepted_tokens, stats.rejected_tokens),
+            stats.verify_steps,
+            stats.accept_length if stats.verify_steps else None,
+        )
 
     @property
     def total_tokens(self) -> int:

@@ -35,6 +35,12 @@ def sample(
     return tokens
 
 
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws a non-greedy token from: one logits row [V] -> probs [V].
+    Speculative acceptance tests draft tokens against exactly this distribution."""
+    return _filtered_probs(logits, params)
+
+
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(logits / p.temperature, dim=-1)
     if p.top_k == 0 and p.top_p >= 1.0:

@@ -3,11 +3,17 @@ its KV slots; `process_result()` takes the sampled tokens and retires finished r
 
 Prefill goes first whenever waiting requests fit in free KV; otherwise every running request
 decodes one token. When the pool runs dry mid-decode the newest running request is preempted:
-its slots are freed and it waits to be prefilled again over prompt + output so far."""
+its slots are freed and it waits to be prefilled again over prompt + output so far.
+
+Speculating requests (`req.num_draft_tokens > 0`) decode several tokens per step: each step
+reserves slots for the draft tokens it verifies (`req.lookahead`) beyond the newest token, and
+`process_tokens` commits a list of tokens per request. `on_release` lets the speculator free a
+request's draft KV whenever its target KV is freed (finish, preemption, abort, failure)."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.kv_cache import KVCacheManager
@@ -24,9 +30,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, kv_cache: KVCacheManager, max_num_seqs: int, max_prefill_tokens: int
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_prefill_tokens: int,
+        on_release: Callable[[Request], None] | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.on_release = on_release
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
@@ -44,18 +55,18 @@ class Scheduler:
             return ScheduledBatch(prefill, is_prefill=True)
         if not self.running:
             return None
-        # Requests with preallocated slots (decode nodes reserve prompt + max_tokens) need none.
         while not self.kv_cache.can_grow(self._slots_for_next_token()):
             victim = self.running.pop()
             assert self.running, "a lone request outgrew the pool; admission should refuse it"
             self._preempt(victim)
         for req in self.running:
-            if len(req.slots) < req.num_tokens:
-                self.kv_cache.grow(req, 1)
+            missing = _missing_slots(req)
+            if missing:
+                self.kv_cache.grow(req, missing)
         return ScheduledBatch(list(self.running), is_prefill=False)
 
     def _slots_for_next_token(self) -> int:
-        return sum(len(req.slots) < req.num_tokens for req in self.running)
+        return sum(_missing_slots(req) for req in self.running)
 
     def add_running(self, req: Request) -> None:
         """Join a request whose prompt KV is already cached (computed elsewhere) to decoding."""
@@ -65,22 +76,29 @@ class Scheduler:
     def _admit_waiting(self) -> list[Request]:
         batch: list[Request] = []
         tokens = 0
+        # One decode step's slots per running or admitted request stay free, so admitting this
+        # prompt cannot force a preemption on the very next decode step.
+        reserve = sum(1 + r.lookahead for r in self.running)
         while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
             req = self.waiting[0]
             need = req.num_tokens - req.kv_len
             if batch and tokens + need > self.max_prefill_tokens:
                 break
-            # Leave one slot per running request so admitting this prompt cannot force a
-            # preemption on the very next decode step.
-            if not self.kv_cache.can_grow(need + len(self.running) + len(batch) + 1, 1):
+            if not self.kv_cache.can_grow(need + reserve + 1 + req.lookahead, 1):
                 break
             self.kv_cache.grow(req, need)
             batch.append(self.waiting.popleft())
             tokens += need
+            reserve += 1 + req.lookahead
         return batch
 
-    def _preempt(self, req: Request) -> None:
+    def _release(self, req: Request) -> None:
         self.kv_cache.release(req)
+        if self.on_release is not None:
+            self.on_release(req)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
@@ -91,13 +109,30 @@ class Scheduler:
         logprobs: list[TokenLogprob | None],
         stop_checker: StopChecker,
     ) -> list[Request]:
+        return self.process_tokens(
+            batch, [[t] for t in tokens], [[lp] for lp in logprobs], stop_checker
+        )
+
+    def process_tokens(
+        self,
+        batch: ScheduledBatch,
+        tokens: list[list[int]],
+        logprobs: list[list[TokenLogprob | None]],
+        stop_checker: StopChecker,
+    ) -> list[Request]:
+        """Commit each request's new tokens in order, stopping at the first that finishes it
+        (a verify step may commit several; those after a stop are dropped)."""
         finished = []
-        for req, token, logprob in zip(batch.requests, tokens, logprobs):
-            req.kv_len = req.num_tokens
-            req.output_token_ids.append(token)
-            if logprob is not None:
-                req.logprobs.append(logprob)
-            req.finish_reason = stop_checker.check(req)
+        for req, new_tokens, new_logprobs in zip(batch.requests, tokens, logprobs):
+            for token, logprob in zip(new_tokens, new_logprobs):
+                req.output_token_ids.append(token)
+                if logprob is not None:
+                    req.logprobs.append(logprob)
+                req.finish_reason = stop_checker.check(req)
+                if req.finished:
+                    break
+            # Every committed token but the newest has its KV cached now.
+            req.kv_len = req.num_tokens - 1
             if req.finished:
                 finished.append(req)
             elif batch.is_prefill:
@@ -106,7 +141,7 @@ class Scheduler:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
             for req in finished:
-                self.kv_cache.release(req)
+                self._release(req)
         return finished
 
     def fail(self, req: Request, error: str) -> None:
@@ -115,7 +150,7 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        self.kv_cache.release(req)
+        self._release(req)
         req.error = error
         req.finish_reason = "error"
 
@@ -124,7 +159,13 @@ class Scheduler:
             for req in list(queue):
                 if req.request_id == request_id:
                     queue.remove(req)
-                    self.kv_cache.release(req)
+                    self._release(req)
                     req.finish_reason = "abort"
                     return req
         return None
+
+
+def _missing_slots(req: Request) -> int:
+    """Slots the request lacks for its next decode step: its newest token and the look-ahead.
+    Requests with preallocated slots (decode nodes reserve prompt + max_tokens) lack none."""
+    return max(0, req.num_tokens + req.lookahead - len(req.slots))

@@ -206,6 +206,7 @@ def _tag(room: int) -> int:
 
 
 _CLOSE = object()
+_SPIN_S = 0.005
 _NO_DEADLINE = timedelta(days=365)
 _CONNECT_TAG = 0  # rooms start at 1; see _tag for the (ordered) case of a collision
 
@@ -299,11 +300,15 @@ class _PeerWorkers:
         peer, deadline = handle.peer, time.monotonic() + handle.timeout_s
         if self._is_cuda:
             # WorkNCCL.wait() only orders streams; poll to learn completion, with a bound.
+            # Yield the interpreter without sleeping for the first moments (most transfers end
+            # within a millisecond, and a sleep's wake-up costs ~100 us), then back off.
+            spin_until = time.monotonic() + _SPIN_S
             for work in works:
                 while not work.is_completed():
-                    if time.monotonic() > deadline:
+                    now = time.monotonic()
+                    if now > deadline:
                         self._break(handle)
-                    time.sleep(50e-6)
+                    time.sleep(0 if now < spin_until else 50e-6)
                 work.wait()
             return
         # gloo: a timed Work.wait() that expires closes EVERY pair of the process group, and

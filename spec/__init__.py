@@ -1,5 +1,51 @@
 """Speculative decoding (multi-layer EAGLE): the draft layers, one DraftRunner per depth with
 its own token pool and KV pool, the draft -> verify -> draft-extend loop, and the acceptance rules.
 
-Not built yet: a later milestone fills this package.
+Entry points: `build_speculator` (an engine's speculator, by algorithm name), and on the worker
+it returns, `draft_extend_prefill` + `export_state` + `depth_kv` for a prefill node, and
+`reserve` + `adopt`, then `verify` / `finish_round` (driven by EngineCore.step) for a decode node.
 """
+
+from __future__ import annotations
+
+import os
+
+from engine.model_runner import ModelRunner
+from spec.config import DraftConfig, DraftMismatchError
+from spec.draft_model import MultiLayerEagleDraft, load_draft, save_draft
+from spec.state import DraftState
+from spec.worker import MultiLayerEagleWorker
+
+ALGORITHMS = ("multi-layer-eagle",)
+
+
+def build_speculator(
+    algorithm: str,
+    runner: ModelRunner,
+    draft_model: str | os.PathLike | None,
+    num_draft_steps: int | None = None,
+) -> MultiLayerEagleWorker:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"unknown speculative_algorithm {algorithm!r}; supported: {', '.join(ALGORITHMS)}"
+        )
+    if draft_model is None:
+        raise ValueError(f"speculative_algorithm={algorithm!r} needs a draft_model folder")
+    config = runner.config
+    draft = load_draft(
+        draft_model, runner.model_config, num_draft_steps, config.device, config.dtype
+    )
+    return MultiLayerEagleWorker(runner, draft)
+
+
+__all__ = [
+    "ALGORITHMS",
+    "DraftConfig",
+    "DraftMismatchError",
+    "DraftState",
+    "MultiLayerEagleDraft",
+    "MultiLayerEagleWorker",
+    "build_speculator",
+    "load_draft",
+    "save_draft",
+]

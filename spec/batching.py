@@ -1,0 +1,53 @@
+"""ForwardBatch from explicit spans (row, first position, tokens, slots): verify and the draft
+depths feed tokens that are not a Request's committed tokens, into pools of their choosing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBackend
+from engine.forward_batch import ForwardBatch
+from engine.kv_pool import KVPool, ReqToTokenPool
+
+
+@dataclass
+class Span:
+    row: int  # the request's row in `req_to_token_pool`
+    start: int  # position of the first new token; positions below it are cached
+    token_ids: list[int]
+    slots: list[int]  # the KV slot each new token writes, already in the row
+
+
+def extend_batch(
+    spans: list[Span],
+    kv_pool: KVPool,
+    req_to_token_pool: ReqToTokenPool,
+    backend: AttentionBackend,
+    device: torch.device,
+) -> ForwardBatch:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    for span in spans:
+        assert len(span.slots) == len(span.token_ids) > 0
+        ids.extend(span.token_ids)
+        positions.extend(range(span.start, span.start + len(span.token_ids)))
+        slots.extend(span.slots)
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    batch = ForwardBatch(
+        input_ids=tensor(ids),
+        positions=tensor(positions),
+        out_cache_loc=tensor(slots),
+        req_pool_indices=tensor([span.row for span in spans]),
+        seq_lens=[span.start + len(span.token_ids) for span in spans],
+        extend_lens=[len(span.token_ids) for span in spans],
+        kv_pool=kv_pool,
+        req_to_token_pool=req_to_token_pool,
+    )
+    batch.attn_metadata = backend.prepare(batch)
+    return batch

@@ -1,0 +1,119 @@
+"""The draft folder's config.json (see docs/draft-format.md), read once and checked against the
+target model it is meant to run with."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+
+DRAFT_ARCHITECTURE = "pdcluster-multi-layer-eagle"
+# The target's shapes a draft is built for: each must equal the target's own value.
+TARGET_FIELDS = (
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+)
+
+
+class DraftMismatchError(ModelLoadError):
+    """The draft was made for a target of other shapes than the one it is loaded with."""
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    num_draft_steps: int
+    spec_hidden_size: int  # width of the target hidden state depth 0 reads
+    hidden_size: int  # width of every depth's output (the target's hidden_size)
+    target: dict[str, Any]  # the target's shapes (TARGET_FIELDS) and a "model" name
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, num_draft_steps: int, name: str) -> DraftConfig:
+        return cls(
+            num_draft_steps=num_draft_steps,
+            spec_hidden_size=target.spec_hidden_size,
+            hidden_size=target.hidden_size,
+            target={"model": name, **target_shapes(target)},
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "architecture": DRAFT_ARCHITECTURE,
+            "num_draft_steps": self.num_draft_steps,
+            "spec_hidden_size": self.spec_hidden_size,
+            "hidden_size": self.hidden_size,
+            "target": dict(self.target),
+        }
+
+    @classmethod
+    def load(cls, folder: Path) -> DraftConfig:
+        file = Path(folder) / "config.json"
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"could not read the draft config {file}: {err}") from err
+        if not isinstance(raw, dict) or raw.get("architecture") != DRAFT_ARCHITECTURE:
+            found = raw.get("architecture") if isinstance(raw, dict) else None
+            raise ModelLoadError(
+                f"{file}: architecture {found!r} is not a draft model "
+                f"(expected {DRAFT_ARCHITECTURE!r})"
+            )
+        missing = [
+            k
+            for k in ("num_draft_steps", "spec_hidden_size", "hidden_size", "target")
+            if k not in raw
+        ]
+        target = raw.get("target")
+        if not isinstance(target, dict):
+            missing.append("target (an object)")
+        else:
+            missing += [f"target.{k}" for k in TARGET_FIELDS if k not in target]
+        if missing:
+            raise ModelLoadError(f"{file} lacks {', '.join(missing)}")
+        if not isinstance(raw["num_draft_steps"], int) or raw["num_draft_steps"] < 1:
+            raise ModelLoadError(f"{file}: num_draft_steps must be >= 1")
+        return cls(
+            int(raw["num_draft_steps"]),
+            int(raw["spec_hidden_size"]),
+            int(raw["hidden_size"]),
+            dict(target),
+        )
+
+    def check_target(self, target: ModelConfig, folder: Path) -> None:
+        """Refuse a target this draft was not made for, naming the draft's and the target's
+        value of every field that differs."""
+        ours = {k: self.target[k] for k in TARGET_FIELDS}
+        ours["spec_hidden_size"] = self.spec_hidden_size
+        ours["draft hidden_size"] = self.hidden_size
+        theirs = {
+            **target_shapes(target),
+            "spec_hidden_size": target.spec_hidden_size,
+            "draft hidden_size": target.hidden_size,
+        }
+        differ = [
+            f"{name}: draft {ours[name]}, target {theirs[name]}"
+            for name in ours
+            if ours[name] != theirs[name]
+        ]
+        if differ:
+            raise DraftMismatchError(
+                f"draft {folder} does not fit the target model ({'; '.join(differ)})"
+            )
+
+
+def target_shapes(config: ModelConfig) -> dict[str, int]:
+    return {
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+    }

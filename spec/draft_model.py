@@ -1,0 +1,181 @@
+"""The multi-layer EAGLE draft: K depths, each an MTP module (two norms, a projection, one
+decoder layer), sharing the target's embedding, final norm and LM head. Saved and loaded in the
+folder format of docs/draft-format.md."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from engine.attention import AttentionBackend
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.forward_batch import ForwardBatch
+from engine.models.llama import DecoderLayer, RMSNorm
+from spec.config import DraftConfig
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+class DraftDepth(nn.Module):
+    """g = layer(fc(concat(enorm(embed(token)), hnorm(h)))): depth d at position i reads the
+    embedding of token x_{i+d+1} and h, the target's hidden state at i (depth 0) or depth d-1's
+    output there, and its output g predicts x_{i+d+2} through the target's LM head."""
+
+    def __init__(self, config: ModelConfig, in_width: int) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(in_width, config.rms_norm_eps)
+        self.fc = nn.Linear(config.hidden_size + in_width, config.hidden_size, bias=False)
+        # Layer index 0: the depth's KV pool has exactly one layer.
+        self.layer = DecoderLayer(config, 0)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = self.fc(torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1))
+        return self.layer(x, batch, rotary, backend)
+
+
+class MultiLayerEagleDraft(nn.Module):
+    def __init__(self, config: ModelConfig, num_draft_steps: int) -> None:
+        super().__init__()
+        self.config = config
+        self.depths = nn.ModuleList(
+            DraftDepth(config, config.spec_hidden_size if d == 0 else config.hidden_size)
+            for d in range(num_draft_steps)
+        )
+
+    @property
+    def num_draft_steps(self) -> int:
+        return len(self.depths)
+
+
+def save_draft(
+    path: str | os.PathLike, draft: MultiLayerEagleDraft, target_name: str = "unknown"
+) -> None:
+    """Write `draft` as a draft folder: config.json and model.safetensors with HF layer names."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = DraftConfig.for_target(draft.config, draft.num_draft_steps, target_name)
+    (folder / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
+    tensors: dict[str, torch.Tensor] = {}
+    for d, depth in enumerate(draft.depths):
+        prefix = f"depths.{d}."
+        tensors[prefix + "enorm.weight"] = depth.enorm.weight
+        tensors[prefix + "hnorm.weight"] = depth.hnorm.weight
+        tensors[prefix + "fc.weight"] = depth.fc.weight
+        for name, tensor in _unfused_layer(depth.layer, draft.config).items():
+            tensors[prefix + "layer." + name] = tensor
+    save_file(
+        {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+        str(folder / WEIGHTS_FILE),
+    )
+
+
+def load_draft(
+    path: str | os.PathLike,
+    target: ModelConfig,
+    num_draft_steps: int | None,
+    device: str | torch.device,
+    dtype: torch.dtype,
+) -> MultiLayerEagleDraft:
+    """The draft's first `num_draft_steps` depths (all by default), refused with
+    DraftMismatchError when it was made for a target of other shapes."""
+    folder = Path(path)
+    config = DraftConfig.load(folder)
+    config.check_target(target, folder)
+    steps = config.num_draft_steps if num_draft_steps is None else num_draft_steps
+    if not 1 <= steps <= config.num_draft_steps:
+        raise ModelLoadError(
+            f"num_draft_steps={steps}, but draft {folder} has {config.num_draft_steps} depths"
+        )
+    try:
+        tensors = load_file(str(folder / WEIGHTS_FILE))
+    except (OSError, SafetensorError) as err:
+        raise ModelLoadError(
+            f"could not read draft weights {folder / WEIGHTS_FILE}: {err}"
+        ) from err
+    with torch.device("meta"):
+        draft = MultiLayerEagleDraft(target, steps)
+    draft = draft.to_empty(device=device)
+    expected = _expected_names(draft)
+    missing = sorted(expected - tensors.keys())
+    if missing:
+        raise ModelLoadError(f"draft {folder} lacks {len(missing)} weights, e.g. {missing[:4]}")
+    # Depths beyond `steps` are skipped on purpose; anything else unknown is a broken file.
+    skipped = tuple(f"depths.{d}." for d in range(steps, config.num_draft_steps))
+    unexpected = [k for k in tensors if k not in expected and not k.startswith(skipped)]
+    if unexpected:
+        raise ModelLoadError(f"unexpected weight {unexpected[0]!r} in draft {folder}")
+    params = dict(draft.named_parameters())
+    for d in range(steps):
+        prefix = f"depths.{d}."
+        layer = {
+            k.removeprefix(prefix + "layer."): v
+            for k, v in tensors.items()
+            if k.startswith(prefix + "layer.")
+        }
+        fused = {prefix + "layer." + k: v for k, v in _fused_layer(layer).items()}
+        for name in ("enorm.weight", "hnorm.weight", "fc.weight"):
+            fused[prefix + name] = tensors[prefix + name]
+        for name, tensor in fused.items():
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ModelLoadError(
+                    f"draft weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(param.shape)}"
+                )
+            param.data.copy_(tensor)
+    return draft.to(dtype).eval()
+
+
+_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _unfused_layer(layer: DecoderLayer, config: ModelConfig) -> dict[str, torch.Tensor]:
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [inter, inter]}
+    out = {}
+    for name, tensor in layer.state_dict().items():
+        module, kind = name.rsplit(".", 1)
+        parent, leaf = module.rsplit(".", 1) if "." in module else ("", module)
+        if leaf in _PACKED:
+            for part, piece in zip(_PACKED[leaf], tensor.split(sizes[leaf])):
+                out[f"{parent}.{part}.{kind}"] = piece
+        else:
+            out[name] = tensor
+    return out
+
+
+def _fused_layer(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = dict(tensors)
+    for fused, parts in _PACKED.items():
+        parent = "self_attn" if fused == "qkv_proj" else "mlp"
+        for kind in ("weight", "bias"):
+            names = [f"{parent}.{p}.{kind}" for p in parts]
+            if all(n in out for n in names):
+                out[f"{parent}.{fused}.{kind}"] = torch.cat([out.pop(n) for n in names])
+    return out
+
+
+def _expected_names(draft: MultiLayerEagleDraft) -> set[str]:
+    names: set[str] = set()
+    for d, depth in enumerate(draft.depths):
+        for name in ("enorm.weight", "hnorm.weight", "fc.weight"):
+            names.add(f"depths.{d}.{name}")
+        for name in _unfused_layer(depth.layer, draft.config):
+            names.add(f"depths.{d}.layer.{name}")
+    return names

@@ -1,0 +1,117 @@
+"""One DraftRunner per draft depth. Each owns its depth's ReqToTokenPool, its one-layer KVPool
+and their slot allocator, and builds every forward of its depth from those alone: a depth that
+read or wrote another depth's pool would silently compute from the wrong keys and values.
+
+Invariant (per request and depth, `DraftSeq`): positions [0, valid_len) hold KV computed from
+committed inputs; positions from valid_len on hold KV of draft inputs or nothing, and are
+recomputed by the next forward of this depth, which starts at valid_len."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import create_attention_backend
+from engine.config import EngineConfig
+from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.models.llama import LlamaForCausalLM
+from engine.models.rope import RotaryEmbedding
+from spec.batching import Span, extend_batch
+from spec.draft_model import DraftDepth
+
+
+@dataclass
+class DraftSeq:
+    """One request's KV in one depth: its row, the slot of each position, and the length of
+    the prefix computed from committed inputs."""
+
+    row: int | None = None
+    slots: list[int] = field(default_factory=list)
+    valid_len: int = 0
+
+
+@dataclass
+class DraftInput:
+    seq: DraftSeq
+    start: int  # first position to compute (the seq's valid_len)
+    token_ids: list[int]  # the token each position reads
+    hidden: torch.Tensor  # [n, in_width] the hidden state each position reads
+
+
+class DraftRunner:
+    def __init__(
+        self,
+        depth: int,
+        module: DraftDepth,
+        target: LlamaForCausalLM,
+        rotary: RotaryEmbedding,
+        config: EngineConfig,
+    ) -> None:
+        model_config = target.config
+        self.depth = depth
+        self.module = module
+        self.target = target  # for its token embedding only
+        self.rotary = rotary
+        self.device = torch.device(config.device)
+        self.attention = create_attention_backend(
+            config.attention_backend,
+            model_config.num_heads,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+        )
+        # As many slots and rows as the target: a depth never holds more positions of a request
+        # than the target does, so it cannot run out where the target did not.
+        self.kv_pool = KVPool(
+            config.kv_cache_tokens,
+            1,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            config.dtype,
+            self.device,
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            config.max_num_seqs, config.max_model_len, self.device
+        )
+
+    def grow_to(self, seq: DraftSeq, num_positions: int) -> None:
+        """Give `seq` slots for positions [0, num_positions), taking a row first if needed."""
+        if seq.row is None:
+            seq.row = self.req_to_token_pool.allocate_row()
+        missing = num_positions - len(seq.slots)
+        if missing > 0:
+            slots = self.kv_pool.allocator.allocate(missing)
+            self.req_to_token_pool.write(seq.row, len(seq.slots), slots)
+            seq.slots.extend(slots)
+
+    def release(self, seq: DraftSeq) -> None:
+        if seq.slots:
+            self.kv_pool.allocator.free(seq.slots)
+        if seq.row is not None:
+            self.req_to_token_pool.free_row(seq.row)
+        seq.slots, seq.row, seq.valid_len = [], None, 0
+
+    def is_empty(self) -> bool:
+        self.kv_pool.allocator.check_integrity()
+        pool = self.req_to_token_pool
+        return self.kv_pool.allocator.num_used == 0 and pool.num_free_rows == pool.max_reqs
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[DraftInput]) -> list[torch.Tensor]:
+        """This depth's output [n, hidden_size] at each input's positions, writing their KV."""
+        spans = []
+        for item in inputs:
+            end = item.start + len(item.token_ids)
+            assert item.start == item.seq.valid_len and item.hidden.shape[0] == end - item.start
+            self.grow_to(item.seq, end)
+            spans.append(
+                Span(item.seq.row, item.start, item.token_ids, item.seq.slots[item.start : end])
+            )
+        batch = extend_batch(
+            spans, self.kv_pool, self.req_to_token_pool, self.attention, self.device
+        )
+        embeds = self.target.model.embed_tokens(batch.input_ids)
+        hidden = torch.cat([item.hidden for item in inputs])
+        cos_sin = self.rotary.lookup(batch.positions, embeds.dtype)
+        out = self.module(embeds, hidden, batch, cos_sin, self.attention)
+        return list(out.split(batch.extend_lens))

@@ -1,0 +1,194 @@
+"""Sampling with speculation keeps the target's distribution. Unit level: the acceptance rule's
+committed tokens are distributed as p. Engine level: the first tokens of many seeded requests
+follow the exact distribution that a reference (HF transformers) gives, and a broken acceptance
+rule fails that same check, so the check has the power to see one."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_drafts import make_good_draft, make_predictable_llama
+from transformers import LlamaForCausalLM
+
+import spec.acceptance
+from engine import LLM, SamplingParams
+from engine.sampler import filtered_probs
+from spec.acceptance import accept_chain
+
+VOCAB = 16
+PROMPT = [1, 5, 7, 3]
+NUM_RUNS = 1200
+
+
+def chi_square_p_value(observed: Counter, expected: dict, total: int) -> float:
+    """Pearson's test; cells expected fewer than 5 times are pooled into one."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for key, prob in expected.items():
+        exp = prob * total
+        if exp < 5:
+            pooled_obs += observed.get(key, 0)
+            pooled_exp += exp
+            continue
+        stat += (observed.get(key, 0) - exp) ** 2 / exp
+        cells += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    df = torch.tensor((cells - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+# --- the rule itself ------------------------------------------------------------------------
+
+
+def test_greedy_accepts_the_matching_prefix_then_adds_the_target_token() -> None:
+    logits = torch.zeros(4, 8)
+    for j, best in enumerate([3, 5, 1, 6]):
+        logits[j, best] = 1.0
+    greedy = SamplingParams(temperature=0)
+    gens = [None] * 4
+    default = torch.Generator()
+    all_right = accept_chain(logits, [3, 5, 1], greedy, gens, default)
+    assert (all_right.tokens, all_right.num_accepted) == ([3, 5, 1, 6], 3)
+    second_wrong = accept_chain(logits, [3, 4, 1], greedy, gens, default)
+    assert (second_wrong.tokens, second_wrong.num_accepted) == ([3, 5], 1)
+    first_wrong = accept_chain(logits, [0, 5, 1], greedy, gens, default)
+    assert (first_wrong.tokens, first_wrong.num_accepted) == ([3], 0)
+    no_drafts = accept_chain(logits[:1], [], greedy, [None], default)
+    assert (no_drafts.tokens, no_drafts.num_accepted) == ([3], 0)
+
+
+def test_committed_tokens_are_distributed_as_the_target() -> None:
+    """With drafts d1, d2: the first token ~ p0; after an accepted d1, the second ~ p1."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=generator) * 1.5
+    params = SamplingParams(temperature=1.0)
+    p = [filtered_probs(row, params) for row in logits]
+    drafts = [int(p[0].argmax()), int(p[1].argmin())]  # a likely and an unlikely proposal
+    draws = 8000
+    first: Counter = Counter()
+    second: Counter = Counter()
+    default = torch.Generator().manual_seed(1)
+    for _ in range(draws):
+        tokens = accept_chain(logits, drafts, params, [None] * 3, default).tokens
+        first[tokens[0]] += 1
+        if tokens[0] == drafts[0]:
+            second[tokens[1]] += 1
+    assert chi_square_p_value(first, dict(enumerate(p[0].tolist())), draws) > 1e-3
+    n = sum(second.values())
+    assert chi_square_p_value(second, dict(enumerate(p[1].tolist())), n) > 1e-3
+
+
+def test_seeded_acceptance_is_reproducible() -> None:
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=1.0, seed=5)
+
+    def run() -> list[int]:
+        gens = [torch.Generator().manual_seed(100 + j) for j in range(4)]
+        return accept_chain(logits, [1, 2, 3], params, gens, torch.Generator()).tokens
+
+    assert run() == run()
+
+
+# --- the engine, against the exact distribution ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A 16-token vocabulary with sharp next-token distributions, and a draft that proposes
+    the likely token often: a wrong acceptance rule then shifts the output a lot."""
+    root = tmp_path_factory.mktemp("spec_sampling")
+    make_predictable_llama(root / "target", seed=0, vocab_size=VOCAB, logit_scale=3.0)
+    make_good_draft(root / "draft", root / "target", 2, noise=0.01)
+    return root / "target", root / "draft"
+
+
+def _exact_distribution(target: Path, params: SamplingParams) -> dict[tuple[int, int, int], float]:
+    """P(t1, t2, t3) of the first three tokens, from HF transformers' logits."""
+    hf = LlamaForCausalLM.from_pretrained(target).eval()
+    pairs = [(a, b) for a in range(VOCAB) for b in range(VOCAB)]
+    ids = torch.tensor([PROMPT + [a, b] for a, b in pairs])
+    with torch.no_grad():
+        logits = hf(ids).logits.float()
+    n = len(PROMPT)
+    p1 = filtered_probs(logits[0, n - 1], params)
+    joint = {}
+    for row, (a, b) in enumerate(pairs):
+        p2 = filtered_probs(logits[row, n], params)
+        p3 = filtered_probs(logits[row, n + 1], params)
+        for c in range(VOCAB):
+            joint[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    return joint
+
+
+def _sample_runs(folders: tuple[Path, Path], params: SamplingParams) -> list[tuple[int, ...]]:
+    target, draft = folders
+    llm = LLM(
+        str(target),
+        device="cpu",
+        kv_cache_tokens=8 * NUM_RUNS,
+        max_num_seqs=400,
+        max_model_len=16,
+        speculative_algorithm="multi-layer-eagle",
+        draft_model=str(draft),
+    )
+    seeded = [
+        SamplingParams(**{**params.__dict__, "seed": seed, "max_tokens": 3, "ignore_eos": True})
+        for seed in range(NUM_RUNS)
+    ]
+    outputs = llm.generate([PROMPT] * NUM_RUNS, seeded)
+    assert sum(o.usage.completion_tokens_details.accepted_prediction_tokens for o in outputs) > 0
+    return [tuple(o.token_ids) for o in outputs]
+
+
+def _p_values(runs: list[tuple[int, ...]], joint: dict) -> dict[str, float]:
+    """Tests of the tokens speculation produced (t1 comes from the prefill alone)."""
+    marginals = {"t2": Counter(), "t3": Counter(), "t2,t3": Counter()}
+    for _t1, t2, t3 in runs:
+        marginals["t2"][t2] += 1
+        marginals["t3"][t3] += 1
+        marginals["t2,t3"][(t2, t3)] += 1
+    expected: dict[str, dict] = {"t2": Counter(), "t3": Counter(), "t2,t3": Counter()}
+    for (_, b, c), prob in joint.items():
+        expected["t2"][b] += prob
+        expected["t3"][c] += prob
+        expected["t2,t3"][(b, c)] += prob
+    return {k: chi_square_p_value(marginals[k], expected[k], len(runs)) for k in marginals}
+
+
+SETTINGS = {
+    "temperature-1": SamplingParams(temperature=1.0),
+    "temperature-0.7-top-p-0.9": SamplingParams(temperature=0.7, top_p=0.9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_speculative_sampling_keeps_the_target_distribution(folders, name: str) -> None:
+    params = SETTINGS[name]
+    p_values = _p_values(_sample_runs(folders, params), _exact_distribution(folders[0], params))
+    assert min(p_values.values()) > 1e-3, p_values
+
+
+def _resample_from_p(logits, draft_ids, params, generators, default_generator):
+    """A classic mistake: on rejection, sample from p again instead of from p minus the draft's
+    mass, which gives draft tokens more than their share."""
+    verdict = _correct_rule(logits, draft_ids, params, generators, default_generator)
+    if verdict.num_accepted < len(draft_ids) and not params.greedy:
+        j = verdict.num_accepted
+        probs = filtered_probs(logits[j], params)
+        generator = generators[j] or default_generator
+        verdict.tokens[j] = int(torch.multinomial(probs, 1, generator=generator)[0])
+    return verdict
+
+
+_correct_rule = spec.acceptance.accept_sampled
+
+
+def test_the_check_catches_a_broken_acceptance_rule(folders, monkeypatch) -> None:
+    monkeypatch.setattr("spec.worker.accept_sampled", _resample_from_p)
+    params = SETTINGS["temperature-1"]
+    p_values = _p_values(_sample_runs(folders, params), _exact_distribution(folders[0], params))
+    assert min(p_values.values()) < 1e-6, p_values
