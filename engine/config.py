@@ -136,6 +136,8 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     attention_backend: str = "torch"
     seed: int = 0
+    # float32 linear layers on CPU run through oneDNN with prepacked weights (see cpu_linear.py).
+    cpu_packed_linear: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "kv_cache_tokens", "max_prefill_tokens"):

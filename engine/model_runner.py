@@ -12,6 +12,7 @@ from engine.attention import create_attention_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.models.cpu_linear import pack_linears, packed_linear_available
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from engine.request import Request
@@ -117,4 +118,8 @@ def build_model(
     if model_config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_weights(weights)
+    if engine_config.cpu_packed_linear and packed_linear_available(
+        torch.device(engine_config.device), engine_config.dtype
+    ):
+        pack_linears(model)
     return model.eval()

@@ -55,8 +55,10 @@ class TorchAttentionBackend(AttentionBackend):
         pool.write(layer, batch.out_cache_loc, k, v)
         meta = batch.attn_metadata
         if isinstance(meta, DecodeMetadata):
-            keys = pool.k_buffers[layer][meta.slots].transpose(1, 2)  # [B, Hkv, L, D]
-            values = pool.v_buffers[layer][meta.slots].transpose(1, 2)
+            # One gather brings K and V of this layer: [B, L, 2, Hkv, D].
+            kv = pool.kv_buffer[:, layer][meta.slots]
+            keys = kv[:, :, 0].transpose(1, 2)  # [B, Hkv, L, D]
+            values = kv[:, :, 1].transpose(1, 2)
             out = F.scaled_dot_product_attention(
                 q[:, :, None, :],
                 keys,
@@ -73,8 +75,9 @@ class TorchAttentionBackend(AttentionBackend):
                 k_i = k[start : start + new].transpose(0, 1)[None]
                 v_i = v[start : start + new].transpose(0, 1)[None]
             else:
-                k_i = pool.k_buffers[layer][prefix_slots].transpose(0, 1)[None]
-                v_i = pool.v_buffers[layer][prefix_slots].transpose(0, 1)[None]
+                kv = pool.kv_buffer[:, layer][prefix_slots]  # [L, 2, Hkv, D]
+                k_i = kv[:, 0].transpose(0, 1)[None]
+                v_i = kv[:, 1].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
                 q_i,
                 k_i,
