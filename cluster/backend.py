@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from engine import SamplingParams, TokenLogprob
+from engine.prompt_embeds import PromptEmbeds
 
 
 @dataclass(frozen=True)
@@ -69,17 +70,29 @@ class GenerationBackend(Protocol):
         """{"role", "content": str} messages -> prompt token ids ending where the answer starts."""
         ...
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise engine.RequestRejectedError if the request can never be served."""
+    def validate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt_embeds: PromptEmbeds | None = None,
+    ) -> None:
+        """Raise engine.RequestRejectedError if the request can never be served (for
+        `prompt_embeds`: a width other than the model's hidden size, a position outside the
+        prompt, a value that is not finite)."""
         ...
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """An async generator of deltas, the last one with finish_reason and usage; raises
         BackendError on failure. Closing it early (aclose, or cancelling the task iterating it)
         aborts the request and frees its KV on every node that holds it. `request_id` is unique
-        among running requests."""
+        among running requests. `prompt_embeds` replaces the embeddings of those prompt tokens
+        (the HTTP layer passes it only when a request gives it)."""
         ...
 
     async def health(self) -> dict[str, Any]:

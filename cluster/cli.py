@@ -32,6 +32,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="KV slots per node (default: 2 GiB worth on CPU, 80%% of free memory on GPU)",
     )
+    parser.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        choices=["multi-layer-eagle"],
+        help="speculative decoding on decode nodes (and the offline engine); needs --draft-model",
+    )
+    parser.add_argument("--draft-model", default=None, help="draft folder (docs/draft-format.md)")
+    parser.add_argument(
+        "--num-draft-steps",
+        type=int,
+        default=None,
+        help="draft depths K to use (default: every depth the draft has)",
+    )
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +96,9 @@ def engine_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,
+        speculative_algorithm=args.speculative_algorithm,
+        draft_model=args.draft_model,
+        num_draft_steps=args.num_draft_steps,
     )
 
 
@@ -96,6 +112,9 @@ def build_llm(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,
+        speculative_algorithm=args.speculative_algorithm,
+        draft_model=args.draft_model,
+        num_draft_steps=args.num_draft_steps,
     )
 
 

@@ -112,21 +112,16 @@ def _wait_until_healthy(client: Client, server: subprocess.Popen) -> None:
 
 
 def _forwarded_flags(args: argparse.Namespace) -> list[str]:
+    """Every engine and cluster flag the user set, passed on to `pdcluster serve`."""
+    from cluster.cli import add_cluster_args, add_engine_args
+
+    probe = argparse.ArgumentParser()
+    add_engine_args(probe)
+    add_cluster_args(probe)
     flags = []
-    for name in (
-        "model",
-        "device",
-        "dtype",
-        "max_num_seqs",
-        "max_model_len",
-        "kv_cache_tokens",
-        "prefill_nodes",
-        "decode_nodes",
-        "ray_address",
-        "cpu_threads_per_node",
-    ):
-        value = getattr(args, name, None)
-        if value is not None:
+    for name, default in vars(probe.parse_args([])).items():
+        value = getattr(args, name, default)
+        if value != default:
             flags += ["--" + name.replace("_", "-"), str(value)]
     return flags
 

@@ -20,6 +20,7 @@ from typing import Any
 from cluster.backend import BackendError, TokenDelta, make_usage
 from cluster.detokenizer import IncrementalDetokenizer
 from engine import LLM, SamplingParams, TokenLogprob
+from engine.prompt_embeds import PromptEmbeds
 from engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -75,14 +76,25 @@ class LocalBackend:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.llm.apply_chat_template(messages)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt_embeds: PromptEmbeds | None = None,
+    ) -> None:
         # make_request only reads the engine's fixed config, so it is safe off the thread.
-        self.engine.make_request("validate", prompt_token_ids, params)
+        self.engine.make_request("validate", prompt_token_ids, params, prompt_embeds=prompt_embeds)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        request = self.engine.make_request(request_id, prompt_token_ids, params)
+        request = self.engine.make_request(
+            request_id, prompt_token_ids, params, prompt_embeds=prompt_embeds
+        )
         stream = _Stream(request, asyncio.get_running_loop(), asyncio.Queue())
         self._submit("add", stream)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop_strings)

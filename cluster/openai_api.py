@@ -41,6 +41,7 @@ from cluster.streaming import (
     unless_disconnected,
 )
 from engine import RequestRejectedError, SamplingParams
+from engine.prompt_embeds import PromptEmbeds
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,9 @@ def create_app(backend: GenerationBackend, api_key: str | None = None) -> FastAP
         if body.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
         prompt = _prompt_token_ids(body.prompt, backend.tokenizer)
+        embeds = _prompt_embeds(body)
         params = _sampling_params(body, body.max_tokens, body.logprobs, len(prompt), backend)
-        return await _generate(request, backend, body, "completion", prompt, params)
+        return await _generate(request, backend, body, "completion", prompt, params, embeds)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -156,6 +158,16 @@ def _prompt_token_ids(prompt: Any, tokenizer: Any) -> list[int]:
     return list(prompt)
 
 
+def _prompt_embeds(body: CompletionRequest) -> PromptEmbeds | None:
+    """The extension's vectors; their width and positions are the backend's to check."""
+    if body.prompt_embeds is None:
+        return None
+    try:
+        return PromptEmbeds.of((item.position, item.embedding) for item in body.prompt_embeds)
+    except RequestRejectedError as err:
+        raise OpenAIError(400, str(err), param="prompt_embeds") from err
+
+
 def _sampling_params(
     body: ChatCompletionRequest | CompletionRequest,
     max_tokens: int | None,
@@ -193,12 +205,15 @@ async def _generate(
     kind: str,
     prompt: list[int],
     params: SamplingParams,
+    prompt_embeds: PromptEmbeds | None = None,
 ) -> Response:
-    backend.validate(prompt, params)
+    # Passed only when given, so that a backend without the extension serves the rest.
+    extension = {} if prompt_embeds is None else {"prompt_embeds": prompt_embeds}
+    backend.validate(prompt, params, **extension)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     formatter = ResponseFormatter(kind, request_id, backend, body.include_usage)
     started = time.perf_counter()
-    deltas = backend.generate(request_id, prompt, params)
+    deltas = backend.generate(request_id, prompt, params, **extension)
 
     def log_line(outcome: str, completion_tokens: int) -> None:
         log.info(

@@ -2,7 +2,8 @@
 
 Requests are validated strictly: a string where a number belongs ("max_tokens": "10") is a 400,
 as in the OpenAI API, rather than silently coerced; unknown fields are ignored. Extensions:
-`top_k` and `ignore_eos` in requests, and `token_ids` in every response choice.
+`top_k` and `ignore_eos` in requests, `prompt_embeds` in completion requests (vectors that replace
+the embeddings of some prompt tokens), and `token_ids` in every response choice.
 """
 
 from __future__ import annotations
@@ -82,12 +83,21 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_tokens
 
 
+class PromptEmbedding(_Strict):
+    """A vector given in place of the embedding of the prompt token at `position` (a position
+    in the tokenized prompt; the token there stays as a placeholder)."""
+
+    position: int
+    embedding: list[float]
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = 16
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_embeds: list[PromptEmbedding] | None = None
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -19,11 +19,13 @@ from cluster.backend import BackendError, TokenDelta, make_usage
 from cluster.detokenizer import IncrementalDetokenizer
 from cluster.policies import create_policy
 from engine.loader import ModelSpec
+from engine.prompt_embeds import PromptEmbeds
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.validation import validate_request
 from metadata.messages import (
     AbortRequest,
+    EmbeddingsSpec,
     GenerateRequest,
     MessageError,
     SamplingSpec,
@@ -99,6 +101,7 @@ class Router:
         self._outboxes: dict[int, zmq.Socket] = {}
         self._flights: dict[int, _Flight] = {}
         self._tasks: list[asyncio.Task] = []
+        self._closed = False
 
     async def start(self) -> None:
         """Connect to the decode nodes and start listening; idempotent, and run on first use
@@ -116,6 +119,7 @@ class Router:
         ]
 
     async def close(self) -> None:
+        self._closed = True
         for task in self._tasks:
             task.cancel()
         for socket in [self._inbox, *self._outboxes.values()]:
@@ -130,7 +134,12 @@ class Router:
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt_embeds: PromptEmbeds | None = None,
+    ) -> None:
         validate_request(
             prompt_token_ids,
             params,
@@ -138,6 +147,8 @@ class Router:
             max_model_len=self.max_model_len,
             kv_cache_tokens=self.kv_cache_tokens,
         )
+        if prompt_embeds is not None:
+            prompt_embeds.check(len(prompt_token_ids), self.spec.model_config.hidden_size)
 
     async def health(self) -> dict[str, Any]:
         await self.start()
@@ -157,7 +168,11 @@ class Router:
         return {"status": status, "nodes": nodes}
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> AsyncIterator[TokenDelta]:
         await self.start()
         prefill = self._pick(self.prefill_nodes, self.prefill_policy, "prefill")
@@ -177,6 +192,7 @@ class Router:
                         list(prompt_token_ids),
                         _sampling_spec(params),
                         prefill.index,
+                        _embeddings_spec(prompt_embeds),
                     )
                 )
             )
@@ -212,6 +228,7 @@ class Router:
                     completion_tokens,
                     prefill_node=prefill.name,
                     decode_node=decode_node.name,
+                    **_speculation_usage(update.stats),
                 )
                 yield TokenDelta(
                     list(update.token_ids), text, logprobs, update.finish_reason, usage
@@ -222,7 +239,7 @@ class Router:
             if not flight.got_first_token:
                 prefill.in_flight -= 1
             decode_node.in_flight -= 1
-            if not finished and decode_node.alive:
+            if not finished and decode_node.alive and not self._closed:
                 # The client went away (or the task was cancelled): free the request's KV.
                 self._outboxes[decode_node.index].send(encode(AbortRequest(room)))
 
@@ -266,6 +283,22 @@ class Router:
         if not alive:
             raise BackendError(f"no {role} node is alive", stage="routing", status=503)
         return policy.pick(alive)
+
+
+SPECULATION_USAGE_KEYS = ("completion_tokens_details", "spec_verify_steps", "spec_accept_length")
+
+
+def _speculation_usage(stats: dict[str, Any]) -> dict[str, Any]:
+    """The decode node's speculation figures, under the names `usage` carries them."""
+    return {key: stats[key] for key in SPECULATION_USAGE_KEYS if key in stats}
+
+
+def _embeddings_spec(prompt_embeds: PromptEmbeds | None) -> EmbeddingsSpec | None:
+    if prompt_embeds is None:
+        return None
+    return EmbeddingsSpec(
+        list(prompt_embeds.positions), prompt_embeds.width, prompt_embeds.to_bytes()
+    )
 
 
 def _sampling_spec(params: SamplingParams) -> SamplingSpec:

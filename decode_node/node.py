@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
-from engine.request import Request
+from engine.request import Request, SpecStats
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
-from metadata.buffers import MetadataBuffers
 from metadata.control import Inbox, Outbox
 from metadata.handshake import PairingError, TransferSpec, check_compatible
 from metadata.messages import (
@@ -34,10 +33,12 @@ from metadata.node_common import (
     NodeOptions,
     join_transfer_group,
     load_node_engine,
+    metadata_buffers,
     open_channels,
     transfer_spec,
 )
 from metadata.transfer import KVReceiver, TransferHandle, TransferState
+from spec import DraftState, speculator_from_args
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
@@ -59,16 +60,11 @@ class DecodeNode:
     def __init__(self, args: EngineArgs, options: NodeOptions) -> None:
         self.options = options
         self.spec, runner = load_node_engine(args, options)
-        self.engine = EngineCore(runner, self.spec.tokenizer)
-        config = self.spec.engine_config
-        self.metadata = MetadataBuffers(
-            options.metadata_rows,
-            self.spec.model_config.spec_hidden_size,
-            0,
-            1,
-            config.dtype,
-            config.device,
-        )
+        self.speculator = speculator_from_args(args, runner)
+        self.num_draft_steps = self.speculator.num_draft_steps if self.speculator else 0
+        self.engine = EngineCore(runner, self.spec.tokenizer, self.speculator)
+        self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
+        self.spec_totals = SpecStats()
         self.inbox = Inbox(options.host)
         self.prefill_outboxes: dict[int, Outbox] = {}
         self.router: Outbox | None = None
@@ -83,7 +79,8 @@ class DecodeNode:
 
     # --- setup and health (Ray calls) ---
     def describe(self) -> dict:
-        return {"endpoint": self.inbox.endpoint, "spec": transfer_spec(self.spec).to_dict()}
+        spec = transfer_spec(self.spec, self.num_draft_steps)
+        return {"endpoint": self.inbox.endpoint, "spec": spec.to_dict()}
 
     def join_group(
         self, store_host: str, store_port: int, rank: int, world_size: int, peers: list[int]
@@ -103,7 +100,7 @@ class DecodeNode:
     ) -> None:
         """Pair with every prefill node, refusing (PairingError) any whose KV layout, dtype,
         model or spec_hidden_size differs from this node's."""
-        mine = transfer_spec(self.spec)
+        mine = transfer_spec(self.spec, self.num_draft_steps)
         for index in sorted(prefill_specs):
             try:
                 check_compatible(TransferSpec.from_dict(prefill_specs[index]), mine)
@@ -131,10 +128,20 @@ class DecodeNode:
             "kv_used": allocator.num_used,
             "kv_capacity": allocator.capacity,
             "tokens_out": self.tokens_out,
+            "spec_verify_steps": self.spec_totals.verify_steps,
+            "spec_accept_length": (
+                self.spec_totals.accept_length if self.spec_totals.verify_steps else None
+            ),
+            "spec_accepted_per_position": list(self.spec_totals.accepted_per_position),
         }
 
     def kv_is_empty(self) -> bool:
-        return self.engine.kv_cache.is_empty() and self.metadata.num_free == self.metadata.num_rows
+        drafts_empty = self.speculator is None or self.speculator.is_empty()
+        return (
+            self.engine.kv_cache.is_empty()
+            and drafts_empty
+            and self.metadata.num_free == self.metadata.num_rows
+        )
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -196,6 +203,8 @@ class DecodeNode:
                 return
             self.prealloc.popleft()
             kv_cache.grow(req, need)
+            if req.num_draft_tokens:
+                self.speculator.reserve(req, need)
             tracked.meta_row = self.metadata.allocate()
             msg = tracked.message
             self.prefill_outboxes[msg.prefill_node].send(
@@ -206,6 +215,7 @@ class DecodeNode:
                     msg.sampling,
                     self.options.index,
                     self.rank,
+                    msg.prompt_embeds,
                 )
             )
             self.receiving.append(tracked)
@@ -223,12 +233,21 @@ class DecodeNode:
             )
             return
         tracked.announce = announce
+        req = tracked.req
+        pools = [(self.engine.runner.kv_pool, req.slots[:prompt_len])]
+        if announce.num_draft_tokens and req.num_draft_tokens:
+            pools += self.speculator.depth_kv(req, prompt_len)
+        elif announce.num_draft_tokens:
+            reason = f"prefill sent {announce.num_draft_tokens} draft depths to a node that "
+            self._fail(tracked, reason + "does not speculate")
+            return
+        elif req.num_draft_tokens:
+            # The prefill node drafted nothing (one token left to emit after the first): this
+            # request decodes plainly, and its reserved draft slots go back now.
+            self.speculator.release(req)
+            req.num_draft_tokens = 0
         tracked.handle = self.receiver.expect(
-            announce.prefill_rank,
-            announce.room,
-            [(self.engine.runner.kv_pool, tracked.req.slots[:prompt_len])],
-            self.metadata,
-            tracked.meta_row,
+            announce.prefill_rank, announce.room, pools, self.metadata, tracked.meta_row
         )
 
     def _land_transfers(self) -> None:
@@ -258,10 +277,12 @@ class DecodeNode:
         if req.params.logprobs is not None:
             top = [(int(t), float(lp)) for t, lp in tracked.announce.first_token_top_logprobs]
             req.logprobs.append(TokenLogprob(first, float(self.metadata.output_logprob[row]), top))
-        self.metadata.free(row)
-        tracked.meta_row = None
         req.kv_len = len(req.prompt_token_ids)
         req.output_token_ids.append(first)
+        if tracked.announce.num_draft_tokens:
+            self.speculator.adopt(req, self._draft_state(row, req.kv_len))
+        self.metadata.free(row)
+        tracked.meta_row = None
         req.finish_reason = self.engine.stop_checker.check(req)
         if req.finished:
             self._report(tracked)
@@ -269,6 +290,16 @@ class DecodeNode:
         else:
             self._report(tracked)
             self.engine.scheduler.add_running(req)
+
+    def _draft_state(self, row: int, prompt_len: int) -> DraftState:
+        meta = self.metadata
+        return DraftState(
+            prompt_len,
+            meta.topk_index[row].tolist(),
+            meta.topk_p[row].tolist(),
+            meta.hidden_states[row].clone(),
+            meta.boundary_hidden[row].clone(),
+        )
 
     def _decode_step(self) -> None:
         stepped = list(self.engine.scheduler.running)
@@ -304,8 +335,25 @@ class DecodeNode:
                 "prefill_node": tracked.message.prefill_node,
                 "decode_node": self.options.index,
                 "stop_string": req.stopped_by_string,
+                **self._speculation_usage(req),
             }
         self._send(TokenUpdate(tracked.message.room, new, logprobs, req.finish_reason, stats=stats))
+
+    def _speculation_usage(self, req: Request) -> dict:
+        """The request's speculation figures under their OpenAI usage names; also added to
+        this node's totals."""
+        stats = req.spec_stats
+        if stats is None or not stats.verify_steps:
+            return {}
+        self.spec_totals.add(stats)
+        return {
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": stats.accepted_tokens,
+                "rejected_prediction_tokens": stats.rejected_tokens,
+            },
+            "spec_verify_steps": stats.verify_steps,
+            "spec_accept_length": stats.accept_length,
+        }
 
     def _abort(self, room: int) -> None:
         tracked = self.rooms.get(room)
@@ -338,6 +386,8 @@ class DecodeNode:
 
     def _forget(self, tracked: _Tracked) -> None:
         self.engine.kv_cache.release(tracked.req)
+        if self.speculator is not None:
+            self.speculator.release(tracked.req)
         if tracked.meta_row is not None:
             self.metadata.free(tracked.meta_row)
             tracked.meta_row = None

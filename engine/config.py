@@ -48,11 +48,24 @@ class ModelConfig:
     mlp_bias: bool = False
     hc_mult: int = 1
     eos_token_ids: tuple[int, ...] = ()
+    # The target layers whose outputs an EAGLE3-style draft reads, side by side, instead of
+    # the last layer's; set by deriving this config for such a draft (spec.draft_target_config).
+    draft_aux_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.hc_mult < 1:
+            raise ValueError(f"hc_mult must be >= 1, got {self.hc_mult}")
+        outside = [i for i in self.draft_aux_layers if not 0 <= i < self.num_layers]
+        if outside:
+            raise ValueError(
+                f"draft_aux_layers {outside} outside the target's layers 0..{self.num_layers - 1}"
+            )
 
     @property
     def spec_hidden_size(self) -> int:
-        """Width of the hidden state handed to a draft model: the residual stream's full width."""
-        return self.hidden_size * self.hc_mult
+        """Width of the hidden state handed to a draft model: the residual stream's full width
+        (hidden_size * hc_mult), once per auxiliary layer the draft reads (EAGLE3 style)."""
+        return self.hidden_size * self.hc_mult * max(1, len(self.draft_aux_layers))
 
     @classmethod
     def from_hf(cls, hf: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:

@@ -13,7 +13,8 @@ from typing import Any, Protocol
 import torch
 
 from engine.kv_cache import KVCacheManager
-from engine.model_runner import ModelRunner
+from engine.model_runner import ForwardOutput, ModelRunner
+from engine.prompt_embeds import InputEmbeds, PromptEmbeds
 from engine.request import Request, RequestOutput, SpecStats, Usage
 from engine.sampler import compute_logprobs, sample
 from engine.sampling_params import SamplingParams
@@ -41,9 +42,15 @@ class Speculator(Protocol):
 
     num_draft_steps: int
 
-    def draft_extend_prefill(self, requests: list[Request], hidden: list[torch.Tensor]) -> None:
+    def draft_extend_prefill(
+        self,
+        requests: list[Request],
+        hidden: list[torch.Tensor],
+        input_embeds: list[InputEmbeds | None] | None = None,
+    ) -> None:
         """Run every draft depth over freshly prefilled prompts (hidden: the target's, per
-        request, at every prompt position) and build each request's first draft chain."""
+        request, at every prompt position; input_embeds: the rows the target read in place of
+        token embeddings there, if any) and build each request's first draft chain."""
 
     def verify(self, requests: list[Request], default_generator: torch.Generator) -> Any:
         """One target forward over each request's newest token and draft chain; returns the
@@ -84,11 +91,15 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         speculative: bool = True,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> Request:
         """Validate a request against this engine's limits; raises RequestRejectedError.
-        `speculative=False` opts this request out of an engine's speculative decoding."""
+        `speculative=False` opts this request out of an engine's speculative decoding;
+        `prompt_embeds` gives vectors for some prompt positions in place of their tokens'."""
         self._validate(prompt_token_ids, params)
-        req = Request(request_id, list(prompt_token_ids), params)
+        if prompt_embeds is not None:
+            prompt_embeds.check(len(prompt_token_ids), self.runner.model_config.hidden_size)
+        req = Request(request_id, list(prompt_token_ids), params, prompt_embeds=prompt_embeds)
         if self.speculator is not None and speculative:
             req.num_draft_tokens = self.speculator.num_draft_steps
             req.spec_stats = SpecStats(accepted_per_position=[0] * req.num_draft_tokens)
@@ -123,22 +134,26 @@ class EngineCore:
             batch, tokens.tolist(), logprobs, self.stop_checker
         )
         if keep_hidden:
-            finished += self._draft_extend_prefill(batch, forward_batch.extend_lens, output.hidden)
+            finished += self._draft_extend_prefill(batch, forward_batch.extend_lens, output)
         return finished
 
     def _draft_extend_prefill(
-        self, batch: ScheduledBatch, extend_lens: list[int], hidden: torch.Tensor
+        self, batch: ScheduledBatch, extend_lens: list[int], output: ForwardOutput
     ) -> list[Request]:
-        assert self.speculator is not None
-        pairs = [
-            (req, h)
-            for req, h in zip(batch.requests, hidden.split(extend_lens))
+        assert self.speculator is not None and output.hidden is not None
+        embeds = output.input_embeds
+        per_request = embeds.split(extend_lens) if embeds else [None] * len(extend_lens)
+        items = [
+            (req, h, e)
+            for req, h, e in zip(batch.requests, output.hidden.split(extend_lens), per_request)
             # No chain is worth drafting for a request that has one token left to emit.
             if req.num_draft_tokens and not req.finished and req.lookahead
         ]
-        requests = [req for req, _ in pairs]
+        requests = [req for req, _, _ in items]
         try:
-            self.speculator.draft_extend_prefill(requests, [h for _, h in pairs])
+            self.speculator.draft_extend_prefill(
+                requests, [h for _, h, _ in items], [e for _, _, e in items]
+            )
         except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only
             return self._fail(requests, "draft extend (prefill)", err)
         return []
@@ -178,6 +193,9 @@ class EngineCore:
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         config = self.runner.config
         validate_request(
-            prompt, params, vocab_size=self.runner.model_config.vocab_size,
-            max_model_len=config.max_model_len, kv_cache_tokens=config.kv_cache_tokens,
+            prompt,
+            params,
+            vocab_size=self.runner.model_config.vocab_size,
+            max_model_len=config.max_model_len,
+            kv_cache_tokens=config.kv_cache_tokens,
         )

@@ -11,6 +11,7 @@ import torch
 from engine.engine_core import EngineCore
 from engine.errors import PdclusterError
 from engine.loader import EngineArgs, load_runner, model_path_arg, resolve
+from engine.prompt_embeds import EmbedsArg, PromptEmbeds, per_prompt
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -52,6 +53,9 @@ class LLM:
             max_prefill_tokens=max_prefill_tokens,
             attention_backend=attention_backend,
             seed=seed,
+            speculative_algorithm=speculative_algorithm,
+            draft_model=model_path_arg(draft_model),
+            num_draft_steps=num_draft_steps,
         )
         spec = resolve(self.args)
         self.model_path = spec.path
@@ -68,8 +72,6 @@ class LLM:
             speculator = build_speculator(
                 speculative_algorithm, runner, draft_model, num_draft_steps
             )
-        elif draft_model is not None or num_draft_steps is not None:
-            raise ValueError("draft_model and num_draft_steps need a speculative_algorithm")
         self.engine = EngineCore(runner, self.tokenizer, speculator)
         self._ids = itertools.count()
 
@@ -79,13 +81,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         speculative: bool | Sequence[bool] = True,
+        prompt_embeds: EmbedsArg | Sequence[EmbedsArg | None] | None = None,
     ) -> list[RequestOutput]:
         """Prompts are strings or token-id lists; outputs come back in the same order.
-        `speculative` (one flag, or one per prompt) lets requests opt out of speculation."""
+        `speculative` (one flag, or one per prompt) lets requests opt out of speculation.
+        `prompt_embeds` ({position: vector} or PromptEmbeds, one or one per prompt, None for
+        none) gives vectors that replace the embeddings of those prompt tokens."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        return self._run(token_lists, sampling_params, speculative)
+        embeds = per_prompt(prompt_embeds, len(token_lists))
+        return self._run(token_lists, sampling_params, speculative, embeds)
 
     def chat(
         self,
@@ -110,6 +116,7 @@ class LLM:
         token_lists: list[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         speculative: bool | Sequence[bool] = True,
+        prompt_embeds: list[PromptEmbeds | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -125,9 +132,10 @@ class LLM:
         if len(flags) != len(token_lists):
             raise ValueError(f"{len(flags)} speculative flags for {len(token_lists)} prompts")
         # Validate everything before running anything, so one bad prompt costs no work.
+        embeds = prompt_embeds or [None] * len(token_lists)
         requests = [
-            self.engine.make_request(str(next(self._ids)), tokens, params, flag)
-            for tokens, params, flag in zip(token_lists, params_list, flags)
+            self.engine.make_request(str(next(self._ids)), tokens, params, flag, given)
+            for tokens, params, flag, given in zip(token_lists, params_list, flags, embeds)
         ]
         for req in requests:
             self.engine.add_request(req)

@@ -31,6 +31,16 @@ class EngineArgs:
     max_prefill_tokens: int = 8192
     attention_backend: str = "torch"
     seed: int = 0
+    # Speculative decoding (see spec/ and docs/draft-format.md); off when algorithm is None.
+    speculative_algorithm: str | None = None
+    draft_model: str | None = None
+    num_draft_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative_algorithm is None and (
+            self.draft_model is not None or self.num_draft_steps is not None
+        ):
+            raise ValueError("draft_model and num_draft_steps need a speculative_algorithm")
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,13 @@ def resolve(args: EngineArgs) -> ModelSpec:
     hf_config = load_hf_config(path)
     tokenizer = load_tokenizer(path)
     model_config = ModelConfig.from_hf(hf_config, _eos_token_ids(path, hf_config))
+    if args.speculative_algorithm is not None:
+        # The draft may read auxiliary target layers: derived here, once, so the runner, the
+        # metadata buffers and the pairing spec all see one spec_hidden_size. Imported here:
+        # spec depends on engine, never the reverse at import time.
+        from spec import draft_target_config
+
+        model_config = draft_target_config(model_config, args.draft_model)
     device = args.device or default_device()
     dtype = resolve_dtype(None if args.dtype == "auto" else args.dtype, device)
     max_model_len = args.max_model_len or model_config.max_position_embeddings

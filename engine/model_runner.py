@@ -12,18 +12,23 @@ from engine.attention import create_attention_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.models import model_class
 from engine.models.cpu_linear import pack_linears, packed_linear_available
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
+from engine.prompt_embeds import InputEmbeds, concat_input_embeds
 from engine.request import Request
 
 
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [B, vocab] float32 at each request's last new token
-    last_hidden: torch.Tensor  # [B, spec_hidden_size] the last layer's output there, before norm
+    last_hidden: torch.Tensor  # [B, spec_hidden_size] the draft's input there (see `hidden`)
     # [T, spec_hidden_size] at every new token, when asked for: the draft model's input.
     hidden: torch.Tensor | None = None
+    # With `hidden`, when the batch gave input embeddings: the rows the target read in place of
+    # token embeddings, [T] (the draft's prefill reads them too).
+    input_embeds: InputEmbeds | None = None
 
 
 class ModelRunner:
@@ -67,13 +72,18 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         seq_lens, extend_lens = [], []
+        embeds: list[InputEmbeds | None] = []
         for req in requests:
             start, end = req.kv_len, req.num_tokens
+            embeds.append(req.prompt_embeds.rows(start, end) if req.prompt_embeds else None)
             ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(req.slots[start:end])
             seq_lens.append(end)
             extend_lens.append(end - start)
+        input_embeds, input_embeds_mask = concat_input_embeds(
+            embeds, extend_lens, self.device, self.config.dtype
+        )
         batch = ForwardBatch(
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
@@ -83,23 +93,45 @@ class ModelRunner:
             extend_lens=extend_lens,
             kv_pool=self.kv_pool,
             req_to_token_pool=self.req_to_token_pool,
+            input_embeds=input_embeds,
+            input_embeds_mask=input_embeds_mask,
         )
         batch.attn_metadata = self.attention.prepare(batch)
         return batch
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, keep_hidden: bool = False) -> ForwardOutput:
-        hidden = self.model(batch, self.rotary, self.attention)
-        last_hidden = hidden[batch.last_token_indices()]
-        logits = self.model.compute_logits(last_hidden)
-        return ForwardOutput(logits, last_hidden, hidden if keep_hidden else None)
+        hidden, draft_hidden = self._run_model(batch)
+        last = batch.last_token_indices()
+        logits = self.model.compute_logits(hidden[last])
+        last_hidden = draft_hidden[last]
+        if not keep_hidden:
+            return ForwardOutput(logits, last_hidden)
+        return ForwardOutput(logits, last_hidden, draft_hidden, self._input_embeds_used(batch))
+
+    def _run_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the LM head reads, and the draft's input [T, spec_hidden_size]: the outputs of
+        the draft's auxiliary layers side by side (EAGLE3 style), or the same last output."""
+        aux_layers = self.model_config.draft_aux_layers
+        hidden, captured = self.model.forward_layers(batch, self.rotary, self.attention, aux_layers)
+        return hidden, torch.cat(captured, dim=-1) if aux_layers else hidden
+
+    def _input_embeds_used(self, batch: ForwardBatch) -> InputEmbeds | None:
+        """The input-embedding rows this forward read, sliced to the batch's real token count
+        (built in the model's dtype, so exactly what the model used). A CUDA graph runner pads
+        the batch into static buffers: it must copy these rows out of its input buffer, sliced
+        the same way, or the draft would read padding or the next replay's rows."""
+        if batch.input_embeds is None:
+            return None
+        num_tokens = batch.num_tokens
+        return InputEmbeds(batch.input_embeds[:num_tokens], batch.input_embeds_mask[:num_tokens])
 
     @torch.inference_mode()
     def forward_every_token(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [T, vocab] and hidden states [T, spec_hidden_size] at every new token: what
         speculative verify needs, since it checks a draft token at each position."""
-        hidden = self.model(batch, self.rotary, self.attention)
-        return self.model.compute_logits(hidden), hidden
+        hidden, draft_hidden = self._run_model(batch)
+        return self.model.compute_logits(hidden), draft_hidden
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -113,7 +145,7 @@ def build_model(
     # Build on the meta device so no memory is spent on a random initialisation that the
     # checkpoint overwrites anyway.
     with torch.device("meta"):
-        model = LlamaForCausalLM(model_config)
+        model = model_class(model_config)(model_config)
     model = model.to_empty(device=engine_config.device).to(engine_config.dtype)
     if model_config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

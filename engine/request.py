@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.prompt_embeds import PromptEmbeds
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -31,6 +32,17 @@ class SpecStats:
         """Tokens committed per verify step (1.0 means no draft token was ever accepted)."""
         return self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0
 
+    def add(self, other: SpecStats) -> None:
+        """Add another request's counters to these (a node's totals)."""
+        self.verify_steps += other.verify_steps
+        self.proposed_tokens += other.proposed_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self.emitted_tokens += other.emitted_tokens
+        mine, theirs = self.accepted_per_position, other.accepted_per_position
+        mine.extend([0] * (len(theirs) - len(mine)))
+        for j, count in enumerate(theirs):
+            mine[j] += count
+
 
 @dataclass
 class Request:
@@ -47,6 +59,9 @@ class Request:
     stopped_by_string: str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    # Vectors given for some prompt positions in place of their tokens' embeddings; they stay
+    # attached to those positions, so a re-prefill after preemption reads them again.
+    prompt_embeds: PromptEmbeds | None = None
     # Speculative decoding: draft tokens each verify step checks (0: this request does not
     # speculate), the speculator's per-request state (engine code never looks inside it, since
     # spec depends on engine and not the reverse), and the counters.

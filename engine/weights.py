@@ -15,12 +15,13 @@ from safetensors import SafetensorError, safe_open
 from engine.default_model import convert_gguf, default_model_path, ensure_converted
 from engine.env import cache_dir
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.models import MODEL_CLASSES
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "hyper_llama")
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -90,6 +91,9 @@ def load_hf_config(path: Path) -> PretrainedConfig:
     # Checked on the raw JSON first, so an architecture transformers does not know still gets
     # this message rather than an AutoConfig error.
     _check_supported(raw, config_file)
+    from engine.models.hf_configs import register_hf_configs
+
+    register_hf_configs()
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as err:

@@ -25,6 +25,7 @@ FIELDS = (
     "topk_index",
     "topk_p",
     "hidden_states",
+    "boundary_hidden",
     "cached_tokens",
     "room",
 )
@@ -39,7 +40,11 @@ class MetadataBuffers:
         topk: int,
         hidden_dtype: torch.dtype,
         device: str | torch.device,
+        boundary_width: int = 0,
     ) -> None:
+        """`boundary_width`: the width of a draft depth's output (the target's hidden_size):
+        depth d's output at the last prompt position its inputs fully cover, for d < K-1,
+        which the decode side's first draft extend starts from."""
         if num_rows < 1:
             raise ValueError(f"MetadataBuffers needs at least one row, got num_rows={num_rows}")
         self.num_rows = num_rows
@@ -58,6 +63,10 @@ class MetadataBuffers:
         self.topk_index = zeros(num_rows, width, dtype=torch.int64)
         self.topk_p = zeros(num_rows, width, dtype=torch.float32)
         self.hidden_states = zeros(num_rows, spec_hidden_size, dtype=hidden_dtype)
+        depths_with_boundary = max(num_draft_steps - 1, 0)
+        self.boundary_hidden = zeros(
+            num_rows, depths_with_boundary, boundary_width, dtype=hidden_dtype
+        )
         self.cached_tokens = zeros(num_rows, dtype=torch.int64)
         self.room = zeros(num_rows, dtype=torch.int64)
         # Popping from the end hands out row 0 first, which keeps tests readable.
@@ -92,6 +101,7 @@ class MetadataBuffers:
         hidden_state: torch.Tensor,
         topk_index: torch.Tensor | None = None,
         topk_p: torch.Tensor | None = None,
+        boundary_hidden: torch.Tensor | None = None,
         cached_tokens: int = 0,
     ) -> None:
         self._check_row(row)
@@ -117,6 +127,15 @@ class MetadataBuffers:
                     f"{name} has {value.numel()} values, expected num_draft_steps * topk = {width}"
                 )
             getattr(self, name)[row].copy_(value.reshape(width))
+        if boundary_hidden is None:
+            self.boundary_hidden[row].zero_()
+        else:
+            if boundary_hidden.shape != self.boundary_hidden.shape[1:]:
+                raise ValueError(
+                    f"boundary_hidden has shape {tuple(boundary_hidden.shape)}, expected "
+                    f"{tuple(self.boundary_hidden.shape[1:])}"
+                )
+            self.boundary_hidden[row].copy_(boundary_hidden)
         self.cached_tokens[row] = cached_tokens
         self.room[row] = room
 

@@ -58,8 +58,9 @@ class TransferSpec:
             isinstance(shape, list | tuple) and len(shape) == 3 and all(_is_int(d) for d in shape)
             for shape in draft_kv
         ):
-            raise ValueError(f"TransferSpec.draft_kv: expected [[layers, heads, dim], ...], got "
-                             f"{draft_kv!r}")
+            raise ValueError(
+                f"TransferSpec.draft_kv: expected [[layers, heads, dim], ...], got {draft_kv!r}"
+            )
         return cls(**{**data, "draft_kv": tuple(tuple(shape) for shape in draft_kv)})
 
 

@@ -46,6 +46,16 @@ class SamplingSpec:
 
 
 @message
+class EmbeddingsSpec:
+    """Vectors given for some prompt positions (engine.prompt_embeds.PromptEmbeds): `data` is
+    len(positions) x width float32 values, little-endian, row after row."""
+
+    positions: list[int]
+    width: int
+    data: bytes
+
+
+@message
 class GenerateRequest:
     """Router -> decode node: preallocate for this request, then ask `prefill_node` to run it."""
 
@@ -54,6 +64,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: SamplingSpec
     prefill_node: int
+    prompt_embeds: EmbeddingsSpec | None = None
 
 
 @message
@@ -66,6 +77,7 @@ class PrefillRequest:
     sampling: SamplingSpec
     decode_node: int
     decode_rank: int
+    prompt_embeds: EmbeddingsSpec | None = None
 
 
 @message
@@ -77,6 +89,8 @@ class TransferAnnounce:
     num_tokens: int
     # Top log-probabilities of the first token, when the request asked for them: [[id, lp], ...]
     first_token_top_logprobs: list[list[Any]] = field(default_factory=list)
+    # Draft depths whose KV and chain follow the target's KV (0: this request did not draft).
+    num_draft_tokens: int = 0
 
 
 @message
@@ -175,6 +189,10 @@ def _check(hint: Any, value: Any, where: str) -> Any:
         return _build(hint, value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is bytes:
+        if not isinstance(value, bytes):
+            raise MessageError(f"{where}: expected bytes, got {type(value).__name__}")
+        return value
     if hint in (int, str, bool, float):
         if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
             raise MessageError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")

@@ -12,6 +12,7 @@ import torch
 from engine.kv_pool import KVPool
 from engine.loader import EngineArgs, ModelSpec, load_runner, resolve
 from engine.model_runner import ModelRunner
+from metadata.buffers import MetadataBuffers
 from metadata.handshake import TransferSpec
 from metadata.process_group import init_transfer_group
 from metadata.transfer import KVReceiver, KVSender, TransferState
@@ -65,7 +66,9 @@ def load_node_engine(args: EngineArgs, options: NodeOptions) -> tuple[ModelSpec,
     return spec, runner
 
 
-def transfer_spec(spec: ModelSpec) -> TransferSpec:
+def transfer_spec(spec: ModelSpec, num_draft_steps: int = 0) -> TransferSpec:
+    """What a prefill and a decode node must agree on; `num_draft_steps`: the draft depths
+    whose KV crosses too (each a one-layer pool shaped like the target's layers)."""
     config = spec.model_config
     fingerprint = hashlib.sha256(repr(config).encode()).hexdigest()[:16]
     return TransferSpec(
@@ -77,9 +80,24 @@ def transfer_spec(spec: ModelSpec) -> TransferSpec:
         head_dim=config.head_dim,
         kv_layout=KVPool.layout,
         spec_hidden_size=config.spec_hidden_size,
-        num_draft_steps=0,
+        num_draft_steps=num_draft_steps,
         topk=1,
-        draft_kv=(),
+        draft_kv=tuple((1, config.num_kv_heads, config.head_dim) for _ in range(num_draft_steps)),
+    )
+
+
+def metadata_buffers(
+    spec: ModelSpec, options: NodeOptions, num_draft_steps: int
+) -> MetadataBuffers:
+    config = spec.engine_config
+    return MetadataBuffers(
+        options.metadata_rows,
+        spec.model_config.spec_hidden_size,
+        num_draft_steps,
+        1,
+        config.dtype,
+        config.device,
+        boundary_width=spec.model_config.hidden_size,
     )
 
 
@@ -89,8 +107,9 @@ def open_channels(endpoint: KVSender | KVReceiver, peers: list[int], timeout_s: 
     handles = [endpoint.connect(peer) for peer in peers]
     for handle in handles:
         if handle.wait(timeout_s) != TransferState.SUCCESS:
-            raise RuntimeError(f"could not open the channel with rank {handle.peer}: "
-                               f"{handle.error or 'timed out'}")
+            raise RuntimeError(
+                f"could not open the channel with rank {handle.peer}: {handle.error or 'timed out'}"
+            )
 
 
 def join_transfer_group(

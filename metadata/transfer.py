@@ -251,8 +251,10 @@ class _PeerWorkers:
         # Checked here because gloo crashes the process (SIGSEGV) on a p2p op to a bad rank.
         world, own = dist.get_world_size(), dist.get_rank()
         if not 0 <= peer < world or peer == own:
-            raise ValueError(f"peer rank {peer} is not another rank of this world (size {world}, "
-                             f"this is rank {own})")
+            raise ValueError(
+                f"peer rank {peer} is not another rank of this world (size {world}, "
+                f"this is rank {own})"
+            )
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self._role} is closed")

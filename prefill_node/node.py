@@ -15,22 +15,25 @@ from dataclasses import dataclass
 import torch
 
 from engine.engine_core import step_generator
+from engine.errors import RequestRejectedError
 from engine.kv_cache import KVCacheManager
 from engine.loader import EngineArgs
+from engine.prompt_embeds import InputEmbeds, PromptEmbeds
 from engine.request import Request
 from engine.sampler import compute_logprobs, sample
 from engine.sampling_params import SamplingParams
-from metadata.buffers import MetadataBuffers
 from metadata.control import Inbox, Outbox
 from metadata.messages import AbortRequest, PrefillRequest, TransferAbandoned, TransferAnnounce
 from metadata.node_common import (
     NodeOptions,
     join_transfer_group,
     load_node_engine,
+    metadata_buffers,
     open_channels,
     transfer_spec,
 )
 from metadata.transfer import KVSender, TransferHandle, TransferState
+from spec import speculator_from_args
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
@@ -52,14 +55,9 @@ class PrefillNode:
         self.spec, self.runner = load_node_engine(args, options)
         config = self.spec.engine_config
         self.kv_cache = KVCacheManager(self.runner.kv_pool, self.runner.req_to_token_pool)
-        self.metadata = MetadataBuffers(
-            options.metadata_rows,
-            self.spec.model_config.spec_hidden_size,
-            0,
-            1,
-            config.dtype,
-            config.device,
-        )
+        self.speculator = speculator_from_args(args, self.runner)
+        self.num_draft_steps = self.speculator.num_draft_steps if self.speculator else 0
+        self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
         self.inbox = Inbox(options.host)
         self.outboxes: dict[int, Outbox] = {}
         self.sender: KVSender | None = None
@@ -74,7 +72,8 @@ class PrefillNode:
 
     # --- setup and health (Ray calls) ---
     def describe(self) -> dict:
-        return {"endpoint": self.inbox.endpoint, "spec": transfer_spec(self.spec).to_dict()}
+        spec = transfer_spec(self.spec, self.num_draft_steps)
+        return {"endpoint": self.inbox.endpoint, "spec": spec.to_dict()}
 
     def join_group(
         self, store_host: str, store_port: int, rank: int, world_size: int, peers: list[int]
@@ -110,7 +109,12 @@ class PrefillNode:
         }
 
     def kv_is_empty(self) -> bool:
-        return self.kv_cache.is_empty() and self.metadata.num_free == self.metadata.num_rows
+        drafts_empty = self.speculator is None or self.speculator.is_empty()
+        return (
+            self.kv_cache.is_empty()
+            and drafts_empty
+            and self.metadata.num_free == self.metadata.num_rows
+        )
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -136,7 +140,20 @@ class PrefillNode:
         if isinstance(msg, PrefillRequest):
             params = SamplingParams(**msg.sampling.__dict__)
             req = Request(str(msg.room), list(msg.prompt_token_ids), params)
-            self.waiting.append(_Pending(req, msg.decode_node, msg.decode_rank))
+            pending = _Pending(req, msg.decode_node, msg.decode_rank)
+            if msg.prompt_embeds is not None:
+                given = msg.prompt_embeds
+                try:
+                    req.prompt_embeds = PromptEmbeds.from_bytes(
+                        given.positions, given.width, given.data
+                    )
+                    req.prompt_embeds.check(req.num_tokens, self.spec.model_config.hidden_size)
+                except RequestRejectedError as err:
+                    self._abandon(pending, str(err))
+                    return
+            if self.speculator is not None:
+                req.num_draft_tokens = self.num_draft_steps
+            self.waiting.append(pending)
         elif isinstance(msg, AbortRequest):
             for pending in list(self.waiting):
                 if pending.req.request_id == str(msg.room):
@@ -165,40 +182,83 @@ class PrefillNode:
     def _prefill(self, batch: list[_Pending]) -> None:
         requests = [p.req for p in batch]
         try:
-            output = self.runner.forward(self.runner.build_batch(requests))
+            forward_batch = self.runner.build_batch(requests)
+            output = self.runner.forward(forward_batch, keep_hidden=self.speculator is not None)
             params = [r.params for r in requests]
             generators = [step_generator(r) for r in requests]
             tokens = sample(output.logits, params, generators, self.default_generator)
             logprobs = compute_logprobs(output.logits, tokens, params)
+            for req, token in zip(requests, tokens.tolist()):
+                req.kv_len = req.num_tokens
+                req.output_token_ids.append(token)
+            drafted = self._draft_extend(
+                requests, forward_batch.extend_lens, output.hidden, output.input_embeds
+            )
         except Exception as err:  # noqa: BLE001 - a failed batch fails its requests, not the node
-            log.exception("prefill forward failed")
+            log.exception("prefill failed")
             for pending in batch:
-                self._abandon(pending, f"prefill forward failed: {type(err).__name__}: {err}")
+                self._abandon(pending, f"prefill failed: {type(err).__name__}: {err}")
             return
         self.prompts_done += len(batch)
         for i, pending in enumerate(batch):
-            req = pending.req
-            room = int(req.request_id)
-            logprob = logprobs[i]
-            self.metadata.write_row(
-                pending.meta_row,
-                room=room,
-                output_id=int(tokens[i]),
-                output_logprob=logprob.logprob if logprob else 0.0,
-                hidden_state=output.last_hidden[i],
+            self._send(pending, logprobs[i], output.last_hidden[i], drafted[i])
+
+    def _draft_extend(
+        self,
+        requests: list[Request],
+        extend_lens: list[int],
+        hidden: torch.Tensor | None,
+        input_embeds: InputEmbeds | None,
+    ) -> list[bool]:
+        """Draft extend for prefill: every depth over the prompt, and the first chain. A
+        request with a single token left to emit drafts nothing (it will never verify). Where
+        the prompt gave embeddings, the depths read the rows the target's forward used."""
+        if self.speculator is None:
+            return [False] * len(requests)
+        drafted = [req.lookahead > 0 for req in requests]
+        embeds = input_embeds.split(extend_lens) if input_embeds else [None] * len(requests)
+        items = [
+            (r, h, e)
+            for r, h, e, d in zip(requests, hidden.split(extend_lens), embeds, drafted)
+            if d
+        ]
+        if items:
+            self.speculator.draft_extend_prefill(*(list(column) for column in zip(*items)))
+        return drafted
+
+    def _send(self, pending: _Pending, logprob, last_hidden: torch.Tensor, drafted: bool) -> None:
+        req = pending.req
+        room = int(req.request_id)
+        prompt_len = req.kv_len
+        pools = [(self.runner.kv_pool, req.slots[:prompt_len])]
+        draft_fields = {}
+        if drafted:
+            state = self.speculator.export_state(req)
+            pools += self.speculator.depth_kv(req, prompt_len)
+            last_hidden = state.target_hidden
+            draft_fields = {
+                "topk_index": torch.tensor(state.draft_token_ids),
+                "topk_p": torch.tensor(state.draft_probs),
+                "boundary_hidden": state.boundary_hidden,
+            }
+        self.metadata.write_row(
+            pending.meta_row,
+            room=room,
+            output_id=req.output_token_ids[0],
+            output_logprob=logprob.logprob if logprob else 0.0,
+            hidden_state=last_hidden,
+            **draft_fields,
+        )
+        top = [[t, lp] for t, lp in logprob.top_logprobs] if logprob else []
+        self.outboxes[pending.decode_node].send(
+            TransferAnnounce(
+                room, self.rank, prompt_len, top, self.num_draft_steps if drafted else 0
             )
-            top = [[t, lp] for t, lp in logprob.top_logprobs] if logprob else []
-            self.outboxes[pending.decode_node].send(
-                TransferAnnounce(room, self.rank, req.num_tokens, top)
-            )
-            pending.handle = self.sender.send(
-                pending.decode_rank,
-                room,
-                [(self.runner.kv_pool, req.slots)],
-                self.metadata,
-                pending.meta_row,
-            )
-            self.sending.append(pending)
+        )
+        pending.handle = self.sender.send(
+            pending.decode_rank, room, pools, self.metadata, pending.meta_row
+        )
+        self.sending.append(pending)
 
     def _finish_transfers(self) -> None:
         still = []
@@ -225,6 +285,8 @@ class PrefillNode:
 
     def _release(self, pending: _Pending) -> None:
         self.kv_cache.release(pending.req)
+        if self.speculator is not None:
+            self.speculator.release(pending.req)
         if pending.meta_row is not None:
             self.metadata.free(pending.meta_row)
             pending.meta_row = None

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 
+from engine.loader import EngineArgs
 from engine.model_runner import ModelRunner
-from spec.config import DraftConfig, DraftMismatchError
+from spec.config import DraftConfig, DraftMismatchError, draft_target_config
 from spec.draft_model import MultiLayerEagleDraft, load_draft, save_draft
 from spec.state import DraftState
 from spec.worker import MultiLayerEagleWorker
@@ -38,6 +39,15 @@ def build_speculator(
     return MultiLayerEagleWorker(runner, draft)
 
 
+def speculator_from_args(args: EngineArgs, runner: ModelRunner) -> MultiLayerEagleWorker | None:
+    """The speculator an engine built from `args` uses, or None without speculation."""
+    if args.speculative_algorithm is None:
+        return None
+    return build_speculator(
+        args.speculative_algorithm, runner, args.draft_model, args.num_draft_steps
+    )
+
+
 __all__ = [
     "ALGORITHMS",
     "DraftConfig",
@@ -46,6 +56,8 @@ __all__ = [
     "MultiLayerEagleDraft",
     "MultiLayerEagleWorker",
     "build_speculator",
+    "draft_target_config",
+    "speculator_from_args",
     "load_draft",
     "save_draft",
 ]

@@ -10,6 +10,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.prompt_embeds import InputEmbeds, concat_input_embeds
 
 
 @dataclass
@@ -18,6 +19,7 @@ class Span:
     start: int  # position of the first new token; positions below it are cached
     token_ids: list[int]
     slots: list[int]  # the KV slot each new token writes, already in the row
+    input_embeds: InputEmbeds | None = None  # rows that replace some tokens' embeddings
 
 
 def extend_batch(
@@ -39,6 +41,9 @@ def extend_batch(
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
+    input_embeds, input_embeds_mask = concat_input_embeds(
+        [span.input_embeds for span in spans], [len(span.token_ids) for span in spans], device
+    )
     batch = ForwardBatch(
         input_ids=tensor(ids),
         positions=tensor(positions),
@@ -48,6 +53,8 @@ def extend_batch(
         extend_lens=[len(span.token_ids) for span in spans],
         kv_pool=kv_pool,
         req_to_token_pool=req_to_token_pool,
+        input_embeds=input_embeds,
+        input_embeds_mask=input_embeds_mask,
     )
     batch.attn_metadata = backend.prepare(batch)
     return batch

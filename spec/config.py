@@ -3,7 +3,9 @@ target model it is meant to run with."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,9 @@ class DraftConfig:
     spec_hidden_size: int  # width of the target hidden state depth 0 reads
     hidden_size: int  # width of every depth's output (the target's hidden_size)
     target: dict[str, Any]  # the target's shapes (TARGET_FIELDS) and a "model" name
+    # The target layers whose outputs depth 0 reads side by side (EAGLE3 style); () for the
+    # last layer's output alone.
+    aux_layers: tuple[int, ...] = ()
 
     @classmethod
     def for_target(cls, target: ModelConfig, num_draft_steps: int, name: str) -> DraftConfig:
@@ -41,16 +46,20 @@ class DraftConfig:
             spec_hidden_size=target.spec_hidden_size,
             hidden_size=target.hidden_size,
             target={"model": name, **target_shapes(target)},
+            aux_layers=target.draft_aux_layers,
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        raw = {
             "architecture": DRAFT_ARCHITECTURE,
             "num_draft_steps": self.num_draft_steps,
             "spec_hidden_size": self.spec_hidden_size,
             "hidden_size": self.hidden_size,
             "target": dict(self.target),
         }
+        if self.aux_layers:
+            raw["aux_layers"] = list(self.aux_layers)
+        return raw
 
     @classmethod
     def load(cls, folder: Path) -> DraftConfig:
@@ -79,21 +88,34 @@ class DraftConfig:
             raise ModelLoadError(f"{file} lacks {', '.join(missing)}")
         if not isinstance(raw["num_draft_steps"], int) or raw["num_draft_steps"] < 1:
             raise ModelLoadError(f"{file}: num_draft_steps must be >= 1")
+        aux_layers = raw.get("aux_layers", [])
+        if (
+            not isinstance(aux_layers, list)
+            or not all(type(i) is int and i >= 0 for i in aux_layers)
+            or len(set(aux_layers)) != len(aux_layers)
+        ):
+            raise ModelLoadError(
+                f"{file}: aux_layers must be a list of distinct target layer indices, "
+                f"got {aux_layers!r}"
+            )
         return cls(
             int(raw["num_draft_steps"]),
             int(raw["spec_hidden_size"]),
             int(raw["hidden_size"]),
             dict(target),
+            tuple(aux_layers),
         )
 
     def check_target(self, target: ModelConfig, folder: Path) -> None:
         """Refuse a target this draft was not made for, naming the draft's and the target's
         value of every field that differs."""
         ours = {k: self.target[k] for k in TARGET_FIELDS}
+        ours["aux_layers"] = list(self.aux_layers)
         ours["spec_hidden_size"] = self.spec_hidden_size
         ours["draft hidden_size"] = self.hidden_size
         theirs = {
             **target_shapes(target),
+            "aux_layers": list(target.draft_aux_layers),
             "spec_hidden_size": target.spec_hidden_size,
             "draft hidden_size": target.hidden_size,
         }
@@ -106,6 +128,23 @@ class DraftConfig:
             raise DraftMismatchError(
                 f"draft {folder} does not fit the target model ({'; '.join(differ)})"
             )
+
+
+def draft_target_config(target: ModelConfig, draft_model: str | os.PathLike | None) -> ModelConfig:
+    """`target` as an engine must build it to run the draft in `draft_model`: with the target
+    layers the draft reads (`aux_layers`) as `draft_aux_layers`, from which `spec_hidden_size`
+    follows. Unchanged without a draft folder (build_speculator then says it is missing)."""
+    if draft_model is None:
+        return target
+    folder = Path(draft_model)
+    config = DraftConfig.load(folder)
+    outside = [i for i in config.aux_layers if i >= target.num_layers]
+    if outside:
+        raise DraftMismatchError(
+            f"draft {folder} reads target layers {list(config.aux_layers)}, but the target has "
+            f"{target.num_layers} layers (0..{target.num_layers - 1})"
+        )
+    return dataclasses.replace(target, draft_aux_layers=config.aux_layers)
 
 
 def target_shapes(config: ModelConfig) -> dict[str, int]:

@@ -11,16 +11,25 @@ from __future__ import annotations
 
 import torch
 
+from engine.prompt_embeds import InputEmbeds
 from spec.draft_runner import DraftInput
 from spec.state import SpecRequestState
 
 
 class DraftExtend:
     def __init__(
-        self, state: SpecRequestState, tokens: list[int], target_hidden: torch.Tensor
+        self,
+        state: SpecRequestState,
+        tokens: list[int],
+        target_hidden: torch.Tensor,
+        input_embeds: InputEmbeds | None = None,
     ) -> None:
-        """tokens: committed x_0..x_m; target_hidden: the target's at [valid_0, m-1]."""
+        """tokens: committed x_0..x_m; target_hidden: the target's at [valid_0, m-1];
+        input_embeds: the rows the target read in place of the embeddings of x_{valid_0}, ...
+        (given vectors), which every depth reads in place of those tokens' embeddings too."""
         self.state = state
+        self.input_embeds = input_embeds
+        self.embeds_start = state.seqs[0].valid_len
         self.tokens = tokens
         self.m = len(tokens) - 1
         self.target_hidden = target_hidden
@@ -40,8 +49,12 @@ class DraftExtend:
             assert depth > 0 and self.prev_start == start + 1
             boundary = self.old_boundary[depth - 1]
             hidden = torch.cat([boundary[None].to(hidden.dtype), hidden])
-        tokens = (self.tokens + self.chain)[start + depth + 1 : self.m + depth + 1]
-        return DraftInput(seq, start, tokens, hidden)
+        first, end = start + depth + 1, self.m + depth + 1  # positions of the tokens read
+        tokens = (self.tokens + self.chain)[first:end]
+        embeds = None
+        if self.input_embeds is not None:
+            embeds = self.input_embeds.window(first - self.embeds_start, end - self.embeds_start)
+        return DraftInput(seq, start, tokens, hidden, embeds)
 
     def take(self, depth: int, output: torch.Tensor, token: int, prob: float) -> None:
         """Depth `depth` produced `output` over [valid, m-1] and proposed `token`."""

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
+from engine.prompt_embeds import InputEmbeds
 from spec.batching import Span, extend_batch
 from spec.draft_model import DraftDepth
 
@@ -37,6 +38,9 @@ class DraftInput:
     start: int  # first position to compute (the seq's valid_len)
     token_ids: list[int]  # the token each position reads
     hidden: torch.Tensor  # [n, in_width] the hidden state each position reads
+    # Rows that replace the embedding of some tokens read: the target's input embeddings where
+    # the request gave a vector in place of a prompt token.
+    input_embeds: InputEmbeds | None = None
 
 
 class DraftRunner:
@@ -104,13 +108,12 @@ class DraftRunner:
             end = item.start + len(item.token_ids)
             assert item.start == item.seq.valid_len and item.hidden.shape[0] == end - item.start
             self.grow_to(item.seq, end)
-            spans.append(
-                Span(item.seq.row, item.start, item.token_ids, item.seq.slots[item.start : end])
-            )
+            slots = item.seq.slots[item.start : end]
+            spans.append(Span(item.seq.row, item.start, item.token_ids, slots, item.input_embeds))
         batch = extend_batch(
             spans, self.kv_pool, self.req_to_token_pool, self.attention, self.device
         )
-        embeds = self.target.model.embed_tokens(batch.input_ids)
+        embeds = self.target.embed(batch)
         hidden = torch.cat([item.hidden for item in inputs])
         cos_sin = self.rotary.lookup(batch.positions, embeds.dtype)
         out = self.module(embeds, hidden, batch, cos_sin, self.attention)

@@ -15,6 +15,7 @@ import torch
 from engine.engine_core import position_generator
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
+from engine.prompt_embeds import InputEmbeds
 from engine.request import Request, SpecStats
 from engine.sampler import TokenLogprob, compute_logprobs
 from spec.acceptance import Verdict, accept_greedy, accept_sampled
@@ -47,18 +48,28 @@ class MultiLayerEagleWorker:
 
     # --- after the target's prefill (prefill nodes, and the offline engine) ---
     @torch.inference_mode()
-    def draft_extend_prefill(self, requests: list[Request], hidden: list[torch.Tensor]) -> None:
+    def draft_extend_prefill(
+        self,
+        requests: list[Request],
+        hidden: list[torch.Tensor],
+        input_embeds: list[InputEmbeds | None] | None = None,
+    ) -> None:
         """Run every depth over positions [0, n-1] of freshly prefilled requests, whose first
         sampled token x_n is already appended (kv_len == n); `hidden[i]`: the target's hidden
-        states at those positions (ModelRunner.forward(..., keep_hidden=True)). Builds each
-        request's first chain and boundary states, taking draft slots for n positions."""
+        states at those positions (ModelRunner.forward(..., keep_hidden=True)), and
+        `input_embeds[i]` the input-embedding rows that forward read there, if any
+        (ForwardOutput.input_embeds): a depth reading a token given as a vector reads these
+        rows, not the placeholder's embedding. Builds each request's first chain and boundary
+        states, taking draft slots for n positions."""
         items = []
-        for req, h in zip(requests, hidden):
+        embeds = input_embeds or [None] * len(requests)
+        for req, h, e in zip(requests, hidden, embeds, strict=True):
             assert req.kv_len == req.num_tokens - 1 == h.shape[0], "prefill starts at 0"
+            assert e is None or len(e) == h.shape[0], "one input row per prefilled position"
             if req.spec_state is not None:
                 self.release(req)
             req.spec_state = self._new_state()
-            items.append(DraftExtend(req.spec_state, req.all_token_ids, h))
+            items.append(DraftExtend(req.spec_state, req.all_token_ids, h, e))
         self._extend(items)
 
     def export_state(self, req: Request) -> DraftState:
@@ -195,7 +206,9 @@ class MultiLayerEagleWorker:
         for depth, runner in enumerate(self.depths):
             outputs = runner.forward([item.input_for(depth) for item in items])
             last = torch.stack([out[-1] for out in outputs])
-            best_p, best = torch.softmax(self.target.compute_logits(last), dim=-1).max(dim=-1)
+            # A depth's output is hidden_size wide whatever the target's stream: norm + head only.
+            logits = self.target.lm_head_logits(last)
+            best_p, best = torch.softmax(logits, dim=-1).max(dim=-1)
             for item, out, token, prob in zip(items, outputs, best.tolist(), best_p.tolist()):
                 item.take(depth, out, token, prob)
         for item in items:

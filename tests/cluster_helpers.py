@@ -22,8 +22,9 @@ def launch(model: str, prefill: int, decode: int, **engine: object) -> Cluster:
     ensure_ray()
     engine_args = EngineArgs(model=model, device="cpu", **engine)
     return Cluster.launch(
-        ClusterConfig(engine=engine_args, prefill_nodes=prefill, decode_nodes=decode,
-                      transfer_timeout_s=30.0)
+        ClusterConfig(
+            engine=engine_args, prefill_nodes=prefill, decode_nodes=decode, transfer_timeout_s=30.0
+        )
     )
 
 

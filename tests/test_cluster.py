@@ -21,8 +21,14 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
 )
 PROMPTS = [
-    "hello there", "a", "the quick brown fox jumps", "1 2 3 4 5 6 7 8 9 10",
-    "lorem ipsum dolor sit amet, consectetur adipiscing elit", "zzz", "cluster", "tokens!",
+    "hello there",
+    "a",
+    "the quick brown fox jumps",
+    "1 2 3 4 5 6 7 8 9 10",
+    "lorem ipsum dolor sit amet, consectetur adipiscing elit",
+    "zzz",
+    "cluster",
+    "tokens!",
 ]
 
 
@@ -69,8 +75,9 @@ def test_seeded_sampling_equals_offline_engine(cluster, offline):
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=123, ignore_eos=True)
     [expected] = offline.generate([PROMPTS[2]], params)
     with Client(server.url) as client:
-        out = client.generate(PROMPTS[2], max_tokens=16, temperature=1.0, top_p=0.9, seed=123,
-                              ignore_eos=True)
+        out = client.generate(
+            PROMPTS[2], max_tokens=16, temperature=1.0, top_p=0.9, seed=123, ignore_eos=True
+        )
     assert out.token_ids == expected.token_ids
 
 
@@ -82,10 +89,12 @@ def test_64_concurrent_streams_complete_and_free_every_pool(cluster, offline):
 
     async def run_all():
         async with AsyncClient(server.url, timeout=300) as client:
+
             async def one(prompt):
                 ids, finish = [], None
-                stream = await client.generate(prompt, max_tokens=12, temperature=0,
-                                               ignore_eos=True, stream=True)
+                stream = await client.generate(
+                    prompt, max_tokens=12, temperature=0, ignore_eos=True, stream=True
+                )
                 async for chunk in stream:
                     ids += chunk.token_ids
                     finish = chunk.finish_reason or finish
@@ -105,8 +114,14 @@ def test_64_concurrent_streams_complete_and_free_every_pool(cluster, offline):
 
 def test_client_disconnect_aborts_and_frees_kv_on_both_nodes(cluster):
     cluster_, server = cluster
-    body = {"model": cluster_.router.model_name, "prompt": "keep going", "max_tokens": 230,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": cluster_.router.model_name,
+        "prompt": "keep going",
+        "max_tokens": 230,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(base_url=server.url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -137,7 +152,10 @@ def test_openai_package_against_the_cluster(cluster, offline):
     [expected] = offline.chat([messages], SamplingParams(max_tokens=8, temperature=0))
     assert reply.choices[0].message.content == expected.text
     chunks = client.chat.completions.create(
-        model=cluster_.router.model_name, messages=messages, max_tokens=8, temperature=0,
+        model=cluster_.router.model_name,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
         stream=True,
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
@@ -149,7 +167,10 @@ def test_health_lists_every_node(cluster):
         health = client.health()
     assert health["status"] == "ok"
     assert {n["name"] for n in health["nodes"]} == {
-        "prefill-0", "prefill-1", "decode-0", "decode-1"
+        "prefill-0",
+        "prefill-1",
+        "decode-0",
+        "decode-1",
     }
 
 
@@ -157,8 +178,14 @@ def test_a_dead_decode_node_ends_its_requests_with_an_error_naming_it(tiny_model
     cluster = launch(tiny_model, prefill=1, decode=2, **ENGINE)
     server = serve(cluster)
     try:
-        body = {"model": cluster.router.model_name, "prompt": "stream", "max_tokens": 230,
-                "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {
+            "model": cluster.router.model_name,
+            "prompt": "stream",
+            "max_tokens": 230,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         outcomes: list[str] = []
         started = threading.Barrier(7)
 

@@ -17,8 +17,9 @@ def make(spec_hidden_size: int = HIDDEN_SIZE, rows: int = 3) -> MetadataBuffers:
 
 def write(buffers: MetadataBuffers, row: int, room: int, width: int | None = None) -> None:
     width = buffers.spec_hidden_size if width is None else width
-    buffers.write_row(row, room=room, output_id=7, output_logprob=-0.5,
-                      hidden_state=torch.ones(width))
+    buffers.write_row(
+        row, room=room, output_id=7, output_logprob=-0.5, hidden_state=torch.ones(width)
+    )
 
 
 def test_allocate_hands_out_each_row_once_and_free_returns_it() -> None:
@@ -54,10 +55,16 @@ def test_row_landed_only_for_its_room_and_free_zeroes_the_room() -> None:
 def test_write_row_fills_every_field() -> None:
     buffers = make()
     row = buffers.allocate()
-    buffers.write_row(row, room=9, output_id=5, output_logprob=-1.25,
-                      hidden_state=torch.arange(HIDDEN_SIZE, dtype=torch.float32),
-                      topk_index=torch.tensor([[3], [4]]), topk_p=torch.tensor([0.75, 0.5]),
-                      cached_tokens=6)
+    buffers.write_row(
+        row,
+        room=9,
+        output_id=5,
+        output_logprob=-1.25,
+        hidden_state=torch.arange(HIDDEN_SIZE, dtype=torch.float32),
+        topk_index=torch.tensor([[3], [4]]),
+        topk_p=torch.tensor([0.75, 0.5]),
+        cached_tokens=6,
+    )
     got = dict(zip(FIELDS, buffers.row_tensors(row)))
     assert got["output_ids"].tolist() == [5] and got["output_logprob"].tolist() == [-1.25]
     assert got["hidden_states"].tolist() == list(range(HIDDEN_SIZE))
@@ -83,15 +90,19 @@ def test_copy_row_from_lands_a_staged_row() -> None:
         dst.copy_(src)
     row = target.allocate()
     target.copy_row_from(row, staged)
-    assert target.row_landed(row, 11) and torch.equal(target.hidden_states[row],
-                                                      source.hidden_states[0])
+    assert target.row_landed(row, 11) and torch.equal(
+        target.hidden_states[row], source.hidden_states[0]
+    )
 
 
 def test_wrong_hidden_width_is_rejected_naming_both_widths() -> None:
     buffers = make(spec_hidden_size=2 * HIDDEN_SIZE)
     row = buffers.allocate()
-    with pytest.raises(ValueError, match=rf"width {HIDDEN_SIZE} != spec_hidden_size "
-                                         rf"{2 * HIDDEN_SIZE}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"width {HIDDEN_SIZE} != spec_hidden_size "
+        rf"{2 * HIDDEN_SIZE}",
+    ):
         write(buffers, row, room=3, width=HIDDEN_SIZE)
     assert not buffers.row_landed(row, 3)
 
@@ -113,5 +124,11 @@ def test_room_zero_and_wrong_topk_width_are_rejected() -> None:
     with pytest.raises(ValueError, match="room 0 marks a free row"):
         write(buffers, row, room=0)
     with pytest.raises(ValueError, match="topk_index has 3 values, expected"):
-        buffers.write_row(row, room=1, output_id=1, output_logprob=0.0,
-                          hidden_state=torch.ones(HIDDEN_SIZE), topk_index=torch.tensor([1, 2, 3]))
+        buffers.write_row(
+            row,
+            room=1,
+            output_id=1,
+            output_logprob=0.0,
+            hidden_state=torch.ones(HIDDEN_SIZE),
+            topk_index=torch.tensor([1, 2, 3]),
+        )

@@ -162,8 +162,13 @@ def run_decode() -> dict:
             and metadata.topk_p[row].tolist() == expected["topk_p"].tolist()
             and int(metadata.cached_tokens[row]) == expected["cached_tokens"]
         )
-        result[room] = dict(state=state.name, error=handle.error, kv_equal=kv_equal,
-                            row_ok=row_ok, landed=metadata.row_landed(row, room))
+        result[room] = dict(
+            state=state.name,
+            error=handle.error,
+            kv_equal=kv_equal,
+            row_ok=row_ok,
+            landed=metadata.row_landed(row, room),
+        )
     used = sorted(s for room, _ in ALL if room != NEVER_SENT[0] for s in plan[room])
     untouched = torch.ones(CAPACITY + 1, dtype=torch.bool)
     untouched[used] = False
@@ -348,13 +353,19 @@ def run_cuda(rank: int) -> dict:
     for room, _ in rooms:
         row = metadata.allocate()
         handle = receiver.expect(0, room, [(p, plan[room]) for p in pools], metadata, row)
-        result[room] = (handle.wait(60).name, handle.error, metadata.row_landed(row, room), all(
-            torch.equal(gather_kv(p, plan[room]).cpu(), gather_kv(q, sent_plan[room]))
-            for p, q in zip(pools, sent_pools)
-        ))
+        result[room] = (
+            handle.wait(60).name,
+            handle.error,
+            metadata.row_landed(row, room),
+            all(
+                torch.equal(gather_kv(p, plan[room]).cpu(), gather_kv(q, sent_plan[room]))
+                for p, q in zip(pools, sent_pools)
+            ),
+        )
     for room in (103, 104):  # 103 is never sent; 104 queues behind it on the broken channel
-        handle = receiver.expect(0, room, [(pools[0], [1])], metadata, metadata.allocate(),
-                                 timeout_s=RECEIVE_TIMEOUT_S)
+        handle = receiver.expect(
+            0, room, [(pools[0], [1])], metadata, metadata.allocate(), timeout_s=RECEIVE_TIMEOUT_S
+        )
         result[room] = (handle.wait(60).name, handle.error)
     receiver.close()
     return result

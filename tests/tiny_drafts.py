@@ -3,15 +3,17 @@ for a target built so that one decoder layer nearly reproduces it (accepts a lot
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from tiny_models import byte_tokenizer, make_tiny_llama
 from transformers import LlamaForCausalLM
 
 from engine.config import ModelConfig
 from engine.weights import load_hf_config
-from spec.draft_model import MultiLayerEagleDraft, save_draft
+from spec.draft_model import MultiLayerEagleDraft, _fused_layer, save_draft
 
 
 def target_config(target_path: Path) -> ModelConfig:
@@ -73,5 +75,62 @@ def make_good_draft(
             layer.mlp.down_proj.weight.copy_(mlp.down_proj.weight)
             layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
             layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+    save_draft(path, draft, target_name=target_path.name)
+    return path
+
+
+def make_eagle3_draft(
+    path: Path, target_path: Path, num_draft_steps: int, aux_layers: tuple[int, ...], seed: int = 0
+) -> Path:
+    """A random EAGLE3-style draft: depth 0 reads the outputs of the target's `aux_layers`
+    side by side (spec_hidden_size = len(aux_layers) * the target's stream width)."""
+    torch.manual_seed(seed)
+    config = dataclasses.replace(target_config(target_path), draft_aux_layers=aux_layers)
+    save_draft(path, MultiLayerEagleDraft(config, num_draft_steps), target_name=target_path.name)
+    return path
+
+
+def make_predictable_deep_llama(path: Path, num_layers: int, seed: int = 0) -> None:
+    """make_predictable_llama's target with `num_layers` layers, all after the first nearly the
+    identity (their o_proj and down_proj scaled by 0.02): layer 0 still decides the next token,
+    so a draft copying it predicts well, while every layer's output differs a little."""
+    make_tiny_llama(path, seed=seed, num_hidden_layers=num_layers)
+    model = LlamaForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed.div_(embed.pow(2).mean(-1, keepdim=True).sqrt())
+        model.model.layers[0].self_attn.o_proj.weight.mul_(0.3)
+        for layer in model.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(0.02)
+            layer.mlp.down_proj.weight.mul_(0.02)
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+
+
+def make_copying_draft(
+    path: Path,
+    target_path: Path,
+    num_draft_steps: int,
+    noise: float = 0.0,
+    aux_layers: tuple[int, ...] = (),
+    seed: int = 0,
+) -> Path:
+    """make_good_draft for any target folder (a Llama, a hyper-connection Llama, with or
+    without auxiliary layers): every depth's layer is the target's layer 0, read from its
+    safetensors; fc passes the token embedding through, plus `noise` times random weights over
+    embedding and hidden state, whatever the hidden state's width."""
+    torch.manual_seed(seed)
+    config = dataclasses.replace(target_config(target_path), draft_aux_layers=aux_layers)
+    draft = MultiLayerEagleDraft(config, num_draft_steps)
+    prefix = "model.layers.0."
+    tensors = load_file(str(target_path / "model.safetensors"))
+    layer = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+    layer = {k: v for k, v in _fused_layer(layer).items() if not k.startswith("hc_")}
+    hidden = config.hidden_size
+    with torch.no_grad():
+        for depth in draft.depths:
+            depth.fc.weight.copy_(noise * torch.randn(hidden, depth.fc.in_features))
+            depth.fc.weight[:, :hidden] += torch.eye(hidden)
+            depth.layer.load_state_dict(layer)
     save_draft(path, draft, target_name=target_path.name)
     return path

@@ -46,3 +46,38 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> LlamaForCausalLM:
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return model
+
+
+def widen_to_hyper_llama(path: Path, hc_mult: int = 2, mix_noise: float = 0.3, seed: int = 0):
+    """Turn the Llama folder at `path` into a hyper-connection Llama (engine.models.hyper_llama)
+    in place: the same weights, `hc_mult` in config.json, and read/write weights of each copy
+    1 + `mix_noise` * N(0, 1) (the LM head's mix: that over hc_mult). With mix_noise = 0 and
+    hc_mult = 1 it computes exactly what the Llama does."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config_file = path / "config.json"
+    raw = json.loads(config_file.read_text())
+    raw.update(architectures=["HyperLlamaForCausalLM"], model_type="hyper_llama", hc_mult=hc_mult)
+    config_file.write_text(json.dumps(raw, indent=2))
+    generator = torch.Generator().manual_seed(seed)
+
+    def mix(*shape: int) -> torch.Tensor:
+        return 1 + mix_noise * torch.randn(*shape, generator=generator)
+
+    weights = path / "model.safetensors"
+    tensors = load_file(str(weights))
+    for layer in range(raw["num_hidden_layers"]):
+        tensors[f"model.layers.{layer}.hc_read"] = mix(2, hc_mult)
+        tensors[f"model.layers.{layer}.hc_write"] = mix(2, hc_mult)
+    tensors["model.hc_head"] = mix(hc_mult) / hc_mult
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
+def make_tiny_hyper_llama(
+    path: Path, seed: int = 0, hc_mult: int = 2, mix_noise: float = 0.3, **overrides
+) -> None:
+    """A random tiny hyper-connection Llama: a tiny Llama's weights, widened (see above)."""
+    make_tiny_llama(path, seed=seed, **overrides)
+    widen_to_hyper_llama(path, hc_mult, mix_noise, seed)

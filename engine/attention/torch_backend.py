@@ -14,7 +14,7 @@ from engine.forward_batch import ForwardBatch
 @dataclass
 class DecodeMetadata:
     slots: torch.Tensor  # [B, L] slots of every cached token, padded with the padding slot
-    mask: torch.Tensor  # [B, 1, 1, L] True where a real token is
+    mask: torch.Tensor  # [B, 1, 1, L] additive: 0 where a real token is, -inf elsewhere
 
 
 @dataclass
@@ -33,7 +33,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
             # Padded positions read slot 0, a harmless buffer; the mask hides them.
             slots = rows[batch.req_pool_indices, :max_len] * mask
-            return DecodeMetadata(slots=slots, mask=mask[:, None, None, :])
+            return DecodeMetadata(slots=slots, mask=_additive(mask, batch)[:, None, None, :])
         spans = []
         start = 0
         for i, (seq_len, new) in enumerate(zip(batch.seq_lens, batch.extend_lens)):
@@ -44,7 +44,7 @@ class TorchAttentionBackend(AttentionBackend):
                 slots = rows[batch.req_pool_indices[i], :seq_len]
                 q_pos = torch.arange(prefix, seq_len, device=device)[:, None]
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
-                spans.append((start, new, slots, mask))
+                spans.append((start, new, slots, _additive(mask, batch)))
             start += new
         return ExtendMetadata(spans=spans)
 
@@ -89,3 +89,10 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[start : start + new] = o[0].transpose(0, 1)
         return out
+
+
+def _additive(mask: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """A boolean keep-mask as the additive float mask SDPA would derive from it at every layer:
+    built once per forward instead."""
+    additive = torch.zeros(mask.shape, dtype=batch.kv_pool.dtype, device=mask.device)
+    return additive.masked_fill_(~mask, float("-inf"))

@@ -1,1 +1,30 @@
-"""Model definitions (Llama family)."""
+"""Model definitions (Llama family), chosen by the HF architecture name of a checkpoint."""
+
+from __future__ import annotations
+
+from engine.config import ModelConfig
+from engine.errors import UnsupportedModelError
+from engine.models.hyper_llama import HyperLlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "HyperLlamaForCausalLM": HyperLlamaForCausalLM,
+}
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The class implementing `config.architecture`, refused when it cannot run the config."""
+    cls = MODEL_CLASSES.get(config.architecture)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"architecture {config.architecture!r} is not supported "
+            f"(supported: {', '.join(MODEL_CLASSES)})"
+        )
+    if config.hc_mult != 1 and not issubclass(cls, HyperLlamaForCausalLM):
+        raise UnsupportedModelError(
+            f"hc_mult={config.hc_mult} needs a model with hyper-connections "
+            f"(HyperLlamaForCausalLM), not {config.architecture}"
+        )
+    return cls

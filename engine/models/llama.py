@@ -96,10 +96,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_class: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -107,10 +107,12 @@ class LlamaForCausalLM(nn.Module):
     """`forward` returns the last layer's hidden states [T, hidden] before the final norm;
     `compute_logits` applies the final norm and the LM head."""
 
+    layer_class = DecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.layer_class)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -125,13 +127,33 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, batch: ForwardBatch, rotary: RotaryEmbedding, backend: AttentionBackend
     ) -> torch.Tensor:
+        return self.forward_layers(batch, rotary, backend)[0]
+
+    def forward_layers(
+        self,
+        batch: ForwardBatch,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The last layer's output, and the output of each layer in `aux_layers` (in that
+        order): what an EAGLE3-style draft reads instead of the last layer's."""
         hidden = self.embed(batch)
         cos_sin = rotary.lookup(batch.positions, hidden.dtype)
-        for layer in self.model.layers:
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
             hidden = layer(hidden, batch, cos_sin, backend)
-        return hidden
+            if i in aux_layers:
+                captured[i] = hidden
+        return hidden, [captured[i] for i in aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits from what `forward` returns."""
+        return self.lm_head_logits(hidden)
+
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head over [.., hidden_size] states: the last layer's
+        output here, a draft depth's output in speculative decoding."""
         return self.lm_head(self.model.norm(hidden)).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
