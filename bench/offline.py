@@ -4,12 +4,15 @@
 
 Prints a table and rewrites the "Offline engine" section of docs/BENCHMARKS.md (raw figures in
 docs/bench/offline.json). Both sides generate exactly --max-tokens tokens per request (EOS
-ignored) from the same chat prompts, greedy; each is warmed up once before it is timed."""
+ignored) from the same chat prompts, greedy, in one process with the same allocator settings
+(engine.cpu_tuning, as `pdcluster` applies them); each is warmed up once, then timed --repeats
+times, alternating, and the median is reported."""
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.report import write_section  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.cpu_tuning import keep_large_allocations_in_heap  # noqa: E402
 
 CHATS = [
     "Tell me a story about a lighthouse keeper.",
@@ -44,7 +48,6 @@ CHATS = [
 
 def time_engine(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - started
@@ -59,7 +62,6 @@ def time_transformers(hf, pad_id: int, prompts: list[list[int]], max_tokens: int
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
     kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=pad_id, eos_token_id=None)
     with torch.no_grad():
-        hf.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)
         _sync(hf.device)
         started = time.perf_counter()
         out = hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kwargs)
@@ -81,11 +83,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-write", action="store_true", help="print only, leave docs/ alone")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
 
+    keep_large_allocations_in_heap()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes))
     hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=llm.config.dtype).to(
         args.device
@@ -97,8 +101,18 @@ def main() -> None:
     rows = []
     for batch in args.batch_sizes:
         prompts = [chats[i % len(chats)] for i in range(batch)]
-        ours = time_engine(llm, prompts, args.max_tokens)
-        theirs = time_transformers(hf, pad_id, prompts, args.max_tokens)
+        # Warm-ups, then alternating timed runs, so drift on a shared host hits both sides.
+        time_engine(llm, prompts, 4)
+        time_transformers(hf, pad_id, prompts, 4)
+        runs = [
+            (
+                time_engine(llm, prompts, args.max_tokens),
+                time_transformers(hf, pad_id, prompts, args.max_tokens),
+            )
+            for _ in range(args.repeats)
+        ]
+        ours = statistics.median(r[0] for r in runs)
+        theirs = statistics.median(r[1] for r in runs)
         rows.append(
             {
                 "batch": batch,
@@ -132,7 +146,8 @@ def main() -> None:
     body = (
         f"Command: `{setup['command'].strip()}` ({setup['model']}, {setup['device']}, "
         f"{setup['dtype']}, {args.max_tokens} new tokens per request, greedy, EOS ignored, "
-        f"torch {torch.__version__}, {setup['threads']} CPU threads).\n\n{table}\n"
+        f"torch {torch.__version__}, {setup['threads']} CPU threads, median of "
+        f"{args.repeats} runs per side).\n\n{table}\n"
     )
     write_section("Offline engine", body, {"setup": setup, "rows": rows}, "offline.json")
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 from bench.offline import CHATS  # noqa: E402
 from bench.report import write_section  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.cpu_tuning import keep_large_allocations_in_heap  # noqa: E402
 from spec.draft_model import MultiLayerEagleDraft, save_draft  # noqa: E402
 
 
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
 
+    keep_large_allocations_in_heap()
     plain = LLM(args.model, device="cpu", max_num_seqs=max(args.batch_sizes))
     with tempfile.TemporaryDirectory() as scratch:
         draft = args.draft_model or random_draft(

@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from engine.cpu_tuning import keep_large_allocations_in_heap
+
+    keep_large_allocations_in_heap()
     try:
         args.func(args)
     except (PdclusterError, ValueError) as err:

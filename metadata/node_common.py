@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cpu_tuning import keep_large_allocations_in_heap
 from engine.kv_pool import KVPool
 from engine.loader import EngineArgs, ModelSpec, load_runner, resolve
 from engine.model_runner import ModelRunner
@@ -59,6 +60,7 @@ def load_node_engine(args: EngineArgs, options: NodeOptions) -> tuple[ModelSpec,
     if options.cpu_threads:
         # Several nodes on one CPU host must not each spin a thread per core.
         torch.set_num_threads(options.cpu_threads)
+    keep_large_allocations_in_heap()
     spec = resolve(args)
     if spec.engine_config.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.engine_config.device))
