@@ -154,3 +154,50 @@ def test_prompt_embeddings_cross_the_cluster_and_reach_the_draft(folders):
         assert wait_for(cluster.kv_pools_empty, 30)
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["hc_mult=2", "eagle3 aux layers 0,1,2"])
+def test_wide_draft_inputs_cross_the_cluster(tmp_path, kind):
+    """spec_hidden_size wider than hidden_size end to end through Ray actors: the metadata rows
+    both nodes allocate are that wide, and the output is the target's alone."""
+    from tiny_drafts import make_copying_draft, make_predictable_deep_llama
+    from tiny_models import make_tiny_hyper_llama
+
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    if kind.startswith("hc"):
+        make_tiny_hyper_llama(target)
+        make_copying_draft(draft, target, 2, noise=0.01)
+        factor = 2
+    else:
+        make_predictable_deep_llama(target, num_layers=3)
+        make_copying_draft(draft, target, 2, noise=0.01, aux_layers=(0, 1, 2))
+        factor = 3
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    offline = LLM(str(target), device="cpu", **ENGINE)
+    expected = [o.token_ids for o in offline.generate(PROMPTS, params)]
+    cluster = launch(
+        str(target),
+        prefill=1,
+        decode=1,
+        speculative_algorithm="multi-layer-eagle",
+        draft_model=str(draft),
+        num_draft_steps=2,
+        **ENGINE,
+    )
+    try:
+        widths = [
+            ray.get(a.describe.remote())["spec"]["spec_hidden_size"]
+            for a in cluster.prefill_actors + cluster.decode_actors
+        ]
+        assert widths == [factor * offline.model_config.hidden_size] * 2
+
+        async def run():
+            try:
+                return await _run(cluster.router, 12)
+            finally:
+                await cluster.router.close()
+
+        assert [tokens for tokens, _ in asyncio.run(run())] == expected
+        assert wait_for(cluster.kv_pools_empty, 30)
+    finally:
+        cluster.shutdown()
