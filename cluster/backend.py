@@ -92,7 +92,10 @@ class GenerationBackend(Protocol):
         BackendError on failure. Closing it early (aclose, or cancelling the task iterating it)
         aborts the request and frees its KV on every node that holds it. `request_id` is unique
         among running requests. `prompt_embeds` replaces the embeddings of those prompt tokens
-        (the HTTP layer passes it only when a request gives it)."""
+        (the HTTP layer passes it only when a request gives it). A backend that traces requests
+        has a `traces` attribute (cluster.tracing.TraceStore) and takes `trace_events`, the
+        (name, time_ns) events before the call (arrival, tokenized); the HTTP layer passes them
+        only to such a backend."""
         ...
 
     async def health(self) -> dict[str, Any]:

@@ -4,6 +4,8 @@ the offline engine."""
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
 from engine.errors import PdclusterError
@@ -45,6 +47,32 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="draft depths K to use (default: every depth the draft has)",
     )
+    parser.add_argument(
+        "--debug-tensor-dump-dir",
+        type=os.path.abspath,
+        default=None,
+        metavar="DIR",
+        help="debugging, slow: save every module's output of each forward pass; files go to "
+        "DIR/<node>/<target|draft-N>/rank0/forward_NNNNNN.pt, <node> being prefill-0, "
+        "decode-0, ... (offline for generate); needs eager mode, which is all the engine runs",
+    )
+    parser.add_argument(
+        "--debug-tensor-dump-layers",
+        type=_layer_list,
+        default=None,
+        metavar="L1,L2,...",
+        help="with --debug-tensor-dump-dir: dump only these target decoder layers "
+        "(embeddings, final norm, LM head and draft depths always)",
+    )
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected layer numbers like 0,3,5, got {text!r}"
+        ) from err
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +112,20 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="torch threads per node when running on CPU (nodes share the host's cores)",
     )
+    parser.add_argument(
+        "--enable-tracing",
+        action="store_true",
+        help="record each request's timeline on the router and every node: served as Chrome "
+        "trace JSON at GET /v1/traces/{id}, summarized in usage.trace_summary",
+    )
+    parser.add_argument(
+        "--trace-dir",
+        type=os.path.abspath,
+        default=None,
+        metavar="DIR",
+        help="with --enable-tracing: also write each request's trace to DIR/<request id>.json "
+        "(opens in ui.perfetto.dev)",
+    )
 
 
 def engine_args(args: argparse.Namespace):
@@ -99,6 +141,8 @@ def engine_args(args: argparse.Namespace):
         speculative_algorithm=args.speculative_algorithm,
         draft_model=args.draft_model,
         num_draft_steps=args.num_draft_steps,
+        debug_tensor_dump_dir=args.debug_tensor_dump_dir,
+        debug_tensor_dump_layers=args.debug_tensor_dump_layers,
     )
 
 
@@ -115,6 +159,8 @@ def build_llm(args: argparse.Namespace):
         speculative_algorithm=args.speculative_algorithm,
         draft_model=args.draft_model,
         num_draft_steps=args.num_draft_steps,
+        debug_tensor_dump_dir=args.debug_tensor_dump_dir,
+        debug_tensor_dump_layers=args.debug_tensor_dump_layers,
     )
 
 
@@ -140,12 +186,17 @@ def run_serve(args: argparse.Namespace) -> None:
             decode_resource=args.decode_resource,
             node_wait_s=args.wait_for_nodes,
             cpu_threads_per_node=args.cpu_threads_per_node,
+            enable_tracing=args.enable_tracing,
+            trace_dir=args.trace_dir,
+            log_level=args.log_level,
+            stats_log_interval_s=args.log_stats_interval,
         ),
         host=args.host,
         port=args.port,
         api_key=args.api_key,
         served_model_name=args.served_model_name,
     )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     serve(config)
 
 
@@ -178,6 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require this bearer token")
     serve.add_argument("--served-model-name", default=None, help="model name in the API")
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging level of the router and every node (default info)",
+    )
+    serve.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="a busy node logs its load this often (default 5; 0 turns it off)",
+    )
     serve.set_defaults(func=run_serve)
 
     demo = commands.add_parser(

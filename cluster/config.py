@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from engine.loader import EngineArgs
@@ -27,12 +28,23 @@ class ClusterConfig:
     cpu_threads_per_node: int = 1
     transfer_timeout_s: float = 120.0
     startup_timeout_s: float = 600.0
+    # Per-request traces (cluster/tracing.py): kept for GET /v1/traces/{id}, summarized in
+    # usage, and written as DIR/<request id>.json when trace_dir is set.
+    enable_tracing: bool = False
+    trace_dir: str | None = None
+    # The nodes' logging level, and how often a busy node logs its load (<= 0: never).
+    log_level: str = "info"
+    stats_log_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1:
             raise ValueError("a cluster needs at least one prefill node and one decode node")
+        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            raise ValueError(f"unknown log level {self.log_level!r}")
         if self.node_wait_s < 0:
             raise ValueError(f"node_wait_s must be >= 0, got {self.node_wait_s}")
+        if self.trace_dir is not None and not self.enable_tracing:
+            raise ValueError("a trace directory needs tracing on (--enable-tracing)")
         if self.prefill_resource and self.prefill_resource == self.decode_resource:
             raise ValueError(
                 f"prefill and decode nodes need different Ray resources, both are "

@@ -122,7 +122,14 @@ def _forwarded_flags(args: argparse.Namespace) -> list[str]:
     for name, default in vars(probe.parse_args([])).items():
         value = getattr(args, name, default)
         if value != default:
-            flags += ["--" + name.replace("_", "-"), str(value)]
+            flag = "--" + name.replace("_", "-")
+            # A switch (store_true, like --enable-tracing) takes no value; a list is comma-joined.
+            if value is True:
+                flags.append(flag)
+            elif isinstance(value, list | tuple):
+                flags += [flag, ",".join(map(str, value))]
+            else:
+                flags += [flag, str(value)]
     return flags
 
 

@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig
 from cluster.router import NodeState, Router
+from cluster.tracing import clock_offset_ns
 from decode_node import DecodeNode
 from engine.errors import PdclusterError
 from engine.loader import EngineArgs, ModelSpec, resolve
@@ -71,13 +72,18 @@ class Cluster:
                 key=lambda s: s["kv_capacity"],
             )["kv_capacity"]
             prefill_states = [
-                NodeState("prefill", i, _pinger(a), info["endpoint"])
+                NodeState("prefill", i, _pinger(a), info["endpoint"], stats=_stats_reader(a))
                 for i, (a, info) in enumerate(zip(prefill_actors, prefill_info))
             ]
             decode_states = [
-                NodeState("decode", i, _pinger(a), info["endpoint"])
+                NodeState("decode", i, _pinger(a), info["endpoint"], stats=_stats_reader(a))
                 for i, (a, info) in enumerate(zip(decode_actors, decode_info))
             ]
+            if config.enable_tracing:
+                for state, actor in zip(
+                    prefill_states + decode_states, prefill_actors + decode_actors
+                ):
+                    state.clock_offset_ns = clock_offset_ns(_clock_reader(actor))
             router = Router(
                 spec,
                 prefill_states,
@@ -86,6 +92,8 @@ class Cluster:
                 prefill_policy=config.prefill_policy,
                 decode_policy=config.decode_policy,
                 host=host,
+                tracing=config.enable_tracing,
+                trace_dir=config.trace_dir,
             )
             prefill_endpoints = {i: info["endpoint"] for i, info in enumerate(prefill_info)}
             prefill_specs = {i: info["spec"] for i, info in enumerate(prefill_info)}
@@ -158,9 +166,10 @@ class Cluster:
 
 def init_ray(address: str | None) -> None:
     """Start a local Ray instance (address None) or join one; nodes inherit the settings they
-    need from this process's environment."""
+    need from this process's environment. With no address Ray would otherwise attach to any
+    cluster already running on this host, so "local" asks for a fresh one explicitly."""
     ray.init(
-        address=address,
+        address=address or "local",
         include_dashboard=False,
         log_to_driver=True,
         runtime_env={"env_vars": _forwarded_env()},
@@ -277,6 +286,9 @@ def _start_nodes(
             bind_host=node_host,
             cpu_threads=threads,
             transfer_timeout_s=config.transfer_timeout_s,
+            enable_tracing=config.enable_tracing,
+            log_level=config.log_level,
+            stats_log_interval_s=config.stats_log_interval_s,
         )
         return actor_cls.options(
             num_gpus=1 if on_gpu else 0,
@@ -309,6 +321,20 @@ def _pinger(actor):
         return await actor.ping.remote()
 
     return ping
+
+
+def _clock_reader(actor):
+    def read() -> int:
+        return ray.get(actor.clock_ns.remote(), timeout=30)
+
+    return read
+
+
+def _stats_reader(actor):
+    async def stats():
+        return await actor.stats.remote()
+
+    return stats
 
 
 def _get(refs: list, role: str, config: ClusterConfig) -> list:

@@ -19,7 +19,8 @@ from typing import Any
 
 from cluster.backend import BackendError, TokenDelta, make_usage
 from cluster.detokenizer import IncrementalDetokenizer
-from engine import LLM, SamplingParams, TokenLogprob
+from cluster.metrics import ClusterMetrics
+from engine import LLM, RequestRejectedError, SamplingParams, TokenLogprob
 from engine.prompt_embeds import PromptEmbeds
 from engine.request import Request
 
@@ -68,6 +69,7 @@ class LocalBackend:
         self._closed = False
         self._close_lock = threading.Lock()  # orders "submit" against "close + drain"
         self._stats = {"running": 0, "waiting": 0, "finished": 0, "aborted": 0, "failed": 0}
+        self.metrics = ClusterMetrics([_LocalNode(self)])
         self._thread = threading.Thread(target=self._run, name="local-engine", daemon=True)
         self._thread.start()
 
@@ -83,7 +85,13 @@ class LocalBackend:
         prompt_embeds: PromptEmbeds | None = None,
     ) -> None:
         # make_request only reads the engine's fixed config, so it is safe off the thread.
-        self.engine.make_request("validate", prompt_token_ids, params, prompt_embeds=prompt_embeds)
+        try:
+            self.engine.make_request(
+                "validate", prompt_token_ids, params, prompt_embeds=prompt_embeds
+            )
+        except RequestRejectedError:
+            self.metrics.failure("rejected")
+            raise
 
     async def generate(
         self,
@@ -95,6 +103,7 @@ class LocalBackend:
         request = self.engine.make_request(
             request_id, prompt_token_ids, params, prompt_embeds=prompt_embeds
         )
+        timer = self.metrics.request()
         stream = _Stream(request, asyncio.get_running_loop(), asyncio.Queue())
         self._submit("add", stream)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
@@ -104,16 +113,20 @@ class LocalBackend:
                 item = await stream.queue.get()
                 if isinstance(item, BackendError):
                     finished = True  # the engine thread already dropped the request
+                    timer.failed("error")
                     raise item
+                timer.tokens(len(item.token_ids))
                 text = detokenizer.push(item.token_ids)
                 usage = None
                 if item.finish_reason is not None:
                     finished = True
                     text += detokenizer.finish()
                     usage = make_usage(item.num_prompt_tokens, item.num_output_tokens)
+                    timer.finished(item.finish_reason, usage)
                 yield TokenDelta(item.token_ids, text, item.logprobs, item.finish_reason, usage)
         finally:
             if not finished:
+                timer.failed("aborted")
                 # Closed early (client gone): free the request's KV. Never raises.
                 self._submit("abort", request_id, quiet=True)
 
@@ -123,6 +136,10 @@ class LocalBackend:
         node.update(self._stats)
         node["kv_free_slots"] = self.engine.kv_cache.num_free_slots
         return {"status": node["status"], "nodes": [node]}
+
+    async def metrics_text(self) -> bytes:
+        """Prometheus exposition: request latencies and the engine's load and KV usage."""
+        return await self.metrics.render()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -266,3 +283,32 @@ class LocalBackend:
                         status=503,
                     )
                 )
+
+
+class _LocalNode:
+    """The in-process engine as the metrics see a node."""
+
+    name = NODE_NAME
+    role = "aggregated"
+
+    def __init__(self, backend: LocalBackend) -> None:
+        self._backend = backend
+
+    @property
+    def alive(self) -> bool:
+        return self._backend._thread.is_alive() and not self._backend._closed
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._backend._streams)
+
+    async def stats(self) -> dict[str, Any]:
+        # Sizes read off the engine thread: each is one atomic read, together a close snapshot.
+        engine = self._backend.engine
+        kv_cache = engine.kv_cache
+        return {
+            "running": len(engine.scheduler.running),
+            "queued": len(engine.scheduler.waiting),
+            "kv_used": kv_cache.capacity - kv_cache.num_free_slots,
+            "kv_capacity": kv_cache.capacity,
+        }

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server over any GenerationBackend.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (both streaming over SSE or not),
-GET /v1/models, GET /health. Every error has the OpenAI body
+GET /v1/models, GET /v1/traces/{request_id} (Chrome trace JSON, with --enable-tracing),
+GET /health, GET /metrics (Prometheus). Every error has the OpenAI body
 {"error": {"message", "type", "param", "code"}}: bad input is a 400 (never FastAPI's 422), an
 unknown model a 404 with code "model_not_found" (what OpenAI answers), a missing or wrong API
 key a 401, and a BackendError its own status with a message naming the node and stage.
@@ -24,6 +25,7 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.backend import BackendError, GenerationBackend
+from cluster.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from cluster.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +44,7 @@ from cluster.streaming import (
 )
 from engine import RequestRejectedError, SamplingParams
 from engine.prompt_embeds import PromptEmbeds
+from engine.tracing import clock_ns
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ class OpenAIError(Exception):
 
 def create_app(backend: GenerationBackend, api_key: str | None = None) -> FastAPI:
     """An app serving `backend`. With `api_key`, /v1/* needs `Authorization: Bearer <key>`;
-    /health stays open for load balancers and probes."""
+    /health and /metrics stay open for load balancers, probes and scrapers."""
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
     started = now()
 
@@ -92,8 +95,20 @@ def create_app(backend: GenerationBackend, api_key: str | None = None) -> FastAP
         }
         return {"object": "list", "data": [card]}
 
+    @v1.get("/traces/{request_id}")
+    async def trace(request_id: str) -> JSONResponse:
+        # A backend that traces keeps a `traces` store (cluster.tracing.TraceStore).
+        traces = getattr(backend, "traces", None)
+        found = traces.get(request_id) if traces is not None else None
+        if found is None:
+            why = "it is unknown or too old" if traces is not None else "tracing is off"
+            message = f"no trace for request {request_id!r}: {why}"
+            raise OpenAIError(404, message, param="request_id", code="trace_not_found")
+        return JSONResponse(found)
+
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        arrival_ns = clock_ns()
         _check_common(body, backend)
         if not body.messages:
             raise OpenAIError(400, "messages must not be empty", param="messages")
@@ -106,10 +121,13 @@ def create_app(backend: GenerationBackend, api_key: str | None = None) -> FastAP
             raise OpenAIError(400, f"could not apply the chat template: {err}") from err
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, body.requested_max_tokens, logprobs, len(prompt), backend)
-        return await _generate(request, backend, body, "chat", prompt, params)
+        return await _generate(
+            request, backend, body, "chat", prompt, params, arrival_ns=arrival_ns
+        )
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        arrival_ns = clock_ns()
         _check_common(body, backend)
         if body.echo:
             raise OpenAIError(400, "echo=true is not supported", param="echo")
@@ -118,12 +136,22 @@ def create_app(backend: GenerationBackend, api_key: str | None = None) -> FastAP
         prompt = _prompt_token_ids(body.prompt, backend.tokenizer)
         embeds = _prompt_embeds(body)
         params = _sampling_params(body, body.max_tokens, body.logprobs, len(prompt), backend)
-        return await _generate(request, backend, body, "completion", prompt, params, embeds)
+        return await _generate(
+            request, backend, body, "completion", prompt, params, embeds, arrival_ns=arrival_ns
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:
         report = await backend.health()
         return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        # Open like /health (scrapers carry no key); a backend without metrics answers 404.
+        render = getattr(backend, "metrics_text", None)
+        if render is None:
+            raise OpenAIError(404, "this backend exposes no metrics", type="not_found_error")
+        return Response(await render(), media_type=METRICS_CONTENT_TYPE)
 
     app.include_router(v1)
     _install_error_handlers(app)
@@ -206,6 +234,7 @@ async def _generate(
     prompt: list[int],
     params: SamplingParams,
     prompt_embeds: PromptEmbeds | None = None,
+    arrival_ns: int | None = None,
 ) -> Response:
     # Passed only when given, so that a backend without the extension serves the rest.
     extension = {} if prompt_embeds is None else {"prompt_embeds": prompt_embeds}
@@ -213,6 +242,9 @@ async def _generate(
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     formatter = ResponseFormatter(kind, request_id, backend, body.include_usage)
     started = time.perf_counter()
+    # Likewise the timeline so far, only to a backend that traces (cluster.tracing).
+    if getattr(backend, "traces", None) is not None and arrival_ns is not None:
+        extension["trace_events"] = [("arrival", arrival_ns), ("tokenized", clock_ns())]
     deltas = backend.generate(request_id, prompt, params, **extension)
 
     def log_line(outcome: str, completion_tokens: int) -> None:

@@ -17,7 +17,10 @@ import zmq.asyncio
 
 from cluster.backend import BackendError, TokenDelta, make_usage
 from cluster.detokenizer import IncrementalDetokenizer
+from cluster.metrics import ClusterMetrics, failure_kind
 from cluster.policies import create_policy
+from cluster.tracing import NodeTimeline, RequestTimeline, TraceStore
+from engine.errors import RequestRejectedError
 from engine.loader import ModelSpec
 from engine.prompt_embeds import PromptEmbeds
 from engine.sampler import TokenLogprob
@@ -40,7 +43,8 @@ HEALTH_INTERVAL_S = 1.0
 
 @dataclass
 class NodeState:
-    """The router's view of one node; `ping` is an awaitable health probe (a Ray call)."""
+    """The router's view of one node; `ping` is an awaitable health probe and `stats` an
+    awaitable of the node's stats() for /metrics (Ray calls)."""
 
     role: str
     index: int
@@ -49,6 +53,9 @@ class NodeState:
     alive: bool = True
     in_flight: int = 0
     error: str | None = None
+    stats: Callable[[], Awaitable[dict]] | None = None
+    # Add to the node's trace timestamps to get the router's (cluster.tracing.clock_offset_ns).
+    clock_offset_ns: int = 0
 
     @property
     def name(self) -> str:
@@ -80,7 +87,11 @@ class Router:
         decode_policy: str = "least_load",
         host: str = "127.0.0.1",
         model_name: str | None = None,
+        tracing: bool = False,
+        trace_dir: str | None = None,
     ) -> None:
+        """`tracing`: keep each request's trace (`traces`, GET /v1/traces/{id}) and its summary
+        in `usage`, and write it to `trace_dir` if given; the nodes must trace too."""
         self.spec = spec
         self.tokenizer = spec.tokenizer
         self.model_name = model_name or spec.path.name
@@ -90,6 +101,8 @@ class Router:
         self.decode_nodes = decode_nodes
         self.prefill_policy = create_policy(prefill_policy)
         self.decode_policy = create_policy(decode_policy)
+        self.metrics = ClusterMetrics(prefill_nodes + decode_nodes)
+        self.traces = TraceStore(trace_dir) if tracing else None
         self._context = zmq.asyncio.Context()
         self._inbox = self._context.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
@@ -140,15 +153,19 @@ class Router:
         params: SamplingParams,
         prompt_embeds: PromptEmbeds | None = None,
     ) -> None:
-        validate_request(
-            prompt_token_ids,
-            params,
-            vocab_size=self.spec.model_config.vocab_size,
-            max_model_len=self.max_model_len,
-            kv_cache_tokens=self.kv_cache_tokens,
-        )
-        if prompt_embeds is not None:
-            prompt_embeds.check(len(prompt_token_ids), self.spec.model_config.hidden_size)
+        try:
+            validate_request(
+                prompt_token_ids,
+                params,
+                vocab_size=self.spec.model_config.vocab_size,
+                max_model_len=self.max_model_len,
+                kv_cache_tokens=self.kv_cache_tokens,
+            )
+            if prompt_embeds is not None:
+                prompt_embeds.check(len(prompt_token_ids), self.spec.model_config.hidden_size)
+        except RequestRejectedError:
+            self.metrics.failure("rejected")
+            raise
 
     async def health(self) -> dict[str, Any]:
         await self.start()
@@ -167,14 +184,25 @@ class Router:
         status = "ok" if all_alive else ("degraded" if alive_p and alive_d else "down")
         return {"status": status, "nodes": nodes}
 
+    async def metrics_text(self) -> bytes:
+        """Prometheus exposition of the router's and every node's metrics."""
+        await self.start()
+        return await self.metrics.render()
+
     async def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt_embeds: PromptEmbeds | None = None,
+        trace_events: list[tuple[str, int]] | None = None,
     ) -> AsyncIterator[TokenDelta]:
+        """`trace_events`: (name, time_ns) of what happened before (arrival, tokenized), from
+        the HTTP layer when `traces` is set."""
+        traces = self.traces
+        timeline = traces.begin(request_id, trace_events) if traces is not None else None
         await self.start()
+        timer = self.metrics.request()
         prefill = self._pick(self.prefill_nodes, self.prefill_policy, "prefill")
         decode_node = self._pick(self.decode_nodes, self.decode_policy, "decode")
         room = secrets.randbits(63)
@@ -183,6 +211,9 @@ class Router:
         prefill.in_flight += 1
         decode_node.in_flight += 1
         finished = False
+        if timeline is not None:
+            timeline.room = room
+            timeline.mark("routed", {"prefill": prefill.name, "decode": decode_node.name})
         try:
             self._outboxes[decode_node.index].send(
                 encode(
@@ -202,6 +233,7 @@ class Router:
                 update = await flight.queue.get()
                 if isinstance(update, _NodeDied):
                     finished = True
+                    timer.failed("node_down")
                     raise BackendError(
                         f"{update.node.name} died: {update.node.error}",
                         stage=update.stage,
@@ -210,12 +242,16 @@ class Router:
                     )
                 if update.error is not None:
                     finished = True
+                    timer.failed(failure_kind(update.error))
                     stage = "decode" if flight.got_first_token else "prefill/transfer"
                     raise BackendError(update.error, stage=stage, node=decode_node.name)
                 if update.token_ids and not flight.got_first_token:
                     flight.got_first_token = True
                     prefill.in_flight -= 1
+                    if timeline is not None:
+                        timeline.mark("first_token")
                 completion_tokens += len(update.token_ids)
+                timer.tokens(len(update.token_ids))
                 text = detokenizer.push(update.token_ids)
                 logprobs = [_logprob(entry) for entry in update.logprobs]
                 if update.finish_reason is None:
@@ -230,6 +266,11 @@ class Router:
                     decode_node=decode_node.name,
                     **_speculation_usage(update.stats),
                 )
+                timer.finished(update.finish_reason, usage)
+                if timeline is not None:
+                    usage["trace_summary"] = await self._close_trace(
+                        timeline, update, prefill, decode_node, usage
+                    )
                 yield TokenDelta(
                     list(update.token_ids), text, logprobs, update.finish_reason, usage
                 )
@@ -239,6 +280,8 @@ class Router:
             if not flight.got_first_token:
                 prefill.in_flight -= 1
             decode_node.in_flight -= 1
+            if not finished:
+                timer.failed("aborted")
             if not finished and decode_node.alive and not self._closed:
                 # The client went away (or the task was cancelled): free the request's KV.
                 self._outboxes[decode_node.index].send(encode(AbortRequest(room)))
@@ -281,8 +324,26 @@ class Router:
     def _pick(self, nodes: list[NodeState], policy, role: str) -> NodeState:
         alive = [n for n in nodes if n.alive]
         if not alive:
+            self.metrics.failure("node_down")
             raise BackendError(f"no {role} node is alive", stage="routing", status=503)
         return policy.pick(alive)
+
+    async def _close_trace(
+        self,
+        timeline: RequestTimeline,
+        update: TokenUpdate,
+        prefill: NodeState,
+        decode: NodeState,
+        usage: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Merge the nodes' timelines (in the finishing update's stats) into the request's
+        trace; returns its summary."""
+        reported = update.stats.get("trace") or {}
+        nodes = [
+            NodeTimeline(node.name, reported.get(node.role, []), node.clock_offset_ns)
+            for node in (prefill, decode)
+        ]
+        return await self.traces.finish(timeline, update.finish_reason, nodes, usage)
 
 
 SPECULATION_USAGE_KEYS = ("completion_tokens_details", "spec_verify_steps", "spec_accept_length")

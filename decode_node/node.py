@@ -19,6 +19,7 @@ from engine.loader import EngineArgs
 from engine.request import Request, SpecStats
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.tracing import clock_ns, set_time, set_time_batch
 from metadata.control import Inbox, Outbox
 from metadata.handshake import PairingError, TransferSpec, check_compatible
 from metadata.messages import (
@@ -37,6 +38,7 @@ from metadata.node_common import (
     open_channels,
     transfer_spec,
 )
+from metadata.node_metrics import Activity, ActivityLog, TransferTotals
 from metadata.transfer import KVReceiver, TransferHandle, TransferState
 from spec import DraftState, speculator_from_args
 
@@ -62,7 +64,9 @@ class DecodeNode:
         self.spec, runner = load_node_engine(args, options)
         self.speculator = speculator_from_args(args, runner)
         self.num_draft_steps = self.speculator.num_draft_steps if self.speculator else 0
-        self.engine = EngineCore(runner, self.spec.tokenizer, self.speculator)
+        self.engine = EngineCore(
+            runner, self.spec.tokenizer, self.speculator, tracing=options.enable_tracing
+        )
         self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
         self.spec_totals = SpecStats()
         self.inbox = Inbox(options.host)
@@ -76,6 +80,8 @@ class DecodeNode:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.tokens_out = 0
+        self.transfer_totals = TransferTotals("receive")
+        self.activity_log = ActivityLog(options.stats_log_interval_s, log)
 
     # --- setup and health (Ray calls) ---
     def describe(self) -> dict:
@@ -118,6 +124,10 @@ class DecodeNode:
             raise RuntimeError(f"{self.options.name}: its serving loop is not running")
         return "ok"
 
+    def clock_ns(self) -> int:
+        """This process's trace clock, for the router to align this node's timelines."""
+        return clock_ns()
+
     def stats(self) -> dict:
         allocator = self.engine.runner.kv_pool.allocator
         return {
@@ -133,7 +143,12 @@ class DecodeNode:
                 self.spec_totals.accept_length if self.spec_totals.verify_steps else None
             ),
             "spec_accepted_per_position": list(self.spec_totals.accepted_per_position),
+            "transfers_in_flight": self._transfers_in_flight(),
+            "transfers": self.transfer_totals.as_dict(),
         }
+
+    def _transfers_in_flight(self) -> int:
+        return sum(1 for tracked in list(self.receiving) if tracked.handle is not None)
 
     def kv_is_empty(self) -> bool:
         drafts_empty = self.speculator is None or self.speculator.is_empty()
@@ -159,6 +174,23 @@ class DecodeNode:
             self._land_transfers()
             if self.engine.scheduler.running:
                 self._decode_step()
+            self.activity_log.tick(self._activity)
+
+    def _activity(self) -> Activity:
+        allocator = self.engine.runner.kv_pool.allocator
+        running = self.engine.scheduler.running
+        # The totals count finished requests; add the running ones' so far.
+        live = [r.spec_stats for r in running if r.spec_stats is not None]
+        return Activity(
+            len(running),
+            len(self.prealloc),
+            self._transfers_in_flight(),
+            allocator.num_used,
+            allocator.capacity,
+            self.tokens_out,
+            self.spec_totals.verify_steps + sum(s.verify_steps for s in live),
+            self.spec_totals.emitted_tokens + sum(s.emitted_tokens for s in live),
+        )
 
     def _poll_timeout_ms(self) -> int:
         if self.engine.scheduler.running:
@@ -188,6 +220,7 @@ class DecodeNode:
         except RequestRejectedError as err:
             self._send(TokenUpdate(msg.room, [], error=f"{self.options.name}: {err}"))
             return
+        set_time(req, "decode_received")
         tracked = _Tracked(req, msg)
         self.rooms[msg.room] = tracked
         self.prealloc.append(tracked)
@@ -218,6 +251,7 @@ class DecodeNode:
                     msg.prompt_embeds,
                 )
             )
+            set_time(req, "prefill_requested")  # preallocated: the prefill node may run it
             self.receiving.append(tracked)
 
     def _post_receive(self, announce: TransferAnnounce) -> None:
@@ -249,6 +283,7 @@ class DecodeNode:
         tracked.handle = self.receiver.expect(
             announce.prefill_rank, announce.room, pools, self.metadata, tracked.meta_row
         )
+        set_time(req, "receive_posted")
 
     def _land_transfers(self) -> None:
         still = []
@@ -257,6 +292,7 @@ class DecodeNode:
             if handle is None or handle.state not in (TransferState.SUCCESS, TransferState.FAILED):
                 still.append(tracked)
                 continue
+            self.transfer_totals.record(handle)
             if tracked.aborted:
                 self._forget(tracked)
             elif handle.state == TransferState.FAILED:
@@ -272,6 +308,10 @@ class DecodeNode:
 
     def _join_running(self, tracked: _Tracked) -> None:
         req = tracked.req
+        if req.trace is not None:
+            handle = tracked.handle
+            landed = {"bytes": handle.nbytes, "wire_ms": handle.elapsed_s * 1e3}
+            set_time(req, "transfer_end", landed)
         row = tracked.meta_row
         first = int(self.metadata.output_ids[row])
         if req.params.logprobs is not None:
@@ -284,7 +324,9 @@ class DecodeNode:
         self.metadata.free(row)
         tracked.meta_row = None
         req.finish_reason = self.engine.stop_checker.check(req)
+        set_time_batch([req], "decode_admitted", "first_token")
         if req.finished:
+            set_time(req, "finish")
             self._report(tracked)
             self._forget(tracked)
         else:
@@ -304,6 +346,7 @@ class DecodeNode:
     def _decode_step(self) -> None:
         stepped = list(self.engine.scheduler.running)
         finished = self.engine.step()
+        set_time_batch(finished, "finish")
         done = {id(r) for r in finished}
         for req in stepped:
             tracked = self.rooms.get(int(req.request_id))
@@ -337,6 +380,9 @@ class DecodeNode:
                 "stop_string": req.stopped_by_string,
                 **self._speculation_usage(req),
             }
+            if req.trace is not None:
+                prefill = tracked.announce.trace if tracked.announce is not None else []
+                stats["trace"] = {"prefill": prefill, "decode": req.trace.events}
         self._send(TokenUpdate(tracked.message.room, new, logprobs, req.finish_reason, stats=stats))
 
     def _speculation_usage(self, req: Request) -> dict:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from engine.debug_dump import TensorDumpConfig
 from engine.errors import UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -151,6 +152,8 @@ class EngineConfig:
     seed: int = 0
     # float32 linear layers on CPU run through oneDNN with prepacked weights (see cpu_linear.py).
     cpu_packed_linear: bool = True
+    # Set by --debug-tensor-dump-dir: where this engine's forward passes are dumped.
+    tensor_dump: TensorDumpConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "kv_cache_tokens", "max_prefill_tokens"):

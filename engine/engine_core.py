@@ -20,6 +20,7 @@ from engine.sampler import compute_logprobs, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stopping import StopChecker
+from engine.tracing import RequestTrace, set_correct_drafts, set_time, set_time_batch
 from engine.validation import validate_request
 
 
@@ -35,6 +36,25 @@ def step_generator(req: Request) -> torch.Generator | None:
     if req.params.seed is None:
         return None
     return position_generator(req.params.seed, len(req.output_token_ids))
+
+
+# Trace events (engine.tracing) of the steps that are not speculative decode steps.
+_PREFILL_SPAN = ("prefill_start", "prefill_end")
+_DECODE_SPAN = ("decode_start", "decode_end")
+
+
+def _drafts(req: Request) -> bool:
+    """This decode step verifies draft tokens for `req` (before its tokens are committed)."""
+    return req.lookahead > 0
+
+
+def _decodes_plainly(req: Request) -> bool:
+    return req.lookahead == 0
+
+
+def _extends(req: Request) -> bool:
+    """finish_round extends the draft of `req` (after this step's tokens were committed)."""
+    return not req.finished and req.lookahead > 0
 
 
 class Speculator(Protocol):
@@ -67,12 +87,18 @@ class Speculator(Protocol):
 
 class EngineCore:
     def __init__(
-        self, runner: ModelRunner, tokenizer: Any, speculator: Speculator | None = None
+        self,
+        runner: ModelRunner,
+        tokenizer: Any,
+        speculator: Speculator | None = None,
+        tracing: bool = False,
     ) -> None:
+        """`tracing`: give every request a timeline (engine.tracing)."""
         config = runner.config
         self.runner = runner
         self.tokenizer = tokenizer
         self.speculator = speculator
+        self.tracing = tracing
         self.kv_cache = KVCacheManager(runner.kv_pool, runner.req_to_token_pool)
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -100,12 +126,15 @@ class EngineCore:
         if prompt_embeds is not None:
             prompt_embeds.check(len(prompt_token_ids), self.runner.model_config.hidden_size)
         req = Request(request_id, list(prompt_token_ids), params, prompt_embeds=prompt_embeds)
+        if self.tracing:
+            req.trace = RequestTrace()
         if self.speculator is not None and speculative:
             req.num_draft_tokens = self.speculator.num_draft_steps
             req.spec_stats = SpecStats(accepted_per_position=[0] * req.num_draft_tokens)
         return req
 
     def add_request(self, req: Request) -> None:
+        set_time(req, "queued")
         self.scheduler.add(req)
 
     def has_work(self) -> bool:
@@ -118,6 +147,8 @@ class EngineCore:
             return []
         if not batch.is_prefill and any(req.num_draft_tokens for req in batch.requests):
             return self._speculative_decode(batch)
+        started, ended = _PREFILL_SPAN if batch.is_prefill else _DECODE_SPAN
+        set_time_batch(batch.requests, started)
         try:
             forward_batch = self.runner.build_batch(batch.requests)
             keep_hidden = batch.is_prefill and any(r.num_draft_tokens for r in batch.requests)
@@ -133,6 +164,7 @@ class EngineCore:
         finished = self.scheduler.process_result(
             batch, tokens.tolist(), logprobs, self.stop_checker
         )
+        set_time_batch(batch.requests, ended)
         if keep_hidden:
             finished += self._draft_extend_prefill(batch, forward_batch.extend_lens, output)
         return finished
@@ -150,28 +182,39 @@ class EngineCore:
             if req.num_draft_tokens and not req.finished and req.lookahead
         ]
         requests = [req for req, _, _ in items]
+        set_time_batch(requests, "draft_extend_start")
         try:
             self.speculator.draft_extend_prefill(
                 requests, [h for _, h, _ in items], [e for _, _, e in items]
             )
         except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only
             return self._fail(requests, "draft extend (prefill)", err)
+        set_time_batch(requests, "draft_extend_end")
         return []
 
     def _speculative_decode(self, batch: ScheduledBatch) -> list[Request]:
         assert self.speculator is not None
+        # The chain this step verifies already exists (drafted by the last draft extend, or by
+        # the draft extend for prefill): its draft span is empty. docs/architecture.md, Tracing.
+        set_time_batch(batch.requests, "draft_start", "draft_end", "verify_start", where=_drafts)
+        set_time_batch(batch.requests, "decode_start", where=_decodes_plainly)
         try:
             verified = self.speculator.verify(batch.requests, self.default_generator)
         except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
             return self._fail(batch.requests, "verify", err)
+        set_time_batch(batch.requests, "verify_end", where=_drafts)
+        set_time_batch(batch.requests, "decode_end", where=_decodes_plainly)
         finished = self.scheduler.process_tokens(
             batch, verified.tokens, verified.logprobs, self.stop_checker
         )
+        set_time_batch(batch.requests, "draft_extend_start", where=_extends)
         try:
             self.speculator.finish_round(batch.requests, verified)
         except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only
             alive = [req for req in batch.requests if not req.finished]
             return finished + self._fail(alive, "draft extend", err)
+        set_time_batch(batch.requests, "draft_extend_end", where=_extends)
+        set_correct_drafts(batch.requests)
         return finished
 
     def _fail(self, requests: list[Request], stage: str, err: Exception) -> list[Request]:
@@ -188,6 +231,7 @@ class EngineCore:
             finish_reason=req.finish_reason or "abort",
             usage=Usage.of(req),
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            trace=list(req.trace.events) if req.trace is not None else None,
         )
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:

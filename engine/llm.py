@@ -14,6 +14,7 @@ from engine.loader import EngineArgs, load_runner, model_path_arg, resolve
 from engine.prompt_embeds import EmbedsArg, PromptEmbeds, per_prompt
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tracing import set_time_batch
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -37,10 +38,16 @@ class LLM:
         speculative_algorithm: str | None = None,
         draft_model: str | os.PathLike | None = None,
         num_draft_steps: int | None = None,
+        debug_tensor_dump_dir: str | os.PathLike | None = None,
+        debug_tensor_dump_layers: Sequence[int] | None = None,
+        enable_tracing: bool = False,
     ) -> None:
         """With `speculative_algorithm` ("multi-layer-eagle") and `draft_model` (a draft folder,
         see docs/draft-format.md), every request speculates with `num_draft_steps` draft depths
-        (default: all the draft has) unless `generate(..., speculative=False)` opts it out."""
+        (default: all the draft has) unless `generate(..., speculative=False)` opts it out.
+        `debug_tensor_dump_dir` dumps every forward pass (engine/debug_dump.py) under
+        DIR/offline/<target|draft-N>/rank0/, keeping only `debug_tensor_dump_layers` if given.
+        `enable_tracing` gives each output its timeline (`RequestOutput.trace`, engine.tracing)."""
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         self.args = EngineArgs(
@@ -56,6 +63,10 @@ class LLM:
             speculative_algorithm=speculative_algorithm,
             draft_model=model_path_arg(draft_model),
             num_draft_steps=num_draft_steps,
+            debug_tensor_dump_dir=model_path_arg(debug_tensor_dump_dir),
+            debug_tensor_dump_layers=(
+                None if debug_tensor_dump_layers is None else tuple(debug_tensor_dump_layers)
+            ),
         )
         spec = resolve(self.args)
         self.model_path = spec.path
@@ -72,7 +83,7 @@ class LLM:
             speculator = build_speculator(
                 speculative_algorithm, runner, draft_model, num_draft_steps
             )
-        self.engine = EngineCore(runner, self.tokenizer, speculator)
+        self.engine = EngineCore(runner, self.tokenizer, speculator, tracing=enable_tracing)
         self._ids = itertools.count()
 
     def generate(
@@ -140,7 +151,7 @@ class LLM:
         for req in requests:
             self.engine.add_request(req)
         while self.engine.has_work():
-            self.engine.step()
+            set_time_batch(self.engine.step(), "finish")
         failed = [req for req in requests if req.error is not None]
         if failed:
             raise PdclusterError(f"{len(failed)} request(s) failed, first: {failed[0].error}")

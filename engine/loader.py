@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, ModelConfig, default_device, resolve_dtype
+from engine.debug_dump import OFFLINE_NODE, tensor_dump_config
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.weights import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
@@ -35,12 +36,22 @@ class EngineArgs:
     speculative_algorithm: str | None = None
     draft_model: str | None = None
     num_draft_steps: int | None = None
+    # Debugging (engine/debug_dump.py): every module's output per forward pass, under
+    # DIR/<node>/<target|draft-N>/rank0/. Give an absolute path to a cluster: each node resolves
+    # a relative one in its own working directory. Layers: the target decoder layers kept.
+    debug_tensor_dump_dir: str | None = None
+    debug_tensor_dump_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_algorithm is None and (
             self.draft_model is not None or self.num_draft_steps is not None
         ):
             raise ValueError("draft_model and num_draft_steps need a speculative_algorithm")
+        if self.debug_tensor_dump_layers is not None and self.debug_tensor_dump_dir is None:
+            raise ValueError("debug_tensor_dump_layers needs debug_tensor_dump_dir")
+        # The engine runs eagerly: it has no CUDA graphs to turn off. An option that turns them
+        # on must call debug_dump.refuse_cuda_graphs(dumping, cuda_graphs) here: forward hooks
+        # do not run when a graph replays, so a dump would silently miss every captured pass.
 
 
 @dataclass(frozen=True)
@@ -53,7 +64,8 @@ class ModelSpec:
     tokenizer: Any
 
 
-def resolve(args: EngineArgs) -> ModelSpec:
+def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
+    """`node_name` ("prefill-0", "decode-1", ...) names this engine's tensor dump folder."""
     path = resolve_model(args.model)
     hf_config = load_hf_config(path)
     tokenizer = load_tokenizer(path)
@@ -79,6 +91,12 @@ def resolve(args: EngineArgs) -> ModelSpec:
         max_prefill_tokens=args.max_prefill_tokens,
         attention_backend=args.attention_backend,
         seed=args.seed,
+        tensor_dump=tensor_dump_config(
+            args.debug_tensor_dump_dir,
+            args.debug_tensor_dump_layers,
+            node_name,
+            model_config.num_layers,
+        ),
     )
     return ModelSpec(path, model_config, engine_config, tokenizer)
 

@@ -10,6 +10,7 @@ import torch
 
 from engine.attention import create_attention_backend
 from engine.config import EngineConfig, ModelConfig
+from engine.debug_dump import TARGET_ROLE, dump_pass, tensor_dumper
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.models import model_class
@@ -65,6 +66,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             engine_config.max_num_seqs, engine_config.max_model_len, self.device
         )
+        self.dumper = tensor_dumper(engine_config.tensor_dump, TARGET_ROLE, self.model)
 
     def build_batch(self, requests: list[Request]) -> ForwardBatch:
         """Each request extends its cached prefix (`kv_len`) to all of its tokens."""
@@ -101,9 +103,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, keep_hidden: bool = False) -> ForwardOutput:
-        hidden, draft_hidden = self._run_model(batch)
-        last = batch.last_token_indices()
-        logits = self.model.compute_logits(hidden[last])
+        with dump_pass(self.dumper, batch):
+            hidden, draft_hidden = self._run_model(batch)
+            last = batch.last_token_indices()
+            logits = self.model.compute_logits(hidden[last])
         last_hidden = draft_hidden[last]
         if not keep_hidden:
             return ForwardOutput(logits, last_hidden)
@@ -130,8 +133,9 @@ class ModelRunner:
     def forward_every_token(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [T, vocab] and hidden states [T, spec_hidden_size] at every new token: what
         speculative verify needs, since it checks a draft token at each position."""
-        hidden, draft_hidden = self._run_model(batch)
-        return self.model.compute_logits(hidden), draft_hidden
+        with dump_pass(self.dumper, batch):
+            hidden, draft_hidden = self._run_model(batch)
+            return self.model.compute_logits(hidden), draft_hidden
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -8,6 +8,7 @@ from typing import Any
 from engine.prompt_embeds import PromptEmbeds
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.tracing import RequestTrace
 
 
 @dataclass
@@ -68,6 +69,8 @@ class Request:
     num_draft_tokens: int = 0
     spec_state: Any = None
     spec_stats: SpecStats | None = None
+    # The request's timeline in this process; None unless the process traces (engine.tracing).
+    trace: RequestTrace | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -134,3 +137,5 @@ class RequestOutput:
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
+    # (name, time_ns[, args]) events when the engine traces (engine.tracing), else None.
+    trace: list[tuple[Any, ...]] | None = None

@@ -91,6 +91,8 @@ class TransferAnnounce:
     first_token_top_logprobs: list[list[Any]] = field(default_factory=list)
     # Draft depths whose KV and chain follow the target's KV (0: this request did not draft).
     num_draft_tokens: int = 0
+    # The request's timeline on the prefill node when it traces: [[name, time_ns(, args)], ...]
+    trace: list[list[Any]] = field(default_factory=list)
 
 
 @message

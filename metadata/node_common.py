@@ -33,6 +33,9 @@ class NodeOptions:
     cpu_threads: int | None = None  # torch threads on CPU; None leaves torch's default
     metadata_rows: int = 256
     transfer_timeout_s: float = 120.0
+    enable_tracing: bool = False  # a timeline per request (engine.tracing), sent to the router
+    log_level: str = "info"
+    stats_log_interval_s: float = 5.0  # a busy node logs its load this often; <= 0: never
 
     @property
     def name(self) -> str:
@@ -56,12 +59,14 @@ def resolve_host(host: str) -> str:
 
 
 def load_node_engine(args: EngineArgs, options: NodeOptions) -> tuple[ModelSpec, ModelRunner]:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {options.name} %(message)s")
+    level = options.log_level.upper()
+    logging.basicConfig(level=level, format=f"%(asctime)s {options.name} %(message)s")
+    logging.getLogger().setLevel(level)  # basicConfig leaves it alone when Ray set a handler
     if options.cpu_threads:
         # Several nodes on one CPU host must not each spin a thread per core.
         torch.set_num_threads(options.cpu_threads)
     keep_large_allocations_in_heap()
-    spec = resolve(args)
+    spec = resolve(args, options.name)
     if spec.engine_config.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.engine_config.device))
     runner = load_runner(spec)

@@ -22,6 +22,7 @@ from engine.prompt_embeds import InputEmbeds, PromptEmbeds
 from engine.request import Request
 from engine.sampler import compute_logprobs, sample
 from engine.sampling_params import SamplingParams
+from engine.tracing import RequestTrace, clock_ns, set_time, set_time_batch
 from metadata.control import Inbox, Outbox
 from metadata.messages import AbortRequest, PrefillRequest, TransferAbandoned, TransferAnnounce
 from metadata.node_common import (
@@ -32,6 +33,7 @@ from metadata.node_common import (
     open_channels,
     transfer_spec,
 )
+from metadata.node_metrics import Activity, ActivityLog, TransferTotals
 from metadata.transfer import KVSender, TransferHandle, TransferState
 from spec import speculator_from_args
 
@@ -69,6 +71,9 @@ class PrefillNode:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.prompts_done = 0
+        self.prompt_tokens = 0
+        self.transfer_totals = TransferTotals("send")
+        self.activity_log = ActivityLog(options.stats_log_interval_s, log)
 
     # --- setup and health (Ray calls) ---
     def describe(self) -> dict:
@@ -97,6 +102,10 @@ class PrefillNode:
             raise RuntimeError(f"{self.options.name}: its serving loop is not running")
         return "ok"
 
+    def clock_ns(self) -> int:
+        """This process's trace clock, for the router to align this node's timelines."""
+        return clock_ns()
+
     def stats(self) -> dict:
         allocator = self.runner.kv_pool.allocator
         return {
@@ -106,6 +115,9 @@ class PrefillNode:
             "kv_used": allocator.num_used,
             "kv_capacity": allocator.capacity,
             "prompts_done": self.prompts_done,
+            "prompt_tokens": self.prompt_tokens,
+            "transfers_in_flight": len(self.sending),
+            "transfers": self.transfer_totals.as_dict(),
         }
 
     def kv_is_empty(self) -> bool:
@@ -135,11 +147,26 @@ class PrefillNode:
             batch = self._admit()
             if batch:
                 self._prefill(batch)
+            self.activity_log.tick(self._activity)
+
+    def _activity(self) -> Activity:
+        allocator = self.runner.kv_pool.allocator
+        return Activity(
+            None,
+            len(self.waiting),
+            len(self.sending),
+            allocator.num_used,
+            allocator.capacity,
+            self.prompt_tokens,
+        )
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, PrefillRequest):
             params = SamplingParams(**msg.sampling.__dict__)
             req = Request(str(msg.room), list(msg.prompt_token_ids), params)
+            if self.options.enable_tracing:
+                req.trace = RequestTrace()
+                set_time(req, "prefill_queued")
             pending = _Pending(req, msg.decode_node, msg.decode_rank)
             if msg.prompt_embeds is not None:
                 given = msg.prompt_embeds
@@ -181,6 +208,7 @@ class PrefillNode:
 
     def _prefill(self, batch: list[_Pending]) -> None:
         requests = [p.req for p in batch]
+        set_time_batch(requests, "prefill_start")
         try:
             forward_batch = self.runner.build_batch(requests)
             output = self.runner.forward(forward_batch, keep_hidden=self.speculator is not None)
@@ -191,6 +219,7 @@ class PrefillNode:
             for req, token in zip(requests, tokens.tolist()):
                 req.kv_len = req.num_tokens
                 req.output_token_ids.append(token)
+            set_time_batch(requests, "prefill_end")
             drafted = self._draft_extend(
                 requests, forward_batch.extend_lens, output.hidden, output.input_embeds
             )
@@ -200,6 +229,7 @@ class PrefillNode:
                 self._abandon(pending, f"prefill failed: {type(err).__name__}: {err}")
             return
         self.prompts_done += len(batch)
+        self.prompt_tokens += sum(len(r.prompt_token_ids) for r in requests)
         for i, pending in enumerate(batch):
             self._send(pending, logprobs[i], output.last_hidden[i], drafted[i])
 
@@ -223,7 +253,10 @@ class PrefillNode:
             if d
         ]
         if items:
+            drafting = [r for r, _, _ in items]
+            set_time_batch(drafting, "draft_extend_start")
             self.speculator.draft_extend_prefill(*(list(column) for column in zip(*items)))
+            set_time_batch(drafting, "draft_extend_end")
         return drafted
 
     def _send(self, pending: _Pending, logprob, last_hidden: torch.Tensor, drafted: bool) -> None:
@@ -250,9 +283,17 @@ class PrefillNode:
             **draft_fields,
         )
         top = [[t, lp] for t, lp in logprob.top_logprobs] if logprob else []
+        # The announcement starts the transfer; it carries this node's timeline to the decode
+        # node, which lands the transfer (transfer_end) and reports both to the router.
+        set_time(req, "transfer_start")
         self.outboxes[pending.decode_node].send(
             TransferAnnounce(
-                room, self.rank, prompt_len, top, self.num_draft_steps if drafted else 0
+                room,
+                self.rank,
+                prompt_len,
+                top,
+                self.num_draft_steps if drafted else 0,
+                trace=req.trace.events if req.trace is not None else [],
             )
         )
         pending.handle = self.sender.send(
@@ -265,6 +306,7 @@ class PrefillNode:
         for pending in self.sending:
             state = pending.handle.state
             if state in (TransferState.SUCCESS, TransferState.FAILED):
+                self.transfer_totals.record(pending.handle)
                 if state == TransferState.FAILED:
                     log.warning(
                         "transfer of room %s failed: %s",

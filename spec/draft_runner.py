@@ -14,6 +14,7 @@ import torch
 
 from engine.attention import create_attention_backend
 from engine.config import EngineConfig
+from engine.debug_dump import draft_role, dump_pass, tensor_dumper
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
@@ -77,6 +78,7 @@ class DraftRunner:
         self.req_to_token_pool = ReqToTokenPool(
             config.max_num_seqs, config.max_model_len, self.device
         )
+        self.dumper = tensor_dumper(config.tensor_dump, draft_role(depth), module)
 
     def grow_to(self, seq: DraftSeq, num_positions: int) -> None:
         """Give `seq` slots for positions [0, num_positions), taking a row first if needed."""
@@ -116,5 +118,6 @@ class DraftRunner:
         embeds = self.target.embed(batch)
         hidden = torch.cat([item.hidden for item in inputs])
         cos_sin = self.rotary.lookup(batch.positions, embeds.dtype)
-        out = self.module(embeds, hidden, batch, cos_sin, self.attention)
+        with dump_pass(self.dumper, batch, input_hidden=hidden):
+            out = self.module(embeds, hidden, batch, cos_sin, self.attention)
         return list(out.split(batch.extend_lens))

@@ -1,0 +1,352 @@
+"""Prometheus metrics of a serving backend, for GET /metrics: one scrape sees the whole cluster.
+
+- Request latencies, observed where the router sees tokens arrive: time to first token, inter-token
+  latency (the gap between two deltas divided by the delta's tokens, once per token), end to end;
+  the accept length of each speculative request; requests by finish reason; failures by kind.
+- Each node's load, KV usage, transfers and speculation, read from its `stats()` (a Ray call for
+  cluster nodes) when scraped, at most once per STATS_MAX_AGE_S, so scrapes never hammer nodes.
+
+Every `ClusterMetrics` owns its registry (never prometheus_client's global one), so two routers in
+one process never share or clash over a metric. Transfer GB/s over a window is
+`rate(pdcluster_node_transfer_bytes_total[1m]) / rate(pdcluster_node_transfer_seconds_total[1m])
+/ 1e9`; `pdcluster_node_transfer_gigabytes_per_second` is the node's mean since it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import generate_latest as _generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+FAILURE_KINDS = ("rejected", "node_down", "transfer", "aborted", "error")
+STATS_MAX_AGE_S = 1.0
+STATS_TIMEOUT_S = 5.0
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+INTER_TOKEN_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+ACCEPT_LENGTH_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+
+
+class StatsSource(Protocol):
+    """A node as the metrics see it (the router's NodeState is one): `stats` returns the
+    node's stats() dict, or is None for a node that reports none."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def stats(self) -> Callable[[], Awaitable[dict]] | None: ...
+
+
+def failure_kind(error: str) -> str:
+    """The kind of a request's terminal error as a decode node words it."""
+    return "transfer" if "transfer" in error.lower() else "error"
+
+
+class ClusterMetrics:
+    def __init__(self, nodes: Sequence[StatsSource]) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.ttft = Histogram(
+            "pdcluster_time_to_first_token_seconds",
+            "From the request reaching the router to its first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token = Histogram(
+            "pdcluster_inter_token_latency_seconds",
+            "Time per output token after the first: each delta's gap over its tokens.",
+            buckets=INTER_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "pdcluster_e2e_request_latency_seconds",
+            "From the request reaching the router to its last token, for finished requests.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.accept_length = Histogram(
+            "pdcluster_spec_accept_length",
+            "Tokens committed per verify step, one observation per speculative request.",
+            buckets=ACCEPT_LENGTH_BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "pdcluster_requests",
+            "Finished requests by finish reason.",
+            ["finish_reason"],
+            registry=registry,
+        )
+        self.failures = Counter(
+            "pdcluster_request_failures",
+            "Requests that failed, by kind: rejected (invalid, 400), node_down, transfer, "
+            "aborted (client gone or cancelled), error (anything else).",
+            ["kind"],
+            registry=registry,
+        )
+        for kind in FAILURE_KINDS:
+            self.failures.labels(kind)  # every kind is visible at 0 from the start
+        self.prompt_tokens = Counter(
+            "pdcluster_prompt_tokens", "Prompt tokens of finished requests.", registry=registry
+        )
+        self.generation_tokens = Counter(
+            "pdcluster_generation_tokens", "Tokens streamed to clients.", registry=registry
+        )
+        self.nodes = NodeCollector(nodes)
+        registry.register(self.nodes)
+
+    def request(self) -> RequestTimer:
+        """Start timing one request, now."""
+        return RequestTimer(self)
+
+    def failure(self, kind: str) -> None:
+        self.failures.labels(kind).inc()
+
+    async def render(self) -> bytes:
+        """The exposition text, with node stats at most STATS_MAX_AGE_S old."""
+        await self.nodes.refresh()
+        return _generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's latencies, observed into its ClusterMetrics as the tokens arrive."""
+
+    def __init__(self, metrics: ClusterMetrics, clock: Callable[[], float] = time.perf_counter):
+        self._metrics = metrics
+        self._clock = clock
+        self.started = self._last = clock()
+        self.first_token_at: float | None = None
+
+    def tokens(self, count: int) -> None:
+        """`count` tokens arrived now (a delta; speculation may bring several at once)."""
+        if count <= 0:
+            return
+        now = self._clock()
+        metrics = self._metrics
+        if self.first_token_at is None:
+            self.first_token_at = now
+            metrics.ttft.observe(now - self.started)
+            count_after_first = count - 1
+        else:
+            count_after_first = count
+        if count_after_first:
+            per_token = (now - self._last) / count_after_first
+            for _ in range(count_after_first):
+                metrics.inter_token.observe(per_token)
+        self._last = now
+        metrics.generation_tokens.inc(count)
+
+    def finished(self, finish_reason: str, usage: dict[str, Any]) -> None:
+        metrics = self._metrics
+        metrics.e2e.observe(self._clock() - self.started)
+        metrics.requests.labels(finish_reason).inc()
+        metrics.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+        accept_length = usage.get("spec_accept_length")
+        if accept_length is not None:
+            metrics.accept_length.observe(accept_length)
+
+    def failed(self, kind: str) -> None:
+        self._metrics.failure(kind)
+
+
+class NodeCollector:
+    """Per-node metrics from the latest stats of each node (a custom collector: the values
+    are the nodes' own counters and gauges, copied at scrape time)."""
+
+    def __init__(self, nodes: Sequence[StatsSource], max_age_s: float = STATS_MAX_AGE_S) -> None:
+        self._nodes = list(nodes)
+        self._max_age_s = max_age_s
+        self._stats: dict[str, dict] = {}
+        self._fetched_at = float("-inf")
+
+    async def refresh(self) -> None:
+        """Fetch every live node's stats, unless the last fetch is younger than max_age_s."""
+        now = time.monotonic()
+        if now - self._fetched_at < self._max_age_s:
+            return
+        # Stamped first, so a scrape that arrives meanwhile serves the cache instead of asking too.
+        self._fetched_at = now
+        nodes = [n for n in self._nodes if n.alive and n.stats is not None]
+        results = await asyncio.gather(
+            *(asyncio.wait_for(n.stats(), STATS_TIMEOUT_S) for n in nodes), return_exceptions=True
+        )
+        stats = {}
+        for node, result in zip(nodes, results):
+            if isinstance(result, BaseException):
+                log.warning("no stats from %s: %s", node.name, result)
+            else:
+                stats[node.name] = result
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["node", "role"]
+        up = GaugeMetricFamily(
+            "pdcluster_node_up", "1 while the node answers probes.", labels=labels
+        )
+        in_flight = GaugeMetricFamily(
+            "pdcluster_node_in_flight_requests",
+            "Requests the router has routed to the node and not yet seen end.",
+            labels=labels,
+        )
+        for node in self._nodes:
+            up.add_metric([node.name, node.role], 1.0 if node.alive else 0.0)
+            in_flight.add_metric([node.name, node.role], node.in_flight)
+        yield up
+        yield in_flight
+        families = _NodeFamilies()
+        for node in self._nodes:
+            stats = self._stats.get(node.name)
+            if stats is not None:
+                families.add(node.name, node.role, stats)
+        yield from families.all()
+
+
+class _NodeFamilies:
+    """The metric families built from nodes' stats dicts, one sample per node."""
+
+    LABELS = ["node", "role"]
+
+    def __init__(self) -> None:
+        labels = self.LABELS
+        self.running = GaugeMetricFamily(
+            "pdcluster_node_running_requests", "Requests in the decode batch.", labels=labels
+        )
+        self.queued = GaugeMetricFamily(
+            "pdcluster_node_queued_requests",
+            "Requests waiting for KV (decode: preallocation; prefill: admission).",
+            labels=labels,
+        )
+        self.kv_used = GaugeMetricFamily(
+            "pdcluster_node_kv_used_tokens", "KV slots in use.", labels=labels
+        )
+        self.kv_capacity = GaugeMetricFamily(
+            "pdcluster_node_kv_capacity_tokens", "KV slots in all.", labels=labels
+        )
+        self.kv_usage = GaugeMetricFamily(
+            "pdcluster_node_kv_usage_ratio", "KV slots in use over KV slots in all.", labels=labels
+        )
+        self.transfers_in_flight = GaugeMetricFamily(
+            "pdcluster_node_transfers_in_flight",
+            "KV transfers announced and not yet ended.",
+            labels=labels,
+        )
+        self.generated = CounterMetricFamily(
+            "pdcluster_node_generation_tokens", "Tokens a decode node produced.", labels=labels
+        )
+        self.prompt = CounterMetricFamily(
+            "pdcluster_node_prompt_tokens", "Prompt tokens a prefill node ran.", labels=labels
+        )
+        transfer = [*labels, "direction"]
+        self.transfers = CounterMetricFamily(
+            "pdcluster_node_transfers", "KV transfers that succeeded.", labels=transfer
+        )
+        self.transfer_failures = CounterMetricFamily(
+            "pdcluster_node_transfer_failures", "KV transfers that failed.", labels=transfer
+        )
+        self.transfer_bytes = CounterMetricFamily(
+            "pdcluster_node_transfer_bytes",
+            "Bytes of successful KV transfers (KV and metadata row).",
+            labels=transfer,
+        )
+        self.transfer_seconds = CounterMetricFamily(
+            "pdcluster_node_transfer_seconds",
+            "Time successful KV transfers took, from their start on the wire to their end.",
+            labels=transfer,
+        )
+        self.transfer_throughput = GaugeMetricFamily(
+            "pdcluster_node_transfer_gigabytes_per_second",
+            "Mean transfer throughput since the node started (bytes / seconds / 1e9).",
+            labels=transfer,
+        )
+        self.transfer_latency = HistogramMetricFamily(
+            "pdcluster_node_transfer_latency_seconds",
+            "Latency of each successful KV transfer.",
+            labels=transfer,
+        )
+        spec = [*labels, "position"]
+        self.verify_steps = CounterMetricFamily(
+            "pdcluster_node_spec_verify_steps", "Speculative verify steps.", labels=labels
+        )
+        self.accepted = CounterMetricFamily(
+            "pdcluster_node_spec_accepted_tokens",
+            "Draft tokens accepted at each draft position (1 = the first draft token).",
+            labels=spec,
+        )
+        self.acceptance_rate = GaugeMetricFamily(
+            "pdcluster_node_spec_acceptance_rate",
+            "Draft tokens accepted at each position per verify step, since the node started.",
+            labels=spec,
+        )
+
+    def add(self, name: str, role: str, stats: dict) -> None:
+        labels = [name, role]
+        for family, key in (
+            (self.running, "running"),
+            (self.queued, "queued"),
+            (self.transfers_in_flight, "transfers_in_flight"),
+            (self.kv_used, "kv_used"),
+            (self.kv_capacity, "kv_capacity"),
+            (self.generated, "tokens_out"),
+            (self.prompt, "prompt_tokens"),
+        ):
+            if stats.get(key) is not None:
+                family.add_metric(labels, stats[key])
+        if stats.get("kv_capacity"):
+            self.kv_usage.add_metric(labels, stats.get("kv_used", 0) / stats["kv_capacity"])
+        if "transfers" in stats:
+            self._add_transfers(labels, stats["transfers"])
+        if stats.get("spec_accepted_per_position"):
+            self._add_speculation(labels, stats)
+
+    def _add_transfers(self, labels: list[str], totals: dict) -> None:
+        labels = [*labels, totals["direction"]]
+        self.transfers.add_metric(labels, totals["count"])
+        self.transfer_failures.add_metric(labels, totals["failed"])
+        self.transfer_bytes.add_metric(labels, totals["bytes"])
+        self.transfer_seconds.add_metric(labels, totals["seconds"])
+        seconds = totals["seconds"]
+        self.transfer_throughput.add_metric(
+            labels, totals["bytes"] / seconds / 1e9 if seconds > 0 else 0.0
+        )
+        buckets = [(floatToGoString(bound), count) for bound, count in totals["latency_buckets"]]
+        self.transfer_latency.add_metric(labels, buckets, totals["seconds"])
+
+    def _add_speculation(self, labels: list[str], stats: dict) -> None:
+        steps = stats.get("spec_verify_steps", 0)
+        self.verify_steps.add_metric(labels, steps)
+        for position, accepted in enumerate(stats["spec_accepted_per_position"], start=1):
+            spec_labels = [*labels, str(position)]
+            self.accepted.add_metric(spec_labels, accepted)
+            self.acceptance_rate.add_metric(spec_labels, accepted / steps if steps else 0.0)
+
+    def all(self) -> list[Metric]:
+        return [value for value in vars(self).values() if isinstance(value, Metric)]
