@@ -53,6 +53,7 @@ class Cluster:
         prefill_actors: list = []
         decode_actors: list = []
         store = None
+        router: Router | None = None
         try:
             device = cluster_device(config.engine.device)
             spec = resolve(_driver_engine_args(config.engine, device))
@@ -121,6 +122,8 @@ class Cluster:
             _get(joins, "node", config)
             _get([a.start.remote() for a in prefill_actors + decode_actors], "node", config)
         except BaseException:
+            if router is not None:
+                router.close_sockets()
             for actor in prefill_actors + decode_actors:
                 ray.kill(actor)
             if placement is not None:
@@ -153,6 +156,7 @@ class Cluster:
         return all(ray.get(refs, timeout=30))
 
     def shutdown(self) -> None:
+        self.router.close_sockets()
         for actor in self.prefill_actors + self.decode_actors:
             try:
                 ray.get(actor.shutdown.remote(), timeout=15)

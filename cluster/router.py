@@ -132,9 +132,17 @@ class Router:
         ]
 
     async def close(self) -> None:
-        self._closed = True
         for task in self._tasks:
             task.cancel()
+        self.close_sockets()
+
+    def close_sockets(self) -> None:
+        """Close every socket and context now; idempotent, and safe once the serving event loop
+        is gone. A context left to the garbage collector would block in term() on any socket
+        still open, hanging whoever collects it."""
+        if self._closed:
+            return
+        self._closed = True
         for socket in [self._inbox, *self._outboxes.values()]:
             socket.close(linger=0)
         self._context.term()

@@ -9,7 +9,6 @@ decode steps -> finished, slots freed."""
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ from engine.loader import EngineArgs
 from engine.request import Request, SpecStats
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.tracing import clock_ns, set_time, set_time_batch
+from engine.tracing import set_time, set_time_batch
 from metadata.control import Inbox, Outbox
 from metadata.handshake import PairingError, TransferSpec, check_compatible
 from metadata.messages import (
@@ -32,13 +31,12 @@ from metadata.messages import (
 )
 from metadata.node_common import (
     NodeOptions,
-    join_transfer_group,
     load_node_engine,
     metadata_buffers,
-    open_channels,
     transfer_spec,
 )
 from metadata.node_metrics import Activity, ActivityLog, TransferTotals
+from metadata.serving_node import ServingNode
 from metadata.transfer import KVReceiver, TransferHandle, TransferState
 from spec import DraftState, speculator_from_args
 
@@ -58,46 +56,30 @@ class _Tracked:
     announce: TransferAnnounce | None = None
 
 
-class DecodeNode:
+class DecodeNode(ServingNode):
     def __init__(self, args: EngineArgs, options: NodeOptions) -> None:
-        self.options = options
+        super().__init__(options)
         self.spec, runner = load_node_engine(args, options)
         self.speculator = speculator_from_args(args, runner)
         self.num_draft_steps = self.speculator.num_draft_steps if self.speculator else 0
         self.engine = EngineCore(
             runner, self.spec.tokenizer, self.speculator, tracing=options.enable_tracing
         )
+        self.kv_cache = self.engine.kv_cache
         self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
         self.spec_totals = SpecStats()
         self.inbox = Inbox(options.host)
         self.prefill_outboxes: dict[int, Outbox] = {}
         self.router: Outbox | None = None
         self.receiver: KVReceiver | None = None
-        self.rank = -1
         self.rooms: dict[int, _Tracked] = {}
         self.prealloc: deque[_Tracked] = deque()
         self.receiving: list[_Tracked] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.tokens_out = 0
         self.transfer_totals = TransferTotals("receive")
         self.activity_log = ActivityLog(options.stats_log_interval_s, log)
 
     # --- setup and health (Ray calls) ---
-    def describe(self) -> dict:
-        spec = transfer_spec(self.spec, self.num_draft_steps)
-        return {"endpoint": self.inbox.endpoint, "spec": spec.to_dict()}
-
-    def join_group(
-        self, store_host: str, store_port: int, rank: int, world_size: int, peers: list[int]
-    ) -> None:
-        join_transfer_group(self.spec, store_host, store_port, rank, world_size)
-        self.rank = rank
-        self.receiver = KVReceiver(
-            self.spec.engine_config.device, timeout_s=self.options.transfer_timeout_s
-        )
-        open_channels(self.receiver, peers, self.options.transfer_timeout_s)
-
     def connect(
         self,
         prefill_endpoints: dict[int, str],
@@ -114,19 +96,6 @@ class DecodeNode:
                 raise PairingError(f"prefill-{index} and {self.options.name}: {err}") from None
         self.prefill_outboxes = {i: Outbox(e) for i, e in prefill_endpoints.items()}
         self.router = Outbox(router_endpoint)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._serve, name=self.options.name, daemon=True)
-        self._thread.start()
-
-    def ping(self) -> str:
-        if self._thread is None or not self._thread.is_alive():
-            raise RuntimeError(f"{self.options.name}: its serving loop is not running")
-        return "ok"
-
-    def clock_ns(self) -> int:
-        """This process's trace clock, for the router to align this node's timelines."""
-        return clock_ns()
 
     def stats(self) -> dict:
         allocator = self.engine.runner.kv_pool.allocator
@@ -150,20 +119,11 @@ class DecodeNode:
     def _transfers_in_flight(self) -> int:
         return sum(1 for tracked in list(self.receiving) if tracked.handle is not None)
 
-    def kv_is_empty(self) -> bool:
-        drafts_empty = self.speculator is None or self.speculator.is_empty()
-        return (
-            self.engine.kv_cache.is_empty()
-            and drafts_empty
-            and self.metadata.num_free == self.metadata.num_rows
+    def _open_channel(self) -> KVReceiver:
+        self.receiver = KVReceiver(
+            self.spec.engine_config.device, timeout_s=self.options.transfer_timeout_s
         )
-
-    def shutdown(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        if self.receiver is not None:
-            self.receiver.close()
+        return self.receiver
 
     # --- the serving loop ---
     def _serve(self) -> None:

@@ -8,7 +8,6 @@ plane, then hands it to the per-peer sender; slots are freed when the transfer e
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -22,18 +21,16 @@ from engine.prompt_embeds import InputEmbeds, PromptEmbeds
 from engine.request import Request
 from engine.sampler import compute_logprobs, sample
 from engine.sampling_params import SamplingParams
-from engine.tracing import RequestTrace, clock_ns, set_time, set_time_batch
+from engine.tracing import RequestTrace, set_time, set_time_batch
 from metadata.control import Inbox, Outbox
 from metadata.messages import AbortRequest, PrefillRequest, TransferAbandoned, TransferAnnounce
 from metadata.node_common import (
     NodeOptions,
-    join_transfer_group,
     load_node_engine,
     metadata_buffers,
-    open_channels,
-    transfer_spec,
 )
 from metadata.node_metrics import Activity, ActivityLog, TransferTotals
+from metadata.serving_node import ServingNode
 from metadata.transfer import KVSender, TransferHandle, TransferState
 from spec import speculator_from_args
 
@@ -51,9 +48,9 @@ class _Pending:
     handle: TransferHandle | None = None
 
 
-class PrefillNode:
+class PrefillNode(ServingNode):
     def __init__(self, args: EngineArgs, options: NodeOptions) -> None:
-        self.options = options
+        super().__init__(options)
         self.spec, self.runner = load_node_engine(args, options)
         config = self.spec.engine_config
         self.kv_cache = KVCacheManager(self.runner.kv_pool, self.runner.req_to_token_pool)
@@ -67,44 +64,14 @@ class PrefillNode:
         self.sending: list[_Pending] = []
         # Unseeded sampling differs per node on purpose; seeded requests use step_generator.
         self.default_generator = torch.Generator().manual_seed(config.seed + 7919 * options.index)
-        self.rank = -1
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.prompts_done = 0
         self.prompt_tokens = 0
         self.transfer_totals = TransferTotals("send")
         self.activity_log = ActivityLog(options.stats_log_interval_s, log)
 
     # --- setup and health (Ray calls) ---
-    def describe(self) -> dict:
-        spec = transfer_spec(self.spec, self.num_draft_steps)
-        return {"endpoint": self.inbox.endpoint, "spec": spec.to_dict()}
-
-    def join_group(
-        self, store_host: str, store_port: int, rank: int, world_size: int, peers: list[int]
-    ) -> None:
-        join_transfer_group(self.spec, store_host, store_port, rank, world_size)
-        self.rank = rank
-        self.sender = KVSender(
-            self.spec.engine_config.device, timeout_s=self.options.transfer_timeout_s
-        )
-        open_channels(self.sender, peers, self.options.transfer_timeout_s)
-
     def connect(self, decode_endpoints: dict[int, str]) -> None:
         self.outboxes = {i: Outbox(e) for i, e in decode_endpoints.items()}
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._serve, name=self.options.name, daemon=True)
-        self._thread.start()
-
-    def ping(self) -> str:
-        if self._thread is None or not self._thread.is_alive():
-            raise RuntimeError(f"{self.options.name}: its serving loop is not running")
-        return "ok"
-
-    def clock_ns(self) -> int:
-        """This process's trace clock, for the router to align this node's timelines."""
-        return clock_ns()
 
     def stats(self) -> dict:
         allocator = self.runner.kv_pool.allocator
@@ -120,20 +87,11 @@ class PrefillNode:
             "transfers": self.transfer_totals.as_dict(),
         }
 
-    def kv_is_empty(self) -> bool:
-        drafts_empty = self.speculator is None or self.speculator.is_empty()
-        return (
-            self.kv_cache.is_empty()
-            and drafts_empty
-            and self.metadata.num_free == self.metadata.num_rows
+    def _open_channel(self) -> KVSender:
+        self.sender = KVSender(
+            self.spec.engine_config.device, timeout_s=self.options.transfer_timeout_s
         )
-
-    def shutdown(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        if self.sender is not None:
-            self.sender.close()
+        return self.sender
 
     # --- the serving loop (one thread owns the engine and the sockets) ---
     def _serve(self) -> None:
