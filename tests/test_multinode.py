@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,6 @@ from engine.loader import EngineArgs
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
-state = pytest.importorskip("ray.util.state")
 
 ENGINE = dict(max_model_len=128, kv_cache_tokens=1024, max_num_seqs=8)
 NODE_CLASSES = {"PrefillNode", "DecodeNode"}
@@ -70,9 +70,21 @@ def config_for(model: str, address: str, **overrides: object) -> ClusterConfig:
     )
 
 
-def alive_nodes() -> list:
-    actors = state.list_actors(filters=[("state", "=", "ALIVE")])
-    return [a for a in actors if a.class_name in NODE_CLASSES]
+@dataclass(frozen=True)
+class LiveNode:
+    class_name: str
+    node_id: str
+
+
+def alive_nodes() -> list[LiveNode]:
+    """Every live pdcluster node actor and the Ray node it runs on, read from the GCS:
+    ray.util.state would need the dashboard, which a plain `ray` install does not run."""
+    actors = ray._private.state.actors().values()
+    return [
+        LiveNode(a["ActorClassName"], a["Address"]["NodeID"])
+        for a in actors
+        if a["State"] == "ALIVE" and a["ActorClassName"] in NODE_CLASSES
+    ]
 
 
 def test_nodes_run_on_the_hosts_of_their_role_and_serve(ray_cluster, tiny_model):
