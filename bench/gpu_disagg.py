@@ -41,7 +41,8 @@ import torch.multiprocessing as mp
 from engine.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.process_group import create_store_server, destroy_transfer_group, init_transfer_group
-from metadata.transfer import KVReceiver, KVSender, TransferState, gather_kv
+from metadata.transfer import KVReceiver, KVSender, TransferState
+from metadata.wire import gather_kv
 
 OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "bench" / "gpu_transfer.json"
 WAIT_S = 120.0

@@ -23,7 +23,8 @@ from cluster.openai_api import create_app
 from engine import LLM
 from metadata.node_common import NodeOptions, metadata_buffers
 from metadata.node_metrics import Activity, ActivityLog, TransferTotals, format_activity
-from metadata.transfer import TransferHandle, TransferState, WireLayout
+from metadata.transfer import TransferHandle, TransferState
+from metadata.wire import WireLayout
 
 ray = pytest.importorskip("ray")
 

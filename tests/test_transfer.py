@@ -20,15 +20,8 @@ import torch.multiprocessing as mp
 from engine.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.process_group import create_store_server, init_transfer_group
-from metadata.transfer import (
-    KVReceiver,
-    KVSender,
-    KVSource,
-    TransferHandle,
-    TransferState,
-    gather_kv,
-    scatter_kv,
-)
+from metadata.transfer import KVReceiver, KVSender, TransferHandle, TransferState
+from metadata.wire import KVSource, gather_kv, scatter_kv
 
 CAPACITY = 96
 HIDDEN_SIZE = 16
