@@ -1,5 +1,5 @@
 # pdcluster developer targets. Needs only python3 (with venv) and GNU make.
-#   make demo    set up .venv and the default model, then run the offline engine on a few prompts
+#   make demo    set up .venv and the default model, start a cluster, send chat requests via the SDK
 #   make test    set up .venv and the default model, then run pytest (PYTEST_ARGS=... passes through)
 
 SHELL := /bin/bash
@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "targets: venv model demo test lint bench clean distclean"
-	@echo "  make demo   # create .venv, install, convert the default model, run the offline demo"
+	@echo "  make demo   # create .venv, install, convert the default model, run the cluster demo"
 	@echo "  make test   # same setup, then pytest (PYTEST_ARGS='-k foo' to narrow)"
 
 venv: $(VENV)/.installed
