@@ -25,7 +25,7 @@ from engine.loader import ModelSpec
 from engine.prompt_embeds import PromptEmbeds
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.validation import validate_request
+from engine.validation import chat_prompt_ids, validate_request
 from metadata.messages import (
     AbortRequest,
     EmbeddingsSpec,
@@ -150,10 +150,7 @@ class Router:
 
     # --- GenerationBackend ---
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def validate(
         self,
@@ -168,9 +165,9 @@ class Router:
                 vocab_size=self.spec.model_config.vocab_size,
                 max_model_len=self.max_model_len,
                 kv_cache_tokens=self.kv_cache_tokens,
+                hidden_size=self.spec.model_config.hidden_size,
+                prompt_embeds=prompt_embeds,
             )
-            if prompt_embeds is not None:
-                prompt_embeds.check(len(prompt_token_ids), self.spec.model_config.hidden_size)
         except RequestRejectedError:
             self.metrics.failure("rejected")
             raise

@@ -122,9 +122,7 @@ class EngineCore:
         """Validate a request against this engine's limits; raises RequestRejectedError.
         `speculative=False` opts this request out of an engine's speculative decoding;
         `prompt_embeds` gives vectors for some prompt positions in place of their tokens'."""
-        self._validate(prompt_token_ids, params)
-        if prompt_embeds is not None:
-            prompt_embeds.check(len(prompt_token_ids), self.runner.model_config.hidden_size)
+        self._validate(prompt_token_ids, params, prompt_embeds)
         req = Request(request_id, list(prompt_token_ids), params, prompt_embeds=prompt_embeds)
         if self.tracing:
             req.trace = RequestTrace()
@@ -234,7 +232,9 @@ class EngineCore:
             trace=list(req.trace.events) if req.trace is not None else None,
         )
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+    def _validate(
+        self, prompt: list[int], params: SamplingParams, prompt_embeds: PromptEmbeds | None
+    ) -> None:
         config = self.runner.config
         validate_request(
             prompt,
@@ -242,4 +242,6 @@ class EngineCore:
             vocab_size=self.runner.model_config.vocab_size,
             max_model_len=config.max_model_len,
             kv_cache_tokens=config.kv_cache_tokens,
+            hidden_size=self.runner.model_config.hidden_size,
+            prompt_embeds=prompt_embeds,
         )

@@ -15,6 +15,7 @@ from engine.prompt_embeds import EmbedsArg, PromptEmbeds, per_prompt
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tracing import set_time_batch
+from engine.validation import chat_prompt_ids
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -117,10 +118,7 @@ class LLM:
         return self._run(token_lists, sampling_params)
 
     def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def _run(
         self,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from engine.errors import RequestRejectedError
+from engine.prompt_embeds import PromptEmbeds
 from engine.sampling_params import SamplingParams
 
 
@@ -13,6 +17,8 @@ def validate_request(
     vocab_size: int,
     max_model_len: int,
     kv_cache_tokens: int,
+    hidden_size: int,
+    prompt_embeds: PromptEmbeds | None = None,
 ) -> None:
     if not prompt:
         raise RequestRejectedError("the prompt is empty")
@@ -29,3 +35,11 @@ def validate_request(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
             f"exceeds the KV cache of {kv_cache_tokens} tokens"
         )
+    if prompt_embeds is not None:
+        prompt_embeds.check(len(prompt), hidden_size)
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+    """The tokenizer's chat template applied to `messages`, ending where the answer starts."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)

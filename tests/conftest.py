@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tiny_models import make_tiny_llama
+from tiny_models import CHAT_TEMPLATE, make_tiny_llama
 from transformers import LlamaForCausalLM
 
 from engine import LLM
@@ -30,3 +30,19 @@ def tiny_llm(tiny_model_path: Path) -> LLM:
     """An engine with a pool large enough that nothing is ever preempted. Shared by tests, so
     tests must not rely on its unseeded random state or mutate it without restoring."""
     return LLM(str(tiny_model_path), device="cpu", kv_cache_tokens=8192, max_num_seqs=16)
+
+
+TINY_BACKEND_MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_path: Path):
+    """A single-process LocalBackend over the tiny model, with a chat template, served as the
+    model named TINY_BACKEND_MODEL (HTTP API and client tests)."""
+    from cluster.local_backend import LocalBackend
+
+    llm = LLM(str(tiny_model_path), device="cpu", max_model_len=256, kv_cache_tokens=2048)
+    llm.tokenizer.chat_template = CHAT_TEMPLATE
+    backend = LocalBackend(llm, model_name=TINY_BACKEND_MODEL)
+    yield backend
+    backend.close()

@@ -10,16 +10,13 @@ import threading
 import httpx
 import pytest
 from cluster_helpers import launch, serve, wait_for
-from tiny_models import make_tiny_llama
+from tiny_models import CHAT_TEMPLATE, make_tiny_llama
 
 from cluster.client import AsyncClient, Client
 from engine import LLM, SamplingParams
 
 ray = pytest.importorskip("ray")
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
-)
 PROMPTS = [
     "hello there",
     "a",

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from conftest import TINY_BACKEND_MODEL as MODEL
 from fastapi.testclient import TestClient
 from tiny_models import byte_tokenizer
 
@@ -20,20 +21,7 @@ from cluster.local_backend import LocalBackend
 from cluster.openai_api import BackgroundServer, create_app
 from engine import LLM, SamplingParams
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
-)
-MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Hello there"}]
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_path):
-    llm = LLM(str(tiny_model_path), device="cpu", max_model_len=256, kv_cache_tokens=2048)
-    llm.tokenizer.chat_template = CHAT_TEMPLATE
-    backend = LocalBackend(llm, model_name=MODEL)
-    yield backend
-    backend.close()
 
 
 @pytest.fixture(scope="module")

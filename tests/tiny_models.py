@@ -22,6 +22,12 @@ TINY_DEFAULTS = dict(
 )
 
 
+# A minimal chat template for the byte tokenizer, which has none of its own.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+)
+
+
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE with no merges: one token per byte, plus three special tokens."""
     specials = ["<unk>", "<s>", "</s>"]
