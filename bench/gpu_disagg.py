@@ -6,15 +6,20 @@
    b. the nodes' code: `KVSender.send` -> `KVReceiver.expect` of the same prompt's KV from a real
       `KVPool` at scattered slots (gather, 1 KV tensor + the metadata row, scatter), timed from the
       sender's handle (`elapsed_s`: worker start to SUCCESS) and from the caller's `send()` to
-      SUCCESS; the received KV is checked against the sent values.
+      SUCCESS; the received KV is checked against the sent values. Each side's handle also
+      gives the time to each phase of its worker's job (`TransferHandle.phases`: host clock;
+      with `--phase-events` also `gpu_phases`: CUDA events on the worker's stream), printed as a
+      per-phase median breakdown: where a transfer's fixed cost goes.
    Then (c) raw again with both GPUs visible to both processes, for reference.
 2. The real cluster (1 prefill + 1 decode node on Ray, the real model): long prompts, each node's
-   transfer handles recorded (subclasses that log `nbytes` and `elapsed_s` as transfers end).
+   transfer handles recorded (subclasses that log `nbytes`, `elapsed_s` and `phases` as
+   transfers end).
 
 Every figure is a median over `--iters` timed runs after warm-ups (NCCL creates its p2p
 communicator on first use). GB/s = bytes / 1e9 / s.
 
     python3 -m bench.gpu_disagg --model PATH [--device cuda] [--tokens 1024,4096,8000] [--write]
+        [--phase-events]
 
 `--write` puts the JSON in docs/bench/gpu_transfer.json. `--device cpu` runs the same code over
 gloo (for checking the script, not for figures)."""
@@ -158,13 +163,16 @@ def _dataplane(rank: int, port: int, cfg: dict) -> dict:
     metadata = MetadataBuffers(4, shape.spec_hidden_size, 0, 1, dtype, device)
     row = metadata.allocate()
     timeout = cfg["transfer_timeout_s"]
-    sender = KVSender(device, timeout_s=timeout) if rank == 0 else None
-    receiver = KVReceiver(device, timeout_s=timeout) if rank == 1 else None
+    events = cfg["phase_events"]
+    sender = KVSender(device, timeout_s=timeout, phase_events=events) if rank == 0 else None
+    receiver = KVReceiver(device, timeout_s=timeout, phase_events=events) if rank == 1 else None
     room = 1000
     for n in tokens_list:
         send_slots = _slots(n, capacity, seed=n)
         recv_slots = _slots(n, capacity, seed=n + 1)
         elapsed, wall, nbytes, verified = [], [], 0, None
+        phases: list[dict[str, float]] = []
+        gpu_phases: list[dict[str, float]] = []
         for i in range(warmup + iters):
             room += 1
             if rank == 0:
@@ -188,6 +196,8 @@ def _dataplane(rank: int, port: int, cfg: dict) -> dict:
             if i >= warmup:
                 elapsed.append(handle.elapsed_s)
                 wall.append(wall_s)
+                phases.append({**handle.phases, "end": handle.elapsed_s})
+                gpu_phases.append(handle.gpu_phases)
             nbytes = handle.nbytes
         if rank == 1:
             got = gather_kv(pool, recv_slots)
@@ -205,6 +215,8 @@ def _dataplane(rank: int, port: int, cfg: dict) -> dict:
             "kv_bytes": shape.kv_bytes(n),
             "elapsed_s": elapsed,
             "wall_s": wall,
+            "phases": phases,
+            "gpu_phases": gpu_phases,
             "verified": verified,
         }
         sync()
@@ -257,6 +269,7 @@ def _recording_classes():
             "tokens": tokens,
             "bytes": handle.nbytes,
             "elapsed_s": handle.elapsed_s,
+            "phases": {**handle.phases, "end": handle.elapsed_s},
             "ok": handle.state == TransferState.SUCCESS,
         }
 
@@ -265,7 +278,7 @@ def _recording_classes():
             log = self.__dict__.setdefault("transfer_log", [])
             for pending in self.sending:
                 if pending.handle.state in (TransferState.SUCCESS, TransferState.FAILED):
-                    log.append(entry(pending.handle, pending.req.num_tokens))
+                    log.append(entry(pending.handle, len(pending.req.prompt_token_ids)))
             super()._finish_transfers()
 
         def transfers(self) -> list[dict]:
@@ -355,6 +368,18 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def phase_steps_ms(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per phase, the median over runs of the milliseconds from the previous phase (the first
+    from the job's start) to it: a breakdown whose steps add up to about the median total."""
+    steps: dict[str, list[float]] = {}
+    for marks in runs:
+        before = 0.0
+        for phase, at in marks.items():
+            steps.setdefault(phase, []).append((at - before) * 1e3)
+            before = at
+    return {phase: statistics.median(values) for phase, values in steps.items()}
+
+
 def summarize(tokens_list, shape, dataplane, raw_all, cluster_result, reps_warm: int) -> list[dict]:
     rows = []
     for n in tokens_list:
@@ -384,6 +409,10 @@ def summarize(tokens_list, shape, dataplane, raw_all, cluster_result, reps_warm:
                     "kvsender_wall_ms": _median(kv["wall_s"]) * 1e3,
                     "kvreceiver_ms": _median(dataplane[1]["kv"][n]["elapsed_s"]) * 1e3,
                     "verified": dataplane[1]["kv"][n]["verified"],
+                    "sender_phase_ms": phase_steps_ms(kv["phases"]),
+                    "receiver_phase_ms": phase_steps_ms(dataplane[1]["kv"][n]["phases"]),
+                    "sender_gpu_phase_ms": phase_steps_ms(kv["gpu_phases"]),
+                    "receiver_gpu_phase_ms": phase_steps_ms(dataplane[1]["kv"][n]["gpu_phases"]),
                 }
             )
         if cluster_result is not None:
@@ -403,6 +432,8 @@ def summarize(tokens_list, shape, dataplane, raw_all, cluster_result, reps_warm:
                         "cluster_decode_ms": _median([e["elapsed_s"] for e in got]) * 1e3
                         if got
                         else None,
+                        "cluster_prefill_phase_ms": phase_steps_ms([e["phases"] for e in sent]),
+                        "cluster_decode_phase_ms": phase_steps_ms([e["phases"] for e in got]),
                         "cluster_e2e_ms": _median(
                             [r["e2e_s"] for r in cluster_result["requests"] if r["tokens"] == n][
                                 reps_warm:
@@ -432,6 +463,18 @@ def print_table(rows: list[dict]) -> None:
             f"{_fmt(r.get('cluster_pct_raw'), '5.1f')} | "
             f"{_fmt(r.get('raw_all_visible_gbps'), '17.1f')}"
         )
+
+
+def print_phases(rows: list[dict]) -> None:
+    """Per size and side, the median milliseconds each phase of the worker's job took."""
+    print("\nphases (median ms from the previous phase; 'end': last phase to job end)")
+    for r in rows:
+        sides = ("sender", "receiver", "sender_gpu", "receiver_gpu")
+        for side in sides + ("cluster_prefill", "cluster_decode"):
+            steps = r.get(f"{side}_phase_ms")
+            if steps:
+                text = "  ".join(f"{phase} {ms:.3f}" for phase, ms in steps.items())
+                print(f"{r['tokens']:>6} {side:<15} {text}")
 
 
 def machine_info(device: str) -> dict:
@@ -465,6 +508,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-cluster", action="store_true")
     parser.add_argument("--write", action="store_true", help=f"write {OUTPUT}")
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--phase-events",
+        action="store_true",
+        help="also time each transfer's phases with CUDA events (waits for them after each)",
+    )
     args = parser.parse_args(argv)
     tokens_list = [int(t) for t in args.tokens.split(",")]
     shape = model_shape(args.model)
@@ -479,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         "iters": args.iters,
         "warmup": args.warmup,
         "raw_only": False,
+        "phase_events": args.phase_events,
         "transfer_timeout_s": 60.0,
         "phase_timeout_s": 240.0,
     }
@@ -504,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     rows = summarize(tokens_list, shape, dataplane, raw_all, cluster_result, reps_warm=1)
     print_table(rows)
+    print_phases(rows)
     report = {
         "what": "KV transfer prefill rank -> decode rank vs raw send/recv; medians",
         "machine": machine_info(args.device),
@@ -514,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         "iters": args.iters,
         "warmup": args.warmup,
         "cluster_reps": args.cluster_reps,
+        "phase_events": args.phase_events,
         "rows": rows,
         "cluster_kv_pools_empty": None
         if cluster_result is None

@@ -1,21 +1,27 @@
 """MetadataBuffers: the per-request state that crosses from prefill to decode besides the KV.
 
-One preallocated tensor per field, one row per in-flight request, allocated on both sides (the
-prefill node writes its row and sends it; the decode node receives into its own row).
+One preallocated row per in-flight request, allocated on both sides (the prefill node writes its
+row and sends it; the decode node receives into its own row). Every field of every row lives in
+ONE byte tensor (`storage`, [num_rows, row_nbytes]) and each field is a typed view onto it, so a
+row is one contiguous slice (`row_bytes`): a transfer copies it into its wire buffer, and back
+out of it, with one copy each way instead of one per field.
 
 Invariants (tested in tests/test_metadata_buffers.py):
-- `room[row]` is written last by `write_row` (and by the receiver), so a row whose room tag equals
-  the expected room has every other field in place: `row_landed(row, room)`;
+- `room[row]` is written last by `write_row`, and room is the row's last field: a row whose room
+  tag equals the expected room has every other field in place: `row_landed(row, room)`. The
+  receiver lands a whole row by one copy and checks the tag only once that copy completed;
 - a free row has room tag 0 (`free` zeroes it) and rooms are never 0, so a stale row never
   passes for a landed one;
 - `hidden_states` is `spec_hidden_size` wide, never `hidden_size`: a model that widens its
   residual stream (hc_mult > 1) or concatenates auxiliary hidden states hands the draft more
   than `hidden_size` values per token;
 - `row_tensors(row)` lists the row's fields in `FIELDS` order with room last: the order in which
-  they are sent and received.
+  they lie in `row_bytes(row)`, and so on the wire.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -29,6 +35,15 @@ FIELDS = (
     "cached_tokens",
     "room",
 )
+
+# Every field starts on this boundary, and every row is a multiple of it long, so that each field
+# can be viewed in its own dtype (int64 needs 8-byte alignment), and a row copied into a wire
+# buffer segment that starts on the same boundary can be viewed there too.
+_ALIGN = 16
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 class MetadataBuffers:
@@ -54,21 +69,38 @@ class MetadataBuffers:
         self.hidden_dtype = hidden_dtype
         self.device = torch.device(device)
         width = num_draft_steps * topk
-
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.output_ids = zeros(num_rows, dtype=torch.int64)
-        self.output_logprob = zeros(num_rows, dtype=torch.float32)
-        self.topk_index = zeros(num_rows, width, dtype=torch.int64)
-        self.topk_p = zeros(num_rows, width, dtype=torch.float32)
-        self.hidden_states = zeros(num_rows, spec_hidden_size, dtype=hidden_dtype)
         depths_with_boundary = max(num_draft_steps - 1, 0)
-        self.boundary_hidden = zeros(
-            num_rows, depths_with_boundary, boundary_width, dtype=hidden_dtype
-        )
-        self.cached_tokens = zeros(num_rows, dtype=torch.int64)
-        self.room = zeros(num_rows, dtype=torch.int64)
+        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            "output_ids": ((), torch.int64),
+            "output_logprob": ((), torch.float32),
+            "topk_index": ((width,), torch.int64),
+            "topk_p": ((width,), torch.float32),
+            "hidden_states": ((spec_hidden_size,), hidden_dtype),
+            "boundary_hidden": ((depths_with_boundary, boundary_width), hidden_dtype),
+            "cached_tokens": ((), torch.int64),
+            "room": ((), torch.int64),
+        }
+        offsets, self.row_nbytes = {}, 0
+        for name in FIELDS:
+            shape, dtype = shapes[name]
+            offsets[name] = self.row_nbytes
+            self.row_nbytes += _aligned(math.prod(shape) * dtype.itemsize)
+        self.storage = torch.zeros(num_rows, self.row_nbytes, dtype=torch.uint8, device=device)
+
+        def field(name: str) -> torch.Tensor:
+            shape, dtype = shapes[name]
+            start = offsets[name]
+            size = math.prod(shape) * dtype.itemsize
+            return self.storage[:, start : start + size].view(dtype).view(num_rows, *shape)
+
+        self.output_ids = field("output_ids")
+        self.output_logprob = field("output_logprob")
+        self.topk_index = field("topk_index")
+        self.topk_p = field("topk_p")
+        self.hidden_states = field("hidden_states")
+        self.boundary_hidden = field("boundary_hidden")
+        self.cached_tokens = field("cached_tokens")
+        self.room = field("room")
         # Popping from the end hands out row 0 first, which keeps tests readable.
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._used_rows: set[int] = set()
@@ -147,6 +179,12 @@ class MetadataBuffers:
         """Contiguous views of one row's fields in FIELDS order (room last); 1-D each."""
         self._check_row(row)
         return [getattr(self, name)[row : row + 1].reshape(-1) for name in FIELDS]
+
+    def row_bytes(self, row: int) -> torch.Tensor:
+        """The whole row as one contiguous byte view (`row_nbytes` long), room last: what a
+        transfer sends, and where a received row lands with one copy."""
+        self._check_row(row)
+        return self.storage[row]
 
     def empty_row_tensors(self) -> list[torch.Tensor]:
         """Fresh tensors shaped like `row_tensors`, for staging a row before it is copied in."""

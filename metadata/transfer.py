@@ -9,9 +9,9 @@ Contract (the control plane keeps it; tests/test_transfer.py checks the data pla
 - one FIFO worker thread per peer rank on each side: transfers to (from) different peers never
   wait on each other, and each pair keeps the one order;
 - on the wire, ONE byte buffer per transfer (`WireLayout`): per pool the KV gathered as
-  [n, num_layers, 2 (K, V), num_kv_heads, head_dim], then the metadata row's fields in
-  `MetadataBuffers.row_tensors` order (room last). One send and one receive per transfer; only
-  tensors travel: no pickle;
+  [n, num_layers, 2 (K, V), num_kv_heads, head_dim], then the metadata row's bytes
+  (`MetadataBuffers.row_bytes`: its fields in `FIELDS` order, room last). One send and one
+  receive per transfer; only tensors travel: no pickle;
 - a handle is SUCCESS only once everything landed (on CUDA: the side stream synchronized) and the
   received room tag matches; the caller keeps the slots and the row untouched until the handle is
   terminal, then frees them (sender) or uses them (receiver);
@@ -31,7 +31,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from datetime import timedelta
 from enum import IntEnum
 
@@ -55,7 +54,14 @@ class TransferState(IntEnum):
 
 
 class TransferHandle:
-    """The state of one transfer, shared between the caller and the worker thread that runs it."""
+    """The state of one transfer, shared between the caller and the worker thread that runs it.
+
+    `phases`: host seconds from the worker starting the job to each phase it reached, in order:
+    a sender's "ready" (its stream waits for the caller's KV), "gathered" (the KV gathers and the
+    row copy enqueued), "posted" (isend returned), "completed" (the send done); a receiver's
+    "posted" (irecv returned), "landed" (the receive done), "scattered" (scatters and the row
+    copy enqueued), "synced" (they ran). `gpu_phases`: the same phases on the worker's stream,
+    in seconds since the job's first event, only from workers made with `phase_events`."""
 
     def __init__(self, room: int, peer: int, timeout_s: float = 120.0) -> None:
         self.room = room
@@ -64,9 +70,46 @@ class TransferHandle:
         self.error: str | None = None
         self.nbytes = 0
         self.elapsed_s = 0.0
+        self.phases: dict[str, float] = {}
+        self.gpu_phases: dict[str, float] = {}
+        self._started = 0.0
+        self._events: dict[str, torch.cuda.Event] | None = None
         self._state = TransferState.BOOTSTRAPPING
         self._lock = threading.Lock()
         self._done = threading.Event()
+
+    def start_clock(self, gpu_events: bool = False) -> None:
+        """The worker starts the job, on its stream (where `gpu_events` are recorded)."""
+        self._started = time.perf_counter()
+        if gpu_events:
+            self._events = {}
+            self.mark("started")
+
+    def mark(self, phase: str) -> None:
+        """The job reached `phase`: one perf_counter call, cheap enough for every transfer."""
+        self.phases[phase] = time.perf_counter() - self._started
+        if self._events is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            torch.cuda.current_stream().record_event(event)
+            self._events[phase] = event
+
+    def stop_clock(self, read_gpu_events: bool) -> None:
+        """The job ended; reading the GPU events waits for the last one (so only after a job
+        that succeeded: a failed one may leave its stream waiting on a receive forever)."""
+        self.elapsed_s = time.perf_counter() - self._started
+        events, self._events = self._events, None
+        if not events or not read_gpu_events:
+            return
+        first, last = events["started"], list(events.values())[-1]
+        try:
+            last.synchronize()
+            self.gpu_phases = {
+                phase: first.elapsed_time(event) / 1e3 for phase, event in events.items()
+            }
+        except RuntimeError:
+            # Timings are diagnostics: they never fail a transfer nor stop its worker (a CUDA
+            # error here fails the next transfer anyway).
+            self.gpu_phases = {}
 
     @property
     def state(self) -> TransferState:
@@ -110,10 +153,15 @@ class _PeerWorkers:
 
     _role = "kv-channel"
 
-    def __init__(self, device: str | torch.device, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, device: str | torch.device, timeout_s: float = 120.0, phase_events: bool = False
+    ) -> None:
+        """`phase_events`: also time each transfer's phases with CUDA events (`gpu_phases`), at
+        the cost of one event per phase and a wait for the last one: for benchmarks."""
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self._is_cuda = self.device.type == "cuda"
+        self.phase_events = phase_events and self._is_cuda
         self._queues: dict[int, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -164,10 +212,11 @@ class _PeerWorkers:
         jobs.put((handle, job))
 
     def _serve(self, peer: int, jobs: queue.SimpleQueue) -> None:
-        stream = None
         if self._is_cuda:
-            torch.cuda.set_device(self.device)  # the current device is per thread
-            stream = torch.cuda.Stream(self.device)
+            # The current device and stream are per thread: set once, they hold for every job
+            # (a `torch.cuda.stream` context per job costs tens of microseconds of Python).
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(torch.cuda.Stream(self.device))
         while (item := jobs.get()) is not _CLOSE:
             handle, job = item
             if handle.state == TransferState.FAILED:
@@ -176,15 +225,14 @@ class _PeerWorkers:
                 handle.fail(f"room {handle.room}: {self._role} closed before the transfer ran")
                 continue
             handle.advance(TransferState.TRANSFERRING)
-            started = time.perf_counter()
             try:
+                handle.start_clock(gpu_events=self.phase_events)
                 if peer in self._broken:
                     raise RuntimeError(self._broken[peer])
-                with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    failure = job()
+                failure = job()
             except Exception as err:  # any failure is the transfer's, never the worker's
                 failure = f"room {handle.room}, peer rank {peer}: {type(err).__name__}: {err}"
-            handle.elapsed_s = time.perf_counter() - started
+            handle.stop_clock(read_gpu_events=failure is None)
             if failure is None:
                 handle.advance(TransferState.SUCCESS)
             else:
@@ -273,14 +321,18 @@ class KVSender(_PeerWorkers):
     ) -> str | None:
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
+        handle.mark("ready")
         layout = WireLayout(source)
         wire = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
         for i, (pool, index) in enumerate(source.filled):
             gather_kv(pool, index, layout.kv_view(wire, i))
-        for view, field in zip(layout.row_views(wire), source.metadata.row_tensors(source.row)):
-            view.copy_(field)
+        layout.row_view(wire).copy_(source.metadata.row_bytes(source.row))
         handle.nbytes = layout.nbytes
-        self._wait(handle, [dist.isend(wire, dst, tag=_tag(handle.room))])
+        handle.mark("gathered")
+        work = dist.isend(wire, dst, tag=_tag(handle.room))
+        handle.mark("posted")
+        self._wait(handle, [work])
+        handle.mark("completed")
         return None
 
 
@@ -305,16 +357,23 @@ class KVReceiver(_PeerWorkers):
 
     def _receive(self, src: int, handle: TransferHandle, target: KVSource) -> str | None:
         # Everything lands in a staging buffer first, so that a late or partial transfer never
-        # writes into slots or a row since handed to another request, and the room lands last.
+        # writes into slots or a row since handed to another request, and the row (room tag
+        # included) lands after all of the KV.
         layout = WireLayout(target)
         wire = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
         handle.nbytes = layout.nbytes
-        self._wait(handle, [dist.irecv(wire, src, tag=_tag(handle.room))])
+        work = dist.irecv(wire, src, tag=_tag(handle.room))
+        handle.mark("posted")
+        self._wait(handle, [work])
+        handle.mark("landed")
         for i, (pool, index) in enumerate(target.filled):
             scatter_kv(pool, index, layout.kv_view(wire, i))
-        target.metadata.copy_row_from(target.row, layout.row_views(wire))
+        # One copy of the whole row: the room tag is checked below, once it has completed.
+        target.metadata.row_bytes(target.row).copy_(layout.row_view(wire))
+        handle.mark("scattered")
         if self._is_cuda:
             torch.cuda.current_stream().synchronize()
+        handle.mark("synced")
         if not target.metadata.row_landed(target.row, handle.room):
             got = int(target.metadata.room[target.row])
             return f"room tag mismatch: expected {handle.room} got {got} (from rank {src})"

@@ -132,3 +132,47 @@ def test_room_zero_and_wrong_topk_width_are_rejected() -> None:
             hidden_state=torch.ones(HIDDEN_SIZE),
             topk_index=torch.tensor([1, 2, 3]),
         )
+
+
+def test_every_field_is_a_view_of_one_row_slice_with_room_last() -> None:
+    buffers = MetadataBuffers(3, 7, 3, 2, torch.float16, "cpu", boundary_width=5)  # odd widths
+    row = buffers.allocate()
+    start = buffers.row_bytes(row).data_ptr()
+    assert buffers.row_bytes(row).shape == (buffers.row_nbytes,)
+    assert buffers.row_bytes(row).is_contiguous()
+    tensors = buffers.row_tensors(row)
+    offsets = [t.data_ptr() - start for t in tensors]
+    ends = [o + t.numel() * t.element_size() for o, t in zip(offsets, tensors)]
+    # In FIELDS order (room last), without overlaps, each aligned for its dtype, inside the row.
+    assert offsets[0] == 0 and all(end <= o for end, o in zip(ends, offsets[1:]))
+    assert all(o % 16 == 0 for o in offsets) and ends[-1] <= buffers.row_nbytes
+    buffers.row_bytes(row).fill_(0)
+    write(buffers, row, room=21)
+    assert buffers.row_bytes(row).any()  # write_row wrote into the row's bytes
+
+
+def test_a_row_copied_as_one_byte_slice_lands_every_field() -> None:
+    def make_wide() -> MetadataBuffers:
+        return MetadataBuffers(4, 7, 3, 2, torch.float32, "cpu", boundary_width=5)
+
+    source, target = make_wide(), make_wide()
+    row = source.allocate()
+    boundary = torch.arange(10, dtype=torch.float32).view(2, 5)
+    source.write_row(
+        row,
+        room=31,
+        output_id=4,
+        output_logprob=-0.75,
+        hidden_state=torch.linspace(0, 1, 7),
+        topk_index=torch.arange(6),
+        topk_p=torch.full((6,), 0.125),
+        boundary_hidden=boundary,
+        cached_tokens=3,
+    )
+    landed = 2  # another row number on the receiving side
+    target.row_bytes(landed).copy_(source.row_bytes(row))
+    assert target.row_landed(landed, 31)
+    for got, sent in zip(target.row_tensors(landed), source.row_tensors(row)):
+        assert torch.equal(got, sent)
+    assert torch.equal(target.boundary_hidden[landed], boundary)
+    assert not target.row_landed(landed - 1, 31)  # the neighbouring rows are untouched

@@ -115,6 +115,7 @@ def run_prefill(rank: int) -> dict:
         receiver.close()
     for handle, row in handles:
         result[handle.room] = (handle.wait(60).name, handle.error)
+        result[f"phases-{handle.room}"] = (handle.phases, handle.elapsed_s)
         metadata.free(row)
     result["connected"] = [handle.wait(60).name for handle in connected]
     sender.close()
@@ -161,6 +162,8 @@ def run_decode() -> dict:
             kv_equal=kv_equal,
             row_ok=row_ok,
             landed=metadata.row_landed(row, room),
+            phases=handle.phases,
+            elapsed_s=handle.elapsed_s,
         )
     used = sorted(s for room, _ in ALL if room != NEVER_SENT[0] for s in plan[room])
     untouched = torch.ones(CAPACITY + 1, dtype=torch.bool)
@@ -297,6 +300,32 @@ def test_send_to_a_rank_outside_the_world_is_refused(outcome: dict) -> None:
     assert "peer rank 7 is not another rank of this world (size 3" in outcome[0]["bad_peer"]
 
 
+def assert_phases_in_order(phases: dict[str, float], names: list[str], elapsed_s: float) -> None:
+    assert list(phases) == names
+    times = list(phases.values())
+    assert 0 <= times[0] and times == sorted(times) and times[-1] <= elapsed_s
+
+
+@pytest.mark.parametrize("room", [room for room, _ in ROOMS[0]])
+def test_handles_time_each_phase_of_the_job(outcome: dict, room: int) -> None:
+    phases, elapsed_s = outcome[0][f"phases-{room}"]
+    assert_phases_in_order(phases, ["ready", "gathered", "posted", "completed"], elapsed_s)
+    got = outcome[2][room]
+    names = ["posted", "landed", "scattered", "synced"]
+    assert_phases_in_order(got["phases"], names, got["elapsed_s"])
+
+
+def test_phase_clock_counts_from_the_job_start_and_needs_no_gpu() -> None:
+    handle = TransferHandle(room=5, peer=1)
+    handle.start_clock(gpu_events=False)
+    time.sleep(0.002)
+    handle.mark("posted")
+    handle.mark("completed")
+    handle.stop_clock(read_gpu_events=True)
+    assert 0.002 <= handle.phases["posted"] <= handle.phases["completed"] <= handle.elapsed_s
+    assert handle.gpu_phases == {}
+
+
 def test_handle_moves_forward_only_and_failure_is_sticky() -> None:
     handle = TransferHandle(room=5, peer=1)
     assert handle.state == TransferState.BOOTSTRAPPING
@@ -331,13 +360,16 @@ def run_cuda(rank: int) -> dict:
     plan, metadata = slot_plan(seed=rank), make_metadata(device)
     rooms = [(101, 1), (102, 33)]
     if rank == 0:
-        sender = KVSender(device)
+        sender = KVSender(device, phase_events=True)
         handles = [sender.connect(1)]
         for room, _ in rooms:
             row = metadata.allocate()
             metadata.write_row(row, room=room, **row_values(room))
             handles.append(sender.send(1, room, [(p, plan[room]) for p in pools], metadata, row))
-        result = {"sent": [h.wait(60).name for h in handles]}
+        result = {
+            "sent": [h.wait(60).name for h in handles],
+            "gpu_phases": [h.gpu_phases for h in handles],
+        }
         sender.close()
         return result
     receiver = KVReceiver(device, timeout_s=GENEROUS_S)
@@ -369,6 +401,10 @@ def run_cuda(rank: int) -> dict:
 def test_nccl_transfer_between_two_gpus() -> None:
     got = run_ranks("cuda", world=2)
     assert got[0]["sent"] == ["SUCCESS"] * 3
+    assert list(got[0]["gpu_phases"][0]) == ["started"]  # connect: no phases of its own
+    for gpu_phases in got[0]["gpu_phases"][1:]:
+        assert list(gpu_phases) == ["started", "ready", "gathered", "posted", "completed"]
+        assert gpu_phases["completed"] >= gpu_phases["gathered"] >= 0
     assert got[1]["connected"] == "SUCCESS"
     for room in (101, 102):
         assert got[1][room] == ("SUCCESS", None, True, True)
