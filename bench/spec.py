@@ -1,12 +1,14 @@
-"""Speculative decoding on the offline engine: accept length and tokens/s with and without it.
+"""Speculative decoding on the offline engine: accept length and tokens/s with and without it,
+side by side in one run.
 
-    python bench/spec.py [--model PATH] [--draft-model PATH] [--num-draft-steps 3]
+    python bench/spec.py [--device cpu|cuda] [--model PATH] [--draft-model PATH|random]
 
-Without --draft-model a random (untrained) draft is made for the model: it accepts almost
-nothing, so this shows what speculation costs and that it is lossless, not what it gains; a
-trained draft is issue "Train the default draft". Both engines run the same chat prompts,
-greedy, EOS ignored, and must produce identical tokens. Prints a table and rewrites the
-"Speculative decoding" section of docs/BENCHMARKS.md (raw figures in docs/bench/spec.json)."""
+Both engines answer the held-out chat prompts (spec.train.prompts.heldout_prompts, never used
+to train the shipped draft), greedy, stopping at EOS or --max-tokens, and must produce identical
+tokens. The draft is the shipped default draft for the default model unless --draft-model names
+one; `--draft-model random` makes an untrained one, which shows the cost of speculating and
+nothing else. Prints a table and rewrites the "Speculative decoding (DEVICE)" section of
+docs/BENCHMARKS.md (raw figures in docs/bench/spec_DEVICE.json)."""
 
 from __future__ import annotations
 
@@ -21,11 +23,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.offline import CHATS  # noqa: E402
 from bench.report import write_section  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.cpu_tuning import keep_large_allocations_in_heap  # noqa: E402
+from spec.default_draft import default_draft_path  # noqa: E402
 from spec.draft_model import MultiLayerEagleDraft, save_draft  # noqa: E402
+from spec.train.prompts import heldout_prompts  # noqa: E402
 
 
 def random_draft(llm: LLM, num_draft_steps: int, folder: Path) -> Path:
@@ -35,56 +38,68 @@ def random_draft(llm: LLM, num_draft_steps: int, folder: Path) -> Path:
 
 
 def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
     llm.generate(prompts[:batch], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     outputs, started = [], time.perf_counter()
     for start in range(0, len(prompts), batch):
         outputs += llm.generate(prompts[start : start + batch], params)
     elapsed = time.perf_counter() - started
-    details = [o.usage.completion_tokens_details for o in outputs]
     steps = sum(o.usage.spec_verify_steps or 0 for o in outputs)
     emitted = sum(o.usage.completion_tokens for o in outputs)
     # Tokens per verify step, bonus included (1.0: no draft token was ever accepted).
     by_verify = sum(
         (o.usage.spec_accept_length or 0) * (o.usage.spec_verify_steps or 0) for o in outputs
     )
+    per_position: list[int] = []
+    for o in outputs:
+        counts = o.usage.spec_accepted_per_position or []
+        per_position.extend([0] * (len(counts) - len(per_position)))
+        for j, c in enumerate(counts):
+            per_position[j] += c
     return {
         "tokens": [o.token_ids for o in outputs],
+        "completion_tokens": emitted,
         "tok_s": emitted / elapsed,
         "verify_steps": steps,
-        "accepted": sum(d.accepted_prediction_tokens for d in details if d),
-        "rejected": sum(d.rejected_prediction_tokens for d in details if d),
         "accept_length": by_verify / steps if steps else None,
+        "acceptance": [c / steps for c in per_position] if steps else [],
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default=None)
-    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--draft-model", default=None, help="a draft folder, or 'random'")
     parser.add_argument("--num-draft-steps", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=16, help="held-out conversations used")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
 
     keep_large_allocations_in_heap()
-    plain = LLM(args.model, device="cpu", max_num_seqs=max(args.batch_sizes))
+    common = {"device": args.device, "max_num_seqs": max(args.batch_sizes)}
+    plain = LLM(args.model, **common)
     with tempfile.TemporaryDirectory() as scratch:
-        draft = args.draft_model or random_draft(
-            plain, args.num_draft_steps, Path(scratch) / "draft"
-        )
+        if args.draft_model == "random":
+            draft = random_draft(plain, args.num_draft_steps, Path(scratch) / "draft")
+            draft_name = "a random (untrained) draft"
+        elif args.draft_model is not None:
+            draft, draft_name = Path(args.draft_model), args.draft_model
+        elif args.model is None and default_draft_path() is not None:
+            draft, draft_name = default_draft_path(), "the shipped default draft"
+        else:
+            sys.exit("bench/spec.py: --draft-model is needed for a model without a shipped draft")
         speculative = LLM(
             args.model,
-            device="cpu",
-            max_num_seqs=max(args.batch_sizes),
+            **common,
             speculative_algorithm="multi-layer-eagle",
             draft_model=draft,
             num_draft_steps=args.num_draft_steps,
         )
-    chats = [plain.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
-    prompts = [chats[i % len(chats)] for i in range(args.prompts)]
+    conversations = heldout_prompts()[: args.prompts]
+    prompts = [plain.apply_chat_template(c) for c in conversations]
     rows = []
     for batch in args.batch_sizes:
         base = run(plain, prompts, batch, args.max_tokens)
@@ -94,22 +109,23 @@ def main() -> None:
                 "batch": batch,
                 "plain_tok_s": base["tok_s"],
                 "spec_tok_s": spec["tok_s"],
+                "speedup": spec["tok_s"] / base["tok_s"],
                 "accept_length": spec["accept_length"],
-                "accepted": spec["accepted"],
-                "rejected": spec["rejected"],
+                "acceptance": spec["acceptance"],
+                "completion_tokens": spec["completion_tokens"],
                 "identical": base["tokens"] == spec["tokens"],
             }
         )
     lines = [
-        "| batch | plain tokens/s | speculative tokens/s | accept length | accepted / proposed "
-        "| identical output |",
-        "| ---: | ---: | ---: | ---: | ---: | :---: |",
+        "| batch | plain tokens/s | speculative tokens/s | speedup | accept length "
+        "| acceptance per draft position | identical output |",
+        "| ---: | ---: | ---: | ---: | ---: | :--- | :---: |",
     ]
     for r in rows:
-        proposed = r["accepted"] + r["rejected"]
+        acceptance = ", ".join(f"{a:.2f}" for a in r["acceptance"])
         lines.append(
             f"| {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-            f"{r['accept_length']:.2f} | {r['accepted']} / {proposed} | "
+            f"{r['speedup']:.2f}x | {r['accept_length']:.2f} | {acceptance} | "
             f"{'yes' if r['identical'] else 'NO'} |"
         )
     table = "\n".join(lines)
@@ -117,17 +133,25 @@ def main() -> None:
     if args.no_write:
         return
     command = "python bench/spec.py " + " ".join(sys.argv[1:])
-    draft_name = args.draft_model or "a random (untrained) draft"
-    body = (
-        f"Command: `{command.strip()}` (default model, CPU float32, {torch.get_num_threads()} "
-        f"threads, K = {args.num_draft_steps} draft depths from {draft_name}, "
-        f"{args.prompts} chat prompts, {args.max_tokens} new tokens each, greedy, EOS ignored)."
-        "\n\n" + table + "\n\nAn untrained draft accepts almost nothing, so speculation only "
-        "costs here (a draft forward per depth and a wider verify per step); what this run "
-        "shows is that the output is token-for-token the same. A trained draft is the subject "
-        'of the issue "Train the default draft".\n'
+    device = torch.device(args.device).type
+    where = (
+        f"CPU float32, {torch.get_num_threads()} threads"
+        if device == "cpu"
+        else f"{torch.cuda.get_device_name()}, bfloat16"
     )
-    write_section("Speculative decoding", body, {"rows": rows, "command": command}, "spec.json")
+    body = (
+        f"Command: `{command.strip()}` (default model, {where}, K = {args.num_draft_steps} "
+        f"draft depths from {draft_name}, the first {len(prompts)} held-out chat prompts, "
+        f"greedy, at most {args.max_tokens} new tokens, stopping at EOS).\n\n" + table + "\n\n"
+        "Accept length: tokens per verify step, bonus token included. Acceptance per draft "
+        "position: the share of verify steps that accepted draft token 1, 2, 3.\n"
+    )
+    write_section(
+        f"Speculative decoding ({device.upper()})",
+        body,
+        {"rows": rows, "command": command, "where": where},
+        f"spec_{device}.json",
+    )
 
 
 if __name__ == "__main__":

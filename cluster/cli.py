@@ -1,5 +1,5 @@
 """`pdcluster` command line: `serve` runs the cluster, `demo` shows it off, `generate` runs
-the offline engine."""
+the offline engine, `train-draft` trains a speculative-decoding draft for a model."""
 
 from __future__ import annotations
 
@@ -39,9 +39,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--speculative-algorithm",
         default=None,
         choices=["multi-layer-eagle"],
-        help="speculative decoding on decode nodes (and the offline engine); needs --draft-model",
+        help="speculative decoding on decode nodes (and the offline engine); needs --draft-model "
+        "except on the default model, which has a shipped draft",
     )
-    parser.add_argument("--draft-model", default=None, help="draft folder (docs/draft-format.md)")
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft folder (docs/draft-format.md); default model: the shipped draft",
+    )
     parser.add_argument(
         "--num-draft-steps",
         type=int,
@@ -208,6 +213,104 @@ def run_generate(args: argparse.Namespace) -> None:
     print(out.text)
 
 
+def run_train_draft(args: argparse.Namespace) -> None:
+    from spec.train.pipeline import TrainDraftConfig, train_draft
+    from spec.train.trainer import Schedule
+
+    config = TrainDraftConfig(
+        out_dir=args.out,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        num_draft_steps=args.num_draft_steps,
+        aux_layers=args.aux_layers or (),
+        num_prompts=args.num_prompts,
+        num_heldout=args.num_heldout,
+        max_tokens=args.max_tokens,
+        generate_batch=args.generate_batch,
+        schedule=Schedule(
+            epochs=args.epochs,
+            tokens_per_batch=args.tokens_per_batch,
+            lr=args.lr,
+            warmup_steps=args.warmup_steps,
+            seed=args.seed,
+            checkpoint_every=args.checkpoint_every,
+            weight_decay=args.weight_decay,
+            hidden_noise=args.hidden_noise,
+        ),
+        save_dtype=args.save_dtype,
+        restart=args.restart,
+        evaluate=not args.no_evaluate,
+        progress=not args.no_progress,
+    )
+    summary = train_draft(config)
+    print(f"draft written to {summary['draft']} ({summary['draft_bytes'] / 2**20:.1f} MiB)")
+    for record in summary["validations"][-1:]:
+        print(f"held-out replay: accept length {record['accept_length']:.2f}")
+    engine = summary.get("engine_heldout")
+    if engine and engine["accept_length"] is not None:
+        acceptance = ", ".join(f"{a:.2f}" for a in engine["acceptance"])
+        print(
+            f"held-out, engine: accept length {engine['accept_length']:.2f} "
+            f"(acceptance per draft position: {acceptance})"
+        )
+
+
+def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="output folder (resumes what is there)")
+    parser.add_argument(
+        "--model", default=None, help="target model folder or GGUF (default: the embedded one)"
+    )
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the target's dtype (default: float32 on CPU, bfloat16 on GPU)",
+    )
+    parser.add_argument("--num-draft-steps", type=int, default=3, help="draft depths K")
+    parser.add_argument(
+        "--aux-layers",
+        type=_layer_list,
+        default=None,
+        metavar="L1,L2,...",
+        help="target layers depth 0 reads side by side, EAGLE3 style (default: the last one)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=4000, help="training conversations")
+    parser.add_argument(
+        "--num-heldout", type=int, default=None, help="held-out conversations (default: all)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=256, help="answer length cap")
+    parser.add_argument(
+        "--generate-batch", type=int, default=128, help="requests the generating engine batches"
+    )
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument(
+        "--tokens-per-batch", type=int, default=8192, help="padded tokens per training step"
+    )
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument(
+        "--hidden-noise",
+        type=float,
+        default=0.0,
+        help="noise on the target hidden states in training, relative to their RMS",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-every", type=int, default=200, help="steps")
+    parser.add_argument(
+        "--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"]
+    )
+    parser.add_argument(
+        "--restart", action="store_true", help="ignore a checkpoint in --out (data is kept)"
+    )
+    parser.add_argument(
+        "--no-evaluate", action="store_true", help="skip the engine run on held-out prompts"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -240,6 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(demo)
     add_cluster_args(demo)
     demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument(
+        "--no-speculation",
+        action="store_true",
+        help="serve without speculative decoding (on by default where a draft is shipped)",
+    )
     demo.set_defaults(func=run_demo)
 
     generate = commands.add_parser("generate", help="complete one prompt with the offline engine")
@@ -252,6 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=None)
     generate.set_defaults(func=run_generate)
+
+    train = commands.add_parser(
+        "train-draft",
+        help="train a multi-layer EAGLE draft from the target's own answers (self-distillation)",
+    )
+    add_train_draft_args(train)
+    train.set_defaults(func=run_train_draft)
     return parser
 
 

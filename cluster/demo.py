@@ -1,6 +1,9 @@
 """`pdcluster demo`: start `pdcluster serve` on a free port, send a few chat requests through the
 client SDK (one streamed and printed as it arrives, the rest at once), print the answers with
-TTFT and tokens/s, then stop the server with Ctrl-C (SIGINT), as a user would."""
+TTFT and tokens/s, then stop the server with Ctrl-C (SIGINT), as a user would.
+
+On the default model the demo speculates with the shipped draft (--no-speculation turns it off)
+and prints the accept length, tokens per verify step, next to tokens/s."""
 
 from __future__ import annotations
 
@@ -24,6 +27,12 @@ STARTUP_TIMEOUT_S = 600
 
 
 def run_cluster_demo(args: argparse.Namespace) -> None:
+    from spec.default_draft import resolve_draft_model
+
+    speculate = not getattr(args, "no_speculation", False)
+    if speculate and args.speculative_algorithm is None:
+        if resolve_draft_model(args.model, args.draft_model) is not None:
+            args.speculative_algorithm = "multi-layer-eagle"
     port = _free_port()
     command = [
         sys.executable,
@@ -56,19 +65,32 @@ def _stream_one(client: Client, prompt: str, max_tokens: int) -> None:
     started = time.perf_counter()
     ttft = None
     tokens = 0
+    usage = None
     for chunk in client.chat(
         [{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0, stream=True
     ):
         if ttft is None and (chunk.text or chunk.token_ids):
             ttft = time.perf_counter() - started
         tokens += len(chunk.token_ids)
+        usage = chunk.usage or usage
         print(chunk.text, end="", flush=True)
     elapsed = time.perf_counter() - started
     print(
         f"\n  [TTFT {1000 * (ttft or elapsed):.0f} ms, {tokens} tokens, "
-        f"{tokens / elapsed:.1f} tokens/s]",
+        f"{tokens / elapsed:.1f} tokens/s{_accept_length_note([usage])}]",
         flush=True,
     )
+
+
+def _accept_length_note(usages: list) -> str:
+    """ ", accept length 1.93" over the requests that speculated, or "" when none did."""
+    steps = emitted = 0.0
+    for usage in usages:
+        extra = getattr(usage, "extra", None) or {}
+        n = extra.get("spec_verify_steps") or 0
+        steps += n
+        emitted += (extra.get("spec_accept_length") or 0.0) * n
+    return f", accept length {emitted / steps:.2f}" if steps else ""
 
 
 def _batch(client: Client, prompts: list[str], max_tokens: int) -> None:
@@ -88,11 +110,12 @@ def _batch(client: Client, prompts: list[str], max_tokens: int) -> None:
         total += answer.usage.completion_tokens
         print(
             f"\n> {prompt}\n{answer.text.strip()}\n  [{answer.usage.completion_tokens} tokens "
-            f"in {latency:.1f} s, finish: {answer.finish_reason}]"
+            f"in {latency:.1f} s, finish: {answer.finish_reason}"
+            f"{_accept_length_note([answer.usage])}]"
         )
     print(
         f"\n{len(prompts)} concurrent requests: {total} tokens in {elapsed:.1f} s = "
-        f"{total / elapsed:.1f} tokens/s",
+        f"{total / elapsed:.1f} tokens/s{_accept_length_note([a.usage for a, _ in results])}",
         flush=True,
     )
 

@@ -44,8 +44,9 @@ class LLM:
         enable_tracing: bool = False,
     ) -> None:
         """With `speculative_algorithm` ("multi-layer-eagle") and `draft_model` (a draft folder,
-        see docs/draft-format.md), every request speculates with `num_draft_steps` draft depths
-        (default: all the draft has) unless `generate(..., speculative=False)` opts it out.
+        see docs/draft-format.md; by default the shipped draft for the default model), every
+        request speculates with `num_draft_steps` draft depths (default: all the draft has)
+        unless `generate(..., speculative=False)` opts it out.
         `debug_tensor_dump_dir` dumps every forward pass (engine/debug_dump.py) under
         DIR/offline/<target|draft-N>/rank0/, keeping only `debug_tensor_dump_layers` if given.
         `enable_tracing` gives each output its timeline (`RequestOutput.trace`, engine.tracing)."""
@@ -79,11 +80,9 @@ class LLM:
         if speculative_algorithm is not None:
             # Imported here, not at the top: spec depends on engine, so engine must not import
             # spec while it is itself being imported (and plain engines never load it).
-            from spec import build_speculator
+            from spec import speculator_from_args
 
-            speculator = build_speculator(
-                speculative_algorithm, runner, draft_model, num_draft_steps
-            )
+            speculator = speculator_from_args(self.args, runner)
         self.engine = EngineCore(runner, self.tokenizer, speculator, tracing=enable_tracing)
         self._ids = itertools.count()
 

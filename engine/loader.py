@@ -74,9 +74,10 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
         # The draft may read auxiliary target layers: derived here, once, so the runner, the
         # metadata buffers and the pairing spec all see one spec_hidden_size. Imported here:
         # spec depends on engine, never the reverse at import time.
-        from spec import draft_target_config
+        from spec import draft_target_config, resolve_draft_model
 
-        model_config = draft_target_config(model_config, args.draft_model)
+        draft = resolve_draft_model(args.model, args.draft_model)
+        model_config = draft_target_config(model_config, draft)
     device = args.device or default_device()
     dtype = resolve_dtype(None if args.dtype == "auto" else args.dtype, device)
     max_model_len = args.max_model_len or model_config.max_position_embeddings

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import create_attention_backend
+from engine.attention import AttentionBackend, create_attention_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.debug_dump import TARGET_ROLE, dump_pass, tensor_dumper
 from engine.forward_batch import ForwardBatch
@@ -113,11 +113,7 @@ class ModelRunner:
         return ForwardOutput(logits, last_hidden, draft_hidden, self._input_embeds_used(batch))
 
     def _run_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the LM head reads, and the draft's input [T, spec_hidden_size]: the outputs of
-        the draft's auxiliary layers side by side (EAGLE3 style), or the same last output."""
-        aux_layers = self.model_config.draft_aux_layers
-        hidden, captured = self.model.forward_layers(batch, self.rotary, self.attention, aux_layers)
-        return hidden, torch.cat(captured, dim=-1) if aux_layers else hidden
+        return run_target(self.model, batch, self.rotary, self.attention)
 
     def _input_embeds_used(self, batch: ForwardBatch) -> InputEmbeds | None:
         """The input-embedding rows this forward read, sliced to the batch's real token count
@@ -139,6 +135,20 @@ class ModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def run_target(
+    model: LlamaForCausalLM,
+    batch: ForwardBatch,
+    rotary: RotaryEmbedding,
+    attention: AttentionBackend,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the LM head reads, and the draft's input [T, spec_hidden_size]: the outputs of the
+    draft's auxiliary layers side by side (EAGLE3 style), or the same last output. The draft
+    trainer runs the target through this too, so it trains on what the engine hands the draft."""
+    aux_layers = model.config.draft_aux_layers
+    hidden, captured = model.forward_layers(batch, rotary, attention, aux_layers)
+    return hidden, torch.cat(captured, dim=-1) if aux_layers else hidden
 
 
 def build_model(

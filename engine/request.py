@@ -109,6 +109,8 @@ class Usage:
     completion_tokens_details: CompletionTokensDetails | None = None
     spec_verify_steps: int | None = None
     spec_accept_length: float | None = None
+    # [j]: verify steps that accepted draft token j+1 (the acceptance of each draft depth).
+    spec_accepted_per_position: list[int] | None = None
 
     @classmethod
     def of(cls, req: Request) -> Usage:
@@ -121,6 +123,7 @@ class Usage:
             CompletionTokensDetails(stats.accepted_tokens, stats.rejected_tokens),
             stats.verify_steps,
             stats.accept_length if stats.verify_steps else None,
+            list(stats.accepted_per_position),
         )
 
     @property

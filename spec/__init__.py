@@ -13,6 +13,7 @@ import os
 from engine.loader import EngineArgs
 from engine.model_runner import ModelRunner
 from spec.config import DraftConfig, DraftMismatchError, draft_target_config
+from spec.default_draft import default_draft_path, resolve_draft_model
 from spec.draft_model import MultiLayerEagleDraft, load_draft, save_draft
 from spec.state import DraftState
 from spec.worker import MultiLayerEagleWorker
@@ -31,7 +32,10 @@ def build_speculator(
             f"unknown speculative_algorithm {algorithm!r}; supported: {', '.join(ALGORITHMS)}"
         )
     if draft_model is None:
-        raise ValueError(f"speculative_algorithm={algorithm!r} needs a draft_model folder")
+        raise ValueError(
+            f"speculative_algorithm={algorithm!r} needs a draft_model folder (a draft is shipped "
+            "for the default model only; `pdcluster train-draft` makes one for another)"
+        )
     config = runner.config
     draft = load_draft(
         draft_model, runner.model_config, num_draft_steps, config.device, config.dtype
@@ -43,9 +47,8 @@ def speculator_from_args(args: EngineArgs, runner: ModelRunner) -> MultiLayerEag
     """The speculator an engine built from `args` uses, or None without speculation."""
     if args.speculative_algorithm is None:
         return None
-    return build_speculator(
-        args.speculative_algorithm, runner, args.draft_model, args.num_draft_steps
-    )
+    draft = resolve_draft_model(args.model, args.draft_model)
+    return build_speculator(args.speculative_algorithm, runner, draft, args.num_draft_steps)
 
 
 __all__ = [
@@ -56,6 +59,8 @@ __all__ = [
     "MultiLayerEagleDraft",
     "MultiLayerEagleWorker",
     "build_speculator",
+    "default_draft_path",
+    "resolve_draft_model",
     "draft_target_config",
     "speculator_from_args",
     "load_draft",

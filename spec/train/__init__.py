@@ -1,0 +1,1 @@
+"""Training the multi-layer EAGLE draft from the target's own responses."""

@@ -1,0 +1,235 @@
+"""`pdcluster train-draft` end to end, in one output folder:
+
+    answers.pt, heldout.pt   the target's greedy answers (spec.train.data), resumable
+    checkpoint.pt            the draft and optimizer state (spec.train.trainer), resumable
+    train_log.jsonl          losses and accuracies every few steps, a validation per epoch
+    draft/                   the trained draft (docs/draft-format.md), 16-bit by default
+    summary.json             data sizes, time, final losses, held-out accept length
+
+The held-out prompts (spec.train.prompts.heldout_prompts) are never trained on. After training,
+the engine itself decodes them with the new draft: its accept length is the figure to trust;
+the trainer's replay (Validation) estimates the same number without running the loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.loader import EngineArgs, resolve
+from engine.model_runner import build_model
+from engine.models.rope import RotaryEmbedding
+from engine.weights import iter_safetensors
+from spec.draft_model import MultiLayerEagleDraft, save_draft
+from spec.train.data import Sequences, target_answers
+from spec.train.prompts import heldout_prompts, training_prompts
+from spec.train.trainer import CHECKPOINT_FILE, DraftTrainer, Schedule
+
+SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class TrainDraftConfig:
+    out_dir: Path
+    model: str | None = None  # None: the embedded default model
+    device: str | None = None
+    dtype: str = "auto"
+    num_draft_steps: int = 3
+    # Target layers depth 0 reads side by side (EAGLE3 style); () for the last layer's output.
+    aux_layers: tuple[int, ...] = ()
+    num_prompts: int = 4000
+    num_heldout: int | None = None  # None: every held-out prompt
+    max_tokens: int = 256
+    generate_batch: int = 128
+    schedule: Schedule = field(default_factory=Schedule)
+    save_dtype: str = "bfloat16"
+    restart: bool = False
+    evaluate: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ValueError(f"save_dtype must be one of {', '.join(SAVE_DTYPES)}")
+        for name in ("num_draft_steps", "num_prompts", "max_tokens", "generate_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.schedule.epochs < 1 or self.schedule.tokens_per_batch < 2:
+            raise ValueError("epochs must be >= 1 and tokens_per_batch >= 2")
+
+
+def _generate(config: TrainDraftConfig, args: EngineArgs) -> tuple[Sequences, Sequences]:
+    conversations = training_prompts(config.num_prompts, config.schedule.seed)
+    heldout = heldout_prompts()[: config.num_heldout]
+    spec = resolve(args)
+    # Room for every sequence of a full batch: the answers, and prompts of a few hundred tokens.
+    kv_tokens = config.generate_batch * (config.max_tokens + 512)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=config.generate_batch,
+        max_model_len=min(spec.engine_config.max_model_len, config.max_tokens + 1024),
+        kv_cache_tokens=kv_tokens,
+        seed=config.schedule.seed,
+    )
+    train = target_answers(
+        llm,
+        conversations,
+        config.out_dir / "answers.pt",
+        config.max_tokens,
+        progress=config.progress,
+    )
+    held = target_answers(
+        llm, heldout, config.out_dir / "heldout.pt", config.max_tokens, progress=config.progress
+    )
+    return train, held
+
+
+def evaluate_draft(
+    model: str | None,
+    draft_dir: Path,
+    conversations: list[list[dict[str, str]]],
+    max_tokens: int,
+    device: str | None = None,
+    dtype: str = "auto",
+    num_draft_steps: int | None = None,
+    batch: int = 16,
+) -> dict:
+    """The engine's own greedy speculative decoding of `conversations` with the draft in
+    `draft_dir`: accept length (tokens per verify step, bonus included) and, per draft position,
+    the share of verify steps that accepted it."""
+    llm = LLM(
+        model,
+        device=device,
+        dtype=dtype,
+        max_num_seqs=batch,
+        speculative_algorithm="multi-layer-eagle",
+        draft_model=draft_dir,
+        num_draft_steps=num_draft_steps,
+    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    steps = emitted = 0
+    per_position: list[int] = []
+    for start in range(0, len(conversations), batch):
+        for out in llm.chat(conversations[start : start + batch], params):
+            usage = out.usage
+            n = usage.spec_verify_steps or 0
+            steps += n
+            emitted += round((usage.spec_accept_length or 0.0) * n)  # verify steps' tokens
+            counts = usage.spec_accepted_per_position or []
+            per_position.extend([0] * (len(counts) - len(per_position)))
+            for j, c in enumerate(counts):
+                per_position[j] += c
+    return {
+        "accept_length": emitted / steps if steps else None,
+        "acceptance": [c / steps for c in per_position] if steps else [],
+        "verify_steps": steps,
+        "conversations": len(conversations),
+        "max_tokens": max_tokens,
+    }
+
+
+def train_draft(config: TrainDraftConfig) -> dict:
+    """Generate (or reuse) the data, train (or resume), save the draft, evaluate; returns the
+    summary also written to summary.json."""
+    out = config.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    args = EngineArgs(model=config.model, device=config.device, dtype=config.dtype)
+    started = time.perf_counter()
+    train, held = _generate(config, args)
+    generate_s = time.perf_counter() - started
+
+    spec = resolve(args)
+    engine_config = dataclasses.replace(spec.engine_config, cpu_packed_linear=False)
+    model_config = spec.model_config
+    if config.aux_layers:
+        outside = [i for i in config.aux_layers if not 0 <= i < model_config.num_layers]
+        if outside or len(set(config.aux_layers)) != len(config.aux_layers):
+            raise ValueError(
+                f"aux_layers must be distinct layers of 0..{model_config.num_layers - 1}, "
+                f"got {list(config.aux_layers)}"
+            )
+        model_config = dataclasses.replace(model_config, draft_aux_layers=config.aux_layers)
+    target = build_model(model_config, engine_config, iter_safetensors(spec.path))
+    device = torch.device(engine_config.device)
+    rotary = RotaryEmbedding(
+        spec.model_config.rope,
+        spec.model_config.head_dim,
+        max(config.schedule.max_seq_len, spec.model_config.max_position_embeddings),
+        device,
+    )
+    torch.manual_seed(config.schedule.seed)
+    # Float32 master weights; steps run in bf16 autocast on GPU.
+    draft = MultiLayerEagleDraft(model_config, config.num_draft_steps).to(device)
+    run_key = {
+        "model": str(spec.path),
+        "num_draft_steps": config.num_draft_steps,
+        "aux_layers": list(config.aux_layers),
+        "num_prompts": config.num_prompts,
+        "max_tokens": config.max_tokens,
+    }
+    if config.restart:
+        (out / CHECKPOINT_FILE).unlink(missing_ok=True)
+    trainer = DraftTrainer(
+        draft, target, rotary, train, held, config.schedule, out, run_key, config.progress
+    )
+    resumed = trainer.resume()
+    progress = trainer.run()
+
+    draft_dir = out / "draft"
+    saved = MultiLayerEagleDraft(model_config, config.num_draft_steps)
+    saved.load_state_dict(draft.state_dict())
+    save_draft(draft_dir, saved.to(SAVE_DTYPES[config.save_dtype]), spec.path.name)
+    summary = {
+        "model": str(spec.path),
+        "device": str(device),
+        "config": {
+            **{k: v for k, v in asdict(config).items() if k not in ("schedule", "out_dir")},
+            "schedule": asdict(config.schedule),
+        },
+        "data": {
+            "train_conversations": len(train),
+            "train_answer_tokens": train.num_answer_tokens,
+            "train_tokens": sum(len(t) for t in train.tokens),
+            "heldout_conversations": len(held),
+            "heldout_answer_tokens": held.num_answer_tokens,
+        },
+        "generate_s": round(generate_s, 1),
+        "train_s": round(progress.elapsed_s, 1),
+        "steps": progress.step,
+        "resumed": resumed,
+        "final_train": _last_train_record(out),
+        "validations": progress.validations,
+        "draft": str(draft_dir),
+        "draft_bytes": (draft_dir / "model.safetensors").stat().st_size,
+    }
+    if config.evaluate:
+        del trainer, target
+        summary["engine_heldout"] = evaluate_draft(
+            config.model,
+            draft_dir,
+            heldout_prompts()[: config.num_heldout],
+            config.max_tokens,
+            device=config.device,
+            dtype=config.dtype,
+        )
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _last_train_record(out: Path) -> dict | None:
+    path = out / "train_log.jsonl"
+    if not path.exists():
+        return None
+    last = None
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            last = record
+    return last

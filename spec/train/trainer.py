@@ -1,0 +1,438 @@
+"""Training K draft depths by self-distillation from the target.
+
+Every step runs the target over a batch of its own answers (spec.train.data), then every depth
+teacher-forced over the same positions (spec.train.dense): depth 0 on the target's hidden
+states, depth d on depth d-1's outputs. Depth d at position i learns the target's next-token
+distribution at position i+d+1, i.e. to predict x[i+d+2], which is what it proposes at decode
+time. Only positions whose prediction falls in the answer count: prompt tokens are the user's,
+not the target's, and are never drafted.
+
+A run is deterministic for a seed and resumes from its last checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.llama import LlamaForCausalLM
+from engine.models.rope import RotaryEmbedding
+from spec.draft_model import MultiLayerEagleDraft
+from spec.train.data import Sequences, progress_interval
+from spec.train.dense import draft_forward, target_forward
+
+CHECKPOINT_FILE = "checkpoint.pt"
+LOG_FILE = "train_log.jsonl"
+
+
+@dataclass
+class Schedule:
+    """Optimisation settings. `resume_key` lists the ones a checkpoint must agree with (they
+    decide the batches); the rest may change between a run and its resumption."""
+
+    epochs: int = 3
+    tokens_per_batch: int = 8192
+    lr: float = 5e-4
+    min_lr_ratio: float = 0.1  # cosine decay down to lr * this
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 200
+    log_every: int = 10
+    max_seq_len: int = 1024  # longer sequences are cut (their answers' tails unused)
+    detach_between_depths: bool = False
+    # Gaussian noise added to the target hidden states depth 0 reads, relative to each state's
+    # RMS: the draft must not lean on details of states it has seen (EAGLE trains with noise).
+    hidden_noise: float = 0.0
+
+    def resume_key(self) -> dict:
+        return {"tokens_per_batch": self.tokens_per_batch, "seed": self.seed}
+
+
+def make_batches(
+    lengths: list[int], tokens_per_batch: int, seed: int, epoch: int
+) -> list[list[int]]:
+    """Sequences grouped by length so that padding stays small, each group at most
+    `tokens_per_batch` padded tokens (a longer sequence goes alone), in an order drawn from
+    (seed, epoch): the same on a resumed run."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and lengths[i] * (len(current) + 1) > tokens_per_batch:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return [batches[j] for j in torch.randperm(len(batches), generator=generator).tolist()]
+
+
+@dataclass
+class Block:
+    """A padded batch: tokens [B, T], each row's real length and prompt length."""
+
+    tokens: torch.Tensor
+    lens: torch.Tensor
+    prompt_lens: torch.Tensor
+
+
+def make_block(data: Sequences, indices: list[int], max_len: int, device: torch.device) -> Block:
+    rows = [data.tokens[i][:max_len] for i in indices]
+    width = max(len(r) for r in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.int64)
+    for b, row in enumerate(rows):
+        tokens[b, : len(row)] = torch.tensor(row)
+    lens = torch.tensor([len(r) for r in rows])
+    prompt_lens = torch.tensor([min(data.prompt_lens[i], max_len) for i in indices])
+    return Block(tokens.to(device), lens.to(device), prompt_lens.to(device))
+
+
+def drafted_positions(block: Block, depth: int) -> torch.Tensor:
+    """[B, T] bool: where depth `depth` predicts an answer token that exists. At position i it
+    predicts x[i+depth+2], from the target's distribution at i+depth+1."""
+    t = block.tokens.shape[1]
+    label = torch.arange(t, device=block.tokens.device)[None, :] + depth + 1
+    return (label >= block.prompt_lens[:, None] - 1) & (label <= block.lens[:, None] - 2)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # the sum over depths, with its graph
+    depth_loss: list[float]
+    depth_accuracy: list[float]  # top-1 agreement with the target, teacher-forced
+    num_positions: list[int]
+
+
+def distillation_step(
+    draft: MultiLayerEagleDraft,
+    target: LlamaForCausalLM,
+    rotary: RotaryEmbedding,
+    block: Block,
+    detach_between_depths: bool = False,
+    hidden_noise: float = 0.0,
+) -> StepResult:
+    """Cross-entropy of each depth against the target's own distribution (soft labels)."""
+    target_hidden, last = target_forward(target, rotary, block.tokens)
+    if hidden_noise > 0:
+        rms = target_hidden.float().pow(2).mean(-1, keepdim=True).sqrt()
+        noise = torch.randn_like(target_hidden, dtype=torch.float32) * rms * hidden_noise
+        target_hidden = (target_hidden.float() + noise).to(target_hidden.dtype)
+    with torch.no_grad():
+        target_logits = target.lm_head_logits(last)
+    outputs = draft_forward(
+        draft, target, rotary, block.tokens, target_hidden, detach_between_depths
+    )
+    total = torch.zeros((), device=block.tokens.device)
+    losses, accuracies, counts = [], [], []
+    for d, out in enumerate(outputs):
+        rows = drafted_positions(block, d).reshape(-1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            losses.append(0.0)
+            accuracies.append(0.0)
+            counts.append(0)
+            continue
+        labels = target_logits[rows + d + 1]
+        logits = target.lm_head_logits(out[rows])
+        loss = -(F.softmax(labels, dim=-1) * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+        total = total + loss
+        losses.append(float(loss.detach()))
+        agree = logits.detach().argmax(-1) == labels.argmax(-1)
+        accuracies.append(float(agree.float().mean()))
+        counts.append(int(rows.numel()))
+    return StepResult(total, losses, accuracies, counts)
+
+
+@dataclass
+class Validation:
+    """Greedy speculative decoding replayed on held-out answers, teacher-forced: each verify
+    step at chain position i accepts the leading depths whose top-1 equals the target's next
+    tokens, commits those plus the target's bonus token, and the next chain starts after them.
+    On the target's own greedy answers this is the engine's accept length (up to rounding)."""
+
+    accept_length: float  # tokens per verify step, bonus included
+    acceptance: list[float]  # per draft position j: share of verify steps that accepted it
+    depth_accuracy: list[float]  # per depth: top-1 agreement at every answer position
+    verify_steps: int
+    answer_tokens: int
+
+
+@torch.no_grad()
+def validate(
+    draft: MultiLayerEagleDraft,
+    target: LlamaForCausalLM,
+    rotary: RotaryEmbedding,
+    data: Sequences,
+    tokens_per_batch: int,
+    max_seq_len: int,
+    device: torch.device,
+    autocast: bool,
+) -> Validation:
+    k = draft.num_draft_steps
+    max_tokens = data.meta.get("max_tokens") or max(len(t) for t in data.tokens)
+    steps = emitted = 0
+    accepted_at = [0] * k
+    agree, counted = [0] * k, [0] * k
+    for indices in make_batches([len(t) for t in data.tokens], tokens_per_batch, 0, 0):
+        block = make_block(data, indices, max_seq_len, device)
+        with _autocast(device, autocast):
+            target_hidden, _ = target_forward(target, rotary, block.tokens)
+            outputs = draft_forward(draft, target, rotary, block.tokens, target_hidden)
+            preds = [target.lm_head_logits(out).argmax(-1).view_as(block.tokens) for out in outputs]
+        tokens = block.tokens.tolist()
+        preds_cpu = [p.tolist() for p in preds]
+        for b in range(len(indices)):
+            n, length = int(block.prompt_lens[b]), int(block.lens[b])
+            row = tokens[b]
+            for d in range(k):
+                # depth d at i predicts row[i+d+2], for i+d+2 in the answer
+                for i in range(max(0, n - d - 2), length - d - 2):
+                    agree[d] += preds_cpu[d][b][i] == row[i + d + 2]
+                    counted[d] += 1
+            i = n - 1  # the first chain comes from the prefill, at the prompt's last position
+            while i + 2 <= length - 1:
+                remaining = length - 1 - (i + 1)  # tokens after x[i+1] still to produce
+                # The engine drafts no further than max_tokens leaves room for, and a step with
+                # no room for a draft is a plain decode step, not a verify step.
+                lookahead = min(k, max_tokens - (i + 2 - n) - 1)
+                if lookahead <= 0:
+                    i += 1
+                    continue
+                accepted = 0
+                while accepted < min(lookahead, remaining) and (
+                    preds_cpu[accepted][b][i] == row[i + accepted + 2]
+                ):
+                    accepted += 1
+                # The answer's end cuts a step short, bonus token first (as a stop does).
+                committed = min(accepted + 1, remaining)
+                steps += 1
+                emitted += committed
+                for j in range(min(accepted, committed)):
+                    accepted_at[j] += 1
+                i += committed
+    return Validation(
+        accept_length=emitted / steps if steps else 0.0,
+        acceptance=[a / steps if steps else 0.0 for a in accepted_at],
+        depth_accuracy=[a / c if c else 0.0 for a, c in zip(agree, counted)],
+        verify_steps=steps,
+        answer_tokens=emitted,
+    )
+
+
+def _autocast(device: torch.device, enabled: bool):
+    # bf16 matmuls on GPU with float32 master weights; CPU runs float32 throughout.
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def learning_rate(schedule: Schedule, step: int, total_steps: int) -> float:
+    if step < schedule.warmup_steps:
+        return schedule.lr * (step + 1) / schedule.warmup_steps
+    progress = (step - schedule.warmup_steps) / max(1, total_steps - schedule.warmup_steps)
+    floor = schedule.min_lr_ratio
+    return schedule.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+@dataclass
+class Progress:
+    """Where a run stands: saved with every checkpoint."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0  # batches of `epoch` already done
+    elapsed_s: float = 0.0
+    validations: list[dict] = field(default_factory=list)
+
+
+class DraftTrainer:
+    def __init__(
+        self,
+        draft: MultiLayerEagleDraft,
+        target: LlamaForCausalLM,
+        rotary: RotaryEmbedding,
+        train: Sequences,
+        heldout: Sequences | None,
+        schedule: Schedule,
+        out_dir: Path,
+        run_key: dict,
+        progress_bar: bool = True,
+    ) -> None:
+        self.draft = draft
+        self.target = target.requires_grad_(False)
+        self.rotary = rotary
+        self.train_data = train
+        self.heldout = heldout
+        self.schedule = schedule
+        self.out_dir = Path(out_dir)
+        self.device = next(draft.parameters()).device
+        self.autocast = self.device.type == "cuda"
+        self.run_key = {**run_key, **schedule.resume_key()}
+        self.progress_bar = progress_bar
+        self.optimizer = torch.optim.AdamW(
+            draft.parameters(), lr=schedule.lr, weight_decay=schedule.weight_decay
+        )
+        self.progress = Progress()
+        self.lengths = [min(len(t), schedule.max_seq_len) for t in train.tokens]
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.out_dir / CHECKPOINT_FILE
+
+    def batches_per_epoch(self) -> int:
+        return len(make_batches(self.lengths, self.schedule.tokens_per_batch, 0, 0))
+
+    def resume(self) -> bool:
+        """Continue from the checkpoint in out_dir, if any; refuse one of another run."""
+        if not self.checkpoint_path.exists():
+            return False
+        saved = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+        if saved["run_key"] != self.run_key:
+            differ = sorted(k for k in self.run_key if saved["run_key"].get(k) != self.run_key[k])
+            raise ValueError(
+                f"{self.checkpoint_path} belongs to a run with other settings "
+                f"({', '.join(differ)}); use another --out folder or --restart"
+            )
+        self.draft.load_state_dict(saved["draft"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.progress = Progress(**saved["progress"])
+        return True
+
+    def save_checkpoint(self) -> None:
+        partial = self.checkpoint_path.with_name(CHECKPOINT_FILE + ".partial")
+        torch.save(
+            {
+                "draft": self.draft.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "progress": asdict(self.progress),
+                "run_key": self.run_key,
+            },
+            partial,
+        )
+        os.replace(partial, self.checkpoint_path)
+
+    def log(self, record: dict) -> None:
+        with open(self.out_dir / LOG_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def validate(self) -> Validation | None:
+        if self.heldout is None or not len(self.heldout):
+            return None
+        self.draft.eval()
+        try:
+            return validate(
+                self.draft,
+                self.target,
+                self.rotary,
+                self.heldout,
+                self.schedule.tokens_per_batch,
+                self.schedule.max_seq_len,
+                self.device,
+                self.autocast,
+            )
+        finally:
+            self.draft.train()
+
+    def _epoch_batches(self, epoch: int) -> Iterator[tuple[int, list[int]]]:
+        batches = make_batches(
+            self.lengths, self.schedule.tokens_per_batch, self.schedule.seed, epoch
+        )
+        start = self.progress.batch if epoch == self.progress.epoch else 0
+        for index in range(start, len(batches)):
+            yield index, batches[index]
+
+    def run(self) -> Progress:
+        """Train to the end of the schedule from wherever the run stands."""
+        from tqdm.auto import tqdm
+
+        s = self.schedule
+        per_epoch = self.batches_per_epoch()
+        total = per_epoch * s.epochs
+        self.draft.train()
+        bar = tqdm(
+            total=total,
+            initial=self.progress.step,
+            desc="draft",
+            disable=not self.progress_bar,
+            mininterval=progress_interval(),
+        )
+        window: list[StepResult] = []
+        started = time.perf_counter() - self.progress.elapsed_s
+        with bar:
+            for epoch in range(self.progress.epoch, s.epochs):
+                for index, indices in self._epoch_batches(epoch):
+                    lr = learning_rate(s, self.progress.step, total)
+                    for group in self.optimizer.param_groups:
+                        group["lr"] = lr
+                    block = make_block(self.train_data, indices, s.max_seq_len, self.device)
+                    with _autocast(self.device, self.autocast):
+                        result = distillation_step(
+                            self.draft,
+                            self.target,
+                            self.rotary,
+                            block,
+                            s.detach_between_depths,
+                            s.hidden_noise,
+                        )
+                    self.optimizer.zero_grad(set_to_none=True)
+                    result.loss.backward()
+                    torch.nn.utils.clip_grad_norm_(self.draft.parameters(), s.grad_clip)
+                    self.optimizer.step()
+                    self.progress.step += 1
+                    self.progress.epoch, self.progress.batch = epoch, index + 1
+                    self.progress.elapsed_s = time.perf_counter() - started
+                    window.append(result)
+                    bar.update(1)
+                    if self.progress.step % s.log_every == 0 or self.progress.step == total:
+                        self._log_window(window, lr)
+                        bar.set_postfix(
+                            loss=f"{sum(window[-1].depth_loss):.3f}",
+                            acc="/".join(f"{a:.2f}" for a in window[-1].depth_accuracy),
+                        )
+                        window = []
+                    if self.progress.step % s.checkpoint_every == 0:
+                        self.save_checkpoint()
+                self.progress.epoch, self.progress.batch = epoch + 1, 0
+                validation = self.validate()
+                if validation is not None:
+                    record = {"epoch": epoch + 1, "step": self.progress.step, **asdict(validation)}
+                    self.progress.validations.append(record)
+                    self.log({"validation": record})
+                    bar.write(
+                        f"epoch {epoch + 1}: held-out accept length "
+                        f"{validation.accept_length:.2f}, acceptance per position "
+                        + ", ".join(f"{a:.2f}" for a in validation.acceptance)
+                    )
+                self.save_checkpoint()
+        return self.progress
+
+    def _log_window(self, window: list[StepResult], lr: float) -> None:
+        if not window:
+            return
+        k = len(window[0].depth_loss)
+        weights = [[r.num_positions[d] for r in window] for d in range(k)]
+
+        def mean(values: list[list[float]], d: int) -> float:
+            total = sum(weights[d]) or 1
+            return sum(v * w for v, w in zip(values[d], weights[d])) / total
+
+        losses = [[r.depth_loss[d] for r in window] for d in range(k)]
+        accs = [[r.depth_accuracy[d] for r in window] for d in range(k)]
+        self.log(
+            {
+                "step": self.progress.step,
+                "epoch": self.progress.epoch,
+                "lr": lr,
+                "loss": [round(mean(losses, d), 5) for d in range(k)],
+                "accuracy": [round(mean(accs, d), 5) for d in range(k)],
+                "positions": sum(sum(w) for w in weights),
+                "elapsed_s": round(self.progress.elapsed_s, 2),
+            }
+        )
