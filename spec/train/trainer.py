@@ -54,7 +54,11 @@ class Schedule:
     hidden_noise: float = 0.0
 
     def resume_key(self) -> dict:
-        return {"tokens_per_batch": self.tokens_per_batch, "seed": self.seed}
+        return {
+            "tokens_per_batch": self.tokens_per_batch,
+            "seed": self.seed,
+            "max_seq_len": self.max_seq_len,
+        }
 
 
 def make_batches(
@@ -120,12 +124,16 @@ def distillation_step(
     block: Block,
     detach_between_depths: bool = False,
     hidden_noise: float = 0.0,
+    noise_seed: int = 0,
 ) -> StepResult:
-    """Cross-entropy of each depth against the target's own distribution (soft labels)."""
+    """Cross-entropy of each depth against the target's own distribution (soft labels).
+    `noise_seed` seeds the hidden-state noise: one seed per step keeps a resumed run exact."""
     target_hidden, last = target_forward(target, rotary, block.tokens)
     if hidden_noise > 0:
         rms = target_hidden.float().pow(2).mean(-1, keepdim=True).sqrt()
-        noise = torch.randn_like(target_hidden, dtype=torch.float32) * rms * hidden_noise
+        generator = torch.Generator(target_hidden.device).manual_seed(noise_seed)
+        noise = torch.randn(target_hidden.shape, generator=generator, device=target_hidden.device)
+        noise = noise * rms * hidden_noise
         target_hidden = (target_hidden.float() + noise).to(target_hidden.dtype)
     with torch.no_grad():
         target_logits = target.lm_head_logits(last)
@@ -380,6 +388,7 @@ class DraftTrainer:
                             block,
                             s.detach_between_depths,
                             s.hidden_noise,
+                            noise_seed=s.seed * 1_000_003 + self.progress.step,
                         )
                     self.optimizer.zero_grad(set_to_none=True)
                     result.loss.backward()

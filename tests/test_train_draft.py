@@ -1,0 +1,574 @@
+"""`pdcluster train-draft` (spec/train): the dense teacher-forced forwards equal the engine's,
+training raises the held-out accept length and its replay equals the engine's own count, runs
+and answer files resume exactly, and the CLI and draft resolution behave as documented."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_drafts import make_eagle3_draft, make_predictable_llama, make_random_draft
+from tiny_models import CHAT_TEMPLATE, make_tiny_llama
+from transformers import AutoTokenizer
+
+import spec.default_draft as default_draft
+import spec.train.trainer as trainer_module
+from cluster.cli import main
+from engine import LLM, SamplingParams
+from engine.loader import EngineArgs, resolve
+from engine.model_runner import build_model
+from engine.models.rope import RotaryEmbedding
+from engine.weights import iter_safetensors
+from spec import load_draft, resolve_draft_model
+from spec.batching import Span, extend_batch
+from spec.draft_model import MultiLayerEagleDraft
+from spec.draft_runner import DraftInput, DraftSeq
+from spec.train.data import Sequences, target_answers
+from spec.train.dense import draft_forward, target_forward
+from spec.train.pipeline import TrainDraftConfig, train_draft
+from spec.train.trainer import (
+    CHECKPOINT_FILE,
+    LOG_FILE,
+    Block,
+    DraftTrainer,
+    Schedule,
+    drafted_positions,
+    make_batches,
+    validate,
+)
+
+NUM_DRAFT_STEPS = 3
+
+
+def save_chat_template(path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+
+def read_log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
+
+
+def checkpoint(out: Path) -> dict:
+    return torch.load(out / CHECKPOINT_FILE, weights_only=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: on a busy shared CPU, intra-op threads waiting for one another
+    make training ten times slower than one thread alone."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def predictable_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer tiny Llama whose next token a draft can learn, with a chat template."""
+    path = tmp_path_factory.mktemp("predictable")
+    make_predictable_llama(path, logit_scale=3.0)
+    save_chat_template(path)
+    return path
+
+
+# --- 1. the dense forwards compute what the engine computes -------------------------------
+
+
+@pytest.fixture(scope="module", params=[(), (0, 1)], ids=["last-layer", "aux-layers"])
+def speculating_llm(request, tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    """An engine on a 2-layer tiny Llama with a random 3-depth draft; depth 0 reads the last
+    layer's output, or (EAGLE3 style) both layers' outputs side by side."""
+    root = tmp_path_factory.mktemp("parity")
+    target = root / "target"
+    make_tiny_llama(target, seed=1)
+    draft = root / "draft"
+    if request.param:
+        make_eagle3_draft(draft, target, NUM_DRAFT_STEPS, request.param, seed=2)
+    else:
+        make_random_draft(draft, target, NUM_DRAFT_STEPS, seed=2)
+    return LLM(
+        str(target),
+        device="cpu",
+        max_num_seqs=4,
+        max_model_len=128,
+        kv_cache_tokens=512,
+        speculative_algorithm="multi-layer-eagle",
+        draft_model=str(draft),
+    )
+
+
+def test_dense_forwards_match_the_engine_runners(speculating_llm: LLM) -> None:
+    runner = speculating_llm.engine.runner
+    worker = speculating_llm.engine.speculator
+    draft = SimpleNamespace(depths=[depth_runner.module for depth_runner in worker.depths])
+    generator = torch.Generator().manual_seed(0)
+    length = 13
+    x = torch.randint(3, runner.model_config.vocab_size, (length,), generator=generator)
+    ids = x.tolist()
+
+    # The engine: the target's prefill over x through the paged KV cache, hidden kept.
+    row = runner.req_to_token_pool.allocate_row()
+    slots = runner.kv_pool.allocator.allocate(length)
+    runner.req_to_token_pool.write(row, 0, slots)
+    batch = extend_batch(
+        [Span(row, 0, ids, slots)],
+        runner.kv_pool,
+        runner.req_to_token_pool,
+        runner.attention,
+        runner.device,
+    )
+    engine_out = runner.forward(batch, keep_hidden=True)
+    engine_hidden = engine_out.hidden
+    runner.kv_pool.allocator.free(slots)
+    runner.req_to_token_pool.free_row(row)
+    assert engine_hidden.shape == (length, runner.model_config.spec_hidden_size)
+
+    # The trainer's dense forwards, through the same modules.
+    with torch.no_grad():
+        dense_hidden, last = target_forward(runner.model, runner.rotary, x[None])
+        dense_outputs = draft_forward(draft, runner.model, runner.rotary, x[None], dense_hidden)
+    torch.testing.assert_close(dense_hidden, engine_hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        runner.model.lm_head_logits(last)[-1:], engine_out.logits, atol=1e-4, rtol=1e-4
+    )
+
+    # Each depth's engine runner from position 0: depth d reads x[d+1:] and the hidden states
+    # the depth before it produced at the same positions.
+    hidden = engine_hidden
+    for d, depth_runner in enumerate(worker.depths):
+        n = length - d - 1
+        seq = DraftSeq()
+        (out,) = depth_runner.forward([DraftInput(seq, 0, ids[d + 1 : d + 1 + n], hidden[:n])])
+        depth_runner.release(seq)
+        assert out.shape == (n, runner.model_config.hidden_size)
+        torch.testing.assert_close(dense_outputs[d][:n], out, atol=1e-5, rtol=1e-5)
+        hidden = out
+    assert worker.is_empty()
+
+
+# --- 2. training helps, and the trainer's replay is the engine's count ---------------------
+
+
+@pytest.fixture(scope="module")
+def trained(predictable_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("trained")
+    summary = train_draft(
+        TrainDraftConfig(
+            out_dir=out,
+            model=str(predictable_path),
+            device="cpu",
+            num_prompts=128,
+            num_heldout=8,
+            max_tokens=24,
+            generate_batch=32,
+            schedule=Schedule(epochs=6, tokens_per_batch=2048, log_every=5, checkpoint_every=10),
+            progress=False,
+            save_dtype="float32",
+        )
+    )
+    return out, summary
+
+
+def test_training_raises_the_heldout_accept_length(trained) -> None:
+    out, summary = trained
+    final = summary["validations"][-1]
+    assert len(summary["validations"]) == 6
+    assert summary["validations"][0]["accept_length"] < 1.3  # a random draft: about 1
+    assert final["accept_length"] > 1.8
+    losses = [record for record in read_log(out) if "loss" in record]
+    assert losses[-1]["loss"][0] < losses[0]["loss"][0]
+    assert summary["final_train"] == losses[-1]
+    assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary))
+
+
+def test_replay_equals_the_engines_accept_length(trained) -> None:
+    _, summary = trained
+    replay, engine = summary["validations"][-1], summary["engine_heldout"]
+    assert engine["verify_steps"] == replay["verify_steps"] > 0
+    assert abs(engine["accept_length"] - replay["accept_length"]) < 1e-9
+    assert engine["acceptance"] == pytest.approx(replay["acceptance"], abs=1e-9)
+    assert len(engine["acceptance"]) == NUM_DRAFT_STEPS
+
+
+def test_saved_draft_loads_with_the_trained_weights(trained, predictable_path: Path) -> None:
+    out, _ = trained
+    config = json.loads((out / "draft" / "config.json").read_text())
+    assert config["num_draft_steps"] == NUM_DRAFT_STEPS
+    target = resolve(EngineArgs(model=str(predictable_path), device="cpu")).model_config
+    draft = load_draft(out / "draft", target, None, "cpu", torch.float32)
+    assert draft.num_draft_steps == NUM_DRAFT_STEPS
+    trained_state = checkpoint(out)["draft"]
+    loaded = draft.state_dict()
+    assert loaded.keys() == trained_state.keys()
+    for name, tensor in trained_state.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+# --- 3. a run resumes from its checkpoint to the same weights -----------------------------
+
+
+def small_config(
+    out: Path, model: Path, hidden_noise: float = 0.0, **overrides
+) -> TrainDraftConfig:
+    schedule = Schedule(
+        epochs=2,
+        tokens_per_batch=512,
+        warmup_steps=2,
+        log_every=1,
+        checkpoint_every=3,
+        hidden_noise=hidden_noise,
+    )
+    settings = dict(
+        out_dir=out,
+        model=str(model),
+        device="cpu",
+        num_prompts=24,
+        num_heldout=2,
+        max_tokens=12,
+        generate_batch=32,
+        schedule=schedule,
+        progress=False,
+        save_dtype="float32",
+        evaluate=False,
+    )
+    return TrainDraftConfig(**{**settings, **overrides})
+
+
+class Interrupted(Exception):
+    pass
+
+
+@pytest.fixture(scope="module", params=[0.0, 0.2], ids=["plain", "hidden-noise"])
+def resume_runs(request, predictable_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The same run twice: straight through, and killed right after a checkpoint in the middle
+    of epoch 1 (of 0, 1), then started again on the same folder. With hidden-state noise too,
+    whose draws must not depend on where the run was resumed."""
+    noise = request.param
+    fresh = tmp_path_factory.mktemp("fresh")
+    whole = train_draft(small_config(fresh, predictable_path, noise))
+    per_epoch = whole["steps"] // 2
+    assert per_epoch >= 4, "too few steps per epoch to interrupt one in its middle"
+
+    interrupted = tmp_path_factory.mktemp("interrupted")
+    for name in ("answers.pt", "heldout.pt"):  # the same answers, not generated again
+        shutil.copy(fresh / name, interrupted / name)
+    save = DraftTrainer.save_checkpoint
+    stopped_at = []
+
+    def save_then_stop(self: DraftTrainer) -> None:
+        save(self)
+        if self.progress.step > per_epoch and not stopped_at:
+            stopped_at.append(self.progress.step)
+            raise Interrupted
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DraftTrainer, "save_checkpoint", save_then_stop)
+        with pytest.raises(Interrupted):
+            train_draft(small_config(interrupted, predictable_path, noise))
+    assert per_epoch < stopped_at[0] < 2 * per_epoch
+    assert checkpoint(interrupted)["progress"]["step"] == stopped_at[0]
+    resumed = train_draft(small_config(interrupted, predictable_path, noise))
+    return SimpleNamespace(
+        fresh=fresh, whole=whole, interrupted=interrupted, resumed=resumed, stopped_at=stopped_at
+    )
+
+
+def test_resumed_run_ends_with_the_uninterrupted_weights(resume_runs) -> None:
+    runs = resume_runs
+    assert not runs.whole["resumed"] and runs.resumed["resumed"]
+    assert runs.resumed["steps"] == runs.whole["steps"]
+    whole, resumed = checkpoint(runs.fresh), checkpoint(runs.interrupted)
+    assert resumed["progress"]["step"] == whole["progress"]["step"] == runs.whole["steps"]
+    for name, tensor in whole["draft"].items():
+        assert torch.equal(resumed["draft"][name], tensor), name
+    assert runs.resumed["validations"] == runs.whole["validations"]
+    # Every step was logged once: the resumed run went on from the checkpoint's step.
+    steps = [record["step"] for record in read_log(runs.interrupted) if "loss" in record]
+    assert steps == list(range(1, runs.whole["steps"] + 1))
+
+
+def test_checkpoint_of_other_settings_is_refused_unless_restarting(
+    resume_runs, predictable_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    out = tmp_path_factory.mktemp("other") / "run"
+    shutil.copytree(resume_runs.fresh, out)
+    with pytest.raises(ValueError, match=r"\(num_draft_steps\)"):
+        train_draft(small_config(out, predictable_path, num_draft_steps=2))
+    summary = train_draft(small_config(out, predictable_path, num_draft_steps=2, restart=True))
+    assert not summary["resumed"]
+    assert summary["steps"] == resume_runs.whole["steps"]
+    assert json.loads((out / "draft" / "config.json").read_text())["num_draft_steps"] == 2
+
+
+@pytest.mark.parametrize(
+    "field, value", [("seed", 1), ("tokens_per_batch", 1024)], ids=["seed", "tokens_per_batch"]
+)
+def test_trainer_refuses_a_checkpoint_whose_batches_differ(
+    resume_runs, predictable_path: Path, field: str, value: int
+) -> None:
+    saved = checkpoint(resume_runs.fresh)
+    schedule_keys = Schedule().resume_key().keys()
+    run_key = {k: v for k, v in saved["run_key"].items() if k not in schedule_keys}
+    spec = resolve(EngineArgs(model=str(predictable_path), device="cpu"))
+    target = build_model(spec.model_config, spec.engine_config, iter_safetensors(spec.path))
+    rotary = RotaryEmbedding(spec.model_config.rope, spec.model_config.head_dim, 1024, "cpu")
+    data = Sequences.load(resume_runs.fresh / "answers.pt")
+    base = small_config(resume_runs.fresh, predictable_path).schedule
+
+    def trainer(schedule: Schedule) -> DraftTrainer:
+        draft = MultiLayerEagleDraft(spec.model_config, NUM_DRAFT_STEPS)
+        return DraftTrainer(
+            draft, target, rotary, data, None, schedule, resume_runs.fresh, run_key, False
+        )
+
+    same = trainer(base)
+    assert same.resume() and same.progress.step == resume_runs.whole["steps"]
+    other = dataclasses.replace(base, **{field: value})
+    with pytest.raises(ValueError, match=rf"\({field}\)"):
+        trainer(other).resume()
+
+
+# --- 4. answer files grow and resume ------------------------------------------------------
+
+
+class CountingLLM:
+    """Passes chat calls to the engine, recording the conversations asked for; raises instead
+    once `fail_after` calls were made (a generation killed midway)."""
+
+    def __init__(self, llm: LLM, fail_after: int | None = None) -> None:
+        self.llm = llm
+        self.model_path = llm.model_path
+        self.asked: list = []
+        self.fail_after = fail_after
+
+    def chat(self, conversations, params):
+        if self.fail_after is not None and len(self.asked) >= self.fail_after:
+            raise Interrupted
+        self.asked.append(list(conversations))
+        return self.llm.chat(conversations, params)
+
+
+@pytest.fixture(scope="module")
+def answer_llm(predictable_path: Path) -> LLM:
+    return LLM(str(predictable_path), device="cpu", max_num_seqs=8, kv_cache_tokens=2048)
+
+
+CONVERSATIONS = [[{"role": "user", "content": f"question {i}: {'ab' * i}"}] for i in range(7)]
+
+
+def test_answers_are_the_engines_greedy_outputs(answer_llm: LLM, tmp_path: Path) -> None:
+    data = target_answers(answer_llm, CONVERSATIONS[:3], tmp_path / "a.pt", 8, progress=False)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    for i, conversation in enumerate(CONVERSATIONS[:3]):
+        prompt = answer_llm.apply_chat_template(conversation)
+        (out,) = answer_llm.chat([conversation], params)
+        assert data.prompt_lens[i] == len(prompt)
+        assert data.tokens[i] == prompt + list(out.token_ids)
+    assert data.num_answer_tokens == sum(len(t) - n for t, n in zip(data.tokens, data.prompt_lens))
+
+
+def test_answers_file_is_extended_not_regenerated(answer_llm: LLM, tmp_path: Path) -> None:
+    path = tmp_path / "answers.pt"
+    first = CountingLLM(answer_llm, fail_after=1)
+    with pytest.raises(Interrupted):  # killed after the first chunk was saved
+        target_answers(first, CONVERSATIONS[:5], path, 8, chunk=2, progress=False)
+    saved = Sequences.load(path)
+    assert len(saved) == 2 and first.asked == [CONVERSATIONS[:2]]
+
+    again = CountingLLM(answer_llm)
+    data = target_answers(again, CONVERSATIONS[:5], path, 8, chunk=2, progress=False)
+    assert again.asked == [CONVERSATIONS[2:4], CONVERSATIONS[4:5]]
+    assert data.tokens[:2] == saved.tokens and data.prompt_lens[:2] == saved.prompt_lens
+
+    more = CountingLLM(answer_llm)
+    grown = target_answers(more, CONVERSATIONS, path, 8, chunk=2, progress=False)
+    assert more.asked == [CONVERSATIONS[5:7]]
+    assert grown.tokens[:5] == data.tokens and len(grown) == len(CONVERSATIONS)
+    reloaded = Sequences.load(path)
+    assert reloaded.tokens == grown.tokens and reloaded.prompt_lens == grown.prompt_lens
+    assert reloaded.meta["num_conversations"] == len(CONVERSATIONS)
+
+    refused = CountingLLM(answer_llm)
+    with pytest.raises(ValueError, match="max_tokens"):
+        target_answers(refused, CONVERSATIONS, path, 9, progress=False)
+    with pytest.raises(ValueError, match="num_conversations"):
+        target_answers(refused, CONVERSATIONS[:3], path, 8, progress=False)
+    with pytest.raises(ValueError, match="first"):
+        target_answers(refused, CONVERSATIONS[1:], path, 8, progress=False)
+    assert refused.asked == []
+    assert Sequences.load(path).tokens == grown.tokens
+
+
+# --- 5. batches and the positions each depth is trained on --------------------------------
+
+
+def test_make_batches_covers_every_sequence_within_the_token_budget() -> None:
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 300) for _ in range(60)] + [700, 513, 512]
+    budget = 512
+    orders = {}
+    for seed in (0, 1):
+        for epoch in (0, 1, 2):
+            batches = make_batches(lengths, budget, seed, epoch)
+            assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+            for batch in batches:
+                padded = max(lengths[i] for i in batch) * len(batch)
+                assert padded <= budget or len(batch) == 1
+            assert batches == make_batches(lengths, budget, seed, epoch)
+            orders[seed, epoch] = batches
+    assert orders[0, 0] != orders[0, 1] != orders[0, 2]
+    assert orders[0, 0] != orders[1, 0]
+    assert [len(b) for b in make_batches([600, 700], budget, 0, 0)] == [1, 1]
+
+
+def test_drafted_positions_are_those_predicting_answer_tokens() -> None:
+    lens, prompt_lens = [10, 7, 4], [3, 4, 4]
+    block = Block(
+        torch.zeros(3, 10, dtype=torch.int64), torch.tensor(lens), torch.tensor(prompt_lens)
+    )
+    for depth in range(3):
+        mask = drafted_positions(block, depth)
+        assert mask.shape == (3, 10)
+        for b in range(3):
+            # depth d at i predicts x[i+d+2]: it must be an answer token, inside the sequence
+            expected = [prompt_lens[b] <= i + depth + 2 <= lens[b] - 1 for i in range(10)]
+            assert mask[b].tolist() == expected, (depth, b)
+    # By hand: a 10-token row with a 3-token prompt; depth 1 predicts x[3..9] from i = 0..6.
+    assert drafted_positions(block, 1)[0].tolist() == [True] * 7 + [False] * 3
+    assert not drafted_positions(block, 0)[2].any()  # a prompt with no answer
+
+
+# --- 6. the replay's rules on a draft whose proposals are chosen --------------------------
+
+
+def replay(
+    monkeypatch: pytest.MonkeyPatch,
+    row: list[int],
+    prompt_len: int,
+    correct: list[set[int]],
+    max_tokens: int,
+):
+    """validate() on one sequence, with depth d's top-1 at position i right (x[i+d+2]) exactly
+    where i is in correct[d], and a token that is never right elsewhere."""
+    vocab, wrong = 64, 0
+    length = len(row)
+
+    def fake_draft_forward(draft, target, rotary, tokens, target_hidden, *args):
+        outputs = []
+        for d, right in enumerate(correct):
+            preds = [row[i + d + 2] if i in right else wrong for i in range(length)]
+            outputs.append(torch.nn.functional.one_hot(torch.tensor(preds), vocab).float())
+        return outputs
+
+    monkeypatch.setattr(trainer_module, "target_forward", lambda *args: (None, None))
+    monkeypatch.setattr(trainer_module, "draft_forward", fake_draft_forward)
+    data = Sequences([row], [prompt_len], {"max_tokens": max_tokens})
+    identity_head = SimpleNamespace(lm_head_logits=lambda hidden: hidden)
+    draft = SimpleNamespace(num_draft_steps=len(correct))
+    return validate(draft, identity_head, None, data, 4096, 1024, torch.device("cpu"), False)
+
+
+ROW = [5, 6, 7, 10, 11, 12, 13, 14, 15]  # a 3-token prompt, then answer tokens x[3..8]
+
+
+def test_replay_accepts_leading_matches_and_commits_a_bonus(monkeypatch) -> None:
+    # Chain 1 from i = 2 (the prompt's last position): both drafts right, 3 tokens (x4 x5 x6).
+    # Chain 2 from i = 5: depth 0 wrong, 1 token (x7). Chain 3 from i = 6: depth 0 right (x8),
+    # the answer ends there, so no bonus: 1 token.
+    result = replay(monkeypatch, ROW, 3, [{2, 6}, {2}], max_tokens=100)
+    assert result.verify_steps == 3
+    assert result.answer_tokens == 5
+    assert result.accept_length == pytest.approx(5 / 3)
+    assert result.acceptance == pytest.approx([2 / 3, 1 / 3])
+    # Depth 0 is checked at i = 1..6 (predicting x3..x8), depth 1 at i = 0..5.
+    assert result.depth_accuracy == pytest.approx([2 / 6, 1 / 6])
+
+
+def test_replay_drafts_no_further_than_max_tokens_allows(monkeypatch) -> None:
+    # An answer cut by max_tokens = 6: chain 2 (after 4 answer tokens) has room for one draft,
+    # and the last token is a plain decode step, not a verify step.
+    result = replay(monkeypatch, ROW, 3, [{2, 6}, {2}], max_tokens=6)
+    assert result.verify_steps == 2
+    assert result.answer_tokens == 4
+    assert result.acceptance == pytest.approx([1 / 2, 1 / 2])
+
+
+def test_replay_of_a_draft_that_is_never_right(monkeypatch) -> None:
+    result = replay(monkeypatch, ROW, 3, [set(), set()], max_tokens=100)
+    assert result.verify_steps == 5  # x4 .. x8, one per step
+    assert result.accept_length == 1.0 and result.acceptance == [0.0, 0.0]
+
+
+# --- 7. the command line ------------------------------------------------------------------
+
+
+def cli_args(out: Path, model: Path, *extra: str) -> list[str]:
+    return [
+        "train-draft",
+        "--out", str(out),
+        "--model", str(model),
+        "--device", "cpu",
+        "--num-prompts", "16",
+        "--num-heldout", "2",
+        "--max-tokens", "8",
+        "--epochs", "1",
+        "--tokens-per-batch", "512",
+        "--no-progress",
+        "--no-evaluate",
+        *extra,
+    ]  # fmt: skip
+
+
+def test_cli_trains_a_draft(predictable_path: Path, tmp_path: Path, capsys) -> None:
+    assert main(cli_args(tmp_path, predictable_path)) == 0
+    assert "draft written to" in capsys.readouterr().out
+    assert json.loads((tmp_path / "draft" / "config.json").read_text())["num_draft_steps"] == 3
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["data"]["train_conversations"] == 16
+    assert summary["data"]["heldout_conversations"] == 2
+    assert "engine_heldout" not in summary
+
+    assert main(cli_args(tmp_path, predictable_path, "--aux-layers", "99")) == 2
+    assert "aux_layers" in capsys.readouterr().err
+
+
+def test_cli_refuses_zero_draft_steps(predictable_path: Path, tmp_path: Path, capsys) -> None:
+    assert main(cli_args(tmp_path, predictable_path, "--num-draft-steps", "0")) == 2
+    assert "num_draft_steps" in capsys.readouterr().err
+    assert not (tmp_path / "answers.pt").exists()
+
+
+# --- 8. which draft an engine speculates with ---------------------------------------------
+
+
+def test_an_explicit_draft_wins() -> None:
+    assert resolve_draft_model("some/model", "my/draft") == "my/draft"
+    assert resolve_draft_model(None, Path("my/draft")) == "my/draft"
+
+
+def test_the_default_model_gets_the_shipped_draft() -> None:
+    shipped = default_draft.DEFAULT_DRAFT_DIR
+    if not (shipped / "model.safetensors").exists():
+        pytest.skip("the package was installed without the shipped draft")
+    assert default_draft.default_draft_path() == shipped
+    assert resolve_draft_model(None, None) == str(shipped)
+
+
+def test_no_draft_without_a_shipped_one(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(default_draft, "DEFAULT_DRAFT_DIR", tmp_path)  # no weights there
+    assert default_draft.default_draft_path() is None
+    assert resolve_draft_model(None, None) is None
+
+
+def test_another_model_needs_a_trained_draft(tiny_model_path: Path) -> None:
+    assert resolve_draft_model(str(tiny_model_path), None) is None
+    with pytest.raises(ValueError, match="train-draft"):
+        LLM(str(tiny_model_path), device="cpu", speculative_algorithm="multi-layer-eagle")
