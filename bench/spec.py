@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from bench.report import write_section  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.cpu_tuning import keep_large_allocations_in_heap  # noqa: E402
+from engine.request import spec_totals  # noqa: E402
 from spec.default_draft import default_draft_path  # noqa: E402
 from spec.draft_model import MultiLayerEagleDraft, save_draft  # noqa: E402
 from spec.train.prompts import heldout_prompts  # noqa: E402
@@ -44,25 +45,17 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> dict
     for start in range(0, len(prompts), batch):
         outputs += llm.generate(prompts[start : start + batch], params)
     elapsed = time.perf_counter() - started
-    steps = sum(o.usage.spec_verify_steps or 0 for o in outputs)
     emitted = sum(o.usage.completion_tokens for o in outputs)
-    # Tokens per verify step, bonus included (1.0: no draft token was ever accepted).
-    by_verify = sum(
-        (o.usage.spec_accept_length or 0) * (o.usage.spec_verify_steps or 0) for o in outputs
-    )
-    per_position: list[int] = []
-    for o in outputs:
-        counts = o.usage.spec_accepted_per_position or []
-        per_position.extend([0] * (len(counts) - len(per_position)))
-        for j, c in enumerate(counts):
-            per_position[j] += c
+    totals = spec_totals(o.usage for o in outputs)
+    steps = totals.verify_steps
     return {
         "tokens": [o.token_ids for o in outputs],
         "completion_tokens": emitted,
         "tok_s": emitted / elapsed,
         "verify_steps": steps,
-        "accept_length": by_verify / steps if steps else None,
-        "acceptance": [c / steps for c in per_position] if steps else [],
+        # Tokens per verify step, bonus included (1.0: no draft token was ever accepted).
+        "accept_length": totals.accept_length if steps else None,
+        "acceptance": [c / steps for c in totals.accepted_per_position] if steps else [],
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +130,26 @@ class Usage:
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+def spec_totals(usages: Iterable[Usage]) -> SpecStats:
+    """The speculative counters of many requests' usage added up (those that speculated)."""
+    total = SpecStats()
+    for usage in usages:
+        steps, details = usage.spec_verify_steps, usage.completion_tokens_details
+        if not steps or details is None:
+            continue
+        accepted = details.accepted_prediction_tokens
+        total.add(
+            SpecStats(
+                verify_steps=steps,
+                proposed_tokens=accepted + details.rejected_prediction_tokens,
+                accepted_tokens=accepted,
+                emitted_tokens=round((usage.spec_accept_length or 0.0) * steps),
+                accepted_per_position=list(usage.spec_accepted_per_position or []),
+            )
+        )
+    return total
 
 
 @dataclass(frozen=True)

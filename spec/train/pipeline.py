@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from engine import LLM, SamplingParams
-from engine.loader import EngineArgs, resolve
+from engine.loader import EngineArgs, ModelSpec, resolve
 from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
+from engine.request import spec_totals
 from engine.weights import iter_safetensors
 from spec.draft_model import MultiLayerEagleDraft, save_draft
 from spec.train.data import Sequences, target_answers
@@ -63,10 +64,11 @@ class TrainDraftConfig:
             raise ValueError("epochs must be >= 1 and tokens_per_batch >= 2")
 
 
-def _generate(config: TrainDraftConfig, args: EngineArgs) -> tuple[Sequences, Sequences]:
+def _generate(
+    config: TrainDraftConfig, args: EngineArgs, spec: ModelSpec
+) -> tuple[Sequences, Sequences]:
     conversations = training_prompts(config.num_prompts, config.schedule.seed)
     heldout = heldout_prompts()[: config.num_heldout]
-    spec = resolve(args)
     # Room for every sequence of a full batch: the answers, and prompts of a few hundred tokens.
     kv_tokens = config.generate_batch * (config.max_tokens + 512)
     llm = LLM(
@@ -114,21 +116,14 @@ def evaluate_draft(
         num_draft_steps=num_draft_steps,
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    steps = emitted = 0
-    per_position: list[int] = []
+    outputs = []
     for start in range(0, len(conversations), batch):
-        for out in llm.chat(conversations[start : start + batch], params):
-            usage = out.usage
-            n = usage.spec_verify_steps or 0
-            steps += n
-            emitted += round((usage.spec_accept_length or 0.0) * n)  # verify steps' tokens
-            counts = usage.spec_accepted_per_position or []
-            per_position.extend([0] * (len(counts) - len(per_position)))
-            for j, c in enumerate(counts):
-                per_position[j] += c
+        outputs += llm.chat(conversations[start : start + batch], params)
+    totals = spec_totals(out.usage for out in outputs)
+    steps = totals.verify_steps
     return {
-        "accept_length": emitted / steps if steps else None,
-        "acceptance": [c / steps for c in per_position] if steps else [],
+        "accept_length": totals.accept_length if steps else None,
+        "acceptance": [c / steps for c in totals.accepted_per_position] if steps else [],
         "verify_steps": steps,
         "conversations": len(conversations),
         "max_tokens": max_tokens,
@@ -141,11 +136,11 @@ def train_draft(config: TrainDraftConfig) -> dict:
     out = config.out_dir
     out.mkdir(parents=True, exist_ok=True)
     args = EngineArgs(model=config.model, device=config.device, dtype=config.dtype)
+    spec = resolve(args)
     started = time.perf_counter()
-    train, held = _generate(config, args)
+    train, held = _generate(config, args, spec)
     generate_s = time.perf_counter() - started
 
-    spec = resolve(args)
     engine_config = dataclasses.replace(spec.engine_config, cpu_packed_linear=False)
     model_config = spec.model_config
     if config.aux_layers:
