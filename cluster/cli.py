@@ -225,6 +225,8 @@ def run_train_draft(args: argparse.Namespace) -> None:
         num_draft_steps=args.num_draft_steps,
         aux_layers=args.aux_layers or (),
         num_prompts=args.num_prompts,
+        num_self_prompts=args.self_prompts,
+        self_prompt_max_tokens=args.self_prompt_max_tokens,
         num_heldout=args.num_heldout,
         max_tokens=args.max_tokens,
         generate_batch=args.generate_batch,
@@ -276,7 +278,25 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
         metavar="L1,L2,...",
         help="target layers depth 0 reads side by side, EAGLE3 style (default: the last one)",
     )
-    parser.add_argument("--num-prompts", type=int, default=4000, help="training conversations")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=4000,
+        help="training conversations from the written templates",
+    )
+    parser.add_argument(
+        "--self-prompts",
+        type=int,
+        default=4000,
+        metavar="N",
+        help="training conversations whose user message the target writes itself (0: none)",
+    )
+    parser.add_argument(
+        "--self-prompt-max-tokens",
+        type=int,
+        default=96,
+        help="length cap of a user message the target writes",
+    )
     parser.add_argument(
         "--num-heldout", type=int, default=None, help="held-out conversations (default: all)"
     )

@@ -28,11 +28,18 @@ class KVCacheManager:
 
     def grow(self, req: Request, num_slots: int) -> None:
         """Give `req` slots for its next `num_slots` tokens, taking a row first if it has none."""
-        if req.row is None:
-            req.row = self.req_to_token_pool.allocate_row()
-        slots = self.kv_pool.allocator.allocate(num_slots)
-        self.req_to_token_pool.write(req.row, len(req.slots), slots)
-        req.slots.extend(slots)
+        self.grow_many([(req, num_slots)])
+
+    def grow_many(self, grants: list[tuple[Request, int]]) -> None:
+        """`grow` for several requests, with one write to the row table."""
+        writes = []
+        for req, num_slots in grants:
+            if req.row is None:
+                req.row = self.req_to_token_pool.allocate_row()
+            slots = self.kv_pool.allocator.allocate(num_slots)
+            writes.append((req.row, len(req.slots), slots))
+            req.slots.extend(slots)
+        self.req_to_token_pool.write_many(writes)
 
     def release(self, req: Request) -> None:
         if req.slots:

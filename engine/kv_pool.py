@@ -82,6 +82,26 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: list[int]) -> None:
-        self.req_to_token[row, start : start + len(slots)] = torch.tensor(
-            slots, dtype=torch.int64, device=self.req_to_token.device
-        )
+        self.write_many([(row, start, slots)])
+
+    def write_many(self, entries: list[tuple[int, int, list[int]]]) -> None:
+        """Each (row, start, slots): slots for tokens start.. of that row. One indexed write for
+        all of them: on a GPU every tensor made from a Python list is a copy to the device, and
+        a decode step grows every running request."""
+        entries = [entry for entry in entries if entry[2]]
+        if not entries:
+            return
+        if len(entries) == 1:
+            row, start, slots = entries[0]
+            self.req_to_token[row, start : start + len(slots)] = torch.tensor(
+                slots, dtype=torch.int64, device=self.req_to_token.device
+            )
+            return
+        rows, cols, values = [], [], []
+        for row, start, slots in entries:
+            rows += [row] * len(slots)
+            cols += range(start, start + len(slots))
+            values += slots
+        index = torch.tensor([rows, cols, values], dtype=torch.int64)
+        index = index.to(self.req_to_token.device, non_blocking=True)
+        self.req_to_token[index[0], index[1]] = index[2]

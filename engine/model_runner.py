@@ -78,7 +78,7 @@ class ModelRunner:
         for req in requests:
             start, end = req.kv_len, req.num_tokens
             embeds.append(req.prompt_embeds.rows(start, end) if req.prompt_embeds else None)
-            ids.extend(req.all_token_ids[start:end])
+            ids.extend(req.token_ids(start, end))
             positions.extend(range(start, end))
             slots.extend(req.slots[start:end])
             seq_lens.append(end)

@@ -59,10 +59,8 @@ class Scheduler:
             victim = self.running.pop()
             assert self.running, "a lone request outgrew the pool; admission should refuse it"
             self._preempt(victim)
-        for req in self.running:
-            missing = _missing_slots(req)
-            if missing:
-                self.kv_cache.grow(req, missing)
+        grants = [(req, _missing_slots(req)) for req in self.running]
+        self.kv_cache.grow_many([(req, n) for req, n in grants if n])
         return ScheduledBatch(list(self.running), is_prefill=False)
 
     def _slots_for_next_token(self) -> int:

@@ -82,13 +82,20 @@ class DraftRunner:
 
     def grow_to(self, seq: DraftSeq, num_positions: int) -> None:
         """Give `seq` slots for positions [0, num_positions), taking a row first if needed."""
-        if seq.row is None:
-            seq.row = self.req_to_token_pool.allocate_row()
-        missing = num_positions - len(seq.slots)
-        if missing > 0:
-            slots = self.kv_pool.allocator.allocate(missing)
-            self.req_to_token_pool.write(seq.row, len(seq.slots), slots)
-            seq.slots.extend(slots)
+        self.grow_many([(seq, num_positions)])
+
+    def grow_many(self, targets: list[tuple[DraftSeq, int]]) -> None:
+        """`grow_to` for several sequences, with one write to the row table."""
+        writes = []
+        for seq, num_positions in targets:
+            if seq.row is None:
+                seq.row = self.req_to_token_pool.allocate_row()
+            missing = num_positions - len(seq.slots)
+            if missing > 0:
+                slots = self.kv_pool.allocator.allocate(missing)
+                writes.append((seq.row, len(seq.slots), slots))
+                seq.slots.extend(slots)
+        self.req_to_token_pool.write_many(writes)
 
     def release(self, seq: DraftSeq) -> None:
         if seq.slots:
@@ -105,11 +112,13 @@ class DraftRunner:
     @torch.inference_mode()
     def forward(self, inputs: list[DraftInput]) -> list[torch.Tensor]:
         """This depth's output [n, hidden_size] at each input's positions, writing their KV."""
+        for item in inputs:
+            assert item.start == item.seq.valid_len
+            assert item.hidden.shape[0] == len(item.token_ids)
+        self.grow_many([(item.seq, item.start + len(item.token_ids)) for item in inputs])
         spans = []
         for item in inputs:
             end = item.start + len(item.token_ids)
-            assert item.start == item.seq.valid_len and item.hidden.shape[0] == end - item.start
-            self.grow_to(item.seq, end)
             slots = item.seq.slots[item.start : end]
             spans.append(Span(item.seq.row, item.start, item.token_ids, slots, item.input_embeds))
         batch = extend_batch(

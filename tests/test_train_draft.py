@@ -32,6 +32,7 @@ from spec.draft_runner import DraftInput, DraftSeq
 from spec.train.data import Sequences, target_answers
 from spec.train.dense import draft_forward, target_forward
 from spec.train.pipeline import TrainDraftConfig, train_draft
+from spec.train.self_prompts import OPENINGS, self_written_prompts, user_turn
 from spec.train.trainer import (
     CHECKPOINT_FILE,
     LOG_FILE,
@@ -407,6 +408,81 @@ def test_answers_file_is_extended_not_regenerated(answer_llm: LLM, tmp_path: Pat
     assert Sequences.load(path).tokens == grown.tokens
 
 
+class GeneratingLLM:
+    """Passes generate calls to the engine, recording their sizes; raises instead once
+    `fail_after` calls were made."""
+
+    def __init__(self, llm: LLM, fail_after: int | None = None) -> None:
+        self.llm = llm
+        self.model_path = llm.model_path
+        self.tokenizer = llm.tokenizer
+        self.calls: list[int] = []
+        self.fail_after = fail_after
+
+    def generate(self, prompts, params):
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise Interrupted
+        self.calls.append(len(prompts))
+        return self.llm.generate(prompts, params)
+
+
+def test_self_written_prompts_come_from_the_models_user_turn(
+    answer_llm: LLM, tmp_path: Path
+) -> None:
+    turn = user_turn(answer_llm.tokenizer)
+    assert turn.prefix == "<|user|>"  # tests/tiny_models.py CHAT_TEMPLATE
+    conversations = self_written_prompts(
+        answer_llm, 10, tmp_path / "p.json", seed=3, max_tokens=16, chunk=4, progress=False
+    )
+    messages = [c[0]["content"] for c in conversations]
+    assert all(len(c) == 1 and c[0]["role"] == "user" for c in conversations)
+    assert len(messages) == 10 and len({" ".join(m.lower().split()) for m in messages}) == 10
+    assert all(len(m) >= 8 and m == m.strip() and turn.end not in m for m in messages)
+    # Sampled, not greedy: the same prompt set continued two ways would repeat itself.
+    openings = {m.split()[0] for m in messages}
+    assert len(openings) > 1 and any(m.startswith(o) for o in OPENINGS if o for m in messages)
+
+
+def test_self_written_prompts_resume_and_grow_in_order(answer_llm: LLM, tmp_path: Path) -> None:
+    whole = self_written_prompts(
+        answer_llm, 9, tmp_path / "whole.json", max_tokens=16, chunk=4, progress=False
+    )
+    path = tmp_path / "p.json"
+    killed = GeneratingLLM(answer_llm, fail_after=1)
+    with pytest.raises(Interrupted):
+        self_written_prompts(killed, 9, path, max_tokens=16, chunk=4, progress=False)
+    assert json.loads(path.read_text())["tried"] == 4
+
+    again = GeneratingLLM(answer_llm)
+    resumed = self_written_prompts(again, 9, path, max_tokens=16, chunk=4, progress=False)
+    assert resumed == whole
+    shorter = self_written_prompts(again, 5, path, max_tokens=16, chunk=4, progress=False)
+    assert shorter == whole[:5]
+    calls = len(again.calls)
+    # Other batching, the same set: every candidate has its own seed.
+    rebatched = self_written_prompts(
+        answer_llm, 9, tmp_path / "other.json", max_tokens=16, chunk=3, progress=False
+    )
+    assert rebatched == whole
+    with pytest.raises(ValueError, match="max_tokens"):
+        self_written_prompts(again, 9, path, max_tokens=17, chunk=4, progress=False)
+    assert len(again.calls) == calls
+
+
+def test_self_written_prompts_give_up_on_a_model_that_writes_nothing(
+    answer_llm: LLM, tmp_path: Path
+) -> None:
+    class Silent(GeneratingLLM):
+        def generate(self, prompts, params):
+            self.calls.append(len(prompts))
+            return [SimpleNamespace(text="") for _ in prompts]
+
+    silent = Silent(answer_llm)
+    with pytest.raises(RuntimeError, match="0 distinct user messages in"):
+        self_written_prompts(silent, 2, tmp_path / "p.json", chunk=4, progress=False)
+    assert sum(silent.calls) == 20 * 2 + 10 * 4
+
+
 # --- 5. batches and the positions each depth is trained on --------------------------------
 
 
@@ -517,6 +593,8 @@ def cli_args(out: Path, model: Path, *extra: str) -> list[str]:
         "--model", str(model),
         "--device", "cpu",
         "--num-prompts", "16",
+        "--self-prompts", "4",
+        "--self-prompt-max-tokens", "12",
         "--num-heldout", "2",
         "--max-tokens", "8",
         "--epochs", "1",
@@ -532,7 +610,9 @@ def test_cli_trains_a_draft(predictable_path: Path, tmp_path: Path, capsys) -> N
     assert "draft written to" in capsys.readouterr().out
     assert json.loads((tmp_path / "draft" / "config.json").read_text())["num_draft_steps"] == 3
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["data"]["train_conversations"] == 16
+    assert summary["data"]["train_conversations"] == 20
+    assert summary["data"]["self_written_conversations"] == 4
+    assert len(json.loads((tmp_path / "self_prompts.json").read_text())["prompts"]) == 4
     assert summary["data"]["heldout_conversations"] == 2
     assert "engine_heldout" not in summary
 

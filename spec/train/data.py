@@ -31,6 +31,15 @@ class Sequences:
     def num_answer_tokens(self) -> int:
         return sum(len(t) - n for t, n in zip(self.tokens, self.prompt_lens))
 
+    @classmethod
+    def joined(cls, parts: list[Sequences]) -> Sequences:
+        """One set of every part's sequences, in order; `meta` lists the parts'."""
+        joined = cls(meta={"parts": [part.meta for part in parts]})
+        for part in parts:
+            joined.tokens += part.tokens
+            joined.prompt_lens += part.prompt_lens
+        return joined
+
     def save(self, path: Path) -> None:
         # Written aside, then renamed: a run killed mid-write leaves the previous file whole.
         partial = path.with_name(path.name + ".partial")

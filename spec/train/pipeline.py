@@ -1,6 +1,8 @@
 """`pdcluster train-draft` end to end, in one output folder:
 
-    answers.pt, heldout.pt   the target's greedy answers (spec.train.data), resumable
+    self_prompts.json        user messages the target wrote (spec.train.self_prompts)
+    answers.pt, self_answers.pt, heldout.pt
+                             the target's greedy answers (spec.train.data), resumable
     checkpoint.pt            the draft and optimizer state (spec.train.trainer), resumable
     train_log.jsonl          losses and accuracies every few steps, a validation per epoch
     draft/                   the trained draft (docs/draft-format.md), 16-bit by default
@@ -29,6 +31,7 @@ from engine.weights import iter_safetensors
 from spec.draft_model import MultiLayerEagleDraft, save_draft
 from spec.train.data import Sequences, target_answers
 from spec.train.prompts import heldout_prompts, training_prompts
+from spec.train.self_prompts import self_written_prompts
 from spec.train.trainer import CHECKPOINT_FILE, DraftTrainer, Schedule
 
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -43,7 +46,9 @@ class TrainDraftConfig:
     num_draft_steps: int = 3
     # Target layers depth 0 reads side by side (EAGLE3 style); () for the last layer's output.
     aux_layers: tuple[int, ...] = ()
-    num_prompts: int = 4000
+    num_prompts: int = 4000  # conversations from the written templates (spec.train.prompts)
+    num_self_prompts: int = 0  # conversations whose user message the target wrote
+    self_prompt_max_tokens: int = 96
     num_heldout: int | None = None  # None: every held-out prompt
     max_tokens: int = 256
     generate_batch: int = 128
@@ -57,9 +62,13 @@ class TrainDraftConfig:
         self.out_dir = Path(self.out_dir)
         if self.save_dtype not in SAVE_DTYPES:
             raise ValueError(f"save_dtype must be one of {', '.join(SAVE_DTYPES)}")
-        for name in ("num_draft_steps", "num_prompts", "max_tokens", "generate_batch"):
+        for name in ("num_draft_steps", "max_tokens", "generate_batch", "self_prompt_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_prompts < 0 or self.num_self_prompts < 0:
+            raise ValueError("num_prompts and num_self_prompts must not be negative")
+        if self.num_prompts + self.num_self_prompts < 1:
+            raise ValueError("num_prompts and num_self_prompts add up to no training prompt")
         if self.schedule.epochs < 1 or self.schedule.tokens_per_batch < 2:
             raise ValueError("epochs must be >= 1 and tokens_per_batch >= 2")
 
@@ -80,13 +89,37 @@ def _generate(
         kv_cache_tokens=kv_tokens,
         seed=config.schedule.seed,
     )
-    train = target_answers(
-        llm,
-        conversations,
-        config.out_dir / "answers.pt",
-        config.max_tokens,
-        progress=config.progress,
-    )
+    parts = []
+    if conversations:
+        parts.append(
+            target_answers(
+                llm,
+                conversations,
+                config.out_dir / "answers.pt",
+                config.max_tokens,
+                progress=config.progress,
+            )
+        )
+    if config.num_self_prompts:
+        written = self_written_prompts(
+            llm,
+            config.num_self_prompts,
+            config.out_dir / "self_prompts.json",
+            seed=config.schedule.seed,
+            max_tokens=config.self_prompt_max_tokens,
+            chunk=config.generate_batch,
+            progress=config.progress,
+        )
+        parts.append(
+            target_answers(
+                llm,
+                written,
+                config.out_dir / "self_answers.pt",
+                config.max_tokens,
+                progress=config.progress,
+            )
+        )
+    train = Sequences.joined(parts)
     held = target_answers(
         llm, heldout, config.out_dir / "heldout.pt", config.max_tokens, progress=config.progress
     )
@@ -167,6 +200,7 @@ def train_draft(config: TrainDraftConfig) -> dict:
         "num_draft_steps": config.num_draft_steps,
         "aux_layers": list(config.aux_layers),
         "num_prompts": config.num_prompts,
+        "num_self_prompts": config.num_self_prompts,
         "max_tokens": config.max_tokens,
     }
     if config.restart:
@@ -190,6 +224,8 @@ def train_draft(config: TrainDraftConfig) -> dict:
         },
         "data": {
             "train_conversations": len(train),
+            "template_conversations": config.num_prompts,
+            "self_written_conversations": config.num_self_prompts,
             "train_answer_tokens": train.num_answer_tokens,
             "train_tokens": sum(len(t) for t in train.tokens),
             "heldout_conversations": len(held),

@@ -1,0 +1,162 @@
+"""User messages written by the target itself: the chat template up to where a user's message
+starts, continued by the model at temperature 1 until it ends the turn. An instruction-tuned
+model has seen many user turns, so what it writes there reads like the questions it is asked:
+far more varied than any written template set, and from the distribution it answers best.
+
+Some continuations start from a short opening word ("Write", "How", ...) to spread them over
+kinds of request; the rest are left wholly to the model. Every candidate has its own seed, so
+the set does not depend on batching, and it grows in order: a longer set begins with a shorter
+one, and an interrupted run resumes from the file it keeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine import LLM, SamplingParams
+from spec.train.data import progress_interval
+from spec.train.prompts import Conversation
+
+# "" leaves the whole message to the model; it is listed several times to weigh it.
+OPENINGS = (
+    "", "", "", "", "", "",
+    "What", "How", "Why", "Which", "Is it", "Can you", "Could you", "Please",
+    "Write", "Explain", "Describe", "Summarize", "List", "Give me", "Tell me", "Suggest",
+    "Compare", "Translate", "Create", "Help me", "I", "I'm", "My", "Rewrite", "Plan",
+    "Solve", "Calculate", "Define", "Draft", "Make",
+)  # fmt: skip
+
+_SENTINEL = "\u2063SENTINEL\u2063"
+
+
+@dataclass(frozen=True)
+class UserTurn:
+    """The template's text before a user message (system prompt included), and the marker that
+    ends one."""
+
+    prefix: str
+    end: str
+
+
+def user_turn(tokenizer: Any) -> UserTurn:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=False
+    )
+    if text.count(_SENTINEL) != 1:
+        raise ValueError("the chat template does not show a user message once")
+    prefix, suffix = text.split(_SENTINEL)
+    # "<|im_end|>\n" ends a turn with a marker; a template that ends it with a line break alone
+    # leaves the line break.
+    end = suffix.strip() or suffix[:1]
+    if not end:
+        raise ValueError("the chat template marks no end of a user message")
+    return UserTurn(prefix, end)
+
+
+@dataclass
+class _Store:
+    prompts: list[str]
+    tried: int
+    meta: dict[str, Any]
+
+    def save(self, path: Path) -> None:
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(
+            json.dumps({"meta": self.meta, "tried": self.tried, "prompts": self.prompts})
+        )
+        os.replace(partial, path)
+
+
+def _candidate_seed(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index) % 2**63
+
+
+def self_written_prompts(
+    llm: LLM,
+    n: int,
+    path: Path,
+    seed: int = 0,
+    max_tokens: int = 96,
+    chunk: int = 512,
+    progress: bool = True,
+) -> list[Conversation]:
+    """`n` distinct single-turn conversations whose user message the model in `llm` wrote,
+    kept in `path` (JSON) as they are made."""
+    turn = user_turn(llm.tokenizer)
+    meta = {"model": str(llm.model_path), "seed": seed, "max_tokens": max_tokens, "turn": turn.end}
+    store = _Store([], 0, meta)
+    if path.exists():
+        raw = json.loads(path.read_text())
+        differ = sorted(k for k in meta if raw["meta"].get(k) != meta[k])
+        if differ:
+            raise ValueError(
+                f"{path} was written with other settings ({', '.join(differ)}); "
+                "remove it or use another output folder"
+            )
+        store = _Store(raw["prompts"], raw["tried"], meta)
+    seen = {_key(p) for p in store.prompts}
+    prefix_ids = llm.tokenizer.encode(turn.prefix, add_special_tokens=False)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=n,
+        initial=min(n, len(store.prompts)),
+        desc=f"user messages -> {path.name}",
+        unit="msg",
+        disable=not progress,
+        mininterval=progress_interval(),
+    )
+    # A model that rarely writes a usable message must not loop for ever.
+    give_up = 20 * n + 10 * chunk
+    with bar:
+        while len(store.prompts) < n:
+            if store.tried >= give_up:
+                raise RuntimeError(
+                    f"the model wrote {len(store.prompts)} distinct user messages in "
+                    f"{store.tried} tries; {n} were asked for"
+                )
+            first = store.tried
+            openings, prompts, params = [], [], []
+            for index in range(first, first + chunk):
+                candidate_seed = _candidate_seed(seed, index)
+                opening = random.Random(candidate_seed).choice(OPENINGS)
+                openings.append(opening)
+                prompts.append(prefix_ids + llm.tokenizer.encode(opening, add_special_tokens=False))
+                params.append(
+                    SamplingParams(
+                        max_tokens=max_tokens,
+                        temperature=1.0,
+                        top_p=0.95,
+                        seed=candidate_seed,
+                        stop=turn.end,
+                    )
+                )
+            before = len(store.prompts)
+            for opening, out in zip(openings, llm.generate(prompts, params)):
+                message = _clean(opening, out.text, turn)
+                if message is None or _key(message) in seen or len(store.prompts) >= n:
+                    continue
+                seen.add(_key(message))
+                store.prompts.append(message)
+            store.tried = first + chunk
+            store.save(path)
+            bar.update(len(store.prompts) - before)
+    return [[{"role": "user", "content": p}] for p in store.prompts[:n]]
+
+
+def _clean(opening: str, written: str, turn: UserTurn) -> str | None:
+    written = written.split(turn.end)[0]
+    # A message that opens another turn, or where the model added next to nothing to the
+    # opening, is no question.
+    markers = [m for m in (turn.prefix.strip()[:8], _SENTINEL) if m]
+    if len(written.strip()) < 8 or any(marker in written for marker in markers):
+        return None
+    return (opening + written).strip()
+
+
+def _key(message: str) -> str:
+    return " ".join(message.lower().split())
