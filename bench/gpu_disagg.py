@@ -4,12 +4,15 @@
    its own GPU as Ray gives it to a node:
    a. raw: `dist.send`/`dist.recv` of one contiguous tensor of a prompt's KV size;
    b. the nodes' code: `KVSender.send` -> `KVReceiver.expect` of the same prompt's KV from a real
-      `KVPool` at scattered slots (gather, 1 KV tensor + the metadata row, scatter), timed from the
-      sender's handle (`elapsed_s`: worker start to SUCCESS) and from the caller's `send()` to
-      SUCCESS; the received KV is checked against the sent values. Each side's handle also
-      gives the time to each phase of its worker's job (`TransferHandle.phases`: host clock;
-      with `--phase-events` also `gpu_phases`: CUDA events on the worker's stream), printed as a
-      per-phase median breakdown: where a transfer's fixed cost goes.
+      `KVPool`, timed from the sender's handle (`elapsed_s`: worker start to SUCCESS) and from the
+      caller's `send()` to SUCCESS; the received KV is checked against the sent values. Run with
+      the slots a fresh pool hands a prompt (`--slots contiguous`: one ascending run on each
+      side, sent from and received into the pool in place) and with randomly scattered ones
+      (`--slots scattered`: gather, send, scatter), side by side by default (`both`). Each
+      side's handle also gives the time to each phase of its worker's job
+      (`TransferHandle.phases`: host clock; with `--phase-events` also `gpu_phases`: CUDA events
+      on the worker's stream), printed as a per-phase median breakdown: where a transfer's
+      fixed cost goes.
    Then (c) raw again with both GPUs visible to both processes, for reference.
 2. The real cluster (1 prefill + 1 decode node on Ray, the real model): long prompts, each node's
    transfer handles recorded (subclasses that log `nbytes`, `elapsed_s` and `phases` as
@@ -19,7 +22,7 @@ Every figure is a median over `--iters` timed runs after warm-ups (NCCL creates 
 communicator on first use). GB/s = bytes / 1e9 / s.
 
     python3 -m bench.gpu_disagg --model PATH [--device cuda] [--tokens 1024,4096,8000] [--write]
-        [--phase-events]
+        [--phase-events] [--slots contiguous|scattered|both]
 
 `--write` puts the JSON in docs/bench/gpu_transfer.json. `--device cpu` runs the same code over
 gloo (for checking the script, not for figures)."""
@@ -88,9 +91,20 @@ def _pattern(slots: torch.Tensor, shape: Shape, layer: int, dtype: torch.dtype) 
     return ((s * 3 + layer * 5 + kv * 11 + h * 13 + d) % 251).to(dtype)
 
 
+SLOT_MODES = ("contiguous", "scattered")
+
+
 def _slots(n: int, capacity: int, seed: int) -> list[int]:
     perm = torch.randperm(capacity, generator=torch.Generator().manual_seed(seed)) + 1
     return perm[:n].tolist()
+
+
+def _slot_lists(mode: str, n: int, capacity: int) -> tuple[list[int], list[int]]:
+    """The sender's and the receiver's slots of an `n`-token prompt: one ascending run each
+    (what a fresh pool hands out), at other slot numbers on each side, or random ones."""
+    if mode == "contiguous":
+        return list(range(1, n + 1)), list(range(33, 33 + n))
+    return _slots(n, capacity, seed=n), _slots(n, capacity, seed=n + 1)
 
 
 def _dataplane_worker(rank: int, port: int, cfg: dict, results: mp.Queue) -> None:
@@ -167,59 +181,63 @@ def _dataplane(rank: int, port: int, cfg: dict) -> dict:
     sender = KVSender(device, timeout_s=timeout, phase_events=events) if rank == 0 else None
     receiver = KVReceiver(device, timeout_s=timeout, phase_events=events) if rank == 1 else None
     room = 1000
-    for n in tokens_list:
-        send_slots = _slots(n, capacity, seed=n)
-        recv_slots = _slots(n, capacity, seed=n + 1)
-        elapsed, wall, nbytes, verified = [], [], 0, None
-        phases: list[dict[str, float]] = []
-        gpu_phases: list[dict[str, float]] = []
-        for i in range(warmup + iters):
-            room += 1
-            if rank == 0:
-                metadata.write_row(
-                    row,
-                    room=room,
-                    output_id=room % 1000,
-                    output_logprob=-0.5,
-                    hidden_state=torch.full((shape.spec_hidden_size,), 0.25, dtype=dtype),
-                )
+    for mode in cfg["slot_modes"]:
+        out["kv"][mode] = {}
+        for n in tokens_list:
+            send_slots, recv_slots = _slot_lists(mode, n, capacity)
+            elapsed, wall, nbytes, staged, verified = [], [], 0, None, None
+            phases: list[dict[str, float]] = []
+            gpu_phases: list[dict[str, float]] = []
+            for i in range(warmup + iters):
+                room += 1
+                if rank == 0:
+                    metadata.write_row(
+                        row,
+                        room=room,
+                        output_id=room % 1000,
+                        output_logprob=-0.5,
+                        hidden_state=torch.full((shape.spec_hidden_size,), 0.25, dtype=dtype),
+                    )
+                sync()
+                t0 = time.perf_counter()
+                if rank == 0:
+                    handle = sender.send(peer, room, [(pool, send_slots)], metadata, row)
+                else:
+                    handle = receiver.expect(peer, room, [(pool, recv_slots)], metadata, row)
+                state = handle.wait(timeout + 10)
+                wall_s = time.perf_counter() - t0
+                if state != TransferState.SUCCESS:
+                    raise RuntimeError(
+                        f"{mode} slots, {n} tokens, try {i}: {state.name}: {handle.error}"
+                    )
+                if i >= warmup:
+                    elapsed.append(handle.elapsed_s)
+                    wall.append(wall_s)
+                    phases.append({**handle.phases, "end": handle.elapsed_s})
+                    gpu_phases.append(handle.gpu_phases)
+                nbytes, staged = handle.nbytes, handle.staged
+            if rank == 1:
+                got = gather_kv(pool, recv_slots)
+                index = torch.tensor(send_slots, device=dev)
+                # [layers, 2, n, heads, dim] -> the wire's [n, layers, 2, heads, dim]
+                want = torch.stack(
+                    [_pattern(index, shape, layer, dtype) for layer in range(shape.num_layers)]
+                ).permute(2, 0, 1, 3, 4)
+                verified = bool(torch.equal(got, want)) and metadata.row_landed(row, room)
+                cleared = torch.tensor(recv_slots, device=dev)
+                for buf in pool.k_buffers + pool.v_buffers:
+                    buf.index_fill_(0, cleared, 0)
+            out["kv"][mode][n] = {
+                "bytes": nbytes,
+                "kv_bytes": shape.kv_bytes(n),
+                "staged_pools": staged,
+                "elapsed_s": elapsed,
+                "wall_s": wall,
+                "phases": phases,
+                "gpu_phases": gpu_phases,
+                "verified": verified,
+            }
             sync()
-            t0 = time.perf_counter()
-            if rank == 0:
-                handle = sender.send(peer, room, [(pool, send_slots)], metadata, row)
-            else:
-                handle = receiver.expect(peer, room, [(pool, recv_slots)], metadata, row)
-            state = handle.wait(timeout + 10)
-            wall_s = time.perf_counter() - t0
-            if state != TransferState.SUCCESS:
-                raise RuntimeError(f"{n} tokens, try {i}: {state.name}: {handle.error}")
-            if i >= warmup:
-                elapsed.append(handle.elapsed_s)
-                wall.append(wall_s)
-                phases.append({**handle.phases, "end": handle.elapsed_s})
-                gpu_phases.append(handle.gpu_phases)
-            nbytes = handle.nbytes
-        if rank == 1:
-            got = gather_kv(pool, recv_slots)
-            index = torch.tensor(send_slots, device=dev)
-            # [layers, 2, n, heads, dim] -> the wire's [n, layers, 2, heads, dim]
-            want = torch.stack(
-                [_pattern(index, shape, layer, dtype) for layer in range(shape.num_layers)]
-            ).permute(2, 0, 1, 3, 4)
-            verified = bool(torch.equal(got, want)) and metadata.row_landed(row, room)
-            cleared = torch.tensor(recv_slots, device=dev)
-            for buf in pool.k_buffers + pool.v_buffers:
-                buf.index_fill_(0, cleared, 0)
-        out["kv"][n] = {
-            "bytes": nbytes,
-            "kv_bytes": shape.kv_bytes(n),
-            "elapsed_s": elapsed,
-            "wall_s": wall,
-            "phases": phases,
-            "gpu_phases": gpu_phases,
-            "verified": verified,
-        }
-        sync()
     for workers in (sender, receiver):
         if workers is not None:
             workers.close()
@@ -365,7 +383,9 @@ def _gbps(nbytes: int, seconds: float | None) -> float | None:
 
 
 def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    if value is None:
+        return format("-", ">" + spec.split(".")[0])
+    return format(value, spec)
 
 
 def phase_steps_ms(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -381,12 +401,13 @@ def phase_steps_ms(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def summarize(tokens_list, shape, dataplane, raw_all, cluster_result, reps_warm: int) -> list[dict]:
+    """One row per prompt length: raw send/recv, then under "dataplane" the nodes' code per
+    slot mode that ran ("contiguous", "scattered"), then the cluster."""
     rows = []
     for n in tokens_list:
         raw = dataplane[0]["raw"][n]
         raw_s = _median(raw["times_s"])
         raw_gbps = _gbps(raw["bytes"], raw_s)
-        kv = dataplane[0]["kv"].get(n)
         row = {
             "tokens": n,
             "kv_bytes": shape.kv_bytes(n),
@@ -398,23 +419,27 @@ def summarize(tokens_list, shape, dataplane, raw_all, cluster_result, reps_warm:
             r = raw_all[0]["raw"][n]
             row["raw_all_visible_ms"] = _median(r["times_s"]) * 1e3
             row["raw_all_visible_gbps"] = _gbps(r["bytes"], _median(r["times_s"]))
-        if kv is not None:
+        modes = {}
+        for mode, by_tokens in dataplane[0]["kv"].items():
+            kv, landed = by_tokens[n], dataplane[1]["kv"][mode][n]
             s = _median(kv["elapsed_s"])
-            row.update(
-                {
-                    "transfer_bytes": kv["bytes"],
-                    "kvsender_ms": s * 1e3,
-                    "kvsender_gbps": _gbps(kv["bytes"], s),
-                    "kvsender_pct_raw": 100 * _gbps(kv["bytes"], s) / raw_gbps,
-                    "kvsender_wall_ms": _median(kv["wall_s"]) * 1e3,
-                    "kvreceiver_ms": _median(dataplane[1]["kv"][n]["elapsed_s"]) * 1e3,
-                    "verified": dataplane[1]["kv"][n]["verified"],
-                    "sender_phase_ms": phase_steps_ms(kv["phases"]),
-                    "receiver_phase_ms": phase_steps_ms(dataplane[1]["kv"][n]["phases"]),
-                    "sender_gpu_phase_ms": phase_steps_ms(kv["gpu_phases"]),
-                    "receiver_gpu_phase_ms": phase_steps_ms(dataplane[1]["kv"][n]["gpu_phases"]),
-                }
-            )
+            modes[mode] = {
+                "transfer_bytes": kv["bytes"],
+                "sender_staged_pools": kv["staged_pools"],
+                "receiver_staged_pools": landed["staged_pools"],
+                "kvsender_ms": s * 1e3,
+                "kvsender_gbps": _gbps(kv["bytes"], s),
+                "kvsender_pct_raw": 100 * _gbps(kv["bytes"], s) / raw_gbps,
+                "kvsender_wall_ms": _median(kv["wall_s"]) * 1e3,
+                "kvreceiver_ms": _median(landed["elapsed_s"]) * 1e3,
+                "verified": landed["verified"],
+                "sender_phase_ms": phase_steps_ms(kv["phases"]),
+                "receiver_phase_ms": phase_steps_ms(landed["phases"]),
+                "sender_gpu_phase_ms": phase_steps_ms(kv["gpu_phases"]),
+                "receiver_gpu_phase_ms": phase_steps_ms(landed["gpu_phases"]),
+            }
+        if modes:
+            row["dataplane"] = modes
         if cluster_result is not None:
             sent = [e for e in cluster_result["prefill"] if e["tokens"] == n and e["ok"]]
             got = [e for e in cluster_result["decode"] if e["tokens"] == n and e["ok"]]
@@ -446,35 +471,57 @@ def summarize(tokens_list, shape, dataplane, raw_all, cluster_result, reps_warm:
     return rows
 
 
+def _modes(rows: list[dict]) -> list[str]:
+    return [m for m in SLOT_MODES if any(m in r.get("dataplane", {}) for r in rows)]
+
+
 def print_table(rows: list[dict]) -> None:
+    """KVSend columns per slot mode: "contiguous" (sent from and received into the pool in
+    place) and "scattered" (gathered and scattered)."""
+    modes = _modes(rows)
+    labels = {"contiguous": "contig ms", "scattered": "scatter ms"}
+    cells = "".join(f"{labels[m]:>10} {'GB/s':>6} {'%raw':>5} {'ok':>3} | " for m in modes)
     head = (
-        f"{'tokens':>6} {'KV bytes':>11} | {'raw ms':>7} {'raw GB/s':>8} | "
-        f"{'KVSend ms':>9} {'GB/s':>6} {'%raw':>5} {'ok':>3} | "
+        f"{'tokens':>6} {'KV bytes':>11} | {'raw ms':>7} {'raw GB/s':>8} | {cells}"
         f"{'cluster ms':>10} {'GB/s':>6} {'%raw':>5} | {'raw(all vis) GB/s':>17}"
     )
+    print(f"KVSender per slot mode: {', '.join(modes) or 'none'}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(
+        line = (
             f"{r['tokens']:>6} {r['kv_bytes']:>11} | {r['raw_ms']:>7.3f} {r['raw_gbps']:>8.1f} | "
-            f"{_fmt(r.get('kvsender_ms'), '9.3f')} {_fmt(r.get('kvsender_gbps'), '6.1f')} "
-            f"{_fmt(r.get('kvsender_pct_raw'), '5.1f')} {str(r.get('verified', '-'))[:3]:>3} | "
+        )
+        for m in modes:
+            d = r.get("dataplane", {}).get(m, {})
+            line += (
+                f"{_fmt(d.get('kvsender_ms'), '10.3f')} {_fmt(d.get('kvsender_gbps'), '6.1f')} "
+                f"{_fmt(d.get('kvsender_pct_raw'), '5.1f')} {str(d.get('verified', '-'))[:3]:>3} | "
+            )
+        line += (
             f"{_fmt(r.get('cluster_prefill_ms'), '10.3f')} {_fmt(r.get('cluster_gbps'), '6.1f')} "
             f"{_fmt(r.get('cluster_pct_raw'), '5.1f')} | "
             f"{_fmt(r.get('raw_all_visible_gbps'), '17.1f')}"
         )
+        print(line)
 
 
 def print_phases(rows: list[dict]) -> None:
     """Per size and side, the median milliseconds each phase of the worker's job took."""
     print("\nphases (median ms from the previous phase; 'end': last phase to job end)")
+    sides = ("sender", "receiver", "sender_gpu", "receiver_gpu")
     for r in rows:
-        sides = ("sender", "receiver", "sender_gpu", "receiver_gpu")
-        for side in sides + ("cluster_prefill", "cluster_decode"):
+        for mode, d in r.get("dataplane", {}).items():
+            for side in sides:
+                steps = d.get(f"{side}_phase_ms")
+                if steps:
+                    text = "  ".join(f"{phase} {ms:.3f}" for phase, ms in steps.items())
+                    print(f"{r['tokens']:>6} {mode:<10} {side:<15} {text}")
+        for side in ("cluster_prefill", "cluster_decode"):
             steps = r.get(f"{side}_phase_ms")
             if steps:
                 text = "  ".join(f"{phase} {ms:.3f}" for phase, ms in steps.items())
-                print(f"{r['tokens']:>6} {side:<15} {text}")
+                print(f"{r['tokens']:>6} {'cluster':<10} {side:<15} {text}")
 
 
 def machine_info(device: str) -> dict:
@@ -501,7 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--tokens", default="1024,4096,8000")
+    parser.add_argument(
+        "--tokens",
+        nargs="+",
+        default=["1024,4096,8000"],
+        help="prompt lengths, comma- or space-separated",
+    )
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cluster-reps", type=int, default=6, help="prompts per length")
@@ -513,8 +565,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time each transfer's phases with CUDA events (waits for them after each)",
     )
+    parser.add_argument(
+        "--slots",
+        default="both",
+        choices=[*SLOT_MODES, "both"],
+        help="the data plane's slots: one run on each side as a fresh pool hands out "
+        "(contiguous), random ones (scattered), or both side by side",
+    )
     args = parser.parse_args(argv)
-    tokens_list = [int(t) for t in args.tokens.split(",")]
+    tokens_list = [int(t) for group in args.tokens for t in group.split(",") if t]
     shape = model_shape(args.model)
     if args.device == "cpu":
         shape = Shape(**{**shape.__dict__, "dtype": "float32"})
@@ -528,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "raw_only": False,
         "phase_events": args.phase_events,
+        "slot_modes": list(SLOT_MODES) if args.slots == "both" else [args.slots],
         "transfer_timeout_s": 60.0,
         "phase_timeout_s": 240.0,
     }
@@ -565,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "cluster_reps": args.cluster_reps,
         "phase_events": args.phase_events,
+        "slot_modes": cfg["slot_modes"],
         "rows": rows,
         "cluster_kv_pools_empty": None
         if cluster_result is None
@@ -581,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {OUTPUT}")
     if args.out:
         Path(args.out).write_text(text + "\n")
-    ok = all(r.get("verified", True) for r in rows)
+    ok = all(d["verified"] for r in rows for d in r.get("dataplane", {}).values())
     return 0 if ok else 1
 
 

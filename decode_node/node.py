@@ -31,6 +31,7 @@ from metadata.messages import (
 )
 from metadata.node_common import (
     NodeOptions,
+    abandon_slots,
     load_node_engine,
     metadata_buffers,
     transfer_spec,
@@ -391,6 +392,17 @@ class DecodeNode(ServingNode):
         self._forget(tracked)
 
     def _forget(self, tracked: _Tracked) -> None:
+        if tracked.handle is not None and tracked.handle.may_still_write:
+            # Its receives stay posted (a timeout cannot cancel them) and land straight in the
+            # slots: they must never hold another request's KV. The metadata row is safe to
+            # reuse: receives land it in a staging tensor.
+            lost = abandon_slots(tracked.req)
+            log.warning(
+                "room %s: %d KV slots stay allocated for good: a receive of its transfer is "
+                "still posted and may write into them",
+                tracked.message.room,
+                lost,
+            )
         self.engine.kv_cache.release(tracked.req)
         if self.speculator is not None:
             self.speculator.release(tracked.req)

@@ -4,13 +4,37 @@ Invariants (checked by `check_integrity`, tested in tests/test_allocator.py):
 - slot 0 is never handed out: it is the padding slot that dummy and padded tokens write to;
 - every other slot is either free or allocated, never both, never twice;
 - `num_free + num_used == capacity`.
+
+A request's slots come out ascending, and as one contiguous run whenever some free run is long
+enough: the free slots are kept as maximal runs (merged again as slots come back) and an
+allocation takes the lowest run that holds it whole. A KV transfer moves such a run as a plain
+slice of the pool instead of gathering and scattering it (metadata.wire). Handing out single
+free slots from a stack instead scrambles their order within a few batches of requests, after
+which almost no request gets a contiguous run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import bisect
+from collections.abc import Iterable, Iterator
 
 PADDING_SLOT = 0
+
+
+def _runs(slots: set[int]) -> Iterator[tuple[int, int]]:
+    """The distinct `slots` as maximal runs [start, end), ascending."""
+    low, high = min(slots), max(slots)
+    if high - low == len(slots) - 1:  # the usual case: one request's one run
+        yield low, high + 1
+        return
+    ordered = sorted(slots)
+    start = prev = ordered[0]
+    for slot in ordered[1:]:
+        if slot != prev + 1:
+            yield start, prev + 1
+            start = slot
+        prev = slot
+    yield start, prev + 1
 
 
 class SlotAllocator:
@@ -18,50 +42,110 @@ class SlotAllocator:
         if capacity < 1:
             raise ValueError(f"a KV pool needs at least one usable slot, got capacity={capacity}")
         self.capacity = capacity
-        # Popping from the end hands out low slot numbers first, which keeps tests readable.
-        self._free: list[int] = list(range(capacity, PADDING_SLOT, -1))
+        # The free slots as maximal runs [start, end): the starts ascending, each run's end.
+        self._starts: list[int] = [PADDING_SLOT + 1]
+        self._ends: dict[int, int] = {PADDING_SLOT + 1: capacity + 1}
+        self._num_free = capacity
         self._used: set[int] = set()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
         return len(self._used)
 
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
+        return 0 <= n <= self._num_free
 
     def allocate(self, n: int) -> list[int]:
         if not self.can_allocate(n):
-            raise MemoryError(f"asked for {n} KV slots, {len(self._free)} free")
+            raise MemoryError(f"asked for {n} KV slots, {self._num_free} free")
         if n == 0:
             return []
-        slots = self._free[-n:]
-        del self._free[-n:]
+        starts, ends = self._starts, self._ends
+        for i, start in enumerate(starts):
+            end = ends[start]
+            if end - start >= n:
+                del ends[start]
+                if end - start == n:
+                    del starts[i]
+                else:
+                    starts[i] = start + n
+                    ends[start + n] = end
+                slots = list(range(start, start + n))
+                break
+        else:
+            # No run is long enough: the lowest runs, in order, so the slots still ascend.
+            slots, taken = [], 0
+            while len(slots) < n:
+                start = starts[taken]
+                end = ends.pop(start)
+                take = min(end - start, n - len(slots))
+                slots.extend(range(start, start + take))
+                taken += 1
+                if start + take < end:  # the last run taken keeps its tail
+                    taken -= 1
+                    starts[taken] = start + take
+                    ends[start + take] = end
+            del starts[:taken]
+        self._num_free -= n
         self._used.update(slots)
         return slots
 
     def free(self, slots: Iterable[int]) -> None:
         slots = list(slots)
-        if len(set(slots)) != len(slots):
+        if not slots:
+            return
+        distinct = set(slots)
+        if len(distinct) != len(slots):
             raise ValueError("the same slot freed twice in one call")
-        for slot in slots:
-            if slot not in self._used:
-                raise ValueError(f"slot {slot} freed but not allocated")
-        self._used.difference_update(slots)
-        self._free.extend(slots)
+        if not distinct <= self._used:
+            stray = next(slot for slot in slots if slot not in self._used)
+            raise ValueError(f"slot {stray} freed but not allocated")
+        self._used -= distinct
+        self._num_free += len(slots)
+        for start, end in _runs(distinct):
+            self._add_run(start, end)
+
+    def _add_run(self, start: int, end: int) -> None:
+        """Give back [start, end), merging it with the free runs it touches."""
+        starts, ends = self._starts, self._ends
+        k = bisect.bisect_left(starts, start)
+        if k < len(starts) and starts[k] == end:
+            end = ends.pop(end)
+            del starts[k]
+        if k > 0 and ends[starts[k - 1]] == start:
+            ends[starts[k - 1]] = end
+        else:
+            starts.insert(k, start)
+            ends[start] = end
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """The free slots as maximal runs [start, end), ascending."""
+        return [(start, self._ends[start]) for start in self._starts]
 
     def check_integrity(self) -> None:
-        free = set(self._free)
         problems = []
-        if len(free) != len(self._free):
-            problems.append("a slot is listed free twice")
+        free: set[int] = set()
+        previous_end = PADDING_SLOT + 1
+        if sorted(self._ends) != self._starts:
+            problems.append("the free runs' starts and ends disagree")
+        for start in self._starts:
+            end = self._ends.get(start, start)
+            if start < previous_end or end <= start:
+                problems.append(f"free run [{start}, {end}) overlaps another or is empty")
+            previous_end = max(previous_end, end)
+            free.update(range(start, end))
         if free & self._used:
             problems.append(f"slots both free and used: {sorted(free & self._used)[:8]}")
         if PADDING_SLOT in free or PADDING_SLOT in self._used:
             problems.append("the padding slot was handed out")
+        if max(free | self._used, default=0) > self.capacity:
+            problems.append(f"a slot above capacity {self.capacity} is tracked")
+        if len(free) != self._num_free:
+            problems.append(f"{len(free)} slots in free runs, but num_free is {self._num_free}")
         if len(free) + len(self._used) != self.capacity:
             problems.append(
                 f"{len(free)} free + {len(self._used)} used != capacity {self.capacity}"

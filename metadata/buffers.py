@@ -3,8 +3,8 @@
 One preallocated row per in-flight request, allocated on both sides (the prefill node writes its
 row and sends it; the decode node receives into its own row). Every field of every row lives in
 ONE byte tensor (`storage`, [num_rows, row_nbytes]) and each field is a typed view onto it, so a
-row is one contiguous slice (`row_bytes`): a transfer copies it into its wire buffer, and back
-out of it, with one copy each way instead of one per field.
+row is one contiguous slice (`row_bytes`): a transfer sends it as one message straight from the
+row, and the receiver lands it with one copy instead of one per field.
 
 Invariants (tested in tests/test_metadata_buffers.py):
 - `room[row]` is written last by `write_row`, and room is the row's last field: a row whose room
@@ -37,8 +37,7 @@ FIELDS = (
 )
 
 # Every field starts on this boundary, and every row is a multiple of it long, so that each field
-# can be viewed in its own dtype (int64 needs 8-byte alignment), and a row copied into a wire
-# buffer segment that starts on the same boundary can be viewed there too.
+# of every row can be viewed in its own dtype (int64 needs 8-byte alignment).
 _ALIGN = 16
 
 

@@ -13,6 +13,7 @@ from engine.cpu_tuning import keep_large_allocations_in_heap
 from engine.kv_pool import KVPool
 from engine.loader import EngineArgs, ModelSpec, load_runner, resolve
 from engine.model_runner import ModelRunner
+from engine.request import Request
 from metadata.buffers import MetadataBuffers
 from metadata.handshake import TransferSpec
 from metadata.process_group import init_transfer_group
@@ -117,6 +118,21 @@ def open_channels(endpoint: KVSender | KVReceiver, peers: list[int], timeout_s: 
             raise RuntimeError(
                 f"could not open the channel with rank {handle.peer}: {handle.error or 'timed out'}"
             )
+
+
+def abandon_slots(req: Request) -> int:
+    """Let go of `req`'s KV slots, target and draft depths, without freeing them: releasing the
+    request afterwards frees its rows only, and the slots stay allocated for good. For slots that
+    a transfer left posted by a timeout may still read or write (`TransferHandle.may_still_write`,
+    `may_still_read`): handed to another request, they could carry or receive the wrong KV.
+    Returns how many slots the pools lose."""
+    lost = len(req.slots)
+    req.slots = []
+    state = req.spec_state  # spec.SpecRequestState: one DraftSeq per depth
+    for seq in state.seqs if state is not None else []:
+        lost += len(seq.slots)
+        seq.slots = []
+    return lost
 
 
 def join_transfer_group(

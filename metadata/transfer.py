@@ -8,13 +8,23 @@ Contract (the control plane keeps it; tests/test_transfer.py checks the data pla
   order per pair (gloo also matches the tag, derived from the room; NCCL ignores it);
 - one FIFO worker thread per peer rank on each side: transfers to (from) different peers never
   wait on each other, and each pair keeps the one order;
-- on the wire, ONE byte buffer per transfer (`WireLayout`): per pool the KV gathered as
-  [n, num_layers, 2 (K, V), num_kv_heads, head_dim], then the metadata row's bytes
-  (`MetadataBuffers.row_bytes`: its fields in `FIELDS` order, room last). One send and one
-  receive per transfer; only tensors travel: no pickle;
+- on the wire, one message per pool with at least one slot, its KV as
+  [n, num_layers, 2 (K, V), num_kv_heads, head_dim] bytes, in pool order, then one message with
+  the metadata row's bytes (`MetadataBuffers.row_bytes`: its fields in `FIELDS` order, room
+  last); all of one transfer's messages are posted as one batch (`batch_isend_irecv`, one NCCL
+  group) with one tag. Only tensors travel: no pickle;
+- each side reads (fills) a pool straight from (into) the pool when ITS slots there are one
+  ascending contiguous run, else through a staging tensor (gather before sending, scatter after
+  landing). Message sizes do not depend on that choice, so each side makes it alone (`KVSource`);
+- the receiver lands the row in a staging tensor and copies it into its row after everything
+  landed: the room tag is checked once that copy completed, and a late receive never writes a
+  row handed to another request;
 - a handle is SUCCESS only once everything landed (on CUDA: the side stream synchronized) and the
   received room tag matches; the caller keeps the slots and the row untouched until the handle is
-  terminal, then frees them (sender) or uses them (receiver);
+  terminal, then frees them (sender) or uses them (receiver). Except after a timeout
+  (`handle.may_still_write` on the receiver, `handle.may_still_read` on the sender): the
+  transfer's operations stay posted and may still fill the receiver's slots or read the sender's
+  slots and row whenever the peer gets to them, so those must never be handed to another request;
 - a posted p2p operation cannot be cancelled (NCCL; and a gloo wait that times out closes every
   pair of the process group, so none is used). Hence: every announced transfer must be sent, a
   transfer that misses its deadline breaks the channel with that peer for good on both backends
@@ -22,7 +32,10 @@ Contract (the control plane keeps it; tests/test_transfer.py checks the data pla
   may be failed by the caller (`handle.fail`) only while it is still queued and only if the peer
   will not send it either (TransferAbandoned);
 - `connect(peer)` on both sides, before the first transfer, opens the channel (NCCL creates the
-  pair's communicator then, blocking until both ranks join).
+  pair's communicator then, blocking until both ranks join). On NCCL each pair has its own
+  two-rank process group: a batch of p2p operations on a group runs on that group's
+  communicator, which for the whole world would need every rank to join, and a group's batch
+  state is not safe to share between the worker threads of several peers.
 """
 
 from __future__ import annotations
@@ -39,7 +52,7 @@ import torch.distributed as dist
 
 from engine.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
-from metadata.wire import KVSource, WireLayout, gather_kv, scatter_kv
+from metadata.wire import KVSource, as_bytes, gather_kv, scatter_kv
 
 
 class TransferState(IntEnum):
@@ -57,11 +70,14 @@ class TransferHandle:
     """The state of one transfer, shared between the caller and the worker thread that runs it.
 
     `phases`: host seconds from the worker starting the job to each phase it reached, in order:
-    a sender's "ready" (its stream waits for the caller's KV), "gathered" (the KV gathers and the
-    row copy enqueued), "posted" (isend returned), "completed" (the send done); a receiver's
-    "posted" (irecv returned), "landed" (the receive done), "scattered" (scatters and the row
-    copy enqueued), "synced" (they ran). `gpu_phases`: the same phases on the worker's stream,
-    in seconds since the job's first event, only from workers made with `phase_events`."""
+    a sender's "ready" (its stream waits for the caller's KV), "gathered" (the gathers of pools
+    whose slots are scattered enqueued; nothing to do for the others), "posted" (the batch of
+    sends returned), "completed" (the sends done); a receiver's "posted" (the batch of receives
+    returned), "landed" (the receives done), "scattered" (scatters and the row copy enqueued),
+    "synced" (they ran). `gpu_phases`: the same phases on the worker's stream, in seconds since
+    the job's first event, only from workers made with `phase_events`. `staged`: how many pools
+    went through a staging tensor on this side (the others moved straight from or into the
+    pool)."""
 
     def __init__(self, room: int, peer: int, timeout_s: float = 120.0) -> None:
         self.room = room
@@ -69,6 +85,10 @@ class TransferHandle:
         self.timeout_s = timeout_s  # how long the transfer may take once its worker starts it
         self.error: str | None = None
         self.nbytes = 0
+        self.staged = 0
+        # Set when the job stopped waiting on operations it had posted (a timeout): neither
+        # backend cancels them, so they may still run whenever the peer gets to them.
+        self.left_posted = False
         self.elapsed_s = 0.0
         self.phases: dict[str, float] = {}
         self.gpu_phases: dict[str, float] = {}
@@ -115,6 +135,16 @@ class TransferHandle:
     def state(self) -> TransferState:
         return self._state
 
+    @property
+    def may_still_write(self) -> bool:
+        """A receiver's handle: its receives may still write into the slots it was given."""
+        return self.left_posted
+
+    @property
+    def may_still_read(self) -> bool:
+        """A sender's handle: its sends may still read the slots and the row it was given."""
+        return self.left_posted
+
     def advance(self, state: TransferState) -> None:
         with self._lock:
             if self._state in (TransferState.FAILED, TransferState.SUCCESS):
@@ -148,6 +178,46 @@ _NO_DEADLINE = timedelta(days=365)
 _CONNECT_TAG = 0  # rooms start at 1; see _tag for the (ordered) case of a collision
 
 
+class _Channel:
+    """How this process posts p2p operations to one peer: on which process group (None: the
+    default one), one batch at a time."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        # A group's batch state is per process: a sender and a receiver of one process that
+        # share a peer take turns.
+        self.lock = threading.Lock()
+
+    def ops(self, op: Callable, peer: int, tag: int, buffers: list[torch.Tensor]) -> list:
+        return [dist.P2POp(op, buffer, peer, self.group, tag) for buffer in buffers]
+
+    def post(self, ops: list) -> list[dist.Work]:
+        with self.lock:
+            return dist.batch_isend_irecv(ops)
+
+
+_process_channels: dict[tuple[object, int], _Channel] = {}
+_process_channels_lock = threading.Lock()
+
+
+def _channel(peer: int, nccl: bool) -> _Channel:
+    """The channel with `peer` in this process's current group, made on first use. NCCL gets a
+    group of just the pair (made by the two ranks alone; its communicator comes with its first
+    batch): a batch runs on its group's communicator, which for the default group would wait
+    for every rank of the world to join it. gloo runs a batch as plain sends and receives, on
+    the default group."""
+    key = (dist.distributed_c10d._get_default_group(), peer)
+    with _process_channels_lock:
+        channel = _process_channels.get(key)
+        if channel is None:
+            group = None
+            if nccl:
+                pair = sorted((dist.get_rank(), peer))
+                group = dist.new_group(pair, use_local_synchronization=True)
+            channel = _process_channels[key] = _Channel(group)
+        return channel
+
+
 class _PeerWorkers:
     """One FIFO worker thread per peer rank, created on first use."""
 
@@ -168,19 +238,21 @@ class _PeerWorkers:
         self._closed = False
         # Peers whose channel a timeout left out of order, with the reason (see `_wait`).
         self._broken: dict[int, str] = {}
+        self._channels: dict[int, _Channel] = {}
 
     def connect(self, peer: int) -> TransferHandle:
         """Open the channel with `peer` before its first transfer; both sides call it, first.
 
         NCCL creates a pair's communicator on its first operation, blocking until both ranks
         join: doing it at pairing time keeps that cost and that wait out of the first request."""
+        channel = self._channel(peer)
         handle = TransferHandle(room=0, peer=peer, timeout_s=self.timeout_s)
         sending = isinstance(self, KVSender)
         token = torch.tensor([dist.get_rank() if sending else -1], device=self.device)
 
         def exchange() -> str | None:
             post = dist.isend if sending else dist.irecv
-            self._wait(handle, [post(token, peer, tag=_CONNECT_TAG)])
+            self._wait(handle, channel.post(channel.ops(post, peer, _CONNECT_TAG, [token])))
             if sending or int(token) == peer:
                 return None
             return f"connect: rank {peer} announced itself as rank {int(token)}"
@@ -188,15 +260,23 @@ class _PeerWorkers:
         self._submit(peer, handle, exchange)
         return handle
 
-    def _submit(self, peer: int, handle: TransferHandle, job: Callable[[], str | None]) -> None:
-        """Queue `job` behind the peer's earlier transfers; it returns None or why it failed."""
-        # Checked here because gloo crashes the process (SIGSEGV) on a p2p op to a bad rank.
+    def _channel(self, peer: int) -> _Channel:
+        channel = self._channels.get(peer)
+        if channel is not None:
+            return channel
+        # Checked first because gloo crashes the process (SIGSEGV) on a p2p op to a bad rank.
         world, own = dist.get_world_size(), dist.get_rank()
         if not 0 <= peer < world or peer == own:
             raise ValueError(
                 f"peer rank {peer} is not another rank of this world (size {world}, "
                 f"this is rank {own})"
             )
+        channel = self._channels[peer] = _channel(peer, nccl=self._is_cuda)
+        return channel
+
+    def _submit(self, peer: int, handle: TransferHandle, job: Callable[[], str | None]) -> None:
+        """Queue `job` behind the peer's earlier transfers; it returns None or why it failed.
+        The caller has checked `peer` (`_channel`)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self._role} is closed")
@@ -277,6 +357,7 @@ class _PeerWorkers:
             raise errors[0]
 
     def _break(self, handle: TransferHandle) -> None:
+        handle.left_posted = True
         peer = handle.peer
         self._broken[peer] = (
             f"channel to rank {peer} unusable since room {handle.room} timed out (its operations "
@@ -310,28 +391,46 @@ class KVSender(_PeerWorkers):
     ) -> TransferHandle:
         """Queue one transfer to `dst_rank`; `timeout_s` overrides the sender's deadline."""
         source = KVSource.build(pools_and_slots, metadata, row)
+        channel = self._channel(dst_rank)
         handle = TransferHandle(room, dst_rank, self.timeout_s if timeout_s is None else timeout_s)
+        ops = None
+        if source.all_direct:
+            # Every message is a view of the caller's buffers: the worker has only to post.
+            buffers = [piece.direct for piece in source.filled] + [source.row_bytes]
+            ops = channel.ops(dist.isend, dst_rank, _tag(room), buffers)
         # The KV and the row were written on the caller's stream: the side stream waits for it.
         ready = torch.cuda.current_stream().record_event() if self._is_cuda else None
-        self._submit(dst_rank, handle, lambda: self._send(dst_rank, handle, source, ready))
+        self._submit(dst_rank, handle, lambda: self._send(channel, handle, source, ops, ready))
         return handle
 
     def _send(
-        self, dst: int, handle: TransferHandle, source: KVSource, ready: torch.cuda.Event | None
+        self,
+        channel: _Channel,
+        handle: TransferHandle,
+        source: KVSource,
+        ops: list | None,
+        ready: torch.cuda.Event | None,
     ) -> str | None:
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
         handle.mark("ready")
-        layout = WireLayout(source)
-        wire = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
-        for i, (pool, index) in enumerate(source.filled):
-            gather_kv(pool, index, layout.kv_view(wire, i))
-        layout.row_view(wire).copy_(source.metadata.row_bytes(source.row))
-        handle.nbytes = layout.nbytes
+        handle.nbytes = source.nbytes
+        if ops is None:
+            buffers = []
+            for piece in source.filled:
+                if piece.direct is None:
+                    staged = gather_kv(piece.pool, piece.index, piece.staging())
+                    buffers.append(as_bytes(staged))
+                    handle.staged += 1
+                else:
+                    buffers.append(piece.direct)
+            # The row goes as it is: the caller leaves it alone until the handle is terminal.
+            buffers.append(source.row_bytes)
+            ops = channel.ops(dist.isend, handle.peer, _tag(handle.room), buffers)
         handle.mark("gathered")
-        work = dist.isend(wire, dst, tag=_tag(handle.room))
+        works = channel.post(ops)
         handle.mark("posted")
-        self._wait(handle, [work])
+        self._wait(handle, works)
         handle.mark("completed")
         return None
 
@@ -351,30 +450,39 @@ class KVReceiver(_PeerWorkers):
         """Post the receives of one announced transfer; call in announcement order per source.
         `timeout_s` overrides the receiver's deadline (e.g. to scale it with the size)."""
         target = KVSource.build(pools_and_slots, metadata, row)
+        channel = self._channel(src_rank)
         handle = TransferHandle(room, src_rank, self.timeout_s if timeout_s is None else timeout_s)
-        self._submit(src_rank, handle, lambda: self._receive(src_rank, handle, target))
+        self._submit(src_rank, handle, lambda: self._receive(channel, handle, target))
         return handle
 
-    def _receive(self, src: int, handle: TransferHandle, target: KVSource) -> str | None:
-        # Everything lands in a staging buffer first, so that a late or partial transfer never
-        # writes into slots or a row since handed to another request, and the row (room tag
-        # included) lands after all of the KV.
-        layout = WireLayout(target)
-        wire = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
-        handle.nbytes = layout.nbytes
-        work = dist.irecv(wire, src, tag=_tag(handle.room))
+    def _receive(self, channel: _Channel, handle: TransferHandle, target: KVSource) -> str | None:
+        buffers, staged = [], []
+        for piece in target.filled:
+            if piece.direct is None:
+                kv = piece.staging()
+                staged.append((piece, kv))
+                buffers.append(as_bytes(kv))
+            else:
+                buffers.append(piece.direct)
+        # The row lands apart and is copied in whole once everything landed: the room tag then
+        # vouches for the row and the KV, and a receive left posted by a timeout never writes
+        # a row handed to another request since.
+        row = torch.empty_like(target.row_bytes)
+        buffers.append(row)
+        handle.nbytes = target.nbytes
+        handle.staged = len(staged)
+        works = channel.post(channel.ops(dist.irecv, handle.peer, _tag(handle.room), buffers))
         handle.mark("posted")
-        self._wait(handle, [work])
+        self._wait(handle, works)
         handle.mark("landed")
-        for i, (pool, index) in enumerate(target.filled):
-            scatter_kv(pool, index, layout.kv_view(wire, i))
-        # One copy of the whole row: the room tag is checked below, once it has completed.
-        target.metadata.row_bytes(target.row).copy_(layout.row_view(wire))
+        for piece, kv in staged:
+            scatter_kv(piece.pool, piece.index, kv)
+        target.row_bytes.copy_(row)
         handle.mark("scattered")
         if self._is_cuda:
             torch.cuda.current_stream().synchronize()
         handle.mark("synced")
         if not target.metadata.row_landed(target.row, handle.room):
             got = int(target.metadata.room[target.row])
-            return f"room tag mismatch: expected {handle.room} got {got} (from rank {src})"
+            return f"room tag mismatch: expected {handle.room} got {got} (from rank {handle.peer})"
         return None

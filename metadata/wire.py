@@ -1,5 +1,6 @@
-"""The bytes of one transfer: which buffers it reads or fills (`KVSource`), where each piece sits
-in its single wire buffer (`WireLayout`), and the one-op gather and scatter of a request's KV."""
+"""The bytes of one transfer: which buffers it reads or fills (`KVSource`), the messages that
+carry them (one per filled pool, then the metadata row), and the one-op gather and scatter of a
+request's KV for slots that are not one contiguous run."""
 
 from __future__ import annotations
 
@@ -13,19 +14,77 @@ from engine.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 
 
+def kv_shape(pool: KVPool, num_tokens: int) -> tuple[int, ...]:
+    """One pool's KV on the wire: [n, num_layers, 2 (K, V), num_kv_heads, head_dim]."""
+    return (num_tokens, pool.num_layers, 2, pool.num_kv_heads, pool.head_dim)
+
+
+def kv_nbytes(pool: KVPool, num_tokens: int) -> int:
+    return math.prod(kv_shape(pool, num_tokens)) * pool.dtype.itemsize
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, flat, without a copy. Messages travel as bytes, so that both
+    sides post the same type and count whatever each side's buffer is (a pool slice or a
+    staging tensor) and whatever the KV dtype (NCCL has no type for some of them)."""
+    return tensor.view(-1).view(torch.uint8)
+
+
+def _contiguous_run(slots: np.ndarray) -> int | None:
+    """The first slot when `slots` ascend by one from it, else None."""
+    first, n = int(slots[0]), len(slots)
+    if int(slots[-1]) - first != n - 1:  # O(1), and enough to rule out most scattered lists
+        return None
+    if n > 2 and not (np.diff(slots) == 1).all():
+        return None
+    return first
+
+
+@dataclass(frozen=True)
+class PoolSlots:
+    """One pool of a transfer with at least one slot: one message on the wire, exactly
+    `kv_shape(pool, num_tokens)` of KV, whichever way each side reads or fills it.
+
+    When the slots are one ascending contiguous run (`start`, as a fresh or lightly fragmented
+    allocator hands them out) the message is a slice of the pool itself (`direct`): nothing is
+    gathered, scattered or staged. Otherwise `index` holds them for a gather into (or a scatter
+    from) a staging tensor. Each side decides for its own slots: the other side never knows."""
+
+    pool: KVPool
+    num_tokens: int
+    start: int | None
+    index: torch.Tensor | None  # CPU int64; pinned for a CUDA pool
+    direct: torch.Tensor | None  # the run's bytes in the pool
+
+    @property
+    def nbytes(self) -> int:
+        return kv_nbytes(self.pool, self.num_tokens)
+
+    def staging(self) -> torch.Tensor:
+        """A fresh tensor for this pool's KV, on the current stream."""
+        pool = self.pool
+        return torch.empty(kv_shape(pool, self.num_tokens), dtype=pool.dtype, device=pool.device)
+
+
 @dataclass(frozen=True)
 class KVSource:
     """The buffers of one transfer: what the sender reads, or what the receiver fills.
 
     `pools_and_slots`: the target pool first, then one per draft depth, each with the slots of
     the request's tokens in that pool; `metadata` and `row`: the request's metadata row.
-    `build` validates them and turns each slot list into an index tensor once, on the caller's
-    side (numpy parses a Python list several times faster than torch.tensor does)."""
+    `build` validates them and prepares every message once, on the caller's side, so that the
+    worker only posts: a contiguous run becomes a view of the pool, other slot lists an index
+    tensor (numpy parses a Python list several times faster than torch.tensor does)."""
 
-    pools: list[KVPool]
-    indices: list[torch.Tensor]  # CPU int64, one per pool; pinned for a CUDA pool
+    filled: tuple[PoolSlots, ...]  # the pools with at least one slot: an empty one sends nothing
     metadata: MetadataBuffers
     row: int
+    row_bytes: torch.Tensor  # MetadataBuffers.row_bytes(row): the last message
+    nbytes: int  # every message's bytes
+
+    @property
+    def all_direct(self) -> bool:
+        return all(piece.direct is not None for piece in self.filled)
 
     @classmethod
     def build(
@@ -35,15 +94,29 @@ class KVSource:
             raise ValueError("a transfer needs at least the target KV pool")
         if not 0 <= row < metadata.num_rows:
             raise ValueError(f"metadata row {row} out of range [0, {metadata.num_rows})")
-        indices = []
+        filled = []
         for depth, (pool, slots) in enumerate(pools_and_slots):
             array = np.asarray(slots, dtype=np.int64)
             # Slot 0 is the padding slot: it never holds a request's KV.
             in_range = array.size == 0 or 1 <= array.min() <= array.max() <= pool.capacity
             if array.ndim != 1 or not in_range:
                 raise ValueError(f"pool {depth}: slots must lie in [1, {pool.capacity}]")
+            n = array.size
+            if n == 0:
+                continue
+            start = _contiguous_run(array)
+            if start is not None:
+                run = as_bytes(pool.kv_buffer[start : start + n])
+                if run.numel() != kv_nbytes(pool, n):
+                    # A message of another size would take the place of the peer's next one.
+                    raise ValueError(
+                        f"pool {depth}: kv_buffer {tuple(pool.kv_buffer.shape)} does not hold "
+                        f"slots [{start}, {start + n}) of {kv_shape(pool, 1)[1:]} {pool.dtype}"
+                    )
+                filled.append(PoolSlots(pool, n, start, None, run))
+                continue
             index = torch.from_numpy(array)
-            if pool.device.type == "cuda" and array.size:
+            if pool.device.type == "cuda":
                 # Pinned, so that the worker's copy of the index to the GPU is asynchronous: a
                 # copy from pageable memory first waits on the host for the worker's stream,
                 # that is for the caller's KV (the ready event) and all queued before it. The
@@ -51,53 +124,16 @@ class KVSource:
                 # device index made here, on the caller's stream, would have to be fenced and
                 # kept alive across streams instead).
                 index = index.pin_memory()
-            indices.append(index)
-        return cls([pool for pool, _ in pools_and_slots], indices, metadata, row)
-
-    @property
-    def filled(self) -> list[tuple[KVPool, torch.Tensor]]:
-        """The pools with at least one slot: an empty pool sends nothing."""
-        return [(pool, index) for pool, index in zip(self.pools, self.indices) if len(index)]
+            filled.append(PoolSlots(pool, n, None, index, None))
+        row_bytes = metadata.row_bytes(row)
+        nbytes = sum(piece.nbytes for piece in filled) + metadata.row_nbytes
+        return cls(tuple(filled), metadata, row, row_bytes, nbytes)
 
 
-# Each segment of the wire buffer starts on this boundary, so every field can be viewed in its
-# own dtype (int64 needs 8-byte alignment) without a copy. MetadataBuffers rows are a multiple of
-# it long.
-_ALIGN = 16
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def kv_shape(pool: KVPool, num_tokens: int) -> tuple[int, ...]:
-    """One pool's KV on the wire: [n, num_layers, 2 (K, V), num_kv_heads, head_dim]."""
-    return (num_tokens, pool.num_layers, 2, pool.num_kv_heads, pool.head_dim)
-
-
-class WireLayout:
-    """Where each piece of one transfer sits in its single byte buffer: every pool's KV, then the
-    metadata row (`MetadataBuffers.row_bytes`, room last). One buffer means one send and one
-    receive per transfer; one row segment means one copy of the row each way."""
-
-    def __init__(self, source: KVSource) -> None:
-        self.kv: list[tuple[int, tuple[int, ...], torch.dtype]] = []
-        offset = 0
-        for pool, index in source.filled:
-            shape = kv_shape(pool, len(index))
-            self.kv.append((offset, shape, pool.dtype))
-            offset += _aligned(math.prod(shape) * pool.dtype.itemsize)
-        self.row_offset = offset
-        self.row_nbytes = source.metadata.row_nbytes
-        self.nbytes = offset + _aligned(self.row_nbytes)
-
-    def kv_view(self, wire: torch.Tensor, i: int) -> torch.Tensor:
-        offset, shape, dtype = self.kv[i]
-        size = math.prod(shape) * dtype.itemsize
-        return wire[offset : offset + size].view(dtype).view(shape)
-
-    def row_view(self, wire: torch.Tensor) -> torch.Tensor:
-        return wire[self.row_offset : self.row_offset + self.row_nbytes]
+def transfer_nbytes(pools_and_tokens: list[tuple[KVPool, int]], row_nbytes: int) -> int:
+    """What a transfer of these pools (each with its number of tokens) and a row of
+    `row_nbytes` puts on the wire."""
+    return sum(kv_nbytes(pool, n) for pool, n in pools_and_tokens if n) + row_nbytes
 
 
 def _index(pool: KVPool, slots: list[int] | torch.Tensor) -> torch.Tensor:

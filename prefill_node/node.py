@@ -26,6 +26,7 @@ from metadata.control import Inbox, Outbox
 from metadata.messages import AbortRequest, PrefillRequest, TransferAbandoned, TransferAnnounce
 from metadata.node_common import (
     NodeOptions,
+    abandon_slots,
     load_node_engine,
     metadata_buffers,
 )
@@ -284,6 +285,19 @@ class PrefillNode(ServingNode):
         self._release(pending)
 
     def _release(self, pending: _Pending) -> None:
+        if pending.handle is not None and pending.handle.may_still_read:
+            # Its sends stay posted (a timeout cannot cancel them) and read the slots and the
+            # row in place whenever the peer receives: reused, they would send another
+            # request's KV under this room's tag.
+            lost = abandon_slots(pending.req)
+            log.warning(
+                "room %s: %d KV slots and metadata row %s stay allocated for good: a send of "
+                "its transfer is still posted and may read them",
+                pending.req.request_id,
+                lost,
+                pending.meta_row,
+            )
+            pending.meta_row = None
         self.kv_cache.release(pending.req)
         if self.speculator is not None:
             self.speculator.release(pending.req)

@@ -35,8 +35,8 @@ def test_over_allocation_and_bad_frees_are_refused():
 
 def test_integrity_check_catches_corruption():
     alloc = SlotAllocator(4)
-    slots = alloc.allocate(2)
-    alloc._free.append(slots[0])  # a slot both free and used
+    alloc.allocate(2)
+    alloc._used.add(4)  # a slot both free and used
     with pytest.raises(AssertionError, match="both free and used"):
         alloc.check_integrity()
 
@@ -57,3 +57,73 @@ def test_random_workload_never_breaks_invariants():
     for slots in held:
         alloc.free(slots)
     assert alloc.num_free == 64
+
+
+def is_run(slots: list[int]) -> bool:
+    return slots == list(range(slots[0], slots[0] + len(slots)))
+
+
+def test_a_fresh_pool_hands_out_ascending_contiguous_runs():
+    alloc = SlotAllocator(100)
+    assert alloc.allocate(10) == list(range(1, 11))
+    assert alloc.allocate(1) == [11]
+    assert alloc.allocate(30) == list(range(12, 42))
+
+
+def test_freed_slots_merge_back_into_runs_whatever_the_order():
+    alloc = SlotAllocator(50)
+    held = [alloc.allocate(n) for n in (5, 7, 3, 11, 2)]
+    for i in (2, 0, 4, 1, 3):
+        alloc.free(held[i])
+        alloc.check_integrity()
+    assert alloc.free_runs() == [(1, 51)]
+    # A request's slots freed in any order, as one list of several runs.
+    a, b, c = alloc.allocate(4), alloc.allocate(4), alloc.allocate(4)
+    alloc.free(c[::-1] + a)
+    assert alloc.free_runs() == [(1, 5), (9, 51)]
+    alloc.free(b)
+    assert alloc.free_runs() == [(1, 51)]
+
+
+@pytest.mark.parametrize("finish", ["in_order", "random"])
+def test_allocate_free_cycles_keep_handing_out_contiguous_runs(finish: str):
+    """Batches of prompts freed in the order they were sent (a prefill node), or requests that
+    finish in any order (a decode node): every allocation that some free run can hold whole
+    comes out as one ascending contiguous run, and the lowest such run."""
+    rng = random.Random(7)
+    alloc = SlotAllocator(20_000)
+    live: list[list[int]] = []
+    allocations = contiguous = 0
+    for _ in range(600):
+        if finish == "in_order":
+            for slots in live:
+                alloc.free(slots)
+            live = []
+            batch = [rng.randint(50, 2000) for _ in range(rng.randint(1, 6))]
+        else:
+            while live and (alloc.num_used > 15_000 or rng.random() < 0.5):
+                alloc.free(live.pop(rng.randrange(len(live))))
+            batch = [rng.randint(50, 2000)]
+        for n in batch:
+            fitting = [start for start, end in alloc.free_runs() if end - start >= n]
+            slots = alloc.allocate(n)
+            live.append(slots)
+            assert slots == sorted(slots)
+            if fitting:
+                assert slots == list(range(fitting[0], fitting[0] + n))
+            allocations += 1
+            contiguous += is_run(slots)
+        alloc.check_integrity()
+    share = contiguous / allocations
+    assert share == 1.0 if finish == "in_order" else share > 0.9, share
+
+
+def test_without_a_long_enough_run_the_lowest_runs_are_taken_in_order():
+    alloc = SlotAllocator(20)
+    held = [alloc.allocate(4) for _ in range(5)]  # 1-4, 5-8, 9-12, 13-16, 17-20
+    alloc.free(held[1])
+    alloc.free(held[3])
+    slots = alloc.allocate(6)
+    assert slots == [5, 6, 7, 8, 13, 14]
+    assert alloc.free_runs() == [(15, 17)]
+    alloc.check_integrity()

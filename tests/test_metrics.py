@@ -24,7 +24,7 @@ from engine import LLM
 from metadata.node_common import NodeOptions, metadata_buffers
 from metadata.node_metrics import Activity, ActivityLog, TransferTotals, format_activity
 from metadata.transfer import TransferHandle, TransferState
-from metadata.wire import WireLayout
+from metadata.wire import transfer_nbytes
 
 ray = pytest.importorskip("ray")
 
@@ -90,8 +90,7 @@ def transfer_bytes(cluster, prompt_len: int) -> int:
         dtype=cluster.spec.engine_config.dtype,
     )
     metadata = metadata_buffers(cluster.spec, NodeOptions("prefill", 0), 0)
-    source = SimpleNamespace(filled=[(pool, range(prompt_len))], metadata=metadata, row=0)
-    return WireLayout(source).nbytes
+    return transfer_nbytes([(pool, prompt_len)], metadata.row_nbytes)
 
 
 def test_cluster_metrics_cover_latency_nodes_and_transfers(plain):

@@ -1,9 +1,13 @@
 """The KV + metadata transfer over a real gloo group of 3 processes: 0 = prefill A, 1 = prefill B,
 2 = decode. One scripted run (module fixture) covers, per room: KV byte-identical at different
 slot numbers on each side, the metadata row landed; two senders interleaved; a room-tag mismatch;
-a receive whose sender never sends (timeout, which breaks that channel only) next to a transfer
-from another peer that completes; a send that fails inside the worker, which then sends the next.
-Children report plain Python values through a multiprocessing Queue."""
+a receive whose sender never sends (timeout, which breaks that channel only, and leaves the
+handle saying its slots may still be written) next to a transfer from another peer that
+completes; a send that fails inside the worker, which then sends the next. A second run of 2
+processes moves pools whose slots are one contiguous run on either side, both, or neither: each
+side sends from (receives into) the pool itself or gathers (scatters) on its own, and every
+combination lands the same bytes. Children report plain Python values through a multiprocessing
+Queue."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import metadata.transfer as transfer
 from engine.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.process_group import create_store_server, init_transfer_group
@@ -94,14 +99,18 @@ def run_prefill(rank: int) -> dict:
         handles.append((sender.send(2, room, pairs, metadata, row, timeout_s=timeout), row))
     result = {}
     if rank == 0:
-        # A pool whose storage is broken: the gather raises inside the worker (as a CUDA OOM
-        # would) before anything is posted; the worker then sends 302.
+        # A pool whose storage is broken: the gather (of slots that are not one ascending run)
+        # raises inside the worker (as a CUDA OOM would) before anything is posted; the worker
+        # then sends 302.
         corrupt = make_pools(seed=None)[1]
         corrupt.kv_buffer = torch.zeros(1)
-        for room, pool in ((GATHER_FAILS, corrupt), (AFTER_SEND_FAILURE, pools[0])):
+        for room, pool, slots in (
+            (GATHER_FAILS, corrupt, [2, 1]),
+            (AFTER_SEND_FAILURE, pools[0], [1, 2]),
+        ):
             row = metadata.allocate()
             metadata.write_row(row, room=room, **row_values(room))
-            handles.append((sender.send(1, room, [(pool, [1, 2])], metadata, row), row))
+            handles.append((sender.send(1, room, [(pool, slots)], metadata, row), row))
         try:
             sender.send(7, 999, [(pools[0], [1])], metadata, 15)
         except ValueError as err:
@@ -116,6 +125,7 @@ def run_prefill(rank: int) -> dict:
     for handle, row in handles:
         result[handle.room] = (handle.wait(60).name, handle.error)
         result[f"phases-{handle.room}"] = (handle.phases, handle.elapsed_s)
+        result[f"may_still_read-{handle.room}"] = handle.may_still_read
         metadata.free(row)
     result["connected"] = [handle.wait(60).name for handle in connected]
     sender.close()
@@ -164,6 +174,7 @@ def run_decode() -> dict:
             landed=metadata.row_landed(row, room),
             phases=handle.phases,
             elapsed_s=handle.elapsed_s,
+            may_still_write=handle.may_still_write,
         )
     used = sorted(s for room, _ in ALL if room != NEVER_SENT[0] for s in plan[room])
     untouched = torch.ones(CAPACITY + 1, dtype=torch.bool)
@@ -183,6 +194,8 @@ def child(scenario: str, rank: int, world: int, port: int, results: mp.Queue) ->
         init_transfer_group("127.0.0.1", port, rank, world, device, timeout_s=60)
         if scenario == "cuda":
             result = run_cuda(rank)
+        elif scenario == "combos":
+            result = run_combos(rank)
         else:
             result = run_decode() if rank == 2 else run_prefill(rank)
         results.put((rank, result))
@@ -280,6 +293,19 @@ def test_receive_that_never_comes_times_out_without_blocking_other_peers(outcome
     assert outcome[1]["received_after_send_failure"] == "SUCCESS"
 
 
+def test_a_timed_out_transfer_says_its_buffers_may_still_be_touched(outcome: dict) -> None:
+    # The receive of 204 stays posted: the decode node must never hand its slots on.
+    assert outcome[2][NEVER_SENT[0]]["may_still_write"]
+    # 205 failed at once on the broken channel, before posting anything; the rest completed.
+    for room, _ in ALL:
+        if room != NEVER_SENT[0]:
+            assert not outcome[2][room]["may_still_write"], room
+    # B's send of 205 stays posted too: the prefill node must keep its slots and row.
+    assert outcome[1][f"may_still_read-{AFTER_TIMEOUT_B[0]}"]
+    assert not outcome[1][f"may_still_read-{ROOMS[1][0][0]}"]
+    assert not outcome[0][f"may_still_read-{GATHER_FAILS}"]  # failed before posting
+
+
 def test_timeout_breaks_that_channel_on_both_sides(outcome: dict) -> None:
     # The receive of 204 is still posted, so B's next room must not be received after it...
     got = outcome[2][AFTER_TIMEOUT_B[0]]
@@ -352,46 +378,175 @@ def test_gather_scatter_round_trip_and_slot_validation() -> None:
             KVSource.build([(source, bad)], make_metadata(), 0)
 
 
+# --- each side reads or fills a pool in place when its slots there are one contiguous run ---
+# (room, sender's pools direct, receiver's pools direct, tokens): every combination, and one
+# transfer whose two pools go different ways on each side.
+COMBOS = [
+    (401, (True, True), (True, True), 9),
+    (402, (True, True), (False, False), 8),
+    (403, (False, False), (True, True), 7),
+    (404, (False, False), (False, False), 5),
+    (405, (True, False), (False, True), 6),
+]
+COMBO_REGION = 18  # slots per room, per pool: room i uses [1 + 18 i, 1 + 18 (i + 1))
+
+
+def combo_slots(room: int, direct: bool, n: int, receiver: bool) -> list[int]:
+    """A contiguous run, or the same count of slots spread out and out of order; the receiver's
+    sit elsewhere in its region than the sender's."""
+    first = 1 + (room - COMBOS[0][0]) * COMBO_REGION + (1 if receiver else 0)
+    if direct:
+        return list(range(first, first + n))
+    spread = list(range(first, first + 2 * n, 2))
+    return spread[1::2] + spread[0::2]
+
+
+def combo_plan(receiver: bool) -> dict[int, list[list[int]]]:
+    plan = {}
+    for room, sent, landed, n in COMBOS:
+        directs = landed if receiver else sent
+        plan[room] = [combo_slots(room, direct, n, receiver) for direct in directs]
+    return plan
+
+
+def counting(name: str, counts: dict[str, int]):
+    """Wraps transfer.<name> (gather_kv, scatter_kv) to count its calls in this process."""
+    inner = getattr(transfer, name)
+
+    def wrapper(*args, **kwargs):
+        counts[name] += 1
+        return inner(*args, **kwargs)
+
+    setattr(transfer, name, wrapper)
+
+
+def run_combos(rank: int) -> dict:
+    counts = {"gather_kv": 0, "scatter_kv": 0}
+    counting("gather_kv", counts)
+    counting("scatter_kv", counts)
+    receiving = rank == 1
+    pools, metadata = make_pools(seed=None if receiving else 0), make_metadata()
+    plan = combo_plan(receiving)
+    workers = KVReceiver("cpu", timeout_s=GENEROUS_S) if receiving else KVSender("cpu")
+    result = {"connected": workers.connect(1 - rank).wait(60).name}
+    for room, *_ in COMBOS:
+        row = metadata.allocate()
+        pairs = list(zip(pools, plan[room]))
+        before = dict(counts)
+        if receiving:
+            handle = workers.expect(0, room, pairs, metadata, row)
+        else:
+            metadata.write_row(row, room=room, **row_values(room))
+            handle = workers.send(1, room, pairs, metadata, row)
+        state = handle.wait(60)
+        got = dict(
+            state=state.name,
+            error=handle.error,
+            staged=handle.staged,
+            calls={name: counts[name] - before[name] for name in counts},
+            nbytes=handle.nbytes,
+        )
+        if receiving:
+            sent_pools, sent_plan = make_pools(seed=0), combo_plan(receiver=False)
+            got["kv_equal"] = all(
+                torch.equal(gather_kv(p, slots), gather_kv(q, sent))
+                for p, slots, q, sent in zip(pools, plan[room], sent_pools, sent_plan[room])
+            )
+            got["landed"] = metadata.row_landed(row, room)
+            expected = row_values(room)
+            got["row_ok"] = int(metadata.output_ids[row]) == expected["output_id"] and (
+                torch.equal(metadata.hidden_states[row], expected["hidden_state"])
+            )
+        result[room] = got
+    if receiving:
+        written = torch.zeros(CAPACITY + 1, dtype=torch.bool)
+        for slots_per_pool in plan.values():
+            for slots in slots_per_pool:
+                written[slots] = True
+        result["untouched_zero"] = all(
+            not buf[~written].any() for p in pools for buf in p.k_buffers + p.v_buffers
+        )
+    workers.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def combos() -> dict[int, dict]:
+    return run_ranks("combos", world=2)
+
+
+@pytest.mark.parametrize("room", [room for room, *_ in COMBOS])
+def test_in_place_and_staged_sides_interoperate(combos: dict, room: int) -> None:
+    sent, landed = combos[0][room], combos[1][room]
+    assert sent["state"] == landed["state"] == "SUCCESS", (sent["error"], landed["error"])
+    assert landed["kv_equal"] and landed["landed"] and landed["row_ok"]
+    assert sent["nbytes"] == landed["nbytes"]  # one byte count, whichever way each side went
+
+
+@pytest.mark.parametrize(("room", "sent_direct", "landed_direct", "_n"), COMBOS)
+def test_each_side_stages_only_the_pools_whose_slots_are_spread(
+    combos: dict, room: int, sent_direct: tuple, landed_direct: tuple, _n: int
+) -> None:
+    sent, landed = combos[0][room], combos[1][room]
+    # A pool sent from a contiguous run is neither gathered nor staged.
+    assert sent["staged"] == sent["calls"]["gather_kv"] == sent_direct.count(False)
+    assert sent["calls"]["scatter_kv"] == 0
+    assert landed["staged"] == landed["calls"]["scatter_kv"] == landed_direct.count(False)
+    assert landed["calls"]["gather_kv"] == 0
+
+
+def test_direct_receives_write_only_their_slots(combos: dict) -> None:
+    assert combos[1]["untouched_zero"]
+    assert combos[0]["connected"] == combos[1]["connected"] == "SUCCESS"
+
+
 def run_cuda(rank: int) -> dict:
-    """Rank 0 -> rank 1 on two GPUs over NCCL: two rooms land byte-identical, then a room that
-    is never sent times out on the receiver's own clock and breaks that channel."""
+    """Rank 0 -> rank 1 on two GPUs over NCCL: two rooms at scattered slots and the COMBOS rooms
+    (pools read and filled in place or staged, each side on its own) land byte-identical, then
+    a room that is never sent times out on the receiver's own clock and breaks that channel."""
     device = f"cuda:{rank}"
     pools = make_pools(seed=0 if rank == 0 else None, device=device)
     plan, metadata = slot_plan(seed=rank), make_metadata(device)
-    rooms = [(101, 1), (102, 33)]
+    combo = combo_plan(receiver=rank == 1)
+    transfers = [(room, [(p, plan[room]) for p in pools]) for room in (101, 102)]
+    transfers += [(room, list(zip(pools, combo[room]))) for room, *_ in COMBOS]
     if rank == 0:
         sender = KVSender(device, phase_events=True)
         handles = [sender.connect(1)]
-        for room, _ in rooms:
+        for room, pairs in transfers:
             row = metadata.allocate()
             metadata.write_row(row, room=room, **row_values(room))
-            handles.append(sender.send(1, room, [(p, plan[room]) for p in pools], metadata, row))
+            handles.append(sender.send(1, room, pairs, metadata, row))
         result = {
             "sent": [h.wait(60).name for h in handles],
             "gpu_phases": [h.gpu_phases for h in handles],
+            "staged": {h.room: h.staged for h in handles[1:]},
         }
         sender.close()
         return result
     receiver = KVReceiver(device, timeout_s=GENEROUS_S)
     result = {"connected": receiver.connect(0).wait(60).name}
-    sent_pools, sent_plan = make_pools(seed=0), slot_plan(seed=0)
-    for room, _ in rooms:
+    sent_pools = make_pools(seed=0)
+    sent_plan, sent_combo = slot_plan(seed=0), combo_plan(receiver=False)
+    for room, pairs in transfers:
         row = metadata.allocate()
-        handle = receiver.expect(0, room, [(p, plan[room]) for p in pools], metadata, row)
+        handle = receiver.expect(0, room, pairs, metadata, row)
+        sent_slots = [sent_plan[room]] * len(pools) if room < 400 else sent_combo[room]
         result[room] = (
             handle.wait(60).name,
             handle.error,
             metadata.row_landed(row, room),
             all(
-                torch.equal(gather_kv(p, plan[room]).cpu(), gather_kv(q, sent_plan[room]))
-                for p, q in zip(pools, sent_pools)
+                torch.equal(gather_kv(p, slots).cpu(), gather_kv(q, sent))
+                for (p, slots), q, sent in zip(pairs, sent_pools, sent_slots)
             ),
+            handle.staged,
         )
     for room in (103, 104):  # 103 is never sent; 104 queues behind it on the broken channel
         handle = receiver.expect(
             0, room, [(pools[0], [1])], metadata, metadata.allocate(), timeout_s=RECEIVE_TIMEOUT_S
         )
-        result[room] = (handle.wait(60).name, handle.error)
+        result[room] = (handle.wait(60).name, handle.error, handle.may_still_write)
     receiver.close()
     return result
 
@@ -400,15 +555,20 @@ def run_cuda(rank: int) -> dict:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_transfer_between_two_gpus() -> None:
     got = run_ranks("cuda", world=2)
-    assert got[0]["sent"] == ["SUCCESS"] * 3
+    assert got[0]["sent"] == ["SUCCESS"] * (3 + len(COMBOS))
     assert list(got[0]["gpu_phases"][0]) == ["started"]  # connect: no phases of its own
     for gpu_phases in got[0]["gpu_phases"][1:]:
         assert list(gpu_phases) == ["started", "ready", "gathered", "posted", "completed"]
         assert gpu_phases["completed"] >= gpu_phases["gathered"] >= 0
     assert got[1]["connected"] == "SUCCESS"
-    for room in (101, 102):
-        assert got[1][room] == ("SUCCESS", None, True, True)
-    state, error = got[1][103]
-    assert state == "FAILED" and f"within {RECEIVE_TIMEOUT_S:g} s" in error
-    state, error = got[1][104]
+    # One token is a run of one: read and filled in place; 33 scattered ones are staged.
+    assert got[1][101] == ("SUCCESS", None, True, True, 0) and got[0]["staged"][101] == 0
+    assert got[1][102] == ("SUCCESS", None, True, True, 2) and got[0]["staged"][102] == 2
+    for room, sent_direct, landed_direct, _ in COMBOS:
+        assert got[1][room] == ("SUCCESS", None, True, True, landed_direct.count(False))
+        assert got[0]["staged"][room] == sent_direct.count(False)
+    state, error, may_still_write = got[1][103]
+    assert state == "FAILED" and f"within {RECEIVE_TIMEOUT_S:g} s" in error and may_still_write
+    state, error, may_still_write = got[1][104]
     assert state == "FAILED" and "channel to rank 0 unusable since room 103" in error
+    assert not may_still_write

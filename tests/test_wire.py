@@ -1,5 +1,6 @@
 """metadata.wire: the one-op gather and scatter of a request's KV, which move each slot's row as
-integer words (same bytes, fewer elements), and the single wire buffer of a transfer."""
+integer words (same bytes, fewer elements), and the messages of a transfer: a pool whose slots
+are one ascending contiguous run travels as a view of the pool, any other through an index."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import torch
 
 from engine.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
-from metadata.wire import KVSource, WireLayout, _as_words, gather_kv, kv_shape, scatter_kv
+from metadata.wire import (
+    KVSource,
+    _as_words,
+    as_bytes,
+    gather_kv,
+    kv_shape,
+    scatter_kv,
+    transfer_nbytes,
+)
 
 CAPACITY = 40
 
@@ -65,24 +74,53 @@ def test_scatter_refuses_kv_of_another_dtype_or_shape() -> None:
         gather_kv(pool, [1, 2], out=torch.empty(kv_shape(pool, 3), dtype=torch.bfloat16))
 
 
-def test_wire_is_each_pools_kv_then_the_row_as_one_segment() -> None:
-    pools = [
-        KVPool(CAPACITY, 3, 1, 3, torch.bfloat16, "cpu"),
+def two_pools() -> list[KVPool]:
+    return [
+        KVPool(CAPACITY, 3, 1, 3, torch.bfloat16, "cpu"),  # 36 bytes a slot: not 16-aligned
         KVPool(CAPACITY, 1, 1, 4, torch.float32, "cpu"),
     ]
+
+
+def test_contiguous_slots_travel_as_a_view_of_the_pool() -> None:
+    pools = two_pools()
+    random_bits(pools[0], seed=2)
     metadata = MetadataBuffers(2, 6, 2, 1, torch.bfloat16, "cpu")
     source = KVSource.build([(pools[0], [3, 4, 5]), (pools[1], [9])], metadata, 1)
-    layout = WireLayout(source)
-    kv_bytes = [3 * 2 * 3 * 3 * 2, 1 * 2 * 1 * 4 * 4]  # 108 (aligned to 112), 32
-    assert [offset for offset, _, _ in layout.kv] == [0, 112]
-    assert layout.row_offset == 112 + kv_bytes[1] and layout.row_nbytes == metadata.row_nbytes
-    assert layout.nbytes == layout.row_offset + metadata.row_nbytes
-    wire = torch.zeros(layout.nbytes, dtype=torch.uint8)
-    metadata.write_row(
-        1, room=8, output_id=1, output_logprob=0.0, hidden_state=torch.ones(6), cached_tokens=2
+    assert source.all_direct
+    first, second = source.filled
+    assert (first.start, first.num_tokens, first.index) == (3, 3, None)
+    assert (second.start, second.num_tokens, second.index) == (9, 1, None)
+    # The pool's own memory, not a copy: what a receive writes there lands in the slots.
+    assert first.direct.data_ptr() == pools[0].kv_buffer[3].data_ptr()
+    assert first.direct.dtype == torch.uint8 and first.direct.numel() == first.nbytes
+    assert torch.equal(first.direct, as_bytes(gather_kv(pools[0], [3, 4, 5])))
+    assert source.row_bytes.data_ptr() == metadata.row_bytes(1).data_ptr()
+
+
+@pytest.mark.parametrize("slots", [[5, 4, 3], [3, 5, 6], [3, 3, 5], [7, 8, 10, 9], [2, 1]], ids=str)
+def test_other_slot_lists_are_gathered_through_an_index(slots: list[int]) -> None:
+    pools = two_pools()
+    metadata = MetadataBuffers(1, 6, 0, 1, torch.bfloat16, "cpu")
+    source = KVSource.build([(pools[0], slots), (pools[1], [1, 2])], metadata, 0)
+    assert not source.all_direct
+    scattered, contiguous = source.filled
+    assert scattered.direct is None and scattered.start is None
+    assert scattered.index.tolist() == slots
+    assert contiguous.direct is not None  # each pool is decided on its own
+
+
+def test_messages_are_each_pools_kv_then_the_row() -> None:
+    pools = two_pools()
+    metadata = MetadataBuffers(2, 6, 2, 1, torch.bfloat16, "cpu")
+    source = KVSource.build([(pools[0], [3, 4, 5]), (pools[1], []), (pools[1], [9])], metadata, 1)
+    kv_bytes = [3 * 3 * 2 * 1 * 3 * 2, 1 * 1 * 2 * 1 * 4 * 4]  # 108, 32
+    assert [piece.nbytes for piece in source.filled] == kv_bytes  # the empty pool sends nothing
+    assert source.nbytes == sum(kv_bytes) + metadata.row_nbytes
+    assert source.nbytes == transfer_nbytes(
+        [(pools[0], 3), (pools[1], 0), (pools[1], 1)], metadata.row_nbytes
     )
-    layout.row_view(wire).copy_(metadata.row_bytes(1))
-    assert int(wire[layout.row_offset :].view(torch.int64)[-2]) == 8  # room, before padding
+    staged = source.filled[0].staging()
+    assert staged.shape == kv_shape(pools[0], 3) and staged.dtype == torch.bfloat16
 
 
 @pytest.mark.gpu
@@ -91,5 +129,7 @@ def test_index_for_a_cuda_pool_is_pinned() -> None:
     # A pageable index's copy to the GPU would wait on the host for the worker's stream.
     pool = KVPool(CAPACITY, 1, 1, 8, torch.bfloat16, "cuda")
     metadata = MetadataBuffers(1, 4, 0, 1, torch.bfloat16, "cuda")
-    source = KVSource.build([(pool, [1, 2, 3])], metadata, 0)
-    assert source.indices[0].device.type == "cpu" and source.indices[0].is_pinned()
+    source = KVSource.build([(pool, [3, 2, 1]), (pool, [1, 2, 3])], metadata, 0)
+    gathered, direct = source.filled
+    assert gathered.index.device.type == "cpu" and gathered.index.is_pinned()
+    assert direct.index is None  # a contiguous run needs no index, so nothing is pinned

@@ -1,0 +1,112 @@
+"""What the nodes do with a request's KV slots and metadata row once its transfer ends: free
+them, unless the transfer timed out with its operations still posted. Receives land straight
+in the decode node's slots and sends read the prefill node's slots and row in place, so those
+stay allocated for good (with a warning naming the room); the decode node's row is received
+through a staging tensor and is freed. Nodes are built bare here (no model, no group): only
+the bookkeeping runs."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from decode_node.node import DecodeNode, _Tracked
+from engine.kv_cache import KVCacheManager
+from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from metadata.buffers import MetadataBuffers
+from metadata.node_metrics import TransferTotals
+from metadata.transfer import TransferHandle, TransferState
+from prefill_node.node import PrefillNode, _Pending
+
+ROOM = 4242
+PROMPT = list(range(3, 13))
+
+
+def kv_cache() -> KVCacheManager:
+    return KVCacheManager(KVPool(64, 1, 1, 4, torch.float32, "cpu"), ReqToTokenPool(4, 64, "cpu"))
+
+
+def handle(state: TransferState, left_posted: bool) -> TransferHandle:
+    done = TransferHandle(ROOM, peer=1)
+    done.left_posted = left_posted
+    if state == TransferState.FAILED:
+        done.fail("rank 1 did not complete the transfer within 5 s")
+    else:
+        done.advance(state)
+    return done
+
+
+def decode_node(left_posted: bool, state: TransferState):
+    node = DecodeNode.__new__(DecodeNode)
+    cache = kv_cache()
+    node.engine = SimpleNamespace(kv_cache=cache)
+    node.kv_cache = cache
+    node.speculator = None
+    node.metadata = MetadataBuffers(2, 8, 0, 1, torch.float32, "cpu")
+    node.router = None
+    node.transfer_totals = TransferTotals("receive")
+    req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
+    cache.grow(req, len(PROMPT) + 4)
+    message = SimpleNamespace(room=ROOM, prefill_node=0)
+    tracked = _Tracked(req, message, meta_row=node.metadata.allocate())
+    tracked.handle = handle(state, left_posted)
+    tracked.aborted = state == TransferState.SUCCESS  # the client left: freed either way
+    node.rooms = {ROOM: tracked}
+    node.receiving = [tracked]
+    return node, cache
+
+
+@pytest.mark.parametrize("state", [TransferState.FAILED, TransferState.SUCCESS])
+def test_decode_node_frees_the_slots_of_a_transfer_that_ended(state: TransferState) -> None:
+    node, cache = decode_node(left_posted=False, state=state)
+    node._land_transfers()
+    assert cache.is_empty() and node.metadata.num_free == 2 and not node.rooms
+
+
+def test_decode_node_keeps_the_slots_a_posted_receive_may_still_write(caplog) -> None:
+    node, cache = decode_node(left_posted=True, state=TransferState.FAILED)
+    slots = list(node.rooms[ROOM].req.slots)
+    with caplog.at_level(logging.WARNING, logger="decode_node.node"):
+        node._land_transfers()
+    allocator = cache.kv_pool.allocator
+    assert allocator.num_used == len(slots) and not allocator.can_allocate(64 - len(slots) + 1)
+    allocator.check_integrity()
+    # The request is gone, its req_to_token row and its staged metadata row are free again.
+    assert not node.rooms and not node.receiving
+    assert cache.req_to_token_pool.num_free_rows == 4 and node.metadata.num_free == 2
+    assert f"room {ROOM}: {len(slots)} KV slots stay allocated for good" in caplog.text
+
+
+def prefill_node(left_posted: bool):
+    node = PrefillNode.__new__(PrefillNode)
+    node.kv_cache = kv_cache()
+    node.speculator = None
+    node.metadata = MetadataBuffers(2, 8, 0, 1, torch.float32, "cpu")
+    node.transfer_totals = TransferTotals("send")
+    req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
+    node.kv_cache.grow(req, len(PROMPT))
+    pending = _Pending(req, decode_node=0, decode_rank=1, meta_row=node.metadata.allocate())
+    pending.handle = handle(TransferState.FAILED, left_posted)
+    node.sending = [pending]
+    return node
+
+
+def test_prefill_node_frees_after_a_failure_that_left_nothing_posted() -> None:
+    node = prefill_node(left_posted=False)
+    node._finish_transfers()
+    assert node.kv_cache.is_empty() and node.metadata.num_free == 2 and not node.sending
+
+
+def test_prefill_node_keeps_the_slots_and_row_a_posted_send_may_still_read(caplog) -> None:
+    node = prefill_node(left_posted=True)
+    with caplog.at_level(logging.WARNING, logger="prefill_node.node"):
+        node._finish_transfers()
+    assert node.kv_cache.kv_pool.allocator.num_used == len(PROMPT)
+    assert node.metadata.num_free == 1  # the row the send reads in place
+    assert node.kv_cache.req_to_token_pool.num_free_rows == 4 and not node.sending
+    assert f"room {ROOM}: {len(PROMPT)} KV slots and metadata row 0 stay allocated" in caplog.text
