@@ -22,17 +22,43 @@ def sample(
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
 ) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] (on the CPU)."""
-    if all(p.greedy for p in params):
-        return logits.argmax(dim=-1).cpu()
-    tokens = logits.argmax(dim=-1).cpu()
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        probs = _filtered_probs(logits[i], p).cpu()
+    """logits [B, V] float32 -> token ids [B] (on the CPU).
+
+    A sampled row draws by the exponential race: with E_v ~ Exp(1) independent, argmax_v
+    p_v / E_v is token v with probability exactly p_v (torch.multinomial draws one sample the
+    same way, so on the CPU the tokens are the ones it gives). Everything stays on the logits'
+    device until one copy brings the whole batch back, so a GPU never waits on the host for a
+    single request's draw."""
+    greedy = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return greedy.cpu()
+    probs = torch.stack([_filtered_probs(logits[i], params[i]) for i in rows])
+    noise = torch.empty_like(probs)
+    device_generator = None
+    for row, i in zip(noise, rows):
         generator = generators[i] or default_generator
-        tokens[i] = torch.multinomial(probs, 1, generator=generator)[0]
+        if generator.device != row.device:
+            # Generators are host generators, and a GPU tensor can only be filled from one of
+            # its own device. A seed drawn from the request's generator keys a device one, so a
+            # seeded request still draws the same noise in any batch.
+            if device_generator is None:
+                device_generator = torch.Generator(device=row.device)
+            device_generator.manual_seed(_derived_seed(generator))
+            generator = device_generator
+        row.exponential_(generator=generator)
+    # exponential_ may return 0 in principle: 0 / 0 would be NaN, which argmax picks, so a
+    # zero-probability token could come out; clamped, it scores 0 and never wins.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    drawn = probs.div_(noise).argmax(dim=-1)
+    both = torch.cat([greedy, drawn]).cpu()
+    tokens = both[: len(params)].clone()
+    tokens[rows] = both[len(params) :]
     return tokens
+
+
+def _derived_seed(generator: torch.Generator) -> int:
+    return int(torch.randint(2**63 - 1, (), generator=generator, dtype=torch.int64))
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -54,8 +80,10 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         # is still below top_p, so the first token always stays.
         mass_before = sorted_probs.cumsum(0) - sorted_probs
         keep &= mass_before < p.top_p
-    filtered = torch.zeros_like(probs)
-    filtered[order[keep]] = sorted_probs[keep]
+    # Back in vocabulary order by a scatter rather than boolean indexing, whose data-dependent
+    # size would make a GPU wait for the host.
+    kept = torch.empty_like(keep).scatter_(0, order, keep)
+    filtered = probs.masked_fill(~kept, 0.0)
     return filtered / filtered.sum()
 
 

@@ -197,6 +197,110 @@ def test_greedy_rows_stay_greedy_next_to_sampled_rows() -> None:
     assert len(set(draws)) > 1  # row 1 really was sampled
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+# Chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler fails one
+# case in a thousand seeds, and the seeds are fixed.
+_CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=0.7, top_k=4, top_p=0.9),
+        SamplingParams(temperature=1.6, top_p=0.6),
+    ],
+)
+def test_sampled_frequencies_match_the_filtered_distribution(
+    params: SamplingParams, device: str
+) -> None:
+    logits = _probs_with_mass([0.05, 0.35, 0.1, 0.3, 0.2]).to(device)
+    expected = _filtered_probs(logits, params).cpu()
+    draws = 20000
+    # One call over many rows of the same logits: the batched draw is what is checked.
+    tokens = sample(
+        logits.expand(draws, -1),
+        [params] * draws,
+        [None] * draws,
+        torch.Generator().manual_seed(2024),
+    )
+    counts = torch.bincount(tokens, minlength=5).double()
+    kept = expected > 0
+    assert counts[~kept].sum() == 0, (counts, expected)  # filtered tokens never come out
+    wanted = draws * expected[kept].double()
+    chi2 = float(((counts[kept] - wanted) ** 2 / wanted).sum())
+    dof = int(kept.sum()) - 1
+    if dof:
+        assert chi2 < _CHI2_CRITICAL[dof], (chi2, counts.tolist(), expected.tolist())
+    frequencies = counts / draws
+    assert (frequencies - expected.double()).abs().max() < 0.015, (frequencies, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seed_gives_the_same_token_in_any_batch(device: str) -> None:
+    vocab = 1000
+    gen = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(vocab, generator=gen) * 2
+    neighbours = torch.randn(6, vocab, generator=gen) * 2
+    target = SamplingParams(temperature=1.2, top_p=0.95, seed=77)
+    others = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),  # unseeded: draws from the default generator
+        SamplingParams(temperature=0.8, top_k=20, seed=77),  # same seed, other filters
+        SamplingParams(temperature=1.0, seed=5),
+        SamplingParams(temperature=1.5, top_k=1),
+        SamplingParams(temperature=1.0, top_p=0.5),
+    ]
+
+    def draw(seed: int, position: int, count: int, default_seed: int) -> int:
+        """The target's token with `count` neighbours before it, at `position`."""
+        picked = list(range(count))
+        rows = [neighbours[j] for j in picked]
+        params = [others[j] for j in picked]
+        generators = [
+            torch.Generator().manual_seed(1000 + j) if others[j].seed is not None else None
+            for j in picked
+        ]
+        rows.insert(position, target_logits)
+        params.insert(position, target)
+        generators.insert(position, torch.Generator().manual_seed(seed))
+        logits = torch.stack(rows).to(device)
+        tokens = sample(logits, params, generators, torch.Generator().manual_seed(default_seed))
+        return int(tokens[position])
+
+    drawn = []
+    for seed in range(12):
+        alone = draw(seed, 0, 0, default_seed=0)
+        assert draw(seed, 0, 0, default_seed=1) == alone
+        assert draw(seed, 2, 6, default_seed=2) == alone
+        assert draw(seed, 6, 6, default_seed=3) == alone
+        assert draw(seed, 1, 3, default_seed=4) == alone
+        drawn.append(alone)
+    assert len(set(drawn)) > 3  # the target really is sampled, not constant
+
+
+def test_zero_noise_never_picks_a_filtered_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """exponential_ may return 0 in principle; a zero-probability token must still lose."""
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: self.zero_())
+    logits = _probs_with_mass([0.1, 0.2, 0.3, 0.4])
+    params = SamplingParams(temperature=1.0, top_k=2)
+    tokens = sample(logits[None], [params], [None], torch.Generator().manual_seed(0))
+    assert int(tokens[0]) in (2, 3)
+
+
 # --- logprobs ------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,12 @@
-"""Reference attention on torch's scaled_dot_product_attention; runs on CPU and GPU."""
+"""Reference attention on plain torch ops; runs on CPU and GPU.
+
+Decode computes grouped-query attention itself rather than through
+`F.scaled_dot_product_attention`: with a padding mask and fewer KV heads than query heads, SDPA
+falls back to its math path, which copies K and V out to every query head at every layer.
+Here the G = num_heads / num_kv_heads query heads that share a KV head are the rows of one small
+matrix product against that head's keys, so K and V are gathered once per layer and never
+repeated per query head.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +18,19 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
 
+# `torch.bmm(..., out_dtype=torch.float32)` keeps half/bfloat16 attention scores in float32
+# (as fused attention kernels do); only CUDA implements it, and only recent torch has it.
+_BMM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()
+
 
 @dataclass
 class DecodeMetadata:
     slots: torch.Tensor  # [B, L] slots of every cached token, padded with the padding slot
     mask: torch.Tensor  # [B, 1, 1, L] additive: 0 where a real token is, -inf elsewhere
+    # [2 * B * Hkv * L] rows of the layer-0 view `kv_buffer.view(-1, head_dim)` holding K (then
+    # V) of every cached token, ordered (k/v, request, KV head, position); layer l's rows are
+    # these shifted by l * 2 * Hkv, see `_layer_rows`.
+    kv_rows: torch.Tensor
 
 
 @dataclass
@@ -33,18 +49,25 @@ class TorchAttentionBackend(AttentionBackend):
             mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
             # Padded positions read slot 0, a harmless buffer; the mask hides them.
             slots = rows[batch.req_pool_indices, :max_len] * mask
-            return DecodeMetadata(slots=slots, mask=_additive(mask, batch)[:, None, None, :])
+            return DecodeMetadata(
+                slots=slots,
+                mask=_additive(mask, batch)[:, None, None, :],
+                kv_rows=_kv_rows(slots, batch),
+            )
         spans = []
+        # Requests with a cached prefix take views of one gather of slots and one arange, so
+        # none of them costs its own copy from the host.
+        max_len = max(batch.seq_lens)
+        request_slots = rows[batch.req_pool_indices, :max_len]
+        positions = torch.arange(max_len, device=device)
         start = 0
         for i, (seq_len, new) in enumerate(zip(batch.seq_lens, batch.extend_lens)):
             prefix = seq_len - new
             if prefix == 0:
                 spans.append((start, new, None, None))
             else:
-                slots = rows[batch.req_pool_indices[i], :seq_len]
-                q_pos = torch.arange(prefix, seq_len, device=device)[:, None]
-                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
-                spans.append((start, new, slots, _additive(mask, batch)))
+                mask = positions[None, :seq_len] <= positions[prefix:seq_len, None]
+                spans.append((start, new, request_slots[i, :seq_len], _additive(mask, batch)))
             start += new
         return ExtendMetadata(spans=spans)
 
@@ -55,19 +78,7 @@ class TorchAttentionBackend(AttentionBackend):
         pool.write(layer, batch.out_cache_loc, k, v)
         meta = batch.attn_metadata
         if isinstance(meta, DecodeMetadata):
-            # One gather brings K and V of this layer: [B, L, 2, Hkv, D].
-            kv = pool.kv_buffer[:, layer][meta.slots]
-            keys = kv[:, :, 0].transpose(1, 2)  # [B, Hkv, L, D]
-            values = kv[:, :, 1].transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q[:, :, None, :],
-                keys,
-                values,
-                attn_mask=meta.mask,
-                scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
-            return out[:, :, 0, :]
+            return self._decode(q, layer, batch, meta)
         out = torch.empty_like(q)
         for start, new, prefix_slots, mask in meta.spans:
             q_i = q[start : start + new].transpose(0, 1)[None]  # [1, H, n, D]
@@ -90,9 +101,55 @@ class TorchAttentionBackend(AttentionBackend):
             out[start : start + new] = o[0].transpose(0, 1)
         return out
 
+    def _decode(
+        self, q: torch.Tensor, layer: int, batch: ForwardBatch, meta: DecodeMetadata
+    ) -> torch.Tensor:
+        """q [B, H, D] -> [B, H, D]: one query token per request against its cached tokens."""
+        num_reqs, max_len = meta.slots.shape
+        kv_heads, dim = self.num_kv_heads, self.head_dim
+        group = self.num_heads // kv_heads
+        # One gather brings K and V of this layer as [2, B * Hkv, L, D]: each (request, KV head)
+        # is one contiguous matrix, so both products below are plain batched matmuls on views.
+        kv = _layer_rows(batch.kv_pool.kv_buffer, layer).index_select(0, meta.kv_rows)
+        kv = kv.view(2, num_reqs * kv_heads, max_len, dim)
+        # Query head h reads KV head h // G (SDPA's enable_gqa), so the G heads of a KV head are
+        # adjacent rows of q.
+        queries = q.reshape(num_reqs * kv_heads, group, dim)
+        keys_t = kv[0].transpose(1, 2)
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _BMM_HAS_OUT_DTYPE:
+            scores = torch.bmm(queries, keys_t, out_dtype=torch.float32)
+        else:
+            scores = torch.bmm(queries, keys_t).float()
+        scores = torch.add(
+            meta.mask, scores.view(num_reqs, kv_heads, group, max_len), alpha=self.scale
+        )
+        weights = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.bmm(weights.view(num_reqs * kv_heads, group, max_len), kv[1])
+        return out.view(num_reqs, self.num_heads, dim)
+
+
+def _kv_rows(slots: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """Rows of `_layer_rows(kv_buffer, 0)` for K and V of every (request, KV head, position)."""
+    pool = batch.kv_pool
+    buffer = pool.kv_buffer
+    dim = pool.head_dim
+    # The row arithmetic needs the documented slot-major layout stored densely.
+    dense = (pool.num_layers, 2, pool.num_kv_heads, dim)
+    assert buffer.is_contiguous() and tuple(buffer.shape[1:]) == dense, pool.layout
+    per_slot = buffer.stride(0) // dim  # rows of one slot: every layer's K and V heads
+    heads = torch.arange(2 * pool.num_kv_heads, device=slots.device).view(2, 1, -1, 1)
+    return (slots[None, :, None, :] * per_slot + heads).flatten()
+
+
+def _layer_rows(buffer: torch.Tensor, layer: int) -> torch.Tensor:
+    """kv_buffer as rows of head_dim, starting at layer `layer`'s first head of slot 0, so the
+    layer-0 row numbers of `_kv_rows` address that layer."""
+    dim = buffer.shape[-1]
+    return buffer.view(-1, dim)[layer * buffer.stride(1) // dim :]
+
 
 def _additive(mask: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """A boolean keep-mask as the additive float mask SDPA would derive from it at every layer:
-    built once per forward instead."""
+    """A boolean keep-mask as an additive float mask (0 or -inf), built once per forward rather
+    than derived again at every layer."""
     additive = torch.zeros(mask.shape, dtype=batch.kv_pool.dtype, device=mask.device)
     return additive.masked_fill_(~mask, float("-inf"))
