@@ -1,8 +1,12 @@
 import random
 
 import pytest
+import torch
 
 from engine.allocator import PADDING_SLOT, SlotAllocator
+from engine.kv_pool import ReqToTokenPool
+from engine.request import Request
+from engine.sampling_params import SamplingParams
 
 
 def test_allocate_and_free_keep_counts():
@@ -127,3 +131,23 @@ def test_without_a_long_enough_run_the_lowest_runs_are_taken_in_order():
     assert slots == [5, 6, 7, 8, 13, 14]
     assert alloc.free_runs() == [(15, 17)]
     alloc.check_integrity()
+
+
+def test_row_table_writes_in_one_go_equal_one_by_one() -> None:
+    entries = [(0, 0, [5, 6, 7]), (2, 4, [9]), (1, 1, []), (0, 3, [11, 12])]
+    together = ReqToTokenPool(3, 8, "cpu")
+    together.write_many(entries)
+    apart = ReqToTokenPool(3, 8, "cpu")
+    for row, start, slots in entries:
+        if slots:
+            apart.write(row, start, slots)
+    assert torch.equal(together.req_to_token, apart.req_to_token)
+    assert together.req_to_token[0, :5].tolist() == [5, 6, 7, 11, 12]
+
+
+def test_a_requests_token_slice_spans_prompt_and_output() -> None:
+    req = Request("r", [1, 2, 3], SamplingParams())
+    req.output_token_ids += [4, 5]
+    for start in range(6):
+        for end in range(start, 6):
+            assert req.token_ids(start, end) == req.all_token_ids[start:end]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from devices import DEVICES
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.forward_batch import ForwardBatch
@@ -15,16 +16,6 @@ HEAD_DIM = 16
 NUM_LAYERS = 3
 CAPACITY = 256
 MAX_CONTEXT = 64
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
 
 
 def _pools(num_kv_heads: int, seed: int, device: str = "cpu") -> tuple[KVPool, ReqToTokenPool]:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from devices import DEVICES
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
@@ -196,17 +197,6 @@ def test_greedy_rows_stay_greedy_next_to_sampled_rows() -> None:
         draws.append(tokens[1])
     assert len(set(draws)) > 1  # row 1 really was sampled
 
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
 
 # Chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler fails one
 # case in a thousand seeds, and the seeds are fixed.
