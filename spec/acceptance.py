@@ -56,8 +56,11 @@ def accept_sampled(
     k = len(draft_ids)
     assert logits.shape[0] == k + 1 and len(generators) == k + 1
     tokens: list[int] = []
+    # Every position's distribution in one copy to the host: the walk below reads them one by
+    # one, and a copy per position would wait for the device each time.
+    all_probs = torch.stack([filtered_probs(logits[j], params) for j in range(k + 1)]).cpu()
     for j in range(k + 1):
-        probs = filtered_probs(logits[j], params).cpu()
+        probs = all_probs[j]
         generator = generators[j] or default_generator
         if j == k:  # every draft accepted: the bonus token comes from the last position
             tokens.append(int(torch.multinomial(probs, 1, generator=generator)[0]))
