@@ -3,7 +3,7 @@ allocation state, so a request's `slots` and its req_to_token row always agree."
 
 from __future__ import annotations
 
-from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 
 
@@ -32,14 +32,7 @@ class KVCacheManager:
 
     def grow_many(self, grants: list[tuple[Request, int]]) -> None:
         """`grow` for several requests, with one write to the row table."""
-        writes = []
-        for req, num_slots in grants:
-            if req.row is None:
-                req.row = self.req_to_token_pool.allocate_row()
-            slots = self.kv_pool.allocator.allocate(num_slots)
-            writes.append((req.row, len(req.slots), slots))
-            req.slots.extend(slots)
-        self.req_to_token_pool.write_many(writes)
+        grow_holders(self.kv_pool, self.req_to_token_pool, grants)
 
     def release(self, req: Request) -> None:
         if req.slots:

@@ -9,6 +9,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from engine.allocator import SlotAllocator
@@ -105,3 +107,25 @@ class ReqToTokenPool:
         index = torch.tensor([rows, cols, values], dtype=torch.int64)
         index = index.to(self.req_to_token.device, non_blocking=True)
         self.req_to_token[index[0], index[1]] = index[2]
+
+
+class SlotHolder(Protocol):
+    """What holds KV slots in a pool: a request of the target, or a draft depth's sequence."""
+
+    row: int | None
+    slots: list[int]
+
+
+def grow_holders(
+    kv_pool: KVPool, req_to_token_pool: ReqToTokenPool, grants: list[tuple[SlotHolder, int]]
+) -> None:
+    """Give each holder `num_slots` more slots (taking a row first if it has none), with one
+    write to the row table for all of them."""
+    writes = []
+    for holder, num_slots in grants:
+        if holder.row is None:
+            holder.row = req_to_token_pool.allocate_row()
+        slots = kv_pool.allocator.allocate(num_slots)
+        writes.append((holder.row, len(holder.slots), slots))
+        holder.slots.extend(slots)
+    req_to_token_pool.write_many(writes)

@@ -15,7 +15,7 @@ import torch
 from engine.attention import create_attention_backend
 from engine.config import EngineConfig
 from engine.debug_dump import draft_role, dump_pass, tensor_dumper
-from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from engine.prompt_embeds import InputEmbeds
@@ -86,16 +86,8 @@ class DraftRunner:
 
     def grow_many(self, targets: list[tuple[DraftSeq, int]]) -> None:
         """`grow_to` for several sequences, with one write to the row table."""
-        writes = []
-        for seq, num_positions in targets:
-            if seq.row is None:
-                seq.row = self.req_to_token_pool.allocate_row()
-            missing = num_positions - len(seq.slots)
-            if missing > 0:
-                slots = self.kv_pool.allocator.allocate(missing)
-                writes.append((seq.row, len(seq.slots), slots))
-                seq.slots.extend(slots)
-        self.req_to_token_pool.write_many(writes)
+        grants = [(seq, max(0, n - len(seq.slots))) for seq, n in targets]
+        grow_holders(self.kv_pool, self.req_to_token_pool, grants)
 
     def release(self, seq: DraftSeq) -> None:
         if seq.slots:
