@@ -12,18 +12,23 @@ import sys
 from engine.errors import PdclusterError
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="Hugging Face model folder or GGUF file (default: embedded SmolLM2-135M-Instruct)",
-    )
+def add_model_args(parser: argparse.ArgumentParser, model_help: str, dtype_help: str) -> None:
+    """--model, --device and --dtype, as every command that loads a model takes them."""
+    parser.add_argument("--model", default=None, help=model_help)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and KV dtype (default: float32 on CPU, bfloat16 on GPU)",
+        help=f"{dtype_help} (default: float32 on CPU, bfloat16 on GPU)",
+    )
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(
+        parser,
+        "Hugging Face model folder or GGUF file (default: embedded SmolLM2-135M-Instruct)",
+        "weights and KV dtype",
     )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests batched at once")
     parser.add_argument(
@@ -260,15 +265,8 @@ def run_train_draft(args: argparse.Namespace) -> None:
 
 def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder (resumes what is there)")
-    parser.add_argument(
-        "--model", default=None, help="target model folder or GGUF (default: the embedded one)"
-    )
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="the target's dtype (default: float32 on CPU, bfloat16 on GPU)",
+    add_model_args(
+        parser, "target model folder or GGUF (default: the embedded one)", "the target's dtype"
     )
     parser.add_argument("--num-draft-steps", type=int, default=3, help="draft depths K")
     parser.add_argument(

@@ -152,8 +152,8 @@ def _clean(opening: str, written: str, turn: UserTurn) -> str | None:
     written = written.split(turn.end)[0]
     # A message that opens another turn, or where the model added next to nothing to the
     # opening, is no question.
-    markers = [m for m in (turn.prefix.strip()[:8], _SENTINEL) if m]
-    if len(written.strip()) < 8 or any(marker in written for marker in markers):
+    marker = turn.prefix.strip()[:8]
+    if len(written.strip()) < 8 or (marker and marker in written):
         return None
     return (opening + written).strip()
 
