@@ -35,15 +35,13 @@ def sample(
         return greedy.cpu()
     probs = torch.stack([_filtered_probs(logits[i], params[i]) for i in rows])
     noise = torch.empty_like(probs)
-    device_generator = None
     for row, i in zip(noise, rows):
         generator = generators[i] or default_generator
         if generator.device != row.device:
             # Generators are host generators, and a GPU tensor can only be filled from one of
             # its own device. A seed drawn from the request's generator keys a device one, so a
             # seeded request still draws the same noise in any batch.
-            if device_generator is None:
-                device_generator = torch.Generator(device=row.device)
+            device_generator = _device_generator(row.device)
             device_generator.manual_seed(_derived_seed(generator))
             generator = device_generator
         row.exponential_(generator=generator)
@@ -55,6 +53,17 @@ def sample(
     tokens = both[: len(params)].clone()
     tokens[rows] = both[len(params) :]
     return tokens
+
+
+_device_generators: dict[torch.device, torch.Generator] = {}
+
+
+def _device_generator(device: torch.device) -> torch.Generator:
+    """One generator per device, made once: it is reseeded before every draw."""
+    generator = _device_generators.get(device)
+    if generator is None:
+        generator = _device_generators[device] = torch.Generator(device=device)
+    return generator
 
 
 def _derived_seed(generator: torch.Generator) -> int:
