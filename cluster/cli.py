@@ -246,6 +246,7 @@ def run_train_draft(args: argparse.Namespace) -> None:
             hidden_noise=args.hidden_noise,
         ),
         save_dtype=args.save_dtype,
+        draft_vocab_size=args.draft_vocab_size or None,
         restart=args.restart,
         evaluate=not args.no_evaluate,
         progress=not args.no_progress,
@@ -254,6 +255,12 @@ def run_train_draft(args: argparse.Namespace) -> None:
     print(f"draft written to {summary['draft']} ({summary['draft_bytes'] / 2**20:.1f} MiB)")
     for record in summary["validations"][-1:]:
         print(f"held-out replay: accept length {record['accept_length']:.2f}")
+    vocab = summary["draft_vocab"]
+    if vocab["restricted"]:
+        print(
+            f"draft vocabulary: {vocab['size']} tokens, "
+            f"{vocab['heldout_answer_coverage']:.2%} of held-out answer tokens"
+        )
     engine = summary.get("engine_heldout")
     if engine and engine["accept_length"] is not None:
         acceptance = ", ".join(f"{a:.2f}" for a in engine["acceptance"])
@@ -319,6 +326,14 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps")
     parser.add_argument(
         "--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"]
+    )
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=8192,
+        metavar="N",
+        help="tokens the draft may propose: the N most frequent in the training answers "
+        "(default 8192; 0: the target's whole vocabulary)",
     )
     parser.add_argument(
         "--restart", action="store_true", help="ignore a checkpoint in --out (data is kept)"

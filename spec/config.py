@@ -38,15 +38,24 @@ class DraftConfig:
     # The target layers whose outputs depth 0 reads side by side (EAGLE3 style); () for the
     # last layer's output alone.
     aux_layers: tuple[int, ...] = ()
+    # Tokens the draft may propose (the `draft_vocab` tensor); None: the target's whole vocabulary.
+    draft_vocab_size: int | None = None
 
     @classmethod
-    def for_target(cls, target: ModelConfig, num_draft_steps: int, name: str) -> DraftConfig:
+    def for_target(
+        cls,
+        target: ModelConfig,
+        num_draft_steps: int,
+        name: str,
+        draft_vocab_size: int | None = None,
+    ) -> DraftConfig:
         return cls(
             num_draft_steps=num_draft_steps,
             spec_hidden_size=target.spec_hidden_size,
             hidden_size=target.hidden_size,
             target={"model": name, **target_shapes(target)},
             aux_layers=target.draft_aux_layers,
+            draft_vocab_size=draft_vocab_size,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -59,6 +68,8 @@ class DraftConfig:
         }
         if self.aux_layers:
             raw["aux_layers"] = list(self.aux_layers)
+        if self.draft_vocab_size is not None:
+            raw["draft_vocab_size"] = self.draft_vocab_size
         return raw
 
     @classmethod
@@ -98,12 +109,20 @@ class DraftConfig:
                 f"{file}: aux_layers must be a list of distinct target layer indices, "
                 f"got {aux_layers!r}"
             )
+        draft_vocab_size = raw.get("draft_vocab_size")
+        if draft_vocab_size is not None and (
+            type(draft_vocab_size) is not int or draft_vocab_size < 1
+        ):
+            raise ModelLoadError(
+                f"{file}: draft_vocab_size must be a positive integer, got {draft_vocab_size!r}"
+            )
         return cls(
             int(raw["num_draft_steps"]),
             int(raw["spec_hidden_size"]),
             int(raw["hidden_size"]),
             dict(target),
             tuple(aux_layers),
+            draft_vocab_size,
         )
 
     def check_target(self, target: ModelConfig, folder: Path) -> None:

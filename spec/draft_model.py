@@ -19,8 +19,10 @@ from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
 from engine.models.llama import DecoderLayer, RMSNorm
 from spec.config import DraftConfig
+from spec.draft_vocab import check_draft_vocab
 
 WEIGHTS_FILE = "model.safetensors"
+VOCAB_TENSOR = "draft_vocab"
 
 
 class DraftDepth(nn.Module):
@@ -49,13 +51,18 @@ class DraftDepth(nn.Module):
 
 
 class MultiLayerEagleDraft(nn.Module):
-    def __init__(self, config: ModelConfig, num_draft_steps: int) -> None:
+    def __init__(
+        self, config: ModelConfig, num_draft_steps: int, vocab: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.depths = nn.ModuleList(
             DraftDepth(config, config.spec_hidden_size if d == 0 else config.hidden_size)
             for d in range(num_draft_steps)
         )
+        # Target token ids the draft may propose (spec.draft_vocab), ascending; None: all. Kept
+        # out of the state dict: it is chosen after training, from the data, not learned.
+        self.vocab = vocab
 
     @property
     def num_draft_steps(self) -> int:
@@ -68,9 +75,21 @@ def save_draft(
     """Write `draft` as a draft folder: config.json and model.safetensors with HF layer names."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    config = DraftConfig.for_target(draft.config, draft.num_draft_steps, target_name)
+    vocab = draft.vocab
+    if vocab is not None:
+        problem = check_draft_vocab(vocab.cpu(), draft.config.vocab_size)
+        if problem:
+            raise ValueError(f"the draft vocabulary {problem}")
+    config = DraftConfig.for_target(
+        draft.config,
+        draft.num_draft_steps,
+        target_name,
+        None if vocab is None else vocab.numel(),
+    )
     (folder / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
     tensors: dict[str, torch.Tensor] = {}
+    if vocab is not None:
+        tensors[VOCAB_TENSOR] = vocab
     for d, depth in enumerate(draft.depths):
         prefix = f"depths.{d}."
         tensors[prefix + "enorm.weight"] = depth.enorm.weight
@@ -111,6 +130,9 @@ def load_draft(
         draft = MultiLayerEagleDraft(target, steps)
     draft = draft.to_empty(device=device)
     expected = _expected_names(draft)
+    if config.draft_vocab_size is not None:
+        draft.vocab = _draft_vocab(tensors.get(VOCAB_TENSOR), config, target, folder)
+        expected.add(VOCAB_TENSOR)
     missing = sorted(expected - tensors.keys())
     if missing:
         raise ModelLoadError(f"draft {folder} lacks {len(missing)} weights, e.g. {missing[:4]}")
@@ -139,6 +161,22 @@ def load_draft(
                 )
             param.data.copy_(tensor)
     return draft.to(dtype).eval()
+
+
+def _draft_vocab(
+    vocab: torch.Tensor | None, config: DraftConfig, target: ModelConfig, folder: Path
+) -> torch.Tensor:
+    if vocab is None:
+        raise ModelLoadError(
+            f"draft {folder} declares draft_vocab_size {config.draft_vocab_size} "
+            f"but has no {VOCAB_TENSOR!r} tensor"
+        )
+    problem = check_draft_vocab(vocab, target.vocab_size)
+    if problem is None and vocab.numel() != config.draft_vocab_size:
+        problem = f"has {vocab.numel()} ids, config.json says {config.draft_vocab_size}"
+    if problem:
+        raise ModelLoadError(f"draft {folder}: {VOCAB_TENSOR!r} {problem}")
+    return vocab
 
 
 _PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

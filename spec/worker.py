@@ -23,6 +23,7 @@ from spec.batching import Span, extend_batch
 from spec.draft_extend import DraftExtend
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftRunner, DraftSeq
+from spec.draft_vocab import DraftHead
 from spec.state import DraftState, SpecRequestState
 
 
@@ -45,6 +46,7 @@ class MultiLayerEagleWorker:
             DraftRunner(d, module, runner.model, runner.rotary, runner.config)
             for d, module in enumerate(draft.depths)
         ]
+        self.head = DraftHead(runner.model, draft.vocab)
 
     # --- after the target's prefill (prefill nodes, and the offline engine) ---
     @torch.inference_mode()
@@ -207,10 +209,11 @@ class MultiLayerEagleWorker:
             outputs = runner.forward([item.input_for(depth) for item in items])
             last = torch.stack([out[-1] for out in outputs])
             # A depth's output is hidden_size wide whatever the target's stream: norm + head only.
-            logits = self.target.lm_head_logits(last)
-            best_p, best = torch.softmax(logits, dim=-1).max(dim=-1)
-            for item, out, token, prob in zip(items, outputs, best.tolist(), best_p.tolist()):
-                item.take(depth, out, token, prob)
+            best, best_p = self.head.propose(last)
+            # One copy to the host for both (ids are exact in float64).
+            ids, probs = torch.stack([best.double(), best_p.double()]).tolist()
+            for item, out, token, prob in zip(items, outputs, ids, probs):
+                item.take(depth, out, int(token), prob)
         for item in items:
             item.finish()
 

@@ -45,6 +45,7 @@ from spec.train.trainer import (
 )
 
 NUM_DRAFT_STEPS = 3
+DRAFT_VOCAB_SIZE = 200
 
 
 def save_chat_template(path: Path) -> None:
@@ -173,6 +174,8 @@ def trained(predictable_path: Path, tmp_path_factory: pytest.TempPathFactory):
             schedule=Schedule(epochs=6, tokens_per_batch=2048, log_every=5, checkpoint_every=10),
             progress=False,
             save_dtype="float32",
+            # Fewer than the 320 ids: the shipped draft proposes from a vocabulary.
+            draft_vocab_size=DRAFT_VOCAB_SIZE,
         )
     )
     return out, summary
@@ -192,7 +195,12 @@ def test_training_raises_the_heldout_accept_length(trained) -> None:
 
 def test_replay_equals_the_engines_accept_length(trained) -> None:
     _, summary = trained
-    replay, engine = summary["validations"][-1], summary["engine_heldout"]
+    vocab = summary["draft_vocab"]
+    assert vocab["restricted"] and vocab["size"] == DRAFT_VOCAB_SIZE
+    assert 0.5 < vocab["heldout_answer_coverage"] <= 1.0
+    assert 0.5 < vocab["train_answer_coverage"] <= 1.0
+    # The last epoch's replay proposed from every id; the shipped draft from its vocabulary.
+    replay, engine = vocab["replay"], summary["engine_heldout"]
     assert engine["verify_steps"] == replay["verify_steps"] > 0
     assert abs(engine["accept_length"] - replay["accept_length"]) < 1e-9
     assert engine["acceptance"] == pytest.approx(replay["acceptance"], abs=1e-9)
@@ -200,12 +208,13 @@ def test_replay_equals_the_engines_accept_length(trained) -> None:
 
 
 def test_saved_draft_loads_with_the_trained_weights(trained, predictable_path: Path) -> None:
-    out, _ = trained
+    out, summary = trained
     config = json.loads((out / "draft" / "config.json").read_text())
     assert config["num_draft_steps"] == NUM_DRAFT_STEPS
     target = resolve(EngineArgs(model=str(predictable_path), device="cpu")).model_config
     draft = load_draft(out / "draft", target, None, "cpu", torch.float32)
     assert draft.num_draft_steps == NUM_DRAFT_STEPS
+    assert config["draft_vocab_size"] == summary["draft_vocab"]["size"] == draft.vocab.numel()
     trained_state = checkpoint(out)["draft"]
     loaded = draft.state_dict()
     assert loaded.keys() == trained_state.keys()
@@ -548,7 +557,7 @@ def replay(
     monkeypatch.setattr(trainer_module, "draft_forward", fake_draft_forward)
     data = Sequences([row], [prompt_len], {"max_tokens": max_tokens})
     identity_head = SimpleNamespace(lm_head_logits=lambda hidden: hidden)
-    draft = SimpleNamespace(num_draft_steps=len(correct))
+    draft = SimpleNamespace(num_draft_steps=len(correct), vocab=None)
     return validate(draft, identity_head, None, data, 4096, 1024, torch.device("cpu"), False)
 
 

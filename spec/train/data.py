@@ -31,6 +31,10 @@ class Sequences:
     def num_answer_tokens(self) -> int:
         return sum(len(t) - n for t, n in zip(self.tokens, self.prompt_lens))
 
+    def answers(self) -> list[list[int]]:
+        """Each sequence's answer tokens."""
+        return [t[n:] for t, n in zip(self.tokens, self.prompt_lens)]
+
     @classmethod
     def joined(cls, parts: list[Sequences]) -> Sequences:
         """One set of every part's sequences, in order; `meta` lists the parts'."""

@@ -29,6 +29,7 @@ from engine.models.rope import RotaryEmbedding
 from engine.request import spec_totals
 from engine.weights import iter_safetensors
 from spec.draft_model import MultiLayerEagleDraft, save_draft
+from spec.draft_vocab import choose_draft_vocab, count_tokens, coverage
 from spec.train.data import Sequences, target_answers
 from spec.train.prompts import heldout_prompts, training_prompts
 from spec.train.self_prompts import self_written_prompts
@@ -54,6 +55,9 @@ class TrainDraftConfig:
     generate_batch: int = 128
     schedule: Schedule = field(default_factory=Schedule)
     save_dtype: str = "bfloat16"
+    # Tokens the draft may propose, the most frequent in the training answers (spec.draft_vocab);
+    # no restriction when it is not below the target's vocabulary size, or None.
+    draft_vocab_size: int | None = 8192
     restart: bool = False
     evaluate: bool = True
     progress: bool = True
@@ -69,6 +73,8 @@ class TrainDraftConfig:
             raise ValueError("num_prompts and num_self_prompts must not be negative")
         if self.num_prompts + self.num_self_prompts < 1:
             raise ValueError("num_prompts and num_self_prompts add up to no training prompt")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
         if self.schedule.epochs < 1 or self.schedule.tokens_per_batch < 2:
             raise ValueError("epochs must be >= 1 and tokens_per_batch >= 2")
 
@@ -212,7 +218,13 @@ def train_draft(config: TrainDraftConfig) -> dict:
     progress = trainer.run()
 
     draft_dir = out / "draft"
-    saved = MultiLayerEagleDraft(model_config, config.num_draft_steps)
+    vocab, vocab_summary = _draft_vocab(config, model_config, train, held)
+    if vocab is not None:
+        # The replay of what is shipped: the engine proposes from the vocabulary only.
+        draft.vocab = vocab.to(device)
+        replay = trainer.validate()
+        vocab_summary["replay"] = asdict(replay) if replay is not None else None
+    saved = MultiLayerEagleDraft(model_config, config.num_draft_steps, vocab)
     saved.load_state_dict(draft.state_dict())
     save_draft(draft_dir, saved.to(SAVE_DTYPES[config.save_dtype]), spec.path.name)
     summary = {
@@ -237,6 +249,7 @@ def train_draft(config: TrainDraftConfig) -> dict:
         "resumed": resumed,
         "final_train": _last_train_record(out),
         "validations": progress.validations,
+        "draft_vocab": vocab_summary,
         "draft": str(draft_dir),
         "draft_bytes": (draft_dir / "model.safetensors").stat().st_size,
     }
@@ -252,6 +265,26 @@ def train_draft(config: TrainDraftConfig) -> dict:
         )
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _draft_vocab(
+    config: TrainDraftConfig, model_config, train: Sequences, held: Sequences
+) -> tuple[torch.Tensor | None, dict]:
+    """The draft vocabulary: the most frequent answer tokens of the training data, with the
+    target's end-of-turn tokens; and its size and coverage of training and held-out answers."""
+    vocab_size = model_config.vocab_size
+    if config.draft_vocab_size is None or config.draft_vocab_size >= vocab_size:
+        return None, {"size": vocab_size, "restricted": False}
+    train_counts = count_tokens(train.answers(), vocab_size)
+    vocab = choose_draft_vocab(train_counts, config.draft_vocab_size, model_config.eos_token_ids)
+    return vocab, {
+        "size": vocab.numel(),
+        "restricted": True,
+        "train_answer_coverage": round(coverage(train_counts, vocab), 5),
+        "heldout_answer_coverage": round(
+            coverage(count_tokens(held.answers(), vocab_size), vocab), 5
+        ),
+    }
 
 
 def _last_train_record(out: Path) -> dict | None:

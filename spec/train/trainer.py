@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from spec.draft_model import MultiLayerEagleDraft
+from spec.draft_vocab import DraftHead
 from spec.train.data import Sequences, progress_interval
 from spec.train.dense import draft_forward, target_forward
 
@@ -186,6 +187,8 @@ def validate(
     autocast: bool,
 ) -> Validation:
     k = draft.num_draft_steps
+    # What the engine proposes with: the draft's vocabulary, if it has one.
+    head = DraftHead(target, draft.vocab)
     max_tokens = data.meta.get("max_tokens") or max(len(t) for t in data.tokens)
     steps = emitted = 0
     accepted_at = [0] * k
@@ -195,7 +198,7 @@ def validate(
         with _autocast(device, autocast):
             target_hidden, _ = target_forward(target, rotary, block.tokens)
             outputs = draft_forward(draft, target, rotary, block.tokens, target_hidden)
-            preds = [target.lm_head_logits(out).argmax(-1).view_as(block.tokens) for out in outputs]
+            preds = [head.argmax(out).view_as(block.tokens) for out in outputs]
         tokens = block.tokens.tolist()
         preds_cpu = [p.tolist() for p in preds]
         for b in range(len(indices)):
