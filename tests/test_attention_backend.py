@@ -1,5 +1,6 @@
-"""The torch attention backend against torch's own scaled_dot_product_attention: decode (its own
-grouped-query attention) and extend, on ragged batches, with and without grouped KV heads."""
+"""The torch attention backend against torch's own scaled_dot_product_attention: decode and short
+extends (its own grouped-query attention, batched) and long extends (SDPA per request), on ragged
+batches, with and without grouped KV heads."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import torch
 import torch.nn.functional as F
 from devices import DEVICES
 
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.torch_backend import (
+    SHORT_EXTEND_MAX_TOKENS,
+    BatchedMetadata,
+    PerRequestMetadata,
+    TorchAttentionBackend,
+)
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool, ReqToTokenPool
 
@@ -85,6 +91,35 @@ def _reference(
     return out[0].transpose(0, 1)
 
 
+def _reference_extend(
+    q: torch.Tensor,
+    kv_pool: KVPool,
+    layer: int,
+    slots: list[list[int]],
+    extend_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """`_reference` of every request of a batch, in the batch's flat token layout: [T, H, D]."""
+    starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
+    return torch.cat(
+        [
+            _reference(q[start : start + new], kv_pool, layer, request_slots, scale)
+            for start, new, request_slots in zip(starts, extend_lens, slots)
+        ]
+    )
+
+
+def _new_tokens(
+    tokens: int, num_heads: int, num_kv_heads: int, seed: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q [T, H, D], k and v [T, Hkv, D] of the new tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, num_heads, HEAD_DIM, generator=gen)
+    k = torch.randn(tokens, num_kv_heads, HEAD_DIM, generator=gen)
+    v = torch.randn(tokens, num_kv_heads, HEAD_DIM, generator=gen)
+    return q.to(device), k.to(device), v.to(device)
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (9, 3), (3, 1)])
 @pytest.mark.parametrize("layer", [0, NUM_LAYERS - 1])
 @pytest.mark.parametrize("device", DEVICES)
@@ -154,18 +189,11 @@ def test_extend_matches_sdpa_with_and_without_a_cached_prefix(
     assert not batch.is_decode
     batch.attn_metadata = backend.prepare(batch)
 
-    gen = torch.Generator().manual_seed(9)
-    tokens = sum(extend_lens)
-    q = torch.randn(tokens, num_heads, HEAD_DIM, generator=gen)
-    k = torch.randn(tokens, num_kv_heads, HEAD_DIM, generator=gen)
-    v = torch.randn(tokens, num_kv_heads, HEAD_DIM, generator=gen)
+    q, k, v = _new_tokens(sum(extend_lens), num_heads, num_kv_heads, 9, "cpu")
     out = backend.forward(q, k, v, 2, batch)
 
-    start = 0
-    for request_slots, new in zip(slots, extend_lens):
-        expected = _reference(q[start : start + new], kv_pool, 2, request_slots, backend.scale)
-        torch.testing.assert_close(out[start : start + new], expected, rtol=1e-5, atol=1e-5)
-        start += new
+    expected = _reference_extend(q, kv_pool, 2, slots, extend_lens, backend.scale)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_single_new_token_gets_the_same_output_from_decode_and_extend() -> None:
@@ -213,3 +241,85 @@ def test_decode_in_bfloat16_stays_close_to_float32(device: str) -> None:
         assert out.dtype == dtype
         outputs.append(out.float())
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0.05, atol=0.05)
+
+
+# Speculative batches: a fresh short prompt (no prefix), a span of exactly the threshold, a single
+# token, a verify of the newest token and 3 drafts, and a longer verify, all after different
+# prefixes, so that every request is padded to the longest span but one.
+SHORT_SEQ_LENS = [5, 40, 33, 30, 64]
+SHORT_EXTEND_LENS = [5, SHORT_EXTEND_MAX_TOKENS, 1, 4, 9]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (9, 3), (3, 1)])
+@pytest.mark.parametrize("layer", [0, NUM_LAYERS - 1])
+@pytest.mark.parametrize("device", DEVICES)
+def test_short_extend_matches_sdpa_on_a_mixed_batch(
+    num_heads: int, num_kv_heads: int, layer: int, device: str
+) -> None:
+    kv_pool, req_pool = _pools(num_kv_heads, seed=31 + num_heads, device=device)
+    rows, slots = _assign_rows(req_pool, SHORT_SEQ_LENS, seed=32 + layer)
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, HEAD_DIM)
+    batch = _batch(kv_pool, req_pool, rows, slots, SHORT_SEQ_LENS, SHORT_EXTEND_LENS)
+    batch.attn_metadata = backend.prepare(batch)
+    assert isinstance(batch.attn_metadata, BatchedMetadata)
+
+    q, k, v = _new_tokens(sum(SHORT_EXTEND_LENS), num_heads, num_kv_heads, 33, device)
+    out = backend.forward(q, k, v, layer, batch)
+
+    expected = _reference_extend(q, kv_pool, layer, slots, SHORT_EXTEND_LENS, backend.scale)
+    # GPU kernels sum in other orders than the reference's.
+    tol = 1e-5 if device == "cpu" else 1e-4
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_short_extend_in_bfloat16_stays_close_to_float32(device: str) -> None:
+    num_heads, num_kv_heads, layer = 9, 3, 1
+    kv_pool, req_pool = _pools(num_kv_heads, seed=41, device=device)
+    rows, slots = _assign_rows(req_pool, SHORT_SEQ_LENS, seed=42)
+    q, k, v = _new_tokens(sum(SHORT_EXTEND_LENS), num_heads, num_kv_heads, 43, device)
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, HEAD_DIM)
+
+    pool = KVPool(CAPACITY, NUM_LAYERS, num_kv_heads, HEAD_DIM, torch.bfloat16, device)
+    pool.kv_buffer.copy_(kv_pool.kv_buffer)
+    batch = _batch(pool, req_pool, rows, slots, SHORT_SEQ_LENS, SHORT_EXTEND_LENS)
+    batch.attn_metadata = backend.prepare(batch)
+    assert isinstance(batch.attn_metadata, BatchedMetadata)
+    dtype = torch.bfloat16
+    out = backend.forward(q.to(dtype), k.to(dtype), v.to(dtype), layer, batch)
+    assert out.dtype == dtype
+
+    kv_pool.write(layer, batch.out_cache_loc, k, v)
+    expected = _reference_extend(q, kv_pool, layer, slots, SHORT_EXTEND_LENS, backend.scale)
+    torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "extend_lens"),
+    [
+        # A span just over the threshold sends the whole batch, short spans too, per request.
+        (
+            [SHORT_EXTEND_MAX_TOKENS + 1, 40, 20],
+            [SHORT_EXTEND_MAX_TOKENS + 1, SHORT_EXTEND_MAX_TOKENS + 1, 3],
+        ),
+        ([30], [4]),  # a lone request has no calls to batch
+    ],
+)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_spans_and_lone_requests_extend_per_request(
+    seq_lens: list[int], extend_lens: list[int], num_heads: int, num_kv_heads: int, device: str
+) -> None:
+    kv_pool, req_pool = _pools(num_kv_heads, seed=51, device=device)
+    rows, slots = _assign_rows(req_pool, seq_lens, seed=52)
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, HEAD_DIM)
+    batch = _batch(kv_pool, req_pool, rows, slots, seq_lens, extend_lens)
+    batch.attn_metadata = backend.prepare(batch)
+    assert isinstance(batch.attn_metadata, PerRequestMetadata)
+
+    q, k, v = _new_tokens(sum(extend_lens), num_heads, num_kv_heads, 53, device)
+    out = backend.forward(q, k, v, 2, batch)
+
+    expected = _reference_extend(q, kv_pool, 2, slots, extend_lens, backend.scale)
+    tol = 1e-5 if device == "cpu" else 1e-4
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)

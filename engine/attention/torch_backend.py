@@ -1,11 +1,14 @@
 """Reference attention on plain torch ops; runs on CPU and GPU.
 
-Decode computes grouped-query attention itself rather than through
-`F.scaled_dot_product_attention`: with a padding mask and fewer KV heads than query heads, SDPA
-falls back to its math path, which copies K and V out to every query head at every layer.
-Here the G = num_heads / num_kv_heads query heads that share a KV head are the rows of one small
-matrix product against that head's keys, so K and V are gathered once per layer and never
-repeated per query head.
+Decode and short extends (speculative verify and draft extends: a few new tokens per request
+after a long cached prefix) compute grouped-query attention for the whole batch at once rather
+than through `F.scaled_dot_product_attention`: with a padding mask and fewer KV heads than query
+heads, SDPA falls back to its math path, which copies K and V out to every query head at every
+layer, and one SDPA call per request costs a host dispatch per request per layer. Here each
+request's new tokens are padded to the longest span n, and the G = num_heads / num_kv_heads query
+heads that share a KV head are, with their n queries each, the rows of one small matrix product
+against that head's keys, so K and V are gathered once per layer and never repeated per query
+head. Longer spans (prompts, chunks) keep one SDPA call per request.
 """
 
 from __future__ import annotations
@@ -22,54 +25,49 @@ from engine.forward_batch import ForwardBatch
 # (as fused attention kernels do); only CUDA implements it, and only recent torch has it.
 _BMM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()
 
+# Extend batches whose every request brings at most this many new tokens take the batched path;
+# speculative forwards stay under it (verify: the newest token and k <= ~8 drafts). Padding to the
+# longest span makes the float32 scores n times a decode step's, and one long span (a prompt)
+# would pad every other request to its length; per request, SDPA pads nothing, its fused kernels
+# never hold the scores, and a long span amortises its dispatch.
+SHORT_EXTEND_MAX_TOKENS = 16
+
 
 @dataclass
-class DecodeMetadata:
+class BatchedMetadata:
+    """Decode and short extends: every request's queries padded to n, attended in one batch."""
+
     slots: torch.Tensor  # [B, L] slots of every cached token, padded with the padding slot
-    mask: torch.Tensor  # [B, 1, 1, L] additive: 0 where a real token is, -inf elsewhere
+    # [B, 1, n, L] additive: 0 where query j of request i, at position prefix_i + j, may see key
+    # position p (p <= prefix_i + j), -inf elsewhere. Causality alone keeps every real query to
+    # its request's cached tokens (prefix_i + j < seq_len_i); only padding queries (j >= new_i)
+    # reach the padded positions, and their outputs are dropped.
+    mask: torch.Tensor
     # [2 * B * Hkv * L] rows of the layer-0 view `kv_buffer.view(-1, head_dim)` holding K (then
     # V) of every cached token, ordered (k/v, request, KV head, position); layer l's rows are
     # these shifted by l * 2 * Hkv, see `_layer_rows`.
     kv_rows: torch.Tensor
+    # See `_padding_rows`; both None for decode, where the flat tokens are the padded queries.
+    query_rows: torch.Tensor | None
+    output_rows: torch.Tensor | None
 
 
 @dataclass
-class ExtendMetadata:
+class PerRequestMetadata:
+    """Extends with a long span: one SDPA call per request."""
+
     # Per request: (first flat token index, new tokens, prefix slots or None, causal mask or None)
     spans: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def prepare(self, batch: ForwardBatch) -> DecodeMetadata | ExtendMetadata:
-        rows = batch.req_to_token_pool.req_to_token
-        device = rows.device
-        if batch.is_decode:
-            max_len = max(batch.seq_lens)
-            lens = torch.tensor(batch.seq_lens, device=device)
-            mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
-            # Padded positions read slot 0, a harmless buffer; the mask hides them.
-            slots = rows[batch.req_pool_indices, :max_len] * mask
-            return DecodeMetadata(
-                slots=slots,
-                mask=_additive(mask, batch)[:, None, None, :],
-                kv_rows=_kv_rows(slots, batch),
-            )
-        spans = []
-        # Requests with a cached prefix take views of one gather of slots and one arange, so
-        # none of them costs its own copy from the host.
-        max_len = max(batch.seq_lens)
-        request_slots = rows[batch.req_pool_indices, :max_len]
-        positions = torch.arange(max_len, device=device)
-        start = 0
-        for i, (seq_len, new) in enumerate(zip(batch.seq_lens, batch.extend_lens)):
-            prefix = seq_len - new
-            if prefix == 0:
-                spans.append((start, new, None, None))
-            else:
-                mask = positions[None, :seq_len] <= positions[prefix:seq_len, None]
-                spans.append((start, new, request_slots[i, :seq_len], _additive(mask, batch)))
-            start += new
-        return ExtendMetadata(spans=spans)
+    def prepare(self, batch: ForwardBatch) -> BatchedMetadata | PerRequestMetadata:
+        # A lone extending request has no per-request calls to save, and its one SDPA call
+        # (a fused kernel) costs less than the batched path's gathers and products.
+        short = max(batch.extend_lens) <= SHORT_EXTEND_MAX_TOKENS
+        if batch.is_decode or (short and batch.batch_size > 1):
+            return self._prepare_batched(batch)
+        return _prepare_per_request(batch)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
@@ -77,8 +75,8 @@ class TorchAttentionBackend(AttentionBackend):
         pool = batch.kv_pool
         pool.write(layer, batch.out_cache_loc, k, v)
         meta = batch.attn_metadata
-        if isinstance(meta, DecodeMetadata):
-            return self._decode(q, layer, batch, meta)
+        if isinstance(meta, BatchedMetadata):
+            return self._batched(q, layer, batch, meta)
         out = torch.empty_like(q)
         for start, new, prefix_slots, mask in meta.spans:
             q_i = q[start : start + new].transpose(0, 1)[None]  # [1, H, n, D]
@@ -101,31 +99,93 @@ class TorchAttentionBackend(AttentionBackend):
             out[start : start + new] = o[0].transpose(0, 1)
         return out
 
-    def _decode(
-        self, q: torch.Tensor, layer: int, batch: ForwardBatch, meta: DecodeMetadata
+    def _prepare_batched(self, batch: ForwardBatch) -> BatchedMetadata:
+        rows = batch.req_to_token_pool.req_to_token
+        device = rows.device
+        max_len, span = max(batch.seq_lens), max(batch.extend_lens)
+        lens, new = torch.tensor([batch.seq_lens, batch.extend_lens], device=device)
+        positions = torch.arange(max_len, device=device)
+        cached = positions[None, :] < lens[:, None]  # [B, L]
+        # Padded positions read slot 0, a harmless buffer; the mask hides them from every real
+        # query.
+        slots = rows[batch.req_pool_indices, :max_len] * cached
+        kv_rows = _kv_rows(slots, batch)
+        query_positions = (lens - new)[:, None] + torch.arange(span, device=device)  # [B, n]
+        mask = _additive(positions <= query_positions[:, :, None], batch)[:, None]
+        if batch.is_decode:  # the flat tokens already are the padded queries
+            return BatchedMetadata(slots, mask, kv_rows, query_rows=None, output_rows=None)
+        padding_rows = _padding_rows(new, span, self.num_heads, batch.num_tokens)
+        return BatchedMetadata(slots, mask, kv_rows, *padding_rows)
+
+    def _batched(
+        self, q: torch.Tensor, layer: int, batch: ForwardBatch, meta: BatchedMetadata
     ) -> torch.Tensor:
-        """q [B, H, D] -> [B, H, D]: one query token per request against its cached tokens."""
-        num_reqs, max_len = meta.slots.shape
+        """q [T, H, D] -> [T, H, D]: each request's n (padded) queries against its cached tokens."""
+        num_reqs, _, span, max_len = meta.mask.shape
         kv_heads, dim = self.num_kv_heads, self.head_dim
         group = self.num_heads // kv_heads
         # One gather brings K and V of this layer as [2, B * Hkv, L, D]: each (request, KV head)
         # is one contiguous matrix, so both products below are plain batched matmuls on views.
         kv = _layer_rows(batch.kv_pool.kv_buffer, layer).index_select(0, meta.kv_rows)
         kv = kv.view(2, num_reqs * kv_heads, max_len, dim)
-        # Query head h reads KV head h // G (SDPA's enable_gqa), so the G heads of a KV head are
-        # adjacent rows of q.
-        queries = q.reshape(num_reqs * kv_heads, group, dim)
+        if meta.query_rows is not None:
+            q = q.reshape(-1, dim).index_select(0, meta.query_rows)  # [B * H * n, D]
+        # Query head h reads KV head h // G (SDPA's enable_gqa), so the G heads of a KV head, n
+        # queries each, are adjacent rows of q.
+        queries = q.reshape(num_reqs * kv_heads, group * span, dim)
         keys_t = kv[0].transpose(1, 2)
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _BMM_HAS_OUT_DTYPE:
             scores = torch.bmm(queries, keys_t, out_dtype=torch.float32)
         else:
             scores = torch.bmm(queries, keys_t).float()
         scores = torch.add(
-            meta.mask, scores.view(num_reqs, kv_heads, group, max_len), alpha=self.scale
+            meta.mask, scores.view(num_reqs, self.num_heads, span, max_len), alpha=self.scale
         )
         weights = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = torch.bmm(weights.view(num_reqs * kv_heads, group, max_len), kv[1])
-        return out.view(num_reqs, self.num_heads, dim)
+        out = torch.bmm(weights.view(num_reqs * kv_heads, group * span, max_len), kv[1])
+        if meta.output_rows is None:
+            return out.view(num_reqs, self.num_heads, dim)
+        return out.view(-1, dim).index_select(0, meta.output_rows).view(-1, self.num_heads, dim)
+
+
+def _padding_rows(
+    new: torch.Tensor, span: int, num_heads: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the flat queries `q.reshape(-1, head_dim)` that form the padded queries
+    [B, H, n, D], a padding query repeating its request's last token; and rows of the padded
+    output `.view(-1, head_dim)` that form the flat output [T, H, D]."""
+    device = new.device
+    heads = torch.arange(num_heads, device=device)
+    starts = new.cumsum(0) - new
+    queries = torch.arange(span, device=device)
+    tokens = starts[:, None] + torch.minimum(queries, new[:, None] - 1)  # [B, n]
+    query_rows = tokens[:, None, :] * num_heads + heads[:, None]  # [B, H, n]
+    # output_size spares the device-to-host sync that sizing the result would cost.
+    requests = torch.arange(len(new), device=device).repeat_interleave(new, output_size=num_tokens)
+    token_queries = torch.arange(num_tokens, device=device) - starts[requests]
+    output_rows = (requests[:, None] * num_heads + heads) * span + token_queries[:, None]  # [T, H]
+    return query_rows.flatten(), output_rows.flatten()
+
+
+def _prepare_per_request(batch: ForwardBatch) -> PerRequestMetadata:
+    rows = batch.req_to_token_pool.req_to_token
+    device = rows.device
+    spans = []
+    # Requests with a cached prefix take views of one gather of slots and one arange, so
+    # none of them costs its own copy from the host.
+    max_len = max(batch.seq_lens)
+    request_slots = rows[batch.req_pool_indices, :max_len]
+    positions = torch.arange(max_len, device=device)
+    start = 0
+    for i, (seq_len, new) in enumerate(zip(batch.seq_lens, batch.extend_lens)):
+        prefix = seq_len - new
+        if prefix == 0:
+            spans.append((start, new, None, None))
+        else:
+            mask = positions[None, :seq_len] <= positions[prefix:seq_len, None]
+            spans.append((start, new, request_slots[i, :seq_len], _additive(mask, batch)))
+        start += new
+    return PerRequestMetadata(spans=spans)
 
 
 def _kv_rows(slots: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
