@@ -304,15 +304,14 @@ def _recording_classes():
 
     class RecordingDecodeNode(DecodeNode):
         def _land_transfers(self) -> None:
+            # An ended transfer may wait for its PrefillResult: log it once it is settled.
             log = self.__dict__.setdefault("transfer_log", [])
-            for tracked in self.receiving:
-                handle = tracked.handle
-                if handle is not None and handle.state in (
-                    TransferState.SUCCESS,
-                    TransferState.FAILED,
-                ):
-                    log.append(entry(handle, len(tracked.req.prompt_token_ids)))
+            before = list(self.receiving)
             super()._land_transfers()
+            settled = {id(t) for t in before} - {id(t) for t in self.receiving}
+            for tracked in before:
+                if id(tracked) in settled and tracked.handle is not None:
+                    log.append(entry(tracked.handle, len(tracked.req.prompt_token_ids)))
 
         def transfers(self) -> list[dict]:
             return list(self.__dict__.get("transfer_log", []))

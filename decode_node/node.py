@@ -2,13 +2,18 @@
 prompt's KV and metadata row, then generates and streams tokens to the router.
 
 Life of a request here: GenerateRequest -> prealloc queue (waits while KV or metadata rows are
-short: backpressure) -> PrefillRequest sent -> TransferAnnounce -> receive posted in announcement
-order -> landed (room tag checked) -> first token streamed, request joins the running batch ->
-decode steps -> finished, slots freed."""
+short: backpressure) -> PrefillRequest sent -> TransferAnnounce (sent when the prefill batch is
+admitted) -> receive posted in announcement order, while the prefill runs -> PrefillResult (the
+first token's top logprobs and the prefill timeline, or the prefill's error) -> landed (room tag
+checked) -> first token streamed, request joins the running batch -> decode steps -> finished,
+slots freed. A transfer is settled once it ended and its PrefillResult came (both normally come
+together: the result is sent before the KV); a result that reports an error fails the request at
+once, and its slots are freed when the (void) transfer ends."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -25,6 +30,7 @@ from metadata.messages import (
     AbortRequest,
     GenerateRequest,
     PrefillRequest,
+    PrefillResult,
     TokenUpdate,
     TransferAbandoned,
     TransferAnnounce,
@@ -44,6 +50,9 @@ from spec import DraftState, speculator_from_args
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
 WAITING_POLL_MS = 1
+# How long a transfer that ended waits for its PrefillResult, which the prefill node sends before
+# the KV: only a lost message or a dead prefill node makes it wait this long.
+RESULT_WAIT_S = 5.0
 
 
 @dataclass
@@ -55,6 +64,9 @@ class _Tracked:
     aborted: bool = False
     sent_tokens: int = 0
     announce: TransferAnnounce | None = None
+    result: PrefillResult | None = None
+    result_at: float | None = None  # perf_counter when the serving loop took the result
+    ended_at: float | None = None  # when its transfer was first seen ended, without a result
 
 
 class DecodeNode(ServingNode):
@@ -165,6 +177,8 @@ class DecodeNode(ServingNode):
             self._accept(msg)
         elif isinstance(msg, TransferAnnounce):
             self._post_receive(msg)
+        elif isinstance(msg, PrefillResult):
+            self._take_result(msg)
         elif isinstance(msg, TransferAbandoned):
             tracked = self.rooms.get(msg.room)
             if tracked is not None:
@@ -246,6 +260,15 @@ class DecodeNode(ServingNode):
         )
         set_time(req, "receive_posted")
 
+    def _take_result(self, result: PrefillResult) -> None:
+        tracked = self.rooms.get(result.room)
+        if tracked is None:
+            return
+        tracked.result, tracked.result_at = result, time.perf_counter()
+        if result.error is not None:
+            # The transfer still comes (void): its slots are freed when it ends.
+            self._fail(tracked, result.error)
+
     def _land_transfers(self) -> None:
         still = []
         for tracked in self.receiving:
@@ -253,11 +276,21 @@ class DecodeNode(ServingNode):
             if handle is None or handle.state not in (TransferState.SUCCESS, TransferState.FAILED):
                 still.append(tracked)
                 continue
+            if not self._settled(tracked):
+                still.append(tracked)
+                continue
             self.transfer_totals.record(handle)
+            prefill = tracked.message.prefill_node
             if tracked.aborted:
                 self._forget(tracked)
+            elif tracked.result is None:
+                self._fail(
+                    tracked,
+                    f"prefill-{prefill} sent no result for its transfer within "
+                    f"{RESULT_WAIT_S:g} s of its end",
+                    remove_from_receiving=False,
+                )
             elif handle.state == TransferState.FAILED:
-                prefill = tracked.message.prefill_node
                 self._fail(
                     tracked,
                     f"KV transfer from prefill-{prefill} failed: {handle.error}",
@@ -267,16 +300,26 @@ class DecodeNode(ServingNode):
                 self._join_running(tracked)
         self.receiving = still
 
+    def _settled(self, tracked: _Tracked) -> bool:
+        """An ended transfer can be acted on: its PrefillResult came (or is not needed, or is
+        overdue). Without the result a void transfer would fail as a room tag mismatch rather
+        than with the prefill's error, and a landed one would lack its top logprobs."""
+        if tracked.aborted or tracked.result is not None or tracked.handle.left_posted:
+            return True
+        now = time.monotonic()
+        if tracked.ended_at is None:
+            tracked.ended_at = now
+        return now - tracked.ended_at > RESULT_WAIT_S
+
     def _join_running(self, tracked: _Tracked) -> None:
         req = tracked.req
         if req.trace is not None:
-            handle = tracked.handle
-            landed = {"bytes": handle.nbytes, "wire_ms": handle.elapsed_s * 1e3}
+            landed = {"bytes": tracked.handle.nbytes, "wire_ms": _wire_seconds(tracked) * 1e3}
             set_time(req, "transfer_end", landed)
         row = tracked.meta_row
         first = int(self.metadata.output_ids[row])
         if req.params.logprobs is not None:
-            top = [(int(t), float(lp)) for t, lp in tracked.announce.first_token_top_logprobs]
+            top = [(int(t), float(lp)) for t, lp in tracked.result.first_token_top_logprobs]
             req.logprobs.append(TokenLogprob(first, float(self.metadata.output_logprob[row]), top))
         req.kv_len = len(req.prompt_token_ids)
         req.output_token_ids.append(first)
@@ -342,7 +385,7 @@ class DecodeNode(ServingNode):
                 **self._speculation_usage(req),
             }
             if req.trace is not None:
-                prefill = tracked.announce.trace if tracked.announce is not None else []
+                prefill = tracked.result.trace if tracked.result is not None else []
                 stats["trace"] = {"prefill": prefill, "decode": req.trace.events}
         self._send(TokenUpdate(tracked.message.room, new, logprobs, req.finish_reason, stats=stats))
 
@@ -414,3 +457,16 @@ class DecodeNode(ServingNode):
     def _send(self, update: TokenUpdate) -> None:
         if self.router is not None:
             self.router.send(update)
+
+
+def _wire_seconds(tracked: _Tracked) -> float:
+    """A landed transfer's own time as this side sees it: from when its KV could start to flow
+    (the receive posted, and the PrefillResult taken, which the prefill node sends just before
+    the KV) to its landing; the receive itself waits through the prefill's forward. A result
+    that a busy serving loop took late makes it an underestimate: for traces only."""
+    handle = tracked.handle
+    posted, landed = handle.time_of("posted"), handle.time_of("landed")
+    if posted is None or landed is None:
+        return handle.elapsed_s
+    start = max(posted, min(tracked.result_at or posted, landed))
+    return landed - start

@@ -10,8 +10,9 @@ Invariants (tested in tests/test_metadata_buffers.py):
 - `room[row]` is written last by `write_row`, and room is the row's last field: a row whose room
   tag equals the expected room has every other field in place: `row_landed(row, room)`. The
   receiver lands a whole row by one copy and checks the tag only once that copy completed;
-- a free row has room tag 0 (`free` zeroes it) and rooms are never 0, so a stale row never
-  passes for a landed one;
+- a free row has room tag 0 (`free` zeroes it, as `void` does for a row that is sent without
+  its request's state) and rooms are never 0, so a stale or void row never passes for a landed
+  one;
 - `hidden_states` is `spec_hidden_size` wide, never `hidden_size`: a model that widens its
   residual stream (hc_mult > 1) or concatenates auxiliary hidden states hands the draft more
   than `hidden_size` values per token;
@@ -169,6 +170,12 @@ class MetadataBuffers:
             self.boundary_hidden[row].copy_(boundary_hidden)
         self.cached_tokens[row] = cached_tokens
         self.room[row] = room
+
+    def void(self, row: int) -> None:
+        """Zero the row's room tag: sent as it is, the row lands as no room's (rooms are never
+        0), so the KV sent with it is never taken for a request's."""
+        self._check_row(row)
+        self.room[row] = 0
 
     def row_landed(self, row: int, room: int) -> bool:
         self._check_row(row)

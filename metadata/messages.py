@@ -14,7 +14,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class MessageError(ValueError):
@@ -82,22 +82,37 @@ class PrefillRequest:
 
 @message
 class TransferAnnounce:
-    """Prefill node -> decode node, sent before the tensors: receive `num_tokens` of KV next."""
+    """Prefill node -> decode node, when the request's prefill batch is admitted (before its
+    forward): receive `num_tokens` of KV next. Every announced transfer is sent, whatever
+    happens to the prefill; its PrefillResult says whether what lands is the request's KV."""
 
     room: int
     prefill_rank: int
     num_tokens: int
+    # Draft depths whose KV and chain follow the target's KV (0: this request does not draft).
+    num_draft_tokens: int = 0
+
+
+@message
+class PrefillResult:
+    """Prefill node -> decode node, after the forward and before the announced transfer is
+    sent: what the metadata row does not carry, or why the prefill failed (`error`, naming
+    the prefill node). A failed prefill still sends its announced transfer, under a row whose
+    room tag never matches, because the decode node's receives are posted and cannot be
+    cancelled."""
+
+    room: int
     # Top log-probabilities of the first token, when the request asked for them: [[id, lp], ...]
     first_token_top_logprobs: list[list[Any]] = field(default_factory=list)
-    # Draft depths whose KV and chain follow the target's KV (0: this request did not draft).
-    num_draft_tokens: int = 0
     # The request's timeline on the prefill node when it traces: [[name, time_ns(, args)], ...]
     trace: list[list[Any]] = field(default_factory=list)
+    error: str | None = None
 
 
 @message
 class TransferAbandoned:
-    """Prefill node -> decode node: this room will not be sent (prefill failed or aborted)."""
+    """Prefill node -> decode node: this room will not be sent nor announced (refused or
+    aborted before its prefill batch was admitted)."""
 
     room: int
     reason: str

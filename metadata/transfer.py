@@ -2,9 +2,11 @@
 moved from a prefill rank to a decode rank with torch.distributed p2p (NCCL on GPU, gloo on CPU).
 
 Contract (the control plane keeps it; tests/test_transfer.py checks the data plane's side):
-- the prefill node announces each transfer (room, number of tokens) before `KVSender.send`; the
-  decode node calls `KVReceiver.expect` in announcement order per source rank, with slot lists of
-  the announced length. NCCL matches p2p operations by order alone, so both sides must post one
+- the prefill node announces each transfer (room, number of tokens) before `KVSender.send` (as
+  soon as the request's prefill batch is admitted, so that the receives are posted by the time
+  the forward is done); the decode node calls `KVReceiver.expect` in announcement order per
+  source rank, with slot lists of the announced length. A receive's deadline hence covers the
+  prefill's forward too. NCCL matches p2p operations by order alone, so both sides must post one
   order per pair (gloo also matches the tag, derived from the room; NCCL ignores it);
 - one FIFO worker thread per peer rank on each side: transfers to (from) different peers never
   wait on each other, and each pair keeps the one order;
@@ -112,6 +114,12 @@ class TransferHandle:
             event = torch.cuda.Event(enable_timing=True)
             torch.cuda.current_stream().record_event(event)
             self._events[phase] = event
+
+    def time_of(self, phase: str) -> float | None:
+        """When the job reached `phase`, on this process's `time.perf_counter` clock; None if
+        it did not."""
+        at = self.phases.get(phase)
+        return None if at is None else self._started + at
 
     def stop_clock(self, read_gpu_events: bool) -> None:
         """The job ended; reading the GPU events waits for the last one (so only after a job

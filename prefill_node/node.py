@@ -2,8 +2,15 @@
 and the metadata row to the decode node that reserved room for it.
 
 A request arrives only after its decode node has preallocated (decode-driven handshake), so the
-prefill node may send as soon as its forward is done: it announces each transfer on the control
-plane, then hands it to the per-peer sender; slots are freed when the transfer ends."""
+prefill node announces each transfer on the control plane as soon as the request's batch is
+admitted, before the forward: the decode node posts its receives while the prompt runs, and the
+send finds them posted. After the forward it sends a PrefillResult (what the row does not carry,
+or the error), then hands the transfer to the per-peer sender; slots are freed when it ends.
+
+An announced transfer is always sent: the decode node's receives are posted and cannot be
+cancelled. When the prefill fails after the announcement, the same messages go out under a void
+row (room tag 0, `MetadataBuffers.void`), which the decode node never takes for a landed one, and
+the PrefillResult carries the error, naming this node."""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import torch
 from engine.engine_core import step_generator
 from engine.errors import RequestRejectedError
 from engine.kv_cache import KVCacheManager
+from engine.kv_pool import KVPool
 from engine.loader import EngineArgs
 from engine.prompt_embeds import InputEmbeds, PromptEmbeds
 from engine.request import Request
@@ -23,7 +31,13 @@ from engine.sampler import compute_logprobs, sample
 from engine.sampling_params import SamplingParams
 from engine.tracing import RequestTrace, set_time, set_time_batch
 from metadata.control import Inbox, Outbox
-from metadata.messages import AbortRequest, PrefillRequest, TransferAbandoned, TransferAnnounce
+from metadata.messages import (
+    AbortRequest,
+    PrefillRequest,
+    PrefillResult,
+    TransferAbandoned,
+    TransferAnnounce,
+)
 from metadata.node_common import (
     NodeOptions,
     abandon_slots,
@@ -47,6 +61,8 @@ class _Pending:
     decode_rank: int
     meta_row: int | None = None
     handle: TransferHandle | None = None
+    # Decided when the transfer is announced: the draft depths' KV follows the target's.
+    drafted: bool = False
 
 
 class PrefillNode(ServingNode):
@@ -166,6 +182,8 @@ class PrefillNode(ServingNode):
         return batch
 
     def _prefill(self, batch: list[_Pending]) -> None:
+        for pending in batch:
+            self._announce(pending)
         requests = [p.req for p in batch]
         set_time_batch(requests, "prefill_start")
         try:
@@ -179,85 +197,125 @@ class PrefillNode(ServingNode):
                 req.kv_len = req.num_tokens
                 req.output_token_ids.append(token)
             set_time_batch(requests, "prefill_end")
-            drafted = self._draft_extend(
-                requests, forward_batch.extend_lens, output.hidden, output.input_embeds
-            )
+            self._draft_extend(batch, forward_batch.extend_lens, output.hidden, output.input_embeds)
         except Exception as err:  # noqa: BLE001 - a failed batch fails its requests, not the node
             log.exception("prefill failed")
             for pending in batch:
-                self._abandon(pending, f"prefill failed: {type(err).__name__}: {err}")
+                self._send_void(pending, f"prefill failed: {type(err).__name__}: {err}")
             return
         self.prompts_done += len(batch)
         self.prompt_tokens += sum(len(r.prompt_token_ids) for r in requests)
         for i, pending in enumerate(batch):
-            self._send(pending, logprobs[i], output.last_hidden[i], drafted[i])
+            self._send(pending, logprobs[i], output.last_hidden[i])
+
+    def _announce(self, pending: _Pending) -> None:
+        """Tell the decode node what to receive, before the forward: whether the request drafts
+        is known now (it depends on max_tokens alone), so the number of pools never changes."""
+        req = pending.req
+        pending.drafted = self.speculator is not None and _drafts_after_first_token(req)
+        self.outboxes[pending.decode_node].send(
+            TransferAnnounce(
+                int(req.request_id),
+                self.rank,
+                len(req.prompt_token_ids),
+                self.num_draft_steps if pending.drafted else 0,
+            )
+        )
+        set_time(req, "transfer_announced")
 
     def _draft_extend(
         self,
-        requests: list[Request],
+        batch: list[_Pending],
         extend_lens: list[int],
         hidden: torch.Tensor | None,
         input_embeds: InputEmbeds | None,
-    ) -> list[bool]:
-        """Draft extend for prefill: every depth over the prompt, and the first chain. A
-        request with a single token left to emit drafts nothing (it will never verify). Where
-        the prompt gave embeddings, the depths read the rows the target's forward used."""
+    ) -> None:
+        """Draft extend for prefill: every depth over the prompt, and the first chain, for the
+        requests announced as drafting (a request with a single token left to emit drafts
+        nothing: it will never verify). Where the prompt gave embeddings, the depths read the
+        rows the target's forward used."""
         if self.speculator is None:
-            return [False] * len(requests)
-        drafted = [req.lookahead > 0 for req in requests]
+            return
+        requests = [p.req for p in batch]
+        # The announcement decided before the first token existed; the rule is the engine's.
+        assert all(p.drafted == (p.req.lookahead > 0) for p in batch), "drafting changed"
         embeds = input_embeds.split(extend_lens) if input_embeds else [None] * len(requests)
         items = [
-            (r, h, e)
-            for r, h, e, d in zip(requests, hidden.split(extend_lens), embeds, drafted)
-            if d
+            (p.req, h, e) for p, h, e in zip(batch, hidden.split(extend_lens), embeds) if p.drafted
         ]
         if items:
             drafting = [r for r, _, _ in items]
             set_time_batch(drafting, "draft_extend_start")
             self.speculator.draft_extend_prefill(*(list(column) for column in zip(*items)))
             set_time_batch(drafting, "draft_extend_end")
-        return drafted
 
-    def _send(self, pending: _Pending, logprob, last_hidden: torch.Tensor, drafted: bool) -> None:
+    def _send(self, pending: _Pending, logprob, last_hidden: torch.Tensor) -> None:
         req = pending.req
         room = int(req.request_id)
         prompt_len = req.kv_len
-        pools = [(self.runner.kv_pool, req.slots[:prompt_len])]
-        draft_fields = {}
-        if drafted:
-            state = self.speculator.export_state(req)
-            pools += self.speculator.depth_kv(req, prompt_len)
-            last_hidden = state.target_hidden
-            draft_fields = {
-                "topk_index": torch.tensor(state.draft_token_ids),
-                "topk_p": torch.tensor(state.draft_probs),
-                "boundary_hidden": state.boundary_hidden,
-            }
-        self.metadata.write_row(
-            pending.meta_row,
-            room=room,
-            output_id=req.output_token_ids[0],
-            output_logprob=logprob.logprob if logprob else 0.0,
-            hidden_state=last_hidden,
-            **draft_fields,
-        )
-        top = [[t, lp] for t, lp in logprob.top_logprobs] if logprob else []
-        # The announcement starts the transfer; it carries this node's timeline to the decode
-        # node, which lands the transfer (transfer_end) and reports both to the router.
-        set_time(req, "transfer_start")
-        self.outboxes[pending.decode_node].send(
-            TransferAnnounce(
-                room,
-                self.rank,
-                prompt_len,
-                top,
-                self.num_draft_steps if drafted else 0,
-                trace=req.trace.events if req.trace is not None else [],
+        try:
+            pools = [(self.runner.kv_pool, req.slots[:prompt_len])]
+            draft_fields = {}
+            if pending.drafted:
+                state = self.speculator.export_state(req)
+                pools += self.speculator.depth_kv(req, prompt_len)
+                last_hidden = state.target_hidden
+                draft_fields = {
+                    "topk_index": torch.tensor(state.draft_token_ids),
+                    "topk_p": torch.tensor(state.draft_probs),
+                    "boundary_hidden": state.boundary_hidden,
+                }
+            self.metadata.write_row(
+                pending.meta_row,
+                room=room,
+                output_id=req.output_token_ids[0],
+                output_logprob=logprob.logprob if logprob else 0.0,
+                hidden_state=last_hidden,
+                **draft_fields,
             )
-        )
-        pending.handle = self.sender.send(
-            pending.decode_rank, room, pools, self.metadata, pending.meta_row
-        )
+        except Exception as err:  # noqa: BLE001 - fails this request only
+            log.exception("room %s: preparing its transfer failed", room)
+            self._send_void(pending, f"preparing the transfer failed: {type(err).__name__}: {err}")
+            return
+        top = [[t, lp] for t, lp in logprob.top_logprobs] if logprob else []
+        # The result goes first, so that the decode node has it when the KV lands; it carries
+        # this node's timeline, which the decode node reports to the router with its own.
+        set_time(req, "transfer_start")
+        trace = req.trace.events if req.trace is not None else []
+        self.outboxes[pending.decode_node].send(PrefillResult(room, top, trace))
+        self._post_send(pending, pools)
+
+    def _send_void(self, pending: _Pending, reason: str) -> None:
+        """Complete an announced transfer whose request failed: the same messages, read from
+        slots whose content means nothing, under a void row; the result says why."""
+        req = pending.req
+        room = int(req.request_id)
+        error = f"{self.options.name}: {reason}"
+        self.outboxes[pending.decode_node].send(PrefillResult(room, error=error))
+        self.metadata.void(pending.meta_row)
+        self._post_send(pending, self._void_pools(len(req.prompt_token_ids), pending.drafted))
+
+    def _void_pools(self, num_tokens: int, drafted: bool) -> list[tuple[KVPool, list[int]]]:
+        """The announced pools, each with slots [1, num_tokens]: they exist whatever state the
+        failure left (the target's pool holds the request's num_tokens slots, and each depth's
+        pool is as large), and are only read."""
+        pools = [self.runner.kv_pool]
+        if drafted:
+            pools += [runner.kv_pool for runner in self.speculator.depths]
+        slots = list(range(1, num_tokens + 1))
+        return [(pool, slots) for pool in pools]
+
+    def _post_send(self, pending: _Pending, pools: list[tuple[KVPool, list[int]]]) -> None:
+        room = int(pending.req.request_id)
+        try:
+            pending.handle = self.sender.send(
+                pending.decode_rank, room, pools, self.metadata, pending.meta_row
+            )
+        except Exception:  # noqa: BLE001 - the channel or the sender is gone, not the node
+            # The decode node's receive stays posted until its deadline breaks the channel.
+            log.exception("room %s: its announced transfer could not be sent", room)
+            self._release(pending)
+            return
         self.sending.append(pending)
 
     def _finish_transfers(self) -> None:
@@ -278,6 +336,7 @@ class PrefillNode(ServingNode):
         self.sending = still
 
     def _abandon(self, pending: _Pending, reason: str) -> None:
+        """Drop a request that was not announced: the decode node posts nothing for it."""
         room = int(pending.req.request_id)
         outbox = self.outboxes.get(pending.decode_node)
         if outbox is not None:
@@ -304,3 +363,10 @@ class PrefillNode(ServingNode):
         if pending.meta_row is not None:
             self.metadata.free(pending.meta_row)
             pending.meta_row = None
+
+
+def _drafts_after_first_token(req: Request) -> bool:
+    """Whether `req` drafts once its first token is out (`Request.lookahead` then): a request
+    with a single token left to emit after the first never verifies, so it drafts nothing."""
+    remaining = req.params.max_tokens - len(req.output_token_ids) - 2
+    return min(req.num_draft_tokens, remaining) > 0

@@ -19,6 +19,7 @@ from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from metadata.buffers import MetadataBuffers
+from metadata.messages import PrefillResult
 from metadata.node_metrics import TransferTotals
 from metadata.transfer import TransferHandle, TransferState
 from prefill_node.node import PrefillNode, _Pending
@@ -55,6 +56,7 @@ def decode_node(left_posted: bool, state: TransferState):
     message = SimpleNamespace(room=ROOM, prefill_node=0)
     tracked = _Tracked(req, message, meta_row=node.metadata.allocate())
     tracked.handle = handle(state, left_posted)
+    tracked.result = PrefillResult(ROOM)  # the prefill's result came with the KV
     tracked.aborted = state == TransferState.SUCCESS  # the client left: freed either way
     node.rooms = {ROOM: tracked}
     node.receiving = [tracked]

@@ -1,0 +1,347 @@
+"""The prefill node announces each transfer when the request's prefill batch is admitted, before
+the forward, so that the decode node's receives are posted by the time the KV is ready. What the
+announcement cannot carry (the first token's top logprobs, the prefill timeline, or the error)
+follows in a PrefillResult, sent before the KV. A prefill that fails after the announcement still
+sends the announced transfer (posted receives cannot be cancelled) under a void row, and the
+decode node fails just that request with the prefill's error. Nodes are built bare here (no
+model, no process group): only the bookkeeping and the order of messages run."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import decode_node.node as decode_module
+from decode_node.node import DecodeNode, _Tracked
+from engine.kv_cache import KVCacheManager
+from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from metadata.buffers import MetadataBuffers
+from metadata.messages import (
+    MessageError,
+    PrefillResult,
+    TokenUpdate,
+    TransferAnnounce,
+    decode,
+    encode,
+)
+from metadata.node_common import NodeOptions
+from metadata.node_metrics import TransferTotals
+from metadata.transfer import TransferHandle, TransferState
+from prefill_node.node import PrefillNode, _drafts_after_first_token, _Pending
+
+CAPACITY = 64
+HIDDEN = 8
+VOCAB = 16
+
+
+def kv_cache() -> KVCacheManager:
+    return KVCacheManager(
+        KVPool(CAPACITY, 1, 1, 4, torch.float32, "cpu"), ReqToTokenPool(8, CAPACITY, "cpu")
+    )
+
+
+class Recorder:
+    """Stands for a node's outboxes and its KVSender: logs what each is asked to do, in order,
+    with what a send would read (its pools' slot counts, the row's room tag) at that moment."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.handles: list[TransferHandle] = []
+
+    def send(self, msg) -> None:  # an outbox
+        self.events.append(("message", msg))
+
+    def send_kv(self, dst_rank, room, pools_and_slots, metadata, row):  # the KVSender
+        counts = [len(slots) for _, slots in pools_and_slots]
+        self.events.append(("kv", room, counts, int(metadata.room[row])))
+        handle = TransferHandle(room, dst_rank)
+        self.handles.append(handle)
+        return handle
+
+    def messages(self, kind: type) -> list:
+        return [e[1] for e in self.events if e[0] == "message" and isinstance(e[1], kind)]
+
+    def kinds(self) -> list[str]:
+        return [type(e[1]).__name__ if e[0] == "message" else e[0] for e in self.events]
+
+
+class FakeRunner:
+    """build_batch and forward of a model with no weights: uniform-ish random logits."""
+
+    def __init__(self, kv_pool: KVPool, recorder: Recorder, fail: bool = False) -> None:
+        self.kv_pool = kv_pool
+        self.recorder = recorder
+        self.fail = fail
+
+    def build_batch(self, requests: list[Request]):
+        self.recorder.events.append(("forward",))
+        if self.fail:
+            raise RuntimeError("injected forward failure")
+        return SimpleNamespace(extend_lens=[r.num_tokens for r in requests])
+
+    def forward(self, batch, keep_hidden: bool):
+        n, total = len(batch.extend_lens), sum(batch.extend_lens)
+        return SimpleNamespace(
+            logits=torch.randn(n, VOCAB),
+            last_hidden=torch.zeros(n, HIDDEN),
+            hidden=torch.zeros(total, HIDDEN),
+            input_embeds=None,
+        )
+
+
+class FakeSpeculator:
+    """Draft depths whose pools exist but whose draft extend fails."""
+
+    def __init__(self, num_draft_steps: int) -> None:
+        self.num_draft_steps = num_draft_steps
+        self.depths = [
+            SimpleNamespace(kv_pool=KVPool(CAPACITY, 1, 1, 4, torch.float32, "cpu"))
+            for _ in range(num_draft_steps)
+        ]
+
+    def draft_extend_prefill(self, requests, hidden, input_embeds) -> None:
+        raise RuntimeError("injected draft extend failure")
+
+    def release(self, req: Request) -> None:
+        req.spec_state = None
+
+
+def prefill_node(recorder: Recorder, fail: bool = False, speculator=None) -> PrefillNode:
+    node = PrefillNode.__new__(PrefillNode)
+    node.options = NodeOptions("prefill", 0)
+    node.rank = 0
+    node.kv_cache = kv_cache()
+    node.runner = FakeRunner(node.kv_cache.kv_pool, recorder, fail)
+    node.speculator = speculator
+    node.num_draft_steps = speculator.num_draft_steps if speculator else 0
+    node.metadata = MetadataBuffers(4, HIDDEN, node.num_draft_steps, 1, torch.float32, "cpu")
+    node.spec = SimpleNamespace(
+        engine_config=SimpleNamespace(max_num_seqs=8, max_prefill_tokens=512)
+    )
+    node.outboxes = {0: recorder}
+    node.sender = SimpleNamespace(send=recorder.send_kv)
+    node.waiting = deque()
+    node.sending = []
+    node.default_generator = torch.Generator().manual_seed(0)
+    node.prompts_done = node.prompt_tokens = 0
+    node.transfer_totals = TransferTotals("send")
+    return node
+
+
+def run_batch(node: PrefillNode, prompts: dict[int, tuple[list[int], int]]) -> None:
+    """Queue requests {room: (prompt, max_tokens)}, admit them as one batch and prefill it."""
+    for room, (prompt, max_tokens) in prompts.items():
+        req = Request(str(room), prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+        if node.speculator is not None:
+            req.num_draft_tokens = node.num_draft_steps
+        node.waiting.append(_Pending(req, decode_node=0, decode_rank=1))
+    batch = node._admit()
+    assert len(batch) == len(prompts)
+    node._prefill(batch)
+
+
+def finish_sends(node: PrefillNode, recorder: Recorder) -> None:
+    for handle in recorder.handles:
+        handle.advance(TransferState.SUCCESS)
+    node._finish_transfers()
+
+
+PROMPTS = {11: ([3, 4, 5], 4), 12: ([6, 7], 4), 13: ([8, 9, 10, 11], 4)}
+
+
+def test_every_transfer_is_announced_before_the_forward_and_sent_in_that_order() -> None:
+    recorder = Recorder()
+    node = prefill_node(recorder)
+    run_batch(node, PROMPTS)
+    assert (
+        recorder.kinds()
+        == ["TransferAnnounce"] * 3
+        + ["forward"]
+        + [
+            "PrefillResult",
+            "kv",
+        ]
+        * 3
+    )
+    announced = [(a.room, a.num_tokens) for a in recorder.messages(TransferAnnounce)]
+    assert announced == [(room, len(prompt)) for room, (prompt, _) in PROMPTS.items()]
+    sends = [e for e in recorder.events if e[0] == "kv"]
+    # Announcement order, the announced length, and the row tagged with its own room.
+    assert [(room, counts, tag) for _, room, counts, tag in sends] == [
+        (room, [len(prompt)], room) for room, (prompt, _) in PROMPTS.items()
+    ]
+    assert all(r.error is None for r in recorder.messages(PrefillResult))
+    finish_sends(node, recorder)
+    assert node.kv_cache.is_empty() and node.metadata.num_free == 4
+
+
+def test_a_forward_that_fails_after_the_announcement_still_sends_each_transfer_void() -> None:
+    recorder = Recorder()
+    node = prefill_node(recorder, fail=True)
+    run_batch(node, PROMPTS)
+    assert (
+        recorder.kinds()
+        == ["TransferAnnounce"] * 3
+        + ["forward"]
+        + [
+            "PrefillResult",
+            "kv",
+        ]
+        * 3
+    )
+    for result in recorder.messages(PrefillResult):
+        assert result.error.startswith("prefill-0: prefill failed: RuntimeError")
+        assert "injected forward failure" in result.error
+    sends = [e for e in recorder.events if e[0] == "kv"]
+    # What was announced, under a row whose room tag matches no room.
+    assert [(room, counts, tag) for _, room, counts, tag in sends] == [
+        (room, [len(prompt)], 0) for room, (prompt, _) in PROMPTS.items()
+    ]
+    assert node.prompts_done == 0
+    finish_sends(node, recorder)
+    assert node.kv_cache.is_empty() and node.metadata.num_free == 4 and not node.sending
+
+
+def test_a_request_whose_transfer_cannot_be_prepared_is_void_in_its_place() -> None:
+    recorder = Recorder()
+    node = prefill_node(recorder)
+    write_row = node.metadata.write_row
+
+    def failing_write_row(row, *, room, **fields):
+        if room == 12:
+            raise ValueError("injected row failure")
+        write_row(row, room=room, **fields)
+
+    node.metadata.write_row = failing_write_row
+    run_batch(node, PROMPTS)
+    sends = [(room, tag) for _, room, _, tag in (e for e in recorder.events if e[0] == "kv")]
+    assert sends == [(11, 11), (12, 0), (13, 13)]
+    errors = {r.room: r.error for r in recorder.messages(PrefillResult)}
+    assert errors[11] is None and errors[13] is None
+    assert errors[12].startswith("prefill-0: preparing the transfer failed: ValueError")
+    finish_sends(node, recorder)
+    assert node.kv_cache.is_empty() and node.metadata.num_free == 4
+
+
+def test_the_pools_of_a_void_transfer_are_the_announced_ones() -> None:
+    """Whether a request drafts is decided at the announcement (max_tokens 2 leaves one token
+    after the first: no draft); a failed draft extend still sends one pool per depth."""
+    recorder = Recorder()
+    node = prefill_node(recorder, speculator=FakeSpeculator(num_draft_steps=2))
+    run_batch(node, {21: ([3, 4, 5], 8), 22: ([6, 7], 2)})
+    announced = {a.room: a.num_draft_tokens for a in recorder.messages(TransferAnnounce)}
+    assert announced == {21: 2, 22: 0}
+    sends = [
+        (room, counts, tag) for _, room, counts, tag in (e for e in recorder.events if e[0] == "kv")
+    ]
+    assert sends == [(21, [3, 3, 3], 0), (22, [2], 0)]
+    assert all("draft extend failure" in r.error for r in recorder.messages(PrefillResult))
+    finish_sends(node, recorder)
+    assert node.kv_cache.is_empty() and node.metadata.num_free == 4
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 9])
+@pytest.mark.parametrize("num_draft_tokens", [0, 1, 3])
+def test_the_announcement_decides_drafting_as_the_first_token_will(max_tokens, num_draft_tokens):
+    req = Request("1", [3, 4], SamplingParams(max_tokens=max_tokens))
+    req.num_draft_tokens = num_draft_tokens
+    before = _drafts_after_first_token(req)
+    req.output_token_ids.append(5)
+    assert before == (req.lookahead > 0)
+
+
+def test_the_prefill_result_crosses_the_wire_typed() -> None:
+    done = PrefillResult(7, [[3, -0.5], [4, -1.25]], [["prefill_start", 12]])
+    failed = PrefillResult(8, error="prefill-1: prefill failed: RuntimeError: x")
+    assert decode(encode(done)) == done and decode(encode(failed)) == failed
+    with pytest.raises(MessageError, match="PrefillResult.error"):
+        decode(encode(PrefillResult(9, error=5)))
+
+
+def test_a_void_row_lands_as_no_rooms() -> None:
+    metadata = MetadataBuffers(2, HIDDEN, 0, 1, torch.float32, "cpu")
+    row = metadata.allocate()
+    metadata.write_row(row, room=5, output_id=1, output_logprob=0.0, hidden_state=torch.ones(8))
+    metadata.void(row)
+    assert not metadata.row_landed(row, 5) and int(metadata.room[row]) == 0
+
+
+# --- the decode node ---
+
+ROOM = 4242
+PROMPT = list(range(3, 13))
+
+
+class Router:
+    def __init__(self) -> None:
+        self.updates: list[TokenUpdate] = []
+
+    def send(self, update: TokenUpdate) -> None:
+        self.updates.append(update)
+
+
+def decode_node(state: TransferState, error: str | None = None):
+    node = DecodeNode.__new__(DecodeNode)
+    cache = kv_cache()
+    node.options = NodeOptions("decode", 0)
+    node.engine = SimpleNamespace(kv_cache=cache)
+    node.kv_cache = cache
+    node.speculator = None
+    node.metadata = MetadataBuffers(2, HIDDEN, 0, 1, torch.float32, "cpu")
+    node.router = Router()
+    node.prefill_outboxes = {}
+    node.transfer_totals = TransferTotals("receive")
+    req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
+    cache.grow(req, len(PROMPT) + 4)
+    message = SimpleNamespace(room=ROOM, prefill_node=0)
+    tracked = _Tracked(req, message, meta_row=node.metadata.allocate())
+    tracked.handle = TransferHandle(ROOM, peer=0)
+    if state == TransferState.FAILED:
+        tracked.handle.fail(error)
+    else:
+        tracked.handle.advance(state)
+    node.rooms = {ROOM: tracked}
+    node.receiving = [tracked]
+    return node, cache
+
+
+PREFILL_ERROR = "prefill-0: prefill failed: RuntimeError: injected forward failure"
+MISMATCH = f"room tag mismatch: expected {ROOM} got 0 (from rank 0)"
+
+
+def test_a_prefill_error_fails_the_request_at_once_and_frees_its_slots_once_the_kv_came():
+    node, cache = decode_node(TransferState.TRANSFERRING)
+    node._handle(PrefillResult(ROOM, error=PREFILL_ERROR))
+    assert [(u.room, u.error) for u in node.router.updates] == [(ROOM, PREFILL_ERROR)]
+    node._land_transfers()
+    assert not cache.is_empty(), "the void transfer may still write into the slots"
+    node.rooms[ROOM].handle.fail(MISMATCH)
+    node._land_transfers()
+    assert cache.is_empty() and node.metadata.num_free == 2 and not node.rooms
+    assert len(node.router.updates) == 1  # one terminal answer
+
+
+def test_a_void_transfer_that_ends_before_its_result_reports_the_prefill_error():
+    node, cache = decode_node(TransferState.FAILED, error=MISMATCH)
+    node._land_transfers()
+    assert node.receiving and not node.router.updates  # waits for the result
+    node._handle(PrefillResult(ROOM, error=PREFILL_ERROR))
+    node._land_transfers()
+    assert [u.error for u in node.router.updates] == [PREFILL_ERROR]
+    assert cache.is_empty() and node.metadata.num_free == 2 and not node.rooms
+
+
+def test_a_transfer_whose_result_never_comes_fails_naming_the_prefill_node(monkeypatch):
+    node, cache = decode_node(TransferState.SUCCESS)
+    node._land_transfers()
+    assert node.receiving and not node.router.updates
+    monkeypatch.setattr(decode_module, "RESULT_WAIT_S", 0.0)
+    node._land_transfers()
+    (update,) = node.router.updates
+    assert "prefill-0 sent no result" in update.error
+    assert cache.is_empty() and node.metadata.num_free == 2 and not node.rooms
