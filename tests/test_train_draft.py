@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tiny_drafts import make_eagle3_draft, make_predictable_llama, make_random_draft
 from tiny_models import CHAT_TEMPLATE, make_tiny_llama
 from transformers import AutoTokenizer
@@ -649,6 +650,23 @@ def test_the_default_model_gets_the_shipped_draft() -> None:
         pytest.skip("the package was installed without the shipped draft")
     assert default_draft.default_draft_path() == shipped
     assert resolve_draft_model(None, None) == str(shipped)
+
+
+def test_the_shipped_draft_fits_the_embedded_model() -> None:
+    """What the issue asks of the shipped weights: 16-bit, at most 32 MB, K >= 3, loadable
+    against the default model; and a vocabulary that can end a turn."""
+    shipped = default_draft.default_draft_path()
+    if shipped is None:
+        pytest.skip("the package was installed without the shipped draft")
+    weights = shipped / "model.safetensors"
+    assert weights.stat().st_size <= 32 * 10**6
+    target = resolve(EngineArgs(device="cpu")).model_config
+    draft = load_draft(shipped, target, None, "cpu", torch.float32)
+    assert draft.num_draft_steps >= 3
+    dtypes = {t.dtype for name, t in load_file(str(weights)).items() if name != "draft_vocab"}
+    assert dtypes <= {torch.bfloat16, torch.float16}
+    assert draft.vocab is not None
+    assert set(target.eos_token_ids) <= set(draft.vocab.tolist())
 
 
 def test_no_draft_without_a_shipped_one(monkeypatch, tmp_path: Path) -> None:
