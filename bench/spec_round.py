@@ -4,15 +4,18 @@
 
 Builds a model of the target's shapes with random weights (speed does not depend on the
 values) and a random K-depth draft, then decodes the same prompts plainly and speculatively,
-ignoring EOS, and times `verify` and `finish_round` (draft extend and the next chain) of every
-round, synchronising the device around each. A random draft accepts almost nothing, so each
-round emits about one token: the ratio round / plain step is the accept length a draft needs
-just to break even. Prints a table and rewrites the "Speculative round cost (DEVICE)" section
-of docs/BENCHMARKS.md (raw figures in docs/bench/spec_round_DEVICE.json)."""
+ignoring EOS, one group of --batch-sizes requests after another. The prompts vary in length, so
+each round meets new sequence lengths, as real traffic does. It times `verify` and
+`finish_round` (draft extend and the next chain) of every round, synchronising the device
+around each. A random draft accepts almost nothing, so each round emits about one token: the
+ratio round / plain step is the accept length a draft needs just to break even.
+Prints a table and rewrites the "Speculative round cost (DEVICE)" section of
+docs/BENCHMARKS.md (raw figures in docs/bench/spec_round_DEVICE.json)."""
 
 from __future__ import annotations
 
 import argparse
+import random
 import shutil
 import sys
 import tempfile
@@ -80,8 +83,9 @@ def time_calls(obj, name: str, device: str, record: list[float]) -> None:
 
 
 def measure(llm: LLM, prompts: list[list[int]], batch: int, tokens: int, device: str) -> dict:
+    """Decode `prompts` in groups of `batch` requests, one generate call per group."""
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:batch], params)  # warm-up
+    llm.generate([[7] * 16] * batch, params)  # warm-up, on lengths none of the prompts has
     verify: list[float] = []
     finish: list[float] = []
     worker = llm.engine.speculator
@@ -90,13 +94,17 @@ def measure(llm: LLM, prompts: list[list[int]], batch: int, tokens: int, device:
         time_calls(worker, "finish_round", device, finish)
     _sync(device)
     started = time.perf_counter()
-    outputs = llm.generate(prompts[:batch], params)
+    outputs = []
+    for start in range(0, len(prompts), batch):
+        outputs += llm.generate(prompts[start : start + batch], params)
     elapsed = time.perf_counter() - started
+    groups = -(-len(prompts) // batch)
     if worker is not None:
         del worker.verify, worker.finish_round  # back to the class's methods
-        steps = spec_totals(o.usage for o in outputs).verify_steps / batch
+        # Rounds of a group: its requests' verify steps run side by side.
+        steps = spec_totals(o.usage for o in outputs).verify_steps / len(prompts) * groups
     else:
-        steps = tokens
+        steps = tokens * groups
     row = {"batch": batch, "ms_per_step": elapsed / steps * 1e3, "steps": steps}
     if verify:
         row["verify_ms"] = sum(verify) / len(verify) * 1e3
@@ -112,20 +120,32 @@ def main() -> None:
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
-    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument(
+        "--prompt-lens",
+        type=int,
+        nargs=2,
+        default=[20, 220],
+        metavar=("MIN", "MAX"),
+        help="prompt lengths, drawn uniformly (seeded): each round meets new sequence lengths, "
+        "as real traffic does",
+    )
+    parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
 
     keep_large_allocations_in_heap()
     source = resolve_model(args.model)
     batch_max = max(args.batch_sizes)
+    rng = random.Random(0)
+    low, high = args.prompt_lens
     prompts = [
-        [100 + (i * 131 + j * 7) % 5000 for j in range(args.prompt_len)] for i in range(batch_max)
+        [rng.randrange(100, 5000) for _ in range(rng.randint(low, high))]
+        for _ in range(max(args.prompts, batch_max))
     ]
     common = {
         "device": args.device,
         "max_num_seqs": batch_max,
-        "kv_cache_tokens": batch_max * (args.prompt_len + args.tokens + 16) + 64,
+        "kv_cache_tokens": batch_max * (high + args.tokens + 16) + 64,
     }
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -177,8 +197,9 @@ def main() -> None:
     body = (
         f"Command: `{command.strip()}` ({where}; the default model's shapes with random "
         f"weights, a random {args.num_draft_steps}-depth draft with the whole vocabulary or "
-        f"{args.draft_vocab_size} tokens, prompts of {args.prompt_len} tokens, {args.tokens} "
-        "tokens decoded per request, EOS ignored).\n\n" + table + "\n\n"
+        f"{args.draft_vocab_size} tokens; {len(prompts)} prompts of {low} to {high} tokens, in "
+        f"groups of the batch size, {args.tokens} tokens decoded per request, EOS "
+        "ignored).\n\n" + table + "\n\n"
         "A random draft accepts almost nothing, so a round emits about one token: "
         '"round / plain step" is the accept length a draft needs to break even. Verify and '
         "draft-extend times synchronise the device around each call, which the step times do "

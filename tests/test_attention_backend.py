@@ -302,12 +302,12 @@ def test_short_extend_in_bfloat16_stays_close_to_float32(device: str) -> None:
             [SHORT_EXTEND_MAX_TOKENS + 1, 40, 20],
             [SHORT_EXTEND_MAX_TOKENS + 1, SHORT_EXTEND_MAX_TOKENS + 1, 3],
         ),
-        ([30], [4]),  # a lone request has no calls to batch
+        ([30], [4]),  # a lone request on a CPU has no calls to batch (on a GPU: batched)
     ],
 )
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3)])
 @pytest.mark.parametrize("device", DEVICES)
-def test_long_spans_and_lone_requests_extend_per_request(
+def test_long_spans_and_lone_requests_on_a_cpu_extend_per_request(
     seq_lens: list[int], extend_lens: list[int], num_heads: int, num_kv_heads: int, device: str
 ) -> None:
     kv_pool, req_pool = _pools(num_kv_heads, seed=51, device=device)
@@ -315,7 +315,9 @@ def test_long_spans_and_lone_requests_extend_per_request(
     backend = TorchAttentionBackend(num_heads, num_kv_heads, HEAD_DIM)
     batch = _batch(kv_pool, req_pool, rows, slots, seq_lens, extend_lens)
     batch.attn_metadata = backend.prepare(batch)
-    assert isinstance(batch.attn_metadata, PerRequestMetadata)
+    lone_on_gpu = len(seq_lens) == 1 and device != "cpu"
+    expected_path = BatchedMetadata if lone_on_gpu else PerRequestMetadata
+    assert isinstance(batch.attn_metadata, expected_path)
 
     q, k, v = _new_tokens(sum(extend_lens), num_heads, num_kv_heads, 53, device)
     out = backend.forward(q, k, v, 2, batch)
