@@ -10,6 +10,15 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 BENCHMARKS = DOCS / "BENCHMARKS.md"
 
 
+def device_description(device: str) -> str:
+    """How the offline engine runs on `device` by default, for a benchmark's command line."""
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return f"CPU float32, {torch.get_num_threads()} threads"
+    return f"{torch.cuda.get_device_name()}, bfloat16"
+
+
 def write_section(title: str, body: str, raw: dict, json_name: str) -> None:
     """Replace (or append) the section `## title` of BENCHMARKS.md; keep the other sections."""
     (DOCS / "bench").mkdir(parents=True, exist_ok=True)

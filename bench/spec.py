@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.report import write_section  # noqa: E402
+from bench.report import device_description, write_section  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.cpu_tuning import keep_large_allocations_in_heap  # noqa: E402
 from engine.request import spec_totals  # noqa: E402
@@ -127,11 +127,7 @@ def main() -> None:
         return
     command = "python bench/spec.py " + " ".join(sys.argv[1:])
     device = torch.device(args.device).type
-    where = (
-        f"CPU float32, {torch.get_num_threads()} threads"
-        if device == "cpu"
-        else f"{torch.cuda.get_device_name()}, bfloat16"
-    )
+    where = device_description(args.device)
     body = (
         f"Command: `{command.strip()}` (default model, {where}, K = {args.num_draft_steps} "
         f"draft depths from {draft_name}, the first {len(prompts)} held-out chat prompts, "

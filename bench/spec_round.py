@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.report import write_section  # noqa: E402
+from bench.report import device_description, write_section  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.cpu_tuning import keep_large_allocations_in_heap  # noqa: E402
@@ -188,11 +188,7 @@ def main() -> None:
     if args.no_write:
         return
     device = torch.device(args.device).type
-    where = (
-        f"CPU float32, {torch.get_num_threads()} threads"
-        if device == "cpu"
-        else f"{torch.cuda.get_device_name()}, bfloat16"
-    )
+    where = device_description(args.device)
     command = "python bench/spec_round.py " + " ".join(sys.argv[1:])
     body = (
         f"Command: `{command.strip()}` ({where}; the default model's shapes with random "
