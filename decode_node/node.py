@@ -439,12 +439,10 @@ class DecodeNode(ServingNode):
             # Its receives stay posted (a timeout cannot cancel them) and land straight in the
             # slots: they must never hold another request's KV. The metadata row is safe to
             # reuse: receives land it in a staging tensor.
-            lost = abandon_slots(tracked.req)
-            log.warning(
-                "room %s: %d KV slots stay allocated for good: a receive of its transfer is "
-                "still posted and may write into them",
+            abandon_slots(
+                tracked.req,
                 tracked.message.room,
-                lost,
+                "a receive of its transfer is still posted and may write into them",
             )
         self.engine.kv_cache.release(tracked.req)
         if self.speculator is not None:

@@ -120,19 +120,20 @@ def open_channels(endpoint: KVSender | KVReceiver, peers: list[int], timeout_s: 
             )
 
 
-def abandon_slots(req: Request) -> int:
+def abandon_slots(req: Request, room: int, why: str, also: str = "") -> None:
     """Let go of `req`'s KV slots, target and draft depths, without freeing them: releasing the
     request afterwards frees its rows only, and the slots stay allocated for good. For slots that
     a transfer left posted by a timeout may still read or write (`TransferHandle.may_still_write`,
     `may_still_read`): handed to another request, they could carry or receive the wrong KV.
-    Returns how many slots the pools lose."""
+    Logs a warning naming the room, how many slots the pools lose (`also`: what else stays
+    taken) and `why`."""
     lost = len(req.slots)
     req.slots = []
     state = req.spec_state  # spec.SpecRequestState: one DraftSeq per depth
     for seq in state.seqs if state is not None else []:
         lost += len(seq.slots)
         seq.slots = []
-    return lost
+    log.warning("room %s: %d KV slots%s stay allocated for good: %s", room, lost, also, why)
 
 
 def join_transfer_group(

@@ -348,13 +348,11 @@ class PrefillNode(ServingNode):
             # Its sends stay posted (a timeout cannot cancel them) and read the slots and the
             # row in place whenever the peer receives: reused, they would send another
             # request's KV under this room's tag.
-            lost = abandon_slots(pending.req)
-            log.warning(
-                "room %s: %d KV slots and metadata row %s stay allocated for good: a send of "
-                "its transfer is still posted and may read them",
-                pending.req.request_id,
-                lost,
-                pending.meta_row,
+            abandon_slots(
+                pending.req,
+                int(pending.req.request_id),
+                "a send of its transfer is still posted and may read them",
+                also=f" and metadata row {pending.meta_row}",
             )
             pending.meta_row = None
         self.kv_cache.release(pending.req)
