@@ -19,11 +19,8 @@ from engine.models.llama import LlamaForCausalLM
 
 def count_tokens(sequences: Iterable[list[int]], vocab_size: int) -> torch.Tensor:
     """How often each token id occurs in `sequences`: [vocab_size] int64."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for seq in sequences:
-        if seq:
-            counts += torch.bincount(torch.tensor(seq, dtype=torch.int64), minlength=vocab_size)
-    return counts
+    ids = torch.tensor([t for seq in sequences for t in seq], dtype=torch.int64)
+    return torch.bincount(ids, minlength=vocab_size)
 
 
 def choose_draft_vocab(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> torch.Tensor:
@@ -73,7 +70,8 @@ class DraftHead:
 
     def __init__(self, target: LlamaForCausalLM, vocab: torch.Tensor | None) -> None:
         self.target = target
-        self.vocab = None if vocab is None else vocab.to(_head_device(target))
+        device = target.model.embed_tokens.weight.device
+        self.vocab = None if vocab is None else vocab.to(device)
         self.weight = None
         if self.vocab is not None:
             full = head_weight(target)
@@ -113,7 +111,3 @@ def head_weight(target: LlamaForCausalLM) -> torch.Tensor | None:
     if target.config.tie_word_embeddings:
         return target.model.embed_tokens.weight
     return None
-
-
-def _head_device(target: LlamaForCausalLM) -> torch.device:
-    return target.model.embed_tokens.weight.device

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import ModelConfig
 from engine.loader import EngineArgs, ModelSpec, resolve
 from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
@@ -268,7 +269,7 @@ def train_draft(config: TrainDraftConfig) -> dict:
 
 
 def _draft_vocab(
-    config: TrainDraftConfig, model_config, train: Sequences, held: Sequences
+    config: TrainDraftConfig, model_config: ModelConfig, train: Sequences, held: Sequences
 ) -> tuple[torch.Tensor | None, dict]:
     """The draft vocabulary: the most frequent answer tokens of the training data, with the
     target's end-of-turn tokens; and its size and coverage of training and held-out answers."""
