@@ -152,22 +152,15 @@ def finish_sends(node: PrefillNode, recorder: Recorder) -> None:
 
 
 PROMPTS = {11: ([3, 4, 5], 4), 12: ([6, 7], 4), 13: ([8, 9, 10, 11], 4)}
+# Every transfer announced before the forward, then each one's result and KV in that order.
+ANNOUNCED_THEN_SENT = ["TransferAnnounce"] * 3 + ["forward"] + ["PrefillResult", "kv"] * 3
 
 
 def test_every_transfer_is_announced_before_the_forward_and_sent_in_that_order() -> None:
     recorder = Recorder()
     node = prefill_node(recorder)
     run_batch(node, PROMPTS)
-    assert (
-        recorder.kinds()
-        == ["TransferAnnounce"] * 3
-        + ["forward"]
-        + [
-            "PrefillResult",
-            "kv",
-        ]
-        * 3
-    )
+    assert recorder.kinds() == ANNOUNCED_THEN_SENT
     announced = [(a.room, a.num_tokens) for a in recorder.messages(TransferAnnounce)]
     assert announced == [(room, len(prompt)) for room, (prompt, _) in PROMPTS.items()]
     sends = [e for e in recorder.events if e[0] == "kv"]
@@ -184,16 +177,7 @@ def test_a_forward_that_fails_after_the_announcement_still_sends_each_transfer_v
     recorder = Recorder()
     node = prefill_node(recorder, fail=True)
     run_batch(node, PROMPTS)
-    assert (
-        recorder.kinds()
-        == ["TransferAnnounce"] * 3
-        + ["forward"]
-        + [
-            "PrefillResult",
-            "kv",
-        ]
-        * 3
-    )
+    assert recorder.kinds() == ANNOUNCED_THEN_SENT
     for result in recorder.messages(PrefillResult):
         assert result.error.startswith("prefill-0: prefill failed: RuntimeError")
         assert "injected forward failure" in result.error
