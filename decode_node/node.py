@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
+from decode_node.tracked import RESULT_WAIT_S, Tracked
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
@@ -44,29 +44,12 @@ from metadata.node_common import (
 )
 from metadata.node_metrics import Activity, ActivityLog, TransferTotals
 from metadata.serving_node import ServingNode
-from metadata.transfer import KVReceiver, TransferHandle, TransferState
+from metadata.transfer import KVReceiver, TransferState
 from spec import DraftState, speculator_from_args
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
 WAITING_POLL_MS = 1
-# How long a transfer that ended waits for its PrefillResult, which the prefill node sends before
-# the KV: only a lost message or a dead prefill node makes it wait this long.
-RESULT_WAIT_S = 5.0
-
-
-@dataclass
-class _Tracked:
-    req: Request
-    message: GenerateRequest
-    meta_row: int | None = None
-    handle: TransferHandle | None = None
-    aborted: bool = False
-    sent_tokens: int = 0
-    announce: TransferAnnounce | None = None
-    result: PrefillResult | None = None
-    result_at: float | None = None  # perf_counter when the serving loop took the result
-    ended_at: float | None = None  # when its transfer was first seen ended, without a result
 
 
 class DecodeNode(ServingNode):
@@ -85,9 +68,9 @@ class DecodeNode(ServingNode):
         self.prefill_outboxes: dict[int, Outbox] = {}
         self.router: Outbox | None = None
         self.receiver: KVReceiver | None = None
-        self.rooms: dict[int, _Tracked] = {}
-        self.prealloc: deque[_Tracked] = deque()
-        self.receiving: list[_Tracked] = []
+        self.rooms: dict[int, Tracked] = {}
+        self.prealloc: deque[Tracked] = deque()
+        self.receiving: list[Tracked] = []
         self.tokens_out = 0
         self.transfer_totals = TransferTotals("receive")
         self.activity_log = ActivityLog(options.stats_log_interval_s, log)
@@ -196,7 +179,7 @@ class DecodeNode(ServingNode):
             self._send(TokenUpdate(msg.room, [], error=f"{self.options.name}: {err}"))
             return
         set_time(req, "decode_received")
-        tracked = _Tracked(req, msg)
+        tracked = Tracked(req, msg)
         self.rooms[msg.room] = tracked
         self.prealloc.append(tracked)
 
@@ -276,7 +259,7 @@ class DecodeNode(ServingNode):
             if handle is None or handle.state not in (TransferState.SUCCESS, TransferState.FAILED):
                 still.append(tracked)
                 continue
-            if not self._settled(tracked):
+            if not tracked.settled():
                 still.append(tracked)
                 continue
             self.transfer_totals.record(handle)
@@ -300,21 +283,10 @@ class DecodeNode(ServingNode):
                 self._join_running(tracked)
         self.receiving = still
 
-    def _settled(self, tracked: _Tracked) -> bool:
-        """An ended transfer can be acted on: its PrefillResult came (or is not needed, or is
-        overdue). Without the result a void transfer would fail as a room tag mismatch rather
-        than with the prefill's error, and a landed one would lack its top logprobs."""
-        if tracked.aborted or tracked.result is not None or tracked.handle.left_posted:
-            return True
-        now = time.monotonic()
-        if tracked.ended_at is None:
-            tracked.ended_at = now
-        return now - tracked.ended_at > RESULT_WAIT_S
-
-    def _join_running(self, tracked: _Tracked) -> None:
+    def _join_running(self, tracked: Tracked) -> None:
         req = tracked.req
         if req.trace is not None:
-            landed = {"bytes": tracked.handle.nbytes, "wire_ms": _wire_seconds(tracked) * 1e3}
+            landed = {"bytes": tracked.handle.nbytes, "wire_ms": tracked.wire_seconds() * 1e3}
             set_time(req, "transfer_end", landed)
         row = tracked.meta_row
         first = int(self.metadata.output_ids[row])
@@ -360,7 +332,7 @@ class DecodeNode(ServingNode):
             if id(req) in done:
                 self._forget(tracked)
 
-    def _report(self, tracked: _Tracked) -> None:
+    def _report(self, tracked: Tracked) -> None:
         req = tracked.req
         new = req.output_token_ids[tracked.sent_tokens :]
         logprobs = [
@@ -420,7 +392,7 @@ class DecodeNode(ServingNode):
             self.engine.scheduler.abort(tracked.req.request_id)
             self._forget(tracked)
 
-    def _fail(self, tracked: _Tracked, reason: str, remove_from_receiving: bool = True) -> None:
+    def _fail(self, tracked: Tracked, reason: str, remove_from_receiving: bool = True) -> None:
         if remove_from_receiving and tracked in self.receiving:
             if tracked.handle is not None and tracked.handle.state not in (
                 TransferState.SUCCESS,
@@ -434,7 +406,7 @@ class DecodeNode(ServingNode):
         self._send(TokenUpdate(tracked.message.room, [], error=reason))
         self._forget(tracked)
 
-    def _forget(self, tracked: _Tracked) -> None:
+    def _forget(self, tracked: Tracked) -> None:
         if tracked.handle is not None and tracked.handle.may_still_write:
             # Its receives stay posted (a timeout cannot cancel them) and land straight in the
             # slots: they must never hold another request's KV. The metadata row is safe to
@@ -455,16 +427,3 @@ class DecodeNode(ServingNode):
     def _send(self, update: TokenUpdate) -> None:
         if self.router is not None:
             self.router.send(update)
-
-
-def _wire_seconds(tracked: _Tracked) -> float:
-    """A landed transfer's own time as this side sees it: from when its KV could start to flow
-    (the receive posted, and the PrefillResult taken, which the prefill node sends just before
-    the KV) to its landing; the receive itself waits through the prefill's forward. A result
-    that a busy serving loop took late makes it an underestimate: for traces only."""
-    handle = tracked.handle
-    posted, landed = handle.time_of("posted"), handle.time_of("landed")
-    if posted is None or landed is None:
-        return handle.elapsed_s
-    start = max(posted, min(tracked.result_at or posted, landed))
-    return landed - start

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import decode_node.node as decode_module
-from decode_node.node import DecodeNode, _Tracked
+import decode_node.tracked as tracked_module
+from decode_node.node import DecodeNode
+from decode_node.tracked import Tracked
 from engine.kv_cache import KVCacheManager
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
@@ -283,7 +284,7 @@ def decode_node(state: TransferState, error: str | None = None):
     req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
     cache.grow(req, len(PROMPT) + 4)
     message = SimpleNamespace(room=ROOM, prefill_node=0)
-    tracked = _Tracked(req, message, meta_row=node.metadata.allocate())
+    tracked = Tracked(req, message, meta_row=node.metadata.allocate())
     tracked.handle = TransferHandle(ROOM, peer=0)
     if state == TransferState.FAILED:
         tracked.handle.fail(error)
@@ -324,7 +325,7 @@ def test_a_transfer_whose_result_never_comes_fails_naming_the_prefill_node(monke
     node, cache = decode_node(TransferState.SUCCESS)
     node._land_transfers()
     assert node.receiving and not node.router.updates
-    monkeypatch.setattr(decode_module, "RESULT_WAIT_S", 0.0)
+    monkeypatch.setattr(tracked_module, "RESULT_WAIT_S", 0.0)
     node._land_transfers()
     (update,) = node.router.updates
     assert "prefill-0 sent no result" in update.error

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decode_node.node import DecodeNode, _Tracked
+from decode_node.node import DecodeNode
+from decode_node.tracked import Tracked
 from engine.kv_cache import KVCacheManager
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
@@ -54,7 +55,7 @@ def decode_node(left_posted: bool, state: TransferState):
     req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
     cache.grow(req, len(PROMPT) + 4)
     message = SimpleNamespace(room=ROOM, prefill_node=0)
-    tracked = _Tracked(req, message, meta_row=node.metadata.allocate())
+    tracked = Tracked(req, message, meta_row=node.metadata.allocate())
     tracked.handle = handle(state, left_posted)
     tracked.result = PrefillResult(ROOM)  # the prefill's result came with the KV
     tracked.aborted = state == TransferState.SUCCESS  # the client left: freed either way

@@ -1,0 +1,53 @@
+"""What a decode node keeps per request it serves, from its GenerateRequest to its end, and the
+questions about that request's transfer that need nothing else."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine.request import Request
+from metadata.messages import GenerateRequest, PrefillResult, TransferAnnounce
+from metadata.transfer import TransferHandle
+
+# How long a transfer that ended waits for its PrefillResult, which the prefill node sends before
+# the KV: only a lost message or a dead prefill node makes it wait this long.
+RESULT_WAIT_S = 5.0
+
+
+@dataclass
+class Tracked:
+    req: Request
+    message: GenerateRequest
+    meta_row: int | None = None
+    handle: TransferHandle | None = None
+    aborted: bool = False
+    sent_tokens: int = 0
+    announce: TransferAnnounce | None = None
+    result: PrefillResult | None = None
+    result_at: float | None = None  # perf_counter when the serving loop took the result
+    ended_at: float | None = None  # when its transfer was first seen ended, without a result
+
+    def settled(self) -> bool:
+        """Its ended transfer can be acted on: its PrefillResult came (or is not needed, or is
+        overdue). Without the result a void transfer would fail as a room tag mismatch rather
+        than with the prefill's error, and a landed one would lack its top logprobs."""
+        if self.aborted or self.result is not None or self.handle.left_posted:
+            return True
+        now = time.monotonic()
+        if self.ended_at is None:
+            self.ended_at = now
+        return now - self.ended_at > RESULT_WAIT_S
+
+    def wire_seconds(self) -> float:
+        """The landed transfer's own time as this side sees it: from when its KV could start to
+        flow (the receive posted, and the PrefillResult taken, which the prefill node sends
+        just before the KV) to its landing; the receive itself waits through the prefill's
+        forward. A result that a busy serving loop took late makes it an underestimate: for
+        traces only."""
+        handle = self.handle
+        posted, landed = handle.time_of("posted"), handle.time_of("landed")
+        if posted is None or landed is None:
+            return handle.elapsed_s
+        start = max(posted, min(self.result_at or posted, landed))
+        return landed - start
