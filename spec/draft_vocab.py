@@ -70,10 +70,10 @@ class DraftHead:
 
     def __init__(self, target: LlamaForCausalLM, vocab: torch.Tensor | None) -> None:
         self.target = target
-        device = target.model.embed_tokens.weight.device
-        self.vocab = None if vocab is None else vocab.to(device)
+        self.vocab = vocab
         self.weight = None
-        if self.vocab is not None:
+        if vocab is not None:
+            self.vocab = vocab.to(target.model.embed_tokens.weight.device)
             full = head_weight(target)
             # Without the plain weight (an untied head packed for the CPU) the head still runs
             # whole and is indexed afterwards: the same tokens, without the saving.
