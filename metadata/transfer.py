@@ -8,8 +8,10 @@ Contract (the control plane keeps it; tests/test_transfer.py checks the data pla
   source rank, with slot lists of the announced length. A receive's deadline hence covers the
   prefill's forward too. NCCL matches p2p operations by order alone, so both sides must post one
   order per pair (gloo also matches the tag, derived from the room; NCCL ignores it);
-- one FIFO worker thread per peer rank on each side: transfers to (from) different peers never
-  wait on each other, and each pair keeps the one order;
+- the sender posts on the caller's thread and stream (the serving thread: one thread, so one
+  order per pair); the receiver posts on a FIFO worker thread per source rank, in the order of
+  the `expect` calls. On each side one worker thread per peer waits for the posted operations
+  and finishes the transfer: transfers to (from) different peers never wait on each other;
 - on the wire, one message per pool with at least one slot, its KV as
   [n, num_layers, 2 (K, V), num_kv_heads, head_dim] bytes, in pool order, then one message with
   the metadata row's bytes (`MetadataBuffers.row_bytes`: its fields in `FIELDS` order, room
@@ -71,20 +73,21 @@ class TransferState(IntEnum):
 class TransferHandle:
     """The state of one transfer, shared between the caller and the worker thread that runs it.
 
-    `phases`: host seconds from the worker starting the job to each phase it reached, in order:
-    a sender's "ready" (its stream waits for the caller's KV), "gathered" (the gathers of pools
-    whose slots are scattered enqueued; nothing to do for the others), "posted" (the batch of
-    sends returned), "completed" (the sends done); a receiver's "posted" (the batch of receives
+    `phases`: host seconds from the start of the job to each phase it reached, in order: a
+    sender's (its clock starts when the caller hands the transfer over) "gathered" (the gathers
+    of pools whose slots are scattered enqueued; nothing to do for the others), "posted" (the
+    batch of sends returned), "completed" (the sends done, seen by the peer's worker); a
+    receiver's (its clock starts when the worker takes the job) "posted" (the batch of receives
     returned), "landed" (the receives done), "scattered" (scatters and the row copy enqueued),
-    "synced" (they ran). `gpu_phases`: the same phases on the worker's stream, in seconds since
-    the job's first event, only from workers made with `phase_events`. `staged`: how many pools
+    "synced" (they ran). `gpu_phases`: the same phases on the streams they ran on, in seconds
+    since the job's first event, only from workers made with `phase_events`. `staged`: how many pools
     went through a staging tensor on this side (the others moved straight from or into the
     pool)."""
 
     def __init__(self, room: int, peer: int, timeout_s: float = 120.0) -> None:
         self.room = room
         self.peer = peer
-        self.timeout_s = timeout_s  # how long the transfer may take once its worker starts it
+        self.timeout_s = timeout_s  # how long the transfer may take once posted
         self.error: str | None = None
         self.nbytes = 0
         self.staged = 0
@@ -101,7 +104,7 @@ class TransferHandle:
         self._done = threading.Event()
 
     def start_clock(self, gpu_events: bool = False) -> None:
-        """The worker starts the job, on its stream (where `gpu_events` are recorded)."""
+        """The job starts (on the stream where `gpu_events` are recorded)."""
         self._started = time.perf_counter()
         if gpu_events:
             self._events = {}
@@ -296,7 +299,7 @@ class _PeerWorkers:
                 )
                 self._threads.append(thread)
                 thread.start()
-        handle.advance(TransferState.WAITING)
+        handle.advance(TransferState.WAITING)  # a posted handle stays TRANSFERRING
         jobs.put((handle, job))
 
     def _serve(self, peer: int, jobs: queue.SimpleQueue) -> None:
@@ -309,14 +312,16 @@ class _PeerWorkers:
             handle, job = item
             if handle.state == TransferState.FAILED:
                 continue  # failed by the caller while queued: nothing was posted for it
-            if self._closed:
+            if self._closed and handle.state != TransferState.TRANSFERRING:
                 handle.fail(f"room {handle.room}: {self._role} closed before the transfer ran")
                 continue
+            posted = handle.state == TransferState.TRANSFERRING  # by the caller (a sender)
             handle.advance(TransferState.TRANSFERRING)
             try:
-                handle.start_clock(gpu_events=self.phase_events)
-                if peer in self._broken:
-                    raise RuntimeError(self._broken[peer])
+                if not posted:
+                    handle.start_clock(gpu_events=self.phase_events)
+                    if peer in self._broken:
+                        raise RuntimeError(self._broken[peer])
                 failure = job()
             except Exception as err:  # any failure is the transfer's, never the worker's
                 failure = f"room {handle.room}, peer rank {peer}: {type(err).__name__}: {err}"
@@ -397,47 +402,51 @@ class KVSender(_PeerWorkers):
         row: int,
         timeout_s: float | None = None,
     ) -> TransferHandle:
-        """Queue one transfer to `dst_rank`; `timeout_s` overrides the sender's deadline."""
+        """Post one transfer to `dst_rank` now, on the caller's thread and stream (so the sends
+        follow the caller's writes of the KV and the row), and leave its completion to the
+        peer's worker; `timeout_s` overrides the sender's deadline.
+
+        The caller's thread posts because a worker thread must first get the interpreter from
+        it: in a busy node that hand-off cost more than the posting itself. Posting from one
+        thread also keeps one order per peer, which NCCL needs."""
         source = KVSource.build(pools_and_slots, metadata, row)
         channel = self._channel(dst_rank)
         handle = TransferHandle(room, dst_rank, self.timeout_s if timeout_s is None else timeout_s)
-        ops = None
-        if source.all_direct:
-            # Every message is a view of the caller's buffers: the worker has only to post.
-            buffers = [piece.direct for piece in source.filled] + [source.row_bytes]
-            ops = channel.ops(dist.isend, dst_rank, _tag(room), buffers)
-        # The KV and the row were written on the caller's stream: the side stream waits for it.
-        ready = torch.cuda.current_stream().record_event() if self._is_cuda else None
-        self._submit(dst_rank, handle, lambda: self._send(channel, handle, source, ops, ready))
-        return handle
-
-    def _send(
-        self,
-        channel: _Channel,
-        handle: TransferHandle,
-        source: KVSource,
-        ops: list | None,
-        ready: torch.cuda.Event | None,
-    ) -> str | None:
-        if ready is not None:
-            torch.cuda.current_stream().wait_event(ready)
-        handle.mark("ready")
+        handle.start_clock(gpu_events=self.phase_events)
         handle.nbytes = source.nbytes
-        if ops is None:
+        works: list[dist.Work] = []
+        staging: list[torch.Tensor] = []
+        try:
+            if self._closed:
+                raise RuntimeError(f"{self._role} is closed")
+            if dst_rank in self._broken:
+                raise RuntimeError(self._broken[dst_rank])
             buffers = []
             for piece in source.filled:
                 if piece.direct is None:
                     staged = gather_kv(piece.pool, piece.index, piece.staging())
+                    staging.append(staged)
                     buffers.append(as_bytes(staged))
-                    handle.staged += 1
                 else:
                     buffers.append(piece.direct)
+            handle.staged = len(staging)
             # The row goes as it is: the caller leaves it alone until the handle is terminal.
             buffers.append(source.row_bytes)
-            ops = channel.ops(dist.isend, handle.peer, _tag(handle.room), buffers)
-        handle.mark("gathered")
-        works = channel.post(ops)
-        handle.mark("posted")
+            handle.mark("gathered")
+            works = channel.post(channel.ops(dist.isend, dst_rank, _tag(room), buffers))
+            handle.mark("posted")
+        except Exception as err:  # nothing was posted: the transfer fails, not the caller
+            handle.fail(f"room {room}, peer rank {dst_rank}: {type(err).__name__}: {err}")
+            handle.stop_clock(read_gpu_events=False)
+            return handle
+        handle.advance(TransferState.TRANSFERRING)
+        # `staging` rides along: the sends read it until they complete.
+        self._submit(dst_rank, handle, lambda: self._complete(handle, works, staging))
+        return handle
+
+    def _complete(
+        self, handle: TransferHandle, works: list[dist.Work], staging: list[torch.Tensor]
+    ) -> str | None:
         self._wait(handle, works)
         handle.mark("completed")
         return None

@@ -97,11 +97,11 @@ def run_prefill(rank: int) -> dict:
         # Short for B's room that the decode rank will no longer receive: it fails quickly.
         timeout = SEND_TIMEOUT_S if room == AFTER_TIMEOUT_B[0] else None
         handles.append((sender.send(2, room, pairs, metadata, row, timeout_s=timeout), row))
-    result = {}
+    # The caller's thread posts: `send` returns with the sends posted, in the caller's order.
+    result = {"posted_on_return": [("posted" in handle.phases) for handle, _ in handles]}
     if rank == 0:
         # A pool whose storage is broken: the gather (of slots that are not one ascending run)
-        # raises inside the worker (as a CUDA OOM would) before anything is posted; the worker
-        # then sends 302.
+        # raises in `send` (as a CUDA OOM would) before anything is posted; 302 is sent after.
         corrupt = make_pools(seed=None)[1]
         corrupt.kv_buffer = torch.zeros(1)
         for room, pool, slots in (
@@ -315,6 +315,11 @@ def test_timeout_breaks_that_channel_on_both_sides(outcome: dict) -> None:
     assert state == "FAILED" and f"within {SEND_TIMEOUT_S:g} s" in error
 
 
+def test_send_returns_with_the_sends_already_posted(outcome: dict) -> None:
+    for rank in (0, 1):
+        assert outcome[rank]["posted_on_return"] and all(outcome[rank]["posted_on_return"])
+
+
 def test_send_failure_names_room_and_peer_and_worker_survives(outcome: dict) -> None:
     state, error = outcome[0][GATHER_FAILS]
     assert state == "FAILED" and f"room {GATHER_FAILS}, peer rank 1" in error
@@ -335,7 +340,7 @@ def assert_phases_in_order(phases: dict[str, float], names: list[str], elapsed_s
 @pytest.mark.parametrize("room", [room for room, _ in ROOMS[0]])
 def test_handles_time_each_phase_of_the_job(outcome: dict, room: int) -> None:
     phases, elapsed_s = outcome[0][f"phases-{room}"]
-    assert_phases_in_order(phases, ["ready", "gathered", "posted", "completed"], elapsed_s)
+    assert_phases_in_order(phases, ["gathered", "posted", "completed"], elapsed_s)
     got = outcome[2][room]
     names = ["posted", "landed", "scattered", "synced"]
     assert_phases_in_order(got["phases"], names, got["elapsed_s"])
@@ -558,7 +563,7 @@ def test_nccl_transfer_between_two_gpus() -> None:
     assert got[0]["sent"] == ["SUCCESS"] * (3 + len(COMBOS))
     assert list(got[0]["gpu_phases"][0]) == ["started"]  # connect: no phases of its own
     for gpu_phases in got[0]["gpu_phases"][1:]:
-        assert list(gpu_phases) == ["started", "ready", "gathered", "posted", "completed"]
+        assert list(gpu_phases) == ["started", "gathered", "posted", "completed"]
         assert gpu_phases["completed"] >= gpu_phases["gathered"] >= 0
     assert got[1]["connected"] == "SUCCESS"
     # One token is a run of one: read and filled in place; 33 scattered ones are staged.
