@@ -241,7 +241,47 @@ def _dataplane(rank: int, port: int, cfg: dict) -> dict:
     for workers in (sender, receiver):
         if workers is not None:
             workers.close()
+    out["host"] = host_probe(device)
     return out
+
+
+def host_probe(device: str) -> dict:
+    """How fast this process runs host code, and what could slow it: a pure-Python loop and a
+    small device op, timed (median us of 30), next to the thread count, the CPUs it may use,
+    trace or profile hooks and the interpreter's switch interval. Run in a data-plane rank and
+    in a node, it tells whether a node's host steps are slower for its own reasons."""
+    import statistics
+    import sys
+    import threading
+
+    def median_us(fn, reps: int = 30) -> float:
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e6
+
+    def python_loop() -> None:
+        total = 0
+        for i in range(20000):
+            total += i
+
+    x = torch.zeros(16, device=device)
+
+    def device_ops() -> None:
+        for _ in range(50):
+            x.add_(1)
+
+    return {
+        "python_loop_us": round(median_us(python_loop), 1),
+        "50_small_ops_us": round(median_us(device_ops), 1),
+        "threads": threading.active_count(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "trace_hook": sys.gettrace() is not None or sys.getprofile() is not None,
+        "switch_interval_s": sys.getswitchinterval(),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def run_dataplane(cfg: dict) -> dict[int, dict]:
@@ -302,6 +342,9 @@ def _recording_classes():
         def transfers(self) -> list[dict]:
             return list(self.__dict__.get("transfer_log", []))
 
+        def host(self) -> dict:
+            return host_probe(str(self.runner.device))
+
     class RecordingDecodeNode(DecodeNode):
         def _land_transfers(self) -> None:
             # An ended transfer may wait for its PrefillResult: log it once it is settled.
@@ -358,6 +401,7 @@ def run_cluster(model: str | None, device: str, tokens_list: list[int], reps: in
         time.sleep(0.5)
         prefill_log = ray.get(cluster.prefill_actors[0].transfers.remote(), timeout=60)
         decode_log = ray.get(cluster.decode_actors[0].transfers.remote(), timeout=60)
+        prefill_host = ray.get(cluster.prefill_actors[0].host.remote(), timeout=60)
         empty = cluster.kv_pools_empty()
     finally:
         cluster.shutdown()
@@ -366,6 +410,7 @@ def run_cluster(model: str | None, device: str, tokens_list: list[int], reps: in
         "requests": requests,
         "prefill": prefill_log,
         "decode": decode_log,
+        "prefill_host": prefill_host,
         "kv_pools_empty": empty,
     }
 
@@ -613,6 +658,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(tokens_list, shape, dataplane, raw_all, cluster_result, reps_warm=1)
     print_table(rows)
     print_phases(rows)
+    host = {"data-plane rank 0": dataplane[0]["host"]}
+    if cluster_result is not None:
+        host["prefill node"] = cluster_result["prefill_host"]
+    for where, probe in host.items():
+        print(f"host, {where}: {probe}")
     report = {
         "what": "KV transfer prefill rank -> decode rank vs raw send/recv; medians",
         "machine": machine_info(args.device),
@@ -626,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         "phase_events": args.phase_events,
         "slot_modes": cfg["slot_modes"],
         "rows": rows,
+        "host": host,
         "cluster_kv_pools_empty": None
         if cluster_result is None
         else cluster_result["kv_pools_empty"],
