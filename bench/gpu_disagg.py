@@ -328,10 +328,17 @@ def _recording_classes():
             "bytes": handle.nbytes,
             "elapsed_s": handle.elapsed_s,
             "phases": {**handle.phases, "end": handle.elapsed_s},
+            "gpu_phases": dict(handle.gpu_phases),
             "ok": handle.state == TransferState.SUCCESS,
         }
 
     class RecordingPrefillNode(PrefillNode):
+        def _open_channel(self):
+            sender = super()._open_channel()
+            # GPU phases: "kv_sent" of a begun transfer is its KV's time from ready to sent.
+            sender.phase_events = sender.device.type == "cuda"
+            return sender
+
         def _finish_transfers(self) -> None:
             log = self.__dict__.setdefault("transfer_log", [])
             for pending in self.sending:
@@ -491,6 +498,17 @@ def summarize(tokens_list, shape, dataplane, raw_all, cluster_result, reps_warm:
             if sent:
                 s = _median([e["elapsed_s"] for e in sent])
                 nbytes = sent[0]["bytes"]
+                # The KV alone (the row is under 1 % of it), from ready to sent on the GPU.
+                kv_sent = [e["gpu_phases"]["kv_sent"] for e in sent if "kv_sent" in e["gpu_phases"]]
+                if kv_sent:
+                    kv_s = _median(kv_sent)
+                    row.update(
+                        {
+                            "cluster_kv_ready_to_sent_ms": kv_s * 1e3,
+                            "cluster_kv_gbps": _gbps(row["kv_bytes"], kv_s),
+                            "cluster_kv_pct_raw": 100 * _gbps(row["kv_bytes"], kv_s) / raw_gbps,
+                        }
+                    )
                 row.update(
                     {
                         "cluster_transfers": len(sent),
@@ -502,6 +520,9 @@ def summarize(tokens_list, shape, dataplane, raw_all, cluster_result, reps_warm:
                         if got
                         else None,
                         "cluster_prefill_phase_ms": phase_steps_ms([e["phases"] for e in sent]),
+                        "cluster_prefill_gpu_phase_ms": phase_steps_ms(
+                            [e["gpu_phases"] for e in sent]
+                        ),
                         "cluster_decode_phase_ms": phase_steps_ms([e["phases"] for e in got]),
                         "cluster_e2e_ms": _median(
                             [r["e2e_s"] for r in cluster_result["requests"] if r["tokens"] == n][
@@ -527,7 +548,8 @@ def print_table(rows: list[dict]) -> None:
     cells = "".join(f"{labels[m]:>10} {'GB/s':>6} {'%raw':>5} {'ok':>3} | " for m in modes)
     head = (
         f"{'tokens':>6} {'KV bytes':>11} | {'raw ms':>7} {'raw GB/s':>8} | {cells}"
-        f"{'cluster ms':>10} {'GB/s':>6} {'%raw':>5} | {'raw(all vis) GB/s':>17}"
+        f"{'cluster ms':>10} {'GB/s':>6} {'%raw':>5} | {'KV ready->sent ms':>17} {'%raw':>5} | "
+        f"{'raw(all vis) GB/s':>17}"
     )
     print(f"KVSender per slot mode: {', '.join(modes) or 'none'}")
     print(head)
@@ -545,6 +567,8 @@ def print_table(rows: list[dict]) -> None:
         line += (
             f"{_fmt(r.get('cluster_prefill_ms'), '10.3f')} {_fmt(r.get('cluster_gbps'), '6.1f')} "
             f"{_fmt(r.get('cluster_pct_raw'), '5.1f')} | "
+            f"{_fmt(r.get('cluster_kv_ready_to_sent_ms'), '17.3f')} "
+            f"{_fmt(r.get('cluster_kv_pct_raw'), '5.1f')} | "
             f"{_fmt(r.get('raw_all_visible_gbps'), '17.1f')}"
         )
         print(line)
@@ -561,7 +585,7 @@ def print_phases(rows: list[dict]) -> None:
                 if steps:
                     text = "  ".join(f"{phase} {ms:.3f}" for phase, ms in steps.items())
                     print(f"{r['tokens']:>6} {mode:<10} {side:<15} {text}")
-        for side in ("cluster_prefill", "cluster_decode"):
+        for side in ("cluster_prefill", "cluster_prefill_gpu", "cluster_decode"):
             steps = r.get(f"{side}_phase_ms")
             if steps:
                 text = "  ".join(f"{phase} {ms:.3f}" for phase, ms in steps.items())

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from engine.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
-from metadata.wire import KVSource, as_bytes, gather_kv, scatter_kv
+from metadata.wire import KVSource, as_bytes, gather_kv, pool_pieces, scatter_kv
 
 
 class TransferState(IntEnum):
@@ -73,16 +73,16 @@ class TransferState(IntEnum):
 class TransferHandle:
     """The state of one transfer, shared between the caller and the worker thread that runs it.
 
-    `phases`: host seconds from the start of the job to each phase it reached, in order: a
-    sender's (its clock starts when the caller hands the transfer over) "gathered" (the gathers
-    of pools whose slots are scattered enqueued; nothing to do for the others), "posted" (the
-    batch of sends returned), "completed" (the sends done, seen by the peer's worker); a
-    receiver's (its clock starts when the worker takes the job) "posted" (the batch of receives
-    returned), "landed" (the receives done), "scattered" (scatters and the row copy enqueued),
-    "synced" (they ran). `gpu_phases`: the same phases on the streams they ran on, in seconds
-    since the job's first event, only from workers made with `phase_events`. `staged`: how many pools
-    went through a staging tensor on this side (the others moved straight from or into the
-    pool)."""
+    `phases`: host seconds from the start of the job to each phase it reached, in order. A
+    sender's clock starts when the caller hands the transfer over: "begun" (only after
+    `KVSender.begin`: the leading pools posted), "gathered" (the gathers of pools whose slots
+    are scattered enqueued; nothing to do for the others), "posted" (the batch of sends
+    returned), "completed" (the sends done, seen by the peer's worker). A receiver's starts
+    when its worker takes the job: "posted" (the batch of receives returned), "landed" (the
+    receives done), "scattered" (scatters and the row copy enqueued), "synced" (they ran).
+    `gpu_phases`: the same phases on the streams they ran on, in seconds since the job's first
+    event, only from workers made with `phase_events`. `staged`: how many pools went through a
+    staging tensor on this side (the others moved straight from or into the pool)."""
 
     def __init__(self, room: int, peer: int, timeout_s: float = 120.0) -> None:
         self.room = room
@@ -95,6 +95,11 @@ class TransferHandle:
         # backend cancels them, so they may still run whenever the peer gets to them.
         self.left_posted = False
         self.elapsed_s = 0.0
+        # A sender's: the leading pools `KVSender.begin` posted, and every posted operation
+        # with the staging tensors it reads, until the worker has waited for them.
+        self.begun_pools = 0
+        self.posted: list[dist.Work] = []
+        self.staging: list[torch.Tensor] = []
         self.phases: dict[str, float] = {}
         self.gpu_phases: dict[str, float] = {}
         self._started = 0.0
@@ -118,6 +123,14 @@ class TransferHandle:
             torch.cuda.current_stream().record_event(event)
             self._events[phase] = event
 
+    def mark_gpu(self, phase: str) -> None:
+        """Record `phase` on the current stream only, when the handle times GPU phases: for a
+        point the host does not wait for."""
+        if self._events is not None:
+            self._events[phase] = torch.cuda.current_stream().record_event(
+                torch.cuda.Event(enable_timing=True)
+            )
+
     def time_of(self, phase: str) -> float | None:
         """When the job reached `phase`, on this process's `time.perf_counter` clock; None if
         it did not."""
@@ -131,9 +144,10 @@ class TransferHandle:
         events, self._events = self._events, None
         if not events or not read_gpu_events:
             return
-        first, last = events["started"], list(events.values())[-1]
+        first = events["started"]
         try:
-            last.synchronize()
+            for event in events.values():  # not all on one stream
+                event.synchronize()
             self.gpu_phases = {
                 phase: first.elapsed_time(event) / 1e3 for phase, event in events.items()
             }
@@ -392,6 +406,37 @@ class _PeerWorkers:
 
 class KVSender(_PeerWorkers):
     _role = "kv-sender"
+    _timing_stream: torch.cuda.Stream | None = None
+
+    def begin(
+        self,
+        dst_rank: int,
+        room: int,
+        pools_and_slots: list[tuple[KVPool, list[int]]],
+        timeout_s: float | None = None,
+    ) -> TransferHandle:
+        """Post the leading pools of a transfer (the target's KV) now, as soon as the forward
+        that writes them is enqueued, before the rest of the transfer (the draft depths' KV,
+        the row with the first token) exists. The sends wait on the GPU for the caller's
+        stream, so the host's cost of posting them overlaps the end of the forward, and the KV
+        moves as soon as it is there. The peer receives one transfer all the same: finish it
+        with `send(..., begun=handle)`, which posts the rest, whatever happens in between."""
+        self._channel(dst_rank)  # a rank outside the world is the caller's error
+        handle = TransferHandle(room, dst_rank, self.timeout_s if timeout_s is None else timeout_s)
+        handle.start_clock(gpu_events=self.phase_events)
+        self._post(handle, pool_pieces(pools_and_slots), None)
+        handle.begun_pools = len(pools_and_slots)
+        if self.phase_events and handle.posted:
+            # "kv_sent": when these sends end, on a stream that waits for them on the GPU (the
+            # host waits for nothing): with "started" (the caller's stream when the forward was
+            # enqueued), the GPU time from the KV being ready to it being sent.
+            if self._timing_stream is None:
+                self._timing_stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._timing_stream):
+                for work in handle.posted:
+                    work.wait()
+                handle.mark_gpu("kv_sent")
+        return handle
 
     def send(
         self,
@@ -401,52 +446,86 @@ class KVSender(_PeerWorkers):
         metadata: MetadataBuffers,
         row: int,
         timeout_s: float | None = None,
+        begun: TransferHandle | None = None,
     ) -> TransferHandle:
         """Post one transfer to `dst_rank` now, on the caller's thread and stream (so the sends
         follow the caller's writes of the KV and the row), and leave its completion to the
-        peer's worker; `timeout_s` overrides the sender's deadline.
+        peer's worker; `timeout_s` overrides the sender's deadline. With `begun` (from `begin`,
+        for the same peer and room), the pools it posted are left out and its handle returned.
 
         The caller's thread posts because a worker thread must first get the interpreter from
         it: in a busy node that hand-off cost more than the posting itself. Posting from one
         thread also keeps one order per peer, which NCCL needs."""
-        source = KVSource.build(pools_and_slots, metadata, row)
-        channel = self._channel(dst_rank)
-        handle = TransferHandle(room, dst_rank, self.timeout_s if timeout_s is None else timeout_s)
-        handle.start_clock(gpu_events=self.phase_events)
-        handle.nbytes = source.nbytes
-        works: list[dist.Work] = []
-        staging: list[torch.Tensor] = []
         try:
+            source = KVSource.build(pools_and_slots, metadata, row)
+            self._channel(dst_rank)  # a rank outside the world is the caller's error
+        except Exception as err:
+            if begun is not None and begun.posted:
+                # The caller's error, but the begun sends stay posted, their transfer unfinished.
+                begun.left_posted = True
+                begun.fail(f"room {room}, peer rank {dst_rank}: {type(err).__name__}: {err}")
+            raise
+        if begun is not None and begun.state == TransferState.FAILED and not begun.posted:
+            begun = None  # nothing of it went out: post the whole transfer
+        handle = begun
+        if handle is None:
+            handle = TransferHandle(
+                room, dst_rank, self.timeout_s if timeout_s is None else timeout_s
+            )
+            handle.start_clock(gpu_events=self.phase_events)
+        elif (handle.peer, handle.room) != (dst_rank, room):
+            raise ValueError(
+                f"room {room} to rank {dst_rank} finishes the transfer begun for room "
+                f"{handle.room} to rank {handle.peer}"
+            )
+        handle.nbytes = source.nbytes
+        rest = pool_pieces(pools_and_slots[handle.begun_pools :])
+        self._post(handle, rest, source.row_bytes)
+        if handle.state != TransferState.FAILED:
+            works, staging = handle.posted, handle.staging
+            self._submit(dst_rank, handle, lambda: self._complete(handle, works, staging))
+        # A part that failed to post after another went out leaves the transfer unfinished
+        # for good: the handle says its sends may still read the slots (`may_still_read`).
+        return handle
+
+    def _post(self, handle: TransferHandle, pieces: tuple, row_bytes: torch.Tensor | None) -> None:
+        """Post `pieces` (then `row_bytes`) for `handle`; a failure fails the handle (and says
+        whether an earlier part stays posted), never the caller."""
+        peer, room = handle.peer, handle.room
+        if handle.state == TransferState.FAILED:
+            return
+        try:
+            channel = self._channel(peer)  # checked by the caller
             if self._closed:
                 raise RuntimeError(f"{self._role} is closed")
-            if dst_rank in self._broken:
-                raise RuntimeError(self._broken[dst_rank])
+            if peer in self._broken:
+                raise RuntimeError(self._broken[peer])
             buffers = []
-            for piece in source.filled:
+            for piece in pieces:
                 if piece.direct is None:
                     staged = gather_kv(piece.pool, piece.index, piece.staging())
-                    staging.append(staged)
+                    handle.staging.append(staged)
                     buffers.append(as_bytes(staged))
+                    handle.staged += 1
                 else:
                     buffers.append(piece.direct)
-            handle.staged = len(staging)
-            # The row goes as it is: the caller leaves it alone until the handle is terminal.
-            buffers.append(source.row_bytes)
-            handle.mark("gathered")
-            works = channel.post(channel.ops(dist.isend, dst_rank, _tag(room), buffers))
-            handle.mark("posted")
-        except Exception as err:  # nothing was posted: the transfer fails, not the caller
-            handle.fail(f"room {room}, peer rank {dst_rank}: {type(err).__name__}: {err}")
+            if row_bytes is not None:
+                # The row goes as it is: the caller leaves it alone until the handle is terminal.
+                buffers.append(row_bytes)
+                handle.mark("gathered")
+            handle.posted += channel.post(channel.ops(dist.isend, peer, _tag(room), buffers))
+            handle.mark("posted" if row_bytes is not None else "begun")
+        except Exception as err:
+            handle.left_posted = bool(handle.posted)
+            handle.fail(f"room {room}, peer rank {peer}: {type(err).__name__}: {err}")
             handle.stop_clock(read_gpu_events=False)
-            return handle
+            return
         handle.advance(TransferState.TRANSFERRING)
-        # `staging` rides along: the sends read it until they complete.
-        self._submit(dst_rank, handle, lambda: self._complete(handle, works, staging))
-        return handle
 
     def _complete(
         self, handle: TransferHandle, works: list[dist.Work], staging: list[torch.Tensor]
     ) -> str | None:
+        """`staging` rides along: the sends read it until they complete."""
         self._wait(handle, works)
         handle.mark("completed")
         return None

@@ -94,40 +94,43 @@ class KVSource:
             raise ValueError("a transfer needs at least the target KV pool")
         if not 0 <= row < metadata.num_rows:
             raise ValueError(f"metadata row {row} out of range [0, {metadata.num_rows})")
-        filled = []
-        for depth, (pool, slots) in enumerate(pools_and_slots):
-            array = np.asarray(slots, dtype=np.int64)
-            # Slot 0 is the padding slot: it never holds a request's KV.
-            in_range = array.size == 0 or 1 <= array.min() <= array.max() <= pool.capacity
-            if array.ndim != 1 or not in_range:
-                raise ValueError(f"pool {depth}: slots must lie in [1, {pool.capacity}]")
-            n = array.size
-            if n == 0:
-                continue
-            start = _contiguous_run(array)
-            if start is not None:
-                run = as_bytes(pool.kv_buffer[start : start + n])
-                if run.numel() != kv_nbytes(pool, n):
-                    # A message of another size would take the place of the peer's next one.
-                    raise ValueError(
-                        f"pool {depth}: kv_buffer {tuple(pool.kv_buffer.shape)} does not hold "
-                        f"slots [{start}, {start + n}) of {kv_shape(pool, 1)[1:]} {pool.dtype}"
-                    )
-                filled.append(PoolSlots(pool, n, start, None, run))
-                continue
-            index = torch.from_numpy(array)
-            if pool.device.type == "cuda":
-                # Pinned, so that the worker's copy of the index to the GPU is asynchronous: a
-                # copy from pageable memory first waits on the host for the worker's stream,
-                # that is for the caller's KV (the ready event) and all queued before it. The
-                # copy stays on the worker's stream with the gather that reads the index (a
-                # device index made here, on the caller's stream, would have to be fenced and
-                # kept alive across streams instead).
-                index = index.pin_memory()
-            filled.append(PoolSlots(pool, n, None, index, None))
+        filled = pool_pieces(pools_and_slots)
         row_bytes = metadata.row_bytes(row)
         nbytes = sum(piece.nbytes for piece in filled) + metadata.row_nbytes
-        return cls(tuple(filled), metadata, row, row_bytes, nbytes)
+        return cls(filled, metadata, row, row_bytes, nbytes)
+
+
+def pool_pieces(pools_and_slots: list[tuple[KVPool, list[int]]]) -> tuple[PoolSlots, ...]:
+    """The messages of these pools (see `KVSource`): one per pool with at least one slot."""
+    filled = []
+    for depth, (pool, slots) in enumerate(pools_and_slots):
+        array = np.asarray(slots, dtype=np.int64)
+        # Slot 0 is the padding slot: it never holds a request's KV.
+        in_range = array.size == 0 or 1 <= array.min() <= array.max() <= pool.capacity
+        if array.ndim != 1 or not in_range:
+            raise ValueError(f"pool {depth}: slots must lie in [1, {pool.capacity}]")
+        n = array.size
+        if n == 0:
+            continue
+        start = _contiguous_run(array)
+        if start is not None:
+            run = as_bytes(pool.kv_buffer[start : start + n])
+            if run.numel() != kv_nbytes(pool, n):
+                # A message of another size would take the place of the peer's next one.
+                raise ValueError(
+                    f"pool {depth}: kv_buffer {tuple(pool.kv_buffer.shape)} does not hold "
+                    f"slots [{start}, {start + n}) of {kv_shape(pool, 1)[1:]} {pool.dtype}"
+                )
+            filled.append(PoolSlots(pool, n, start, None, run))
+            continue
+        index = torch.from_numpy(array)
+        if pool.device.type == "cuda":
+            # Pinned, so that the copy of the index to the GPU is asynchronous: a copy from
+            # pageable memory first waits on the host for the stream, that is for the caller's
+            # KV and all queued before it.
+            index = index.pin_memory()
+        filled.append(PoolSlots(pool, n, None, index, None))
+    return tuple(filled)
 
 
 def transfer_nbytes(pools_and_tokens: list[tuple[KVPool, int]], row_nbytes: int) -> int:

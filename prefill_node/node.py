@@ -15,7 +15,7 @@ the PrefillResult carries the error, naming this node."""
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import torch
@@ -189,6 +189,7 @@ class PrefillNode(ServingNode):
         try:
             forward_batch = self.runner.build_batch(requests)
             output = self.runner.forward(forward_batch, keep_hidden=self.speculator is not None)
+            self._begin_transfers(batch)
             params = [r.params for r in requests]
             generators = [step_generator(r) for r in requests]
             tokens = sample(output.logits, params, generators, self.default_generator)
@@ -222,6 +223,22 @@ class PrefillNode(ServingNode):
             )
         )
         set_time(req, "transfer_announced")
+
+    def _begin_transfers(self, batch: list[_Pending]) -> None:
+        """Post each prompt's target KV as soon as the forward that writes it is enqueued
+        (`KVSender.begin`): the KV moves as soon as it exists, and posting overlaps the end of
+        the forward. Only for a request that is its decode node's only one in the batch: the
+        rest of its transfer goes after the first token, and NCCL matches a pair's operations
+        by order alone, so another transfer to that node must not start in between."""
+        per_peer = Counter(pending.decode_rank for pending in batch)
+        for pending in batch:
+            if per_peer[pending.decode_rank] == 1:
+                req = pending.req
+                pending.handle = self.sender.begin(
+                    pending.decode_rank,
+                    int(req.request_id),
+                    [(self.runner.kv_pool, req.slots[: len(req.prompt_token_ids)])],
+                )
 
     def _draft_extend(
         self,
@@ -309,7 +326,12 @@ class PrefillNode(ServingNode):
         room = int(pending.req.request_id)
         try:
             pending.handle = self.sender.send(
-                pending.decode_rank, room, pools, self.metadata, pending.meta_row
+                pending.decode_rank,
+                room,
+                pools,
+                self.metadata,
+                pending.meta_row,
+                begun=pending.handle,
             )
         except Exception:  # noqa: BLE001 - the channel or the sender is gone, not the node
             # The decode node's receive stays posted until its deadline breaks the channel.

@@ -53,14 +53,22 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple] = []
         self.handles: list[TransferHandle] = []
+        self.begun: list[int] = []  # rooms whose send finished a begun transfer
 
     def send(self, msg) -> None:  # an outbox
         self.events.append(("message", msg))
 
-    def send_kv(self, dst_rank, room, pools_and_slots, metadata, row):  # the KVSender
+    def begin_kv(self, dst_rank, room, pools_and_slots):  # KVSender.begin
+        counts = [len(slots) for _, slots in pools_and_slots]
+        self.events.append(("kv-begin", room, counts))
+        return TransferHandle(room, dst_rank)
+
+    def send_kv(self, dst_rank, room, pools_and_slots, metadata, row, begun=None):  # .send
         counts = [len(slots) for _, slots in pools_and_slots]
         self.events.append(("kv", room, counts, int(metadata.room[row])))
-        handle = TransferHandle(room, dst_rank)
+        if begun is not None:
+            self.begun.append(room)
+        handle = begun or TransferHandle(room, dst_rank)
         self.handles.append(handle)
         return handle
 
@@ -125,7 +133,7 @@ def prefill_node(recorder: Recorder, fail: bool = False, speculator=None) -> Pre
         engine_config=SimpleNamespace(max_num_seqs=8, max_prefill_tokens=512)
     )
     node.outboxes = {0: recorder}
-    node.sender = SimpleNamespace(send=recorder.send_kv)
+    node.sender = SimpleNamespace(send=recorder.send_kv, begin=recorder.begin_kv)
     node.waiting = deque()
     node.sending = []
     node.default_generator = torch.Generator().manual_seed(0)
@@ -134,13 +142,19 @@ def prefill_node(recorder: Recorder, fail: bool = False, speculator=None) -> Pre
     return node
 
 
-def run_batch(node: PrefillNode, prompts: dict[int, tuple[list[int], int]]) -> None:
-    """Queue requests {room: (prompt, max_tokens)}, admit them as one batch and prefill it."""
+def run_batch(
+    node: PrefillNode,
+    prompts: dict[int, tuple[list[int], int]],
+    ranks: dict[int, int] | None = None,
+) -> None:
+    """Queue requests {room: (prompt, max_tokens)} (for decode ranks {room: rank}, else all for
+    rank 1), admit them as one batch and prefill it."""
     for room, (prompt, max_tokens) in prompts.items():
         req = Request(str(room), prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
         if node.speculator is not None:
             req.num_draft_tokens = node.num_draft_steps
-        node.waiting.append(_Pending(req, decode_node=0, decode_rank=1))
+        rank = (ranks or {}).get(room, 1)
+        node.waiting.append(_Pending(req, decode_node=0, decode_rank=rank))
     batch = node._admit()
     assert len(batch) == len(prompts)
     node._prefill(batch)
@@ -226,6 +240,32 @@ def test_the_pools_of_a_void_transfer_are_the_announced_ones() -> None:
     ]
     assert sends == [(21, [3, 3, 3], 0), (22, [2], 0)]
     assert all("draft extend failure" in r.error for r in recorder.messages(PrefillResult))
+    finish_sends(node, recorder)
+    assert node.kv_cache.is_empty() and node.metadata.num_free == 4
+
+
+def test_a_request_alone_for_its_decode_node_posts_its_kv_right_after_the_forward() -> None:
+    """Room 11 is the batch's only request for rank 1: its target KV goes as soon as the forward
+    is enqueued, the rest after the first token. Rooms 12 and 13 share rank 2, whose order
+    allows no second transfer between the two parts of one: they go whole, after."""
+    recorder = Recorder()
+    node = prefill_node(recorder)
+    run_batch(node, PROMPTS, ranks={11: 1, 12: 2, 13: 2})
+    assert recorder.kinds() == ANNOUNCED_THEN_SENT[:4] + ["kv-begin"] + ANNOUNCED_THEN_SENT[4:]
+    assert recorder.events[4] == ("kv-begin", 11, [3])
+    assert recorder.begun == [11]
+    finish_sends(node, recorder)
+    assert node.kv_cache.is_empty() and node.metadata.num_free == 4
+
+
+def test_a_begun_transfer_that_fails_later_is_finished_void() -> None:
+    recorder = Recorder()
+    node = prefill_node(recorder, speculator=FakeSpeculator(num_draft_steps=2))
+    run_batch(node, {21: ([3, 4, 5], 8)})
+    assert ("kv-begin", 21, [3]) in recorder.events
+    sends = [e[1:] for e in recorder.events if e[0] == "kv"]
+    assert sends == [(21, [3, 3, 3], 0)] and recorder.begun == [21]
+    assert "draft extend failure" in recorder.messages(PrefillResult)[0].error
     finish_sends(node, recorder)
     assert node.kv_cache.is_empty() and node.metadata.num_free == 4
 

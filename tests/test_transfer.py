@@ -40,6 +40,7 @@ NEVER_SENT, AFTER_TIMEOUT_B, AFTER_TIMEOUT_A = (204, 3), (205, 4), (105, 6)
 # machine never fails a transfer that should succeed.
 RECEIVE_TIMEOUT_S, SEND_TIMEOUT_S, GENEROUS_S = 5.0, 3.0, 30.0
 GATHER_FAILS, AFTER_SEND_FAILURE = 301, 302
+BEGUN = 102  # sent in two parts: `KVSender.begin` posts the target KV, `send` the rest
 ALL = ROOMS[0] + ROOMS[1] + [(MISMATCH_ROOM, 2), NEVER_SENT, AFTER_TIMEOUT_B, AFTER_TIMEOUT_A]
 
 
@@ -96,7 +97,11 @@ def run_prefill(rank: int) -> dict:
         pairs = [(pool, plan[room]) for pool in pools]
         # Short for B's room that the decode rank will no longer receive: it fails quickly.
         timeout = SEND_TIMEOUT_S if room == AFTER_TIMEOUT_B[0] else None
-        handles.append((sender.send(2, room, pairs, metadata, row, timeout_s=timeout), row))
+        # BEGUN's target KV goes first, before its row exists; the receiver sees one transfer.
+        begun = sender.begin(2, room, pairs[:1]) if room == BEGUN else None
+        handles.append(
+            (sender.send(2, room, pairs, metadata, row, timeout_s=timeout, begun=begun), row)
+        )
     # The caller's thread posts: `send` returns with the sends posted, in the caller's order.
     result = {"posted_on_return": [("posted" in handle.phases) for handle, _ in handles]}
     if rank == 0:
@@ -110,7 +115,12 @@ def run_prefill(rank: int) -> dict:
         ):
             row = metadata.allocate()
             metadata.write_row(row, room=room, **row_values(room))
-            handles.append((sender.send(1, room, [(pool, slots)], metadata, row), row))
+            # A begin that fails before posting anything leaves `send` the whole transfer.
+            begun = None
+            if room == AFTER_SEND_FAILURE:
+                begun = sender.begin(1, room, [(corrupt, [2, 1])])
+            result[f"begin-{room}"] = None if begun is None else (begun.state.name, begun.error)
+            handles.append((sender.send(1, room, [(pool, slots)], metadata, row, begun=begun), row))
         try:
             sender.send(7, 999, [(pools[0], [1])], metadata, 15)
         except ValueError as err:
@@ -315,6 +325,21 @@ def test_timeout_breaks_that_channel_on_both_sides(outcome: dict) -> None:
     assert state == "FAILED" and f"within {SEND_TIMEOUT_S:g} s" in error
 
 
+def test_a_begun_transfer_lands_as_one(outcome: dict) -> None:
+    phases, _ = outcome[0][f"phases-{BEGUN}"]
+    assert list(phases) == ["begun", "gathered", "posted", "completed"]
+    assert outcome[0][BEGUN] == ("SUCCESS", None)
+    got = outcome[2][BEGUN]
+    assert got["state"] == "SUCCESS" and got["kv_equal"] and got["row_ok"] and got["landed"]
+
+
+def test_a_failed_begin_leaves_the_whole_transfer_to_send(outcome: dict) -> None:
+    state, error = outcome[0][f"begin-{AFTER_SEND_FAILURE}"]
+    assert state == "FAILED" and f"room {AFTER_SEND_FAILURE}, peer rank 1" in error
+    assert outcome[0][AFTER_SEND_FAILURE] == ("SUCCESS", None)
+    assert outcome[1]["received_after_send_failure"] == "SUCCESS"
+
+
 def test_send_returns_with_the_sends_already_posted(outcome: dict) -> None:
     for rank in (0, 1):
         assert outcome[rank]["posted_on_return"] and all(outcome[rank]["posted_on_return"])
@@ -340,7 +365,8 @@ def assert_phases_in_order(phases: dict[str, float], names: list[str], elapsed_s
 @pytest.mark.parametrize("room", [room for room, _ in ROOMS[0]])
 def test_handles_time_each_phase_of_the_job(outcome: dict, room: int) -> None:
     phases, elapsed_s = outcome[0][f"phases-{room}"]
-    assert_phases_in_order(phases, ["gathered", "posted", "completed"], elapsed_s)
+    begun = ["begun"] if room == BEGUN else []
+    assert_phases_in_order(phases, [*begun, "gathered", "posted", "completed"], elapsed_s)
     got = outcome[2][room]
     names = ["posted", "landed", "scattered", "synced"]
     assert_phases_in_order(got["phases"], names, got["elapsed_s"])
