@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from engine.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
-from metadata.wire import KVSource, as_bytes, gather_kv, pool_pieces, scatter_kv
+from metadata.wire import KVSource, PoolMessages, as_bytes, gather_kv, scatter_kv
 
 
 class TransferState(IntEnum):
@@ -412,7 +412,7 @@ class KVSender(_PeerWorkers):
         self,
         dst_rank: int,
         room: int,
-        pools_and_slots: list[tuple[KVPool, list[int]]],
+        messages: PoolMessages,
         timeout_s: float | None = None,
     ) -> TransferHandle:
         """Post the leading pools of a transfer (the target's KV) now, as soon as the forward
@@ -420,12 +420,14 @@ class KVSender(_PeerWorkers):
         the row with the first token) exists. The sends wait on the GPU for the caller's
         stream, so the host's cost of posting them overlaps the end of the forward, and the KV
         moves as soon as it is there. The peer receives one transfer all the same: finish it
-        with `send(..., begun=handle)`, which posts the rest, whatever happens in between."""
+        with `send(..., begun=handle)`, which posts the rest, whatever happens in between.
+        `messages` (`PoolMessages.build`, before the forward) are the leading pools'."""
         self._channel(dst_rank)  # a rank outside the world is the caller's error
         handle = TransferHandle(room, dst_rank, self.timeout_s if timeout_s is None else timeout_s)
         handle.start_clock(gpu_events=self.phase_events)
-        self._post(handle, pool_pieces(pools_and_slots), None)
-        handle.begun_pools = len(pools_and_slots)
+        handle.nbytes = messages.nbytes
+        self._post(handle, messages.pieces, None)
+        handle.begun_pools = messages.num_pools
         if self.phase_events and handle.posted:
             # "kv_sent": when these sends end, on a stream that waits for them on the GPU (the
             # host waits for nothing): with "started" (the caller's stream when the forward was
@@ -456,8 +458,9 @@ class KVSender(_PeerWorkers):
         The caller's thread posts because a worker thread must first get the interpreter from
         it: in a busy node that hand-off cost more than the posting itself. Posting from one
         thread also keeps one order per peer, which NCCL needs."""
+        skip = 0 if begun is None else begun.begun_pools
         try:
-            source = KVSource.build(pools_and_slots, metadata, row)
+            source = KVSource.build(pools_and_slots, metadata, row, skip=skip)
             self._channel(dst_rank)  # a rank outside the world is the caller's error
         except Exception as err:
             if begun is not None and begun.posted:
@@ -466,7 +469,8 @@ class KVSender(_PeerWorkers):
                 begun.fail(f"room {room}, peer rank {dst_rank}: {type(err).__name__}: {err}")
             raise
         if begun is not None and begun.state == TransferState.FAILED and not begun.posted:
-            begun = None  # nothing of it went out: post the whole transfer
+            # Nothing of it went out: post the whole transfer.
+            begun, source = None, KVSource.build(pools_and_slots, metadata, row)
         handle = begun
         if handle is None:
             handle = TransferHandle(
@@ -478,9 +482,8 @@ class KVSender(_PeerWorkers):
                 f"room {room} to rank {dst_rank} finishes the transfer begun for room "
                 f"{handle.room} to rank {handle.peer}"
             )
-        handle.nbytes = source.nbytes
-        rest = pool_pieces(pools_and_slots[handle.begun_pools :])
-        self._post(handle, rest, source.row_bytes)
+        handle.nbytes += source.nbytes
+        self._post(handle, source.filled, source.row_bytes)
         if handle.state != TransferState.FAILED:
             works, staging = handle.posted, handle.staging
             self._submit(dst_rank, handle, lambda: self._complete(handle, works, staging))

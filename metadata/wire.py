@@ -88,16 +88,39 @@ class KVSource:
 
     @classmethod
     def build(
-        cls, pools_and_slots: list[tuple[KVPool, list[int]]], metadata: MetadataBuffers, row: int
+        cls,
+        pools_and_slots: list[tuple[KVPool, list[int]]],
+        metadata: MetadataBuffers,
+        row: int,
+        skip: int = 0,
     ) -> KVSource:
+        """`skip`: leave out the first pools (posted already, `KVSender.begin`): `filled` and
+        `nbytes` then hold the rest of the transfer."""
         if not pools_and_slots:
             raise ValueError("a transfer needs at least the target KV pool")
         if not 0 <= row < metadata.num_rows:
             raise ValueError(f"metadata row {row} out of range [0, {metadata.num_rows})")
-        filled = pool_pieces(pools_and_slots)
+        filled = pool_pieces(pools_and_slots[skip:])
         row_bytes = metadata.row_bytes(row)
         nbytes = sum(piece.nbytes for piece in filled) + metadata.row_nbytes
         return cls(filled, metadata, row, row_bytes, nbytes)
+
+
+@dataclass(frozen=True)
+class PoolMessages:
+    """The messages of a transfer's leading pools, built ahead of posting them
+    (`KVSender.begin`): turning thousands of slots into messages costs more than posting."""
+
+    num_pools: int  # pools given, with or without slots
+    pieces: tuple[PoolSlots, ...]
+
+    @classmethod
+    def build(cls, pools_and_slots: list[tuple[KVPool, list[int]]]) -> PoolMessages:
+        return cls(len(pools_and_slots), pool_pieces(pools_and_slots))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(piece.nbytes for piece in self.pieces)
 
 
 def pool_pieces(pools_and_slots: list[tuple[KVPool, list[int]]]) -> tuple[PoolSlots, ...]:

@@ -47,6 +47,7 @@ from metadata.node_common import (
 from metadata.node_metrics import Activity, ActivityLog, TransferTotals
 from metadata.serving_node import ServingNode
 from metadata.transfer import KVSender, TransferHandle, TransferState
+from metadata.wire import PoolMessages
 from spec import speculator_from_args
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ class _Pending:
     handle: TransferHandle | None = None
     # Decided when the transfer is announced: the draft depths' KV follows the target's.
     drafted: bool = False
+    # The target's KV as messages, for a request alone for its decode node in its batch: its
+    # transfer begins as soon as the forward is enqueued (`_begin_transfers`).
+    target_kv: PoolMessages | None = None
 
 
 class PrefillNode(ServingNode):
@@ -187,6 +191,7 @@ class PrefillNode(ServingNode):
         requests = [p.req for p in batch]
         set_time_batch(requests, "prefill_start")
         try:
+            self._prepare_early_kv(batch)
             forward_batch = self.runner.build_batch(requests)
             output = self.runner.forward(forward_batch, keep_hidden=self.speculator is not None)
             self._begin_transfers(batch)
@@ -224,21 +229,27 @@ class PrefillNode(ServingNode):
         )
         set_time(req, "transfer_announced")
 
-    def _begin_transfers(self, batch: list[_Pending]) -> None:
-        """Post each prompt's target KV as soon as the forward that writes it is enqueued
-        (`KVSender.begin`): the KV moves as soon as it exists, and posting overlaps the end of
-        the forward. Only for a request that is its decode node's only one in the batch: the
-        rest of its transfer goes after the first token, and NCCL matches a pair's operations
-        by order alone, so another transfer to that node must not start in between."""
+    def _prepare_early_kv(self, batch: list[_Pending]) -> None:
+        """Which transfers begin as soon as the forward is enqueued (`_begin_transfers`): those
+        of a request that is its decode node's only one in the batch. The rest of a transfer
+        goes after the first token, and NCCL matches a pair's operations by order alone, so
+        no other transfer to that node may start in between. Their messages are built here,
+        before the forward, so that posting them after it is quick."""
         per_peer = Counter(pending.decode_rank for pending in batch)
         for pending in batch:
             if per_peer[pending.decode_rank] == 1:
                 req = pending.req
-                pending.handle = self.sender.begin(
-                    pending.decode_rank,
-                    int(req.request_id),
-                    [(self.runner.kv_pool, req.slots[: len(req.prompt_token_ids)])],
+                pending.target_kv = PoolMessages.build(
+                    [(self.runner.kv_pool, req.slots[: len(req.prompt_token_ids)])]
                 )
+
+    def _begin_transfers(self, batch: list[_Pending]) -> None:
+        """Post the target KV of the transfers `_prepare_early_kv` chose (`KVSender.begin`):
+        the KV moves as soon as it exists, and posting overlaps the end of the forward."""
+        for pending in batch:
+            if pending.target_kv is not None:
+                room = int(pending.req.request_id)
+                pending.handle = self.sender.begin(pending.decode_rank, room, pending.target_kv)
 
     def _draft_extend(
         self,

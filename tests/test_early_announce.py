@@ -58,8 +58,8 @@ class Recorder:
     def send(self, msg) -> None:  # an outbox
         self.events.append(("message", msg))
 
-    def begin_kv(self, dst_rank, room, pools_and_slots):  # KVSender.begin
-        counts = [len(slots) for _, slots in pools_and_slots]
+    def begin_kv(self, dst_rank, room, messages):  # KVSender.begin
+        counts = [piece.num_tokens for piece in messages.pieces]
         self.events.append(("kv-begin", room, counts))
         return TransferHandle(room, dst_rank)
 

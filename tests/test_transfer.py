@@ -26,7 +26,7 @@ from engine.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.process_group import create_store_server, init_transfer_group
 from metadata.transfer import KVReceiver, KVSender, TransferHandle, TransferState
-from metadata.wire import KVSource, gather_kv, scatter_kv
+from metadata.wire import KVSource, PoolMessages, gather_kv, scatter_kv
 
 CAPACITY = 96
 HIDDEN_SIZE = 16
@@ -98,7 +98,7 @@ def run_prefill(rank: int) -> dict:
         # Short for B's room that the decode rank will no longer receive: it fails quickly.
         timeout = SEND_TIMEOUT_S if room == AFTER_TIMEOUT_B[0] else None
         # BEGUN's target KV goes first, before its row exists; the receiver sees one transfer.
-        begun = sender.begin(2, room, pairs[:1]) if room == BEGUN else None
+        begun = sender.begin(2, room, PoolMessages.build(pairs[:1])) if room == BEGUN else None
         handles.append(
             (sender.send(2, room, pairs, metadata, row, timeout_s=timeout, begun=begun), row)
         )
@@ -118,7 +118,7 @@ def run_prefill(rank: int) -> dict:
             # A begin that fails before posting anything leaves `send` the whole transfer.
             begun = None
             if room == AFTER_SEND_FAILURE:
-                begun = sender.begin(1, room, [(corrupt, [2, 1])])
+                begun = sender.begin(1, room, PoolMessages.build([(corrupt, [2, 1])]))
             result[f"begin-{room}"] = None if begun is None else (begun.state.name, begun.error)
             handles.append((sender.send(1, room, [(pool, slots)], metadata, row, begun=begun), row))
         try:
