@@ -337,7 +337,33 @@ def _recording_classes():
             sender = super()._open_channel()
             # GPU phases: "kv_sent" of a begun transfer is its KV's time from ready to sent.
             sender.phase_events = sender.device.type == "cuda"
+            if os.environ.get("PDCLUSTER_BENCH_PROFILE_POSTING"):
+                import cProfile
+
+                profiler, post = cProfile.Profile(), sender._post
+
+                def profiled_post(*args):
+                    profiler.enable()
+                    try:
+                        post(*args)
+                    finally:
+                        profiler.disable()
+
+                sender._post = profiled_post
+                self.__dict__["posting_profiler"] = profiler
             return sender
+
+        def posting_profile(self) -> str:
+            """The top of a cProfile of every posting (PDCLUSTER_BENCH_PROFILE_POSTING=1)."""
+            import io
+            import pstats
+
+            profiler = self.__dict__.get("posting_profiler")
+            if profiler is None:
+                return ""
+            out = io.StringIO()
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+            return out.getvalue()
 
         def _finish_transfers(self) -> None:
             log = self.__dict__.setdefault("transfer_log", [])
@@ -409,6 +435,9 @@ def run_cluster(model: str | None, device: str, tokens_list: list[int], reps: in
         prefill_log = ray.get(cluster.prefill_actors[0].transfers.remote(), timeout=60)
         decode_log = ray.get(cluster.decode_actors[0].transfers.remote(), timeout=60)
         prefill_host = ray.get(cluster.prefill_actors[0].host.remote(), timeout=60)
+        profile = ray.get(cluster.prefill_actors[0].posting_profile.remote(), timeout=60)
+        if profile:
+            print(f"prefill node, posting:\n{profile}")
         empty = cluster.kv_pools_empty()
     finally:
         cluster.shutdown()
