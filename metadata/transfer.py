@@ -207,17 +207,30 @@ class _Channel:
     """How this process posts p2p operations to one peer: on which process group (None: the
     default one), one batch at a time."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, peer_in_group: int | None = None) -> None:
         self.group = group
+        self.peer_in_group = peer_in_group
         # A group's batch state is per process: a sender and a receiver of one process that
         # share a peer take turns.
         self.lock = threading.Lock()
 
-    def ops(self, op: Callable, peer: int, tag: int, buffers: list[torch.Tensor]) -> list:
-        return [dist.P2POp(op, buffer, peer, self.group, tag) for buffer in buffers]
-
-    def post(self, ops: list) -> list[dist.Work]:
+    def post(self, sending: bool, peer: int, tag: int, buffers: list[torch.Tensor]) -> list:
+        """Post one batch of sends (receives) of `buffers` to (from) `peer`."""
         with self.lock:
+            group = self.group
+            if group is not None and hasattr(group, "_start_coalescing"):
+                # The pair's own NCCL group: the coalesced batch batch_isend_irecv makes, built
+                # straight on the process group, without its Python checks per operation.
+                device = buffers[0].device
+                group._start_coalescing(device)
+                for buffer in buffers:
+                    if sending:
+                        group.send([buffer], self.peer_in_group, tag)
+                    else:
+                        group.recv([buffer], self.peer_in_group, tag)
+                return [group._end_coalescing(device)]
+            op = dist.isend if sending else dist.irecv
+            ops = [dist.P2POp(op, buffer, peer, group, tag) for buffer in buffers]
             return dist.batch_isend_irecv(ops)
 
 
@@ -235,11 +248,12 @@ def _channel(peer: int, nccl: bool) -> _Channel:
     with _process_channels_lock:
         channel = _process_channels.get(key)
         if channel is None:
-            group = None
+            group, peer_in_group = None, None
             if nccl:
                 pair = sorted((dist.get_rank(), peer))
                 group = dist.new_group(pair, use_local_synchronization=True)
-            channel = _process_channels[key] = _Channel(group)
+                peer_in_group = pair.index(peer)
+            channel = _process_channels[key] = _Channel(group, peer_in_group)
         return channel
 
 
@@ -276,8 +290,7 @@ class _PeerWorkers:
         token = torch.tensor([dist.get_rank() if sending else -1], device=self.device)
 
         def exchange() -> str | None:
-            post = dist.isend if sending else dist.irecv
-            self._wait(handle, channel.post(channel.ops(post, peer, _CONNECT_TAG, [token])))
+            self._wait(handle, channel.post(sending, peer, _CONNECT_TAG, [token]))
             if sending or int(token) == peer:
                 return None
             return f"connect: rank {peer} announced itself as rank {int(token)}"
@@ -516,7 +529,7 @@ class KVSender(_PeerWorkers):
                 # The row goes as it is: the caller leaves it alone until the handle is terminal.
                 buffers.append(row_bytes)
                 handle.mark("gathered")
-            handle.posted += channel.post(channel.ops(dist.isend, peer, _tag(room), buffers))
+            handle.posted += channel.post(True, peer, _tag(room), buffers)
             handle.mark("posted" if row_bytes is not None else "begun")
         except Exception as err:
             handle.left_posted = bool(handle.posted)
@@ -570,7 +583,7 @@ class KVReceiver(_PeerWorkers):
         buffers.append(row)
         handle.nbytes = target.nbytes
         handle.staged = len(staged)
-        works = channel.post(channel.ops(dist.irecv, handle.peer, _tag(handle.room), buffers))
+        works = channel.post(False, handle.peer, _tag(handle.room), buffers)
         handle.mark("posted")
         self._wait(handle, works)
         handle.mark("landed")
