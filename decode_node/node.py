@@ -45,6 +45,7 @@ from metadata.node_common import (
 from metadata.node_metrics import Activity, ActivityLog, TransferTotals
 from metadata.serving_node import ServingNode
 from metadata.transfer import KVReceiver, TransferState
+from metadata.wire import kv_nbytes
 from spec import DraftState, speculator_from_args
 
 log = logging.getLogger(__name__)
@@ -215,11 +216,14 @@ class DecodeNode(ServingNode):
     def _post_receive(self, announce: TransferAnnounce) -> None:
         tracked = self.rooms.get(announce.room)
         if tracked is None or tracked.meta_row is None:
-            # Aborted meanwhile: the sender still sends, so receive into a scratch request.
-            log.warning("announcement for unknown room %s", announce.room)
+            log.warning(
+                "announcement for unknown room %s: its transfer is discarded", announce.room
+            )
+            self._discard(announce)
             return
         prompt_len = len(tracked.req.prompt_token_ids)
         if announce.num_tokens != prompt_len:
+            self._discard(announce)
             self._fail(
                 tracked, f"prefill announced {announce.num_tokens} tokens, expected {prompt_len}"
             )
@@ -230,6 +234,7 @@ class DecodeNode(ServingNode):
         if announce.num_draft_tokens and req.num_draft_tokens:
             pools += self.speculator.depth_kv(req, prompt_len)
         elif announce.num_draft_tokens:
+            self._discard(announce)
             reason = f"prefill sent {announce.num_draft_tokens} draft depths to a node that "
             self._fail(tracked, reason + "does not speculate")
             return
@@ -242,6 +247,28 @@ class DecodeNode(ServingNode):
             announce.prefill_rank, announce.room, pools, self.metadata, tracked.meta_row
         )
         set_time(req, "receive_posted")
+
+    def _discard(self, announce: TransferAnnounce) -> None:
+        """Receive an announced transfer that no request takes into scratch (see
+        `KVReceiver.discard`): the prefill node sends it whatever this node decides."""
+        pools = [self.engine.runner.kv_pool]
+        if announce.num_draft_tokens:
+            depths = self.speculator.depths if self.speculator is not None else []
+            if len(depths) != announce.num_draft_tokens:
+                log.error(
+                    "room %s: cannot receive %d draft depths with %d of its own; the channel "
+                    "from rank %d is out of order from now on",
+                    announce.room,
+                    announce.num_draft_tokens,
+                    len(depths),
+                    announce.prefill_rank,
+                )
+                return
+            pools += [depth.kv_pool for depth in depths]
+        sizes = [kv_nbytes(pool, announce.num_tokens) for pool in pools]
+        self.receiver.discard(
+            announce.prefill_rank, announce.room, sizes + [self.metadata.row_nbytes]
+        )
 
     def _take_result(self, result: PrefillResult) -> None:
         tracked = self.rooms.get(result.room)

@@ -567,6 +567,33 @@ class KVReceiver(_PeerWorkers):
         self._submit(src_rank, handle, lambda: self._receive(channel, handle, target))
         return handle
 
+    def discard(
+        self,
+        src_rank: int,
+        room: int,
+        message_nbytes: list[int],
+        timeout_s: float | None = None,
+    ) -> TransferHandle:
+        """Post the receives of an announced transfer that no request takes (a room the node
+        no longer knows, or an announcement it refuses) into scratch bytes of the messages'
+        sizes, then drop them. The sender sends every announced transfer, and NCCL matches a
+        pair's operations by order alone: without these receives, the pair's next transfer
+        would take this one's data. Call in announcement order, as `expect`."""
+        channel = self._channel(src_rank)
+        handle = TransferHandle(room, src_rank, self.timeout_s if timeout_s is None else timeout_s)
+
+        def receive_into_scratch() -> str | None:
+            buffers = [
+                torch.empty(n, dtype=torch.uint8, device=self.device) for n in message_nbytes
+            ]
+            handle.nbytes = sum(message_nbytes)
+            self._wait(handle, channel.post(False, src_rank, _tag(room), buffers))
+            handle.mark("landed")
+            return None
+
+        self._submit(src_rank, handle, receive_into_scratch)
+        return handle
+
     def _receive(self, channel: _Channel, handle: TransferHandle, target: KVSource) -> str | None:
         buffers, staged = [], []
         for piece in target.filled:

@@ -33,6 +33,7 @@ from metadata.messages import (
 from metadata.node_common import NodeOptions
 from metadata.node_metrics import TransferTotals
 from metadata.transfer import TransferHandle, TransferState
+from metadata.wire import kv_nbytes
 from prefill_node.node import PrefillNode, _drafts_after_first_token, _Pending
 
 CAPACITY = 64
@@ -370,3 +371,32 @@ def test_a_transfer_whose_result_never_comes_fails_naming_the_prefill_node(monke
     (update,) = node.router.updates
     assert "prefill-0 sent no result" in update.error
     assert cache.is_empty() and node.metadata.num_free == 2 and not node.rooms
+
+
+class ScratchReceiver:
+    def __init__(self) -> None:
+        self.discarded: list[tuple[int, int, list[int]]] = []
+
+    def discard(self, src_rank, room, message_nbytes):
+        self.discarded.append((src_rank, room, message_nbytes))
+        return TransferHandle(room, src_rank)
+
+
+@pytest.mark.parametrize("room, num_tokens", [(ROOM, len(PROMPT) + 1), (ROOM + 1, 4)])
+def test_a_refused_announcement_is_still_received_into_scratch(room, num_tokens):
+    """A token count that does not match, or a room the node no longer knows: the prefill
+    node sends the transfer anyway, and only receives of the announced sizes keep the pair's
+    NCCL order."""
+    node, cache = decode_node(TransferState.BOOTSTRAPPING)
+    node.rooms[ROOM].handle = None
+    node.engine.runner = SimpleNamespace(kv_pool=cache.kv_pool)
+    node.receiver = ScratchReceiver()
+    node._handle(TransferAnnounce(room, 3, num_tokens, 0))
+    sizes = [kv_nbytes(cache.kv_pool, num_tokens), node.metadata.row_nbytes]
+    assert node.receiver.discarded == [(3, room, sizes)]
+    if room == ROOM:
+        (update,) = node.router.updates
+        assert update.error == f"prefill announced {num_tokens} tokens, expected {len(PROMPT)}"
+        assert cache.is_empty() and not node.rooms
+    else:
+        assert not node.router.updates and ROOM in node.rooms

@@ -26,7 +26,7 @@ from engine.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.process_group import create_store_server, init_transfer_group
 from metadata.transfer import KVReceiver, KVSender, TransferHandle, TransferState
-from metadata.wire import KVSource, PoolMessages, gather_kv, scatter_kv
+from metadata.wire import KVSource, PoolMessages, gather_kv, kv_nbytes, scatter_kv
 
 CAPACITY = 96
 HIDDEN_SIZE = 16
@@ -206,6 +206,8 @@ def child(scenario: str, rank: int, world: int, port: int, results: mp.Queue) ->
             result = run_cuda(rank)
         elif scenario == "combos":
             result = run_combos(rank)
+        elif scenario == "discard":
+            result = run_discard(rank)
         else:
             result = run_decode() if rank == 2 else run_prefill(rank)
         results.put((rank, result))
@@ -603,3 +605,51 @@ def test_nccl_transfer_between_two_gpus() -> None:
     state, error, may_still_write = got[1][104]
     assert state == "FAILED" and "channel to rank 0 unusable since room 103" in error
     assert not may_still_write
+
+
+# A transfer the decode side refuses is still sent: received into scratch, it keeps the pair's
+# order, and the next transfer lands whole.
+DISCARDED, AFTER_DISCARD = (601, [1, 2, 3]), (602, [4, 5, 6, 7, 8])
+
+
+def run_discard(rank: int) -> dict:
+    receiving = rank == 1
+    pools, metadata = make_pools(seed=None if receiving else 0), make_metadata()
+    workers = KVReceiver("cpu", timeout_s=GENEROUS_S) if receiving else KVSender("cpu")
+    result = {"connected": workers.connect(1 - rank).wait(60).name}
+    handles = {}
+    for room, slots in (DISCARDED, AFTER_DISCARD):
+        row = metadata.allocate()
+        if not receiving:
+            metadata.write_row(row, room=room, **row_values(room))
+            handles[room] = workers.send(1, room, [(p, slots) for p in pools], metadata, row)
+        elif room == DISCARDED[0]:
+            sizes = [kv_nbytes(p, len(slots)) for p in pools] + [metadata.row_nbytes]
+            handles[room] = workers.discard(0, room, sizes)
+        else:
+            landing = [(p, [s + 40 for s in slots]) for p in pools]
+            handles[room] = workers.expect(0, room, landing, metadata, row)
+            result["row"] = row
+    for room, handle in handles.items():
+        result[room] = (handle.wait(60).name, handle.error)
+    if receiving:
+        sent = make_pools(seed=0)
+        slots = AFTER_DISCARD[1]
+        result["kv_equal"] = all(
+            torch.equal(gather_kv(p, [s + 40 for s in slots]), gather_kv(q, slots))
+            for p, q in zip(pools, sent)
+        )
+        result["landed"] = metadata.row_landed(result.pop("row"), AFTER_DISCARD[0])
+        # Nothing of the discarded transfer reached a pool.
+        result["pools_untouched"] = all(
+            not buf[: 40 + 1].any() for p in pools for buf in p.k_buffers + p.v_buffers
+        )
+    workers.close()
+    return result
+
+
+def test_a_discarded_transfer_keeps_the_pair_in_order() -> None:
+    got = run_ranks("discard", world=2)
+    assert got[0][DISCARDED[0]] == ("SUCCESS", None) == got[1][DISCARDED[0]]
+    assert got[0][AFTER_DISCARD[0]] == ("SUCCESS", None) == got[1][AFTER_DISCARD[0]]
+    assert got[1]["kv_equal"] and got[1]["landed"] and got[1]["pools_untouched"]
