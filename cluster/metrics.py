@@ -279,7 +279,10 @@ class _NodeFamilies:
         )
         self.transfer_seconds = CounterMetricFamily(
             "pdcluster_node_transfer_seconds",
-            "Time successful KV transfers took, from their start on the wire to their end.",
+            "Time successful KV transfers took on the node's clock: a send from its start (right "
+            "after the prefill forward when it goes early, then including the first token) to "
+            "its end; a receive from its posting at the announcement (before the prefill "
+            "forward) to its landing. Wire speed is higher than bytes over these seconds.",
             labels=transfer,
         )
         self.transfer_throughput = GaugeMetricFamily(

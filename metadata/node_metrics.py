@@ -20,9 +20,10 @@ DEFAULT_LOG_INTERVAL_S = 5.0
 
 class TransferTotals:
     """Totals of one node's finished transfers in one direction ("send" or "receive"). A
-    transfer's time is its handle's: a send's, from its worker starting it to its end (the
-    transfer itself); a receive's, from its posting, at the announcement, before the prefill's
-    forward, to its landing."""
+    transfer's time is its handle's: a send's, from the serving thread starting it to its end
+    (a send begun right after the forward also spans the first token's sampling and draft
+    extend); a receive's, from its posting, at the announcement, before the prefill's forward,
+    to its landing."""
 
     def __init__(self, direction: str) -> None:
         self.direction = direction
