@@ -232,6 +232,8 @@ def run_train_draft(args: argparse.Namespace) -> None:
         num_prompts=args.num_prompts,
         num_self_prompts=args.self_prompts,
         self_prompt_max_tokens=args.self_prompt_max_tokens,
+        self_other_languages=args.self_other_languages,
+        num_self_followups=args.self_followups,
         num_heldout=args.num_heldout,
         max_tokens=args.max_tokens,
         generate_batch=args.generate_batch,
@@ -295,6 +297,21 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
         default=4000,
         metavar="N",
         help="training conversations whose user message the target writes itself (0: none)",
+    )
+    parser.add_argument(
+        "--self-other-languages",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="share of self-written messages started in another language than English",
+    )
+    parser.add_argument(
+        "--self-followups",
+        type=int,
+        default=0,
+        metavar="N",
+        help="three-turn conversations: a self-written one, its answer and a second user "
+        "message the target writes (at most --self-prompts)",
     )
     parser.add_argument(
         "--self-prompt-max-tokens",

@@ -15,8 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_drafts import make_eagle3_draft, make_predictable_llama, make_random_draft
-from tiny_models import CHAT_TEMPLATE, make_tiny_llama
-from transformers import AutoTokenizer
+from tiny_models import make_tiny_llama, save_chat_template
 
 import spec.default_draft as default_draft
 import spec.train.trainer as trainer_module
@@ -47,12 +46,6 @@ from spec.train.trainer import (
 
 NUM_DRAFT_STEPS = 3
 DRAFT_VOCAB_SIZE = 200
-
-
-def save_chat_template(path: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
 
 
 def read_log(out: Path) -> list[dict]:

@@ -87,3 +87,12 @@ def make_tiny_hyper_llama(
     """A random tiny hyper-connection Llama: a tiny Llama's weights, widened (see above)."""
     make_tiny_llama(path, seed=seed, **overrides)
     widen_to_hyper_llama(path, hc_mult, mix_noise, seed)
+
+
+def save_chat_template(path: Path) -> None:
+    """Give the tokenizer saved under `path` the CHAT_TEMPLATE above."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)

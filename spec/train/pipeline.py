@@ -33,7 +33,7 @@ from spec.draft_model import MultiLayerEagleDraft, save_draft
 from spec.draft_vocab import choose_draft_vocab, count_tokens, coverage
 from spec.train.data import Sequences, target_answers
 from spec.train.prompts import heldout_prompts, training_prompts
-from spec.train.self_prompts import self_written_prompts
+from spec.train.self_prompts import self_written_followups, self_written_prompts
 from spec.train.trainer import CHECKPOINT_FILE, DraftTrainer, Schedule
 
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -51,6 +51,11 @@ class TrainDraftConfig:
     num_prompts: int = 4000  # conversations from the written templates (spec.train.prompts)
     num_self_prompts: int = 0  # conversations whose user message the target wrote
     self_prompt_max_tokens: int = 96
+    # Of the self-written messages, the share that starts in another language than English.
+    self_other_languages: float = 0.0
+    # Three-turn conversations: a self-written conversation, its answer and a second user
+    # message the target writes after them (at most one per self-written conversation).
+    num_self_followups: int = 0
     num_heldout: int | None = None  # None: every held-out prompt
     max_tokens: int = 256
     generate_batch: int = 128
@@ -70,8 +75,18 @@ class TrainDraftConfig:
         for name in ("num_draft_steps", "max_tokens", "generate_batch", "self_prompt_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_prompts < 0 or self.num_self_prompts < 0:
-            raise ValueError("num_prompts and num_self_prompts must not be negative")
+        if self.num_prompts < 0 or self.num_self_prompts < 0 or self.num_self_followups < 0:
+            raise ValueError(
+                "num_prompts, num_self_prompts and num_self_followups must not be negative"
+            )
+        if self.num_self_followups > self.num_self_prompts:
+            raise ValueError(
+                "each follow-up continues a self-written conversation: at most num_self_prompts"
+            )
+        if not 0.0 <= self.self_other_languages <= 1.0:
+            raise ValueError(
+                f"self_other_languages is a share in [0, 1], got {self.self_other_languages}"
+            )
         if self.num_prompts + self.num_self_prompts < 1:
             raise ValueError("num_prompts and num_self_prompts add up to no training prompt")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
@@ -116,16 +131,41 @@ def _generate(
             max_tokens=config.self_prompt_max_tokens,
             chunk=config.generate_batch,
             progress=config.progress,
+            other_languages=config.self_other_languages,
         )
-        parts.append(
-            target_answers(
+        answered = target_answers(
+            llm,
+            written,
+            config.out_dir / "self_answers.pt",
+            config.max_tokens,
+            progress=config.progress,
+        )
+        parts.append(answered)
+        if config.num_self_followups:
+            texts = [
+                llm.tokenizer.decode(answer, skip_special_tokens=True).strip()
+                for answer in answered.answers()
+            ]
+            followups = self_written_followups(
                 llm,
                 written,
-                config.out_dir / "self_answers.pt",
-                config.max_tokens,
+                texts,
+                config.num_self_followups,
+                config.out_dir / "self_followups.json",
+                seed=config.schedule.seed,
+                max_tokens=config.self_prompt_max_tokens,
+                chunk=config.generate_batch,
                 progress=config.progress,
             )
-        )
+            parts.append(
+                target_answers(
+                    llm,
+                    followups,
+                    config.out_dir / "followup_answers.pt",
+                    config.max_tokens,
+                    progress=config.progress,
+                )
+            )
     train = Sequences.joined(parts)
     held = target_answers(
         llm, heldout, config.out_dir / "heldout.pt", config.max_tokens, progress=config.progress
@@ -239,6 +279,8 @@ def train_draft(config: TrainDraftConfig) -> dict:
             "train_conversations": len(train),
             "template_conversations": config.num_prompts,
             "self_written_conversations": config.num_self_prompts,
+            "self_written_other_language_share": config.self_other_languages,
+            "followup_conversations": len(train) - config.num_prompts - config.num_self_prompts,
             "train_answer_tokens": train.num_answer_tokens,
             "train_tokens": sum(len(t) for t in train.tokens),
             "heldout_conversations": len(held),

@@ -30,6 +30,15 @@ OPENINGS = (
     "Solve", "Calculate", "Define", "Draft", "Make",
 )  # fmt: skip
 
+# Openings in other languages, for a share of the messages (`other_languages`): left alone, a
+# model writes almost every user message in English.
+OTHER_LANGUAGE_OPENINGS = (
+    "Écris", "Explique", "Pourquoi", "Comment", "Quelle", "Peux-tu",
+    "Escribe", "Explica", "¿Por qué", "¿Cómo", "¿Qué", "¿Puedes",
+    "Schreibe", "Erkläre", "Warum", "Wie", "Was ist", "Kannst du",
+    "Scrivi", "Spiega", "Perché", "Come", "Escreva", "Por que",
+)  # fmt: skip
+
 _SENTINEL = "\u2063SENTINEL\u2063"
 
 
@@ -59,7 +68,7 @@ def user_turn(tokenizer: Any) -> UserTurn:
 
 @dataclass
 class _Store:
-    prompts: list[str]
+    prompts: list[Any]  # messages, or whole conversations (follow-ups)
     tried: int
     meta: dict[str, Any]
 
@@ -83,11 +92,17 @@ def self_written_prompts(
     max_tokens: int = 96,
     chunk: int = 512,
     progress: bool = True,
+    other_languages: float = 0.0,
 ) -> list[Conversation]:
     """`n` distinct single-turn conversations whose user message the model in `llm` wrote,
-    kept in `path` (JSON) as they are made."""
+    kept in `path` (JSON) as they are made. `other_languages`: the share of candidates that
+    start from an opening in another language than English."""
+    if not 0.0 <= other_languages <= 1.0:
+        raise ValueError(f"other_languages is a share in [0, 1], got {other_languages}")
     turn = user_turn(llm.tokenizer)
     meta = {"model": str(llm.model_path), "seed": seed, "max_tokens": max_tokens, "turn": turn.end}
+    if other_languages:
+        meta["other_languages"] = other_languages  # absent at 0: earlier files stay valid
     store = _Store([], 0, meta)
     if path.exists():
         raw = json.loads(path.read_text())
@@ -123,7 +138,7 @@ def self_written_prompts(
             openings, prompts, params = [], [], []
             for index in range(first, first + chunk):
                 candidate_seed = _candidate_seed(seed, index)
-                opening = random.Random(candidate_seed).choice(OPENINGS)
+                opening = _opening(random.Random(candidate_seed), other_languages)
                 openings.append(opening)
                 prompts.append(prefix_ids + llm.tokenizer.encode(opening, add_special_tokens=False))
                 params.append(
@@ -146,6 +161,95 @@ def self_written_prompts(
             store.save(path)
             bar.update(len(store.prompts) - before)
     return [[{"role": "user", "content": p}] for p in store.prompts[:n]]
+
+
+def _opening(rng: random.Random, other_languages: float) -> str:
+    # Without other languages, one draw: the same openings as before the option existed.
+    if other_languages and rng.random() < other_languages:
+        return rng.choice(OTHER_LANGUAGE_OPENINGS)
+    return rng.choice(OPENINGS)
+
+
+def self_written_followups(
+    llm: LLM,
+    conversations: list[Conversation],
+    answers: list[str],
+    n: int,
+    path: Path,
+    seed: int = 0,
+    max_tokens: int = 96,
+    chunk: int = 512,
+    progress: bool = True,
+) -> list[Conversation]:
+    """Up to `n` three-turn conversations: one of `conversations`, the target's `answers` to
+    it, and a second user message the model in `llm` wrote after them (sampled like
+    `self_written_prompts`, one try per conversation, in order), kept in `path` (JSON). Fewer
+    come back when the conversations run out."""
+    if len(answers) != len(conversations):
+        raise ValueError(f"{len(answers)} answers for {len(conversations)} conversations")
+    turn = user_turn(llm.tokenizer)
+    meta = {
+        "model": str(llm.model_path),
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "turn": turn.end,
+        "first": conversations[0] if conversations else None,
+    }
+    store = _Store([], 0, meta)
+    if path.exists():
+        raw = json.loads(path.read_text())
+        differ = sorted(k for k in meta if raw["meta"].get(k) != meta[k])
+        if differ:
+            raise ValueError(
+                f"{path} was written with other settings ({', '.join(differ)}); "
+                "remove it or use another output folder"
+            )
+        store = _Store(raw["prompts"], raw["tried"], meta)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=n,
+        initial=min(n, len(store.prompts)),
+        desc=f"follow-up messages -> {path.name}",
+        unit="msg",
+        disable=not progress,
+        mininterval=progress_interval(),
+    )
+    with bar:
+        while len(store.prompts) < n and store.tried < len(conversations):
+            first = store.tried
+            heads, prompts, params = [], [], []
+            for index in range(first, min(first + chunk, len(conversations))):
+                candidate_seed = _candidate_seed(seed + 1, index)
+                opening = _opening(random.Random(candidate_seed), 0.0)
+                head = [*conversations[index], {"role": "assistant", "content": answers[index]}]
+                # The template's own text up to where the next user message starts.
+                text = llm.tokenizer.apply_chat_template(
+                    [*head, {"role": "user", "content": _SENTINEL}],
+                    tokenize=False,
+                    add_generation_prompt=False,
+                )
+                before = text[: text.index(_SENTINEL)] + opening
+                heads.append((head, opening))
+                prompts.append(llm.tokenizer.encode(before, add_special_tokens=False))
+                params.append(
+                    SamplingParams(
+                        max_tokens=max_tokens,
+                        temperature=1.0,
+                        top_p=0.95,
+                        seed=candidate_seed,
+                        stop=turn.end,
+                    )
+                )
+            written_before = len(store.prompts)
+            for (head, opening), out in zip(heads, llm.generate(prompts, params)):
+                message = _clean(opening, out.text, turn)
+                if message is not None and len(store.prompts) < n:
+                    store.prompts.append([*head, {"role": "user", "content": message}])
+            store.tried = first + len(prompts)
+            store.save(path)
+            bar.update(len(store.prompts) - written_before)
+    return store.prompts[:n]
 
 
 def _clean(opening: str, written: str, turn: UserTurn) -> str | None:
