@@ -255,14 +255,15 @@ class DecodeNode(ServingNode):
         if announce.num_draft_tokens:
             depths = self.speculator.depths if self.speculator is not None else []
             if len(depths) != announce.num_draft_tokens:
-                log.error(
-                    "room %s: cannot receive %d draft depths with %d of its own; the channel "
-                    "from rank %d is out of order from now on",
-                    announce.room,
-                    announce.num_draft_tokens,
-                    len(depths),
-                    announce.prefill_rank,
+                reason = (
+                    f"room {announce.room} came with {announce.num_draft_tokens} draft depths, "
+                    f"which this node ({len(depths)} of its own) cannot receive"
                 )
+                log.error(
+                    "%s: the channel from rank %d is out of order", reason, announce.prefill_rank
+                )
+                # Later transfers from that rank fail at once rather than take this one's data.
+                self.receiver.break_channel(announce.prefill_rank, reason)
                 return
             pools += [depth.kv_pool for depth in depths]
         sizes = [kv_nbytes(pool, announce.num_tokens) for pool in pools]

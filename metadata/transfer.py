@@ -91,12 +91,16 @@ class _Channel:
                 # straight on the process group, without its Python checks per operation.
                 device = buffers[0].device
                 group._start_coalescing(device)
-                for buffer in buffers:
-                    if sending:
-                        group.send([buffer], self.peer_in_group, tag)
-                    else:
-                        group.recv([buffer], self.peer_in_group, tag)
-                return [group._end_coalescing(device)]
+                try:
+                    for buffer in buffers:
+                        if sending:
+                            group.send([buffer], self.peer_in_group, tag)
+                        else:
+                            group.recv([buffer], self.peer_in_group, tag)
+                finally:
+                    # Always closed: an open batch would hold back every later operation.
+                    work = group._end_coalescing(device)
+                return [work]
             op = dist.isend if sending else dist.irecv
             ops = [dist.P2POp(op, buffer, peer, group, tag) for buffer in buffers]
             return dist.batch_isend_irecv(ops)
@@ -196,6 +200,26 @@ class _PeerWorkers:
                 thread.start()
         handle.advance(TransferState.WAITING)  # a posted handle stays TRANSFERRING
         jobs.put((handle, job))
+
+    def _post_batch(
+        self, channel: _Channel, handle: TransferHandle, sending: bool, buffers: list
+    ) -> None:
+        """Post `buffers` for `handle` (added to `handle.posted`). A batch that fails part way
+        may have posted some of it: the channel to the peer is then out of order for good."""
+        try:
+            handle.posted += channel.post(sending, handle.peer, _tag(handle.room), buffers)
+        except Exception as err:
+            peer = handle.peer
+            self._broken[peer] = (
+                f"channel to rank {peer} unusable since posting room {handle.room} failed: "
+                f"{type(err).__name__}: {err}"
+            )
+            handle.left_posted = True
+            handle.fail(f"room {handle.room}, peer rank {peer}: {self._broken[peer]}")
+
+    def break_channel(self, peer: int, reason: str) -> None:
+        """Mark the channel to `peer` out of order for good (later transfers fail at once)."""
+        self._broken.setdefault(peer, f"channel to rank {peer} unusable: {reason}")
 
     def _serve(self, peer: int, jobs: queue.SimpleQueue) -> None:
         if self._is_cuda:
@@ -341,6 +365,11 @@ class KVSender(_PeerWorkers):
         thread also keeps one order per peer, which NCCL needs."""
         skip = 0 if begun is None else begun.begun_pools
         try:
+            if begun is not None and (begun.peer, begun.room) != (dst_rank, room):
+                raise ValueError(
+                    f"room {room} to rank {dst_rank} finishes the transfer begun for room "
+                    f"{begun.room} to rank {begun.peer}"
+                )
             source = KVSource.build(pools_and_slots, metadata, row, skip=skip)
             self._channel(dst_rank)  # a rank outside the world is the caller's error
         except Exception as err:
@@ -358,28 +387,38 @@ class KVSender(_PeerWorkers):
                 room, dst_rank, self.timeout_s if timeout_s is None else timeout_s
             )
             handle.start_clock(gpu_events=self.phase_events)
-        elif (handle.peer, handle.room) != (dst_rank, room):
-            raise ValueError(
-                f"room {room} to rank {dst_rank} finishes the transfer begun for room "
-                f"{handle.room} to rank {handle.peer}"
-            )
         handle.nbytes += source.nbytes
-        self._post(handle, source.filled, source.row_bytes)
+        self._post(handle, source.filled, source.row_bytes, stand_in=True)
         if handle.state != TransferState.FAILED:
             works, staging = handle.posted, handle.staging
-            self._submit(dst_rank, handle, lambda: self._complete(handle, works, staging))
-        # A part that failed to post after another went out leaves the transfer unfinished
-        # for good: the handle says its sends may still read the slots (`may_still_read`).
+            try:
+                self._submit(dst_rank, handle, lambda: self._complete(handle, works, staging))
+            except RuntimeError as err:  # closed meanwhile: nobody will wait for the sends
+                handle.left_posted = True
+                handle.fail(f"room {room}, peer rank {dst_rank}: {err}")
+        # A failed part after another went out leaves the transfer's sends unwaited for: the
+        # handle says they may still read the slots (`may_still_read`).
         return handle
 
-    def _post(self, handle: TransferHandle, pieces: tuple, row_bytes: torch.Tensor | None) -> None:
+    def _post(
+        self,
+        handle: TransferHandle,
+        pieces: tuple,
+        row_bytes: torch.Tensor | None,
+        stand_in: bool = False,
+    ) -> None:
         """Post `pieces` (then `row_bytes`) for `handle`; a failure fails the handle (and says
-        whether an earlier part stays posted), never the caller."""
+        whether an earlier part stays posted), never the caller. With `stand_in`, a part that
+        fails before it is posted goes out as zeros of its messages' sizes: the peer posted
+        receives for the whole announced transfer, and the pair's next transfer must not take
+        their place. Its row of zeros carries room tag 0, which fails the transfer there."""
         peer, room = handle.peer, handle.room
-        if handle.state == TransferState.FAILED:
+        if handle.state == TransferState.FAILED and not stand_in:
             return
+        channel = self._channel(peer)  # checked by the caller
         try:
-            channel = self._channel(peer)  # checked by the caller
+            if handle.state == TransferState.FAILED:
+                raise RuntimeError(handle.error)
             if self._closed:
                 raise RuntimeError(f"{self._role} is closed")
             if peer in self._broken:
@@ -397,14 +436,21 @@ class KVSender(_PeerWorkers):
                 # The row goes as it is: the caller leaves it alone until the handle is terminal.
                 buffers.append(row_bytes)
                 handle.mark("gathered")
-            handle.posted += channel.post(True, peer, _tag(room), buffers)
-            handle.mark("posted" if row_bytes is not None else "begun")
         except Exception as err:
             handle.left_posted = bool(handle.posted)
             handle.fail(f"room {room}, peer rank {peer}: {type(err).__name__}: {err}")
             handle.stop_clock(read_gpu_events=False)
+            if stand_in and not self._closed and peer not in self._broken:
+                sizes = [piece.nbytes for piece in pieces]
+                sizes += [] if row_bytes is None else [row_bytes.numel()]
+                zeros = [torch.zeros(n, dtype=torch.uint8, device=self.device) for n in sizes]
+                handle.staging += zeros
+                self._post_batch(channel, handle, True, zeros)
             return
-        handle.advance(TransferState.TRANSFERRING)
+        self._post_batch(channel, handle, True, buffers)
+        if handle.state != TransferState.FAILED:
+            handle.mark("posted" if row_bytes is not None else "begun")
+            handle.advance(TransferState.TRANSFERRING)
 
     def _complete(
         self, handle: TransferHandle, works: list[dist.Work], staging: list[torch.Tensor]
@@ -455,7 +501,10 @@ class KVReceiver(_PeerWorkers):
                 torch.empty(n, dtype=torch.uint8, device=self.device) for n in message_nbytes
             ]
             handle.nbytes = sum(message_nbytes)
-            self._wait(handle, channel.post(False, src_rank, _tag(room), buffers))
+            self._post_batch(channel, handle, False, buffers)
+            if handle.state == TransferState.FAILED:
+                return handle.error
+            self._wait(handle, handle.posted)
             handle.mark("landed")
             return None
 
@@ -478,7 +527,10 @@ class KVReceiver(_PeerWorkers):
         buffers.append(row)
         handle.nbytes = target.nbytes
         handle.staged = len(staged)
-        works = channel.post(False, handle.peer, _tag(handle.room), buffers)
+        self._post_batch(channel, handle, False, buffers)
+        if handle.state == TransferState.FAILED:
+            return handle.error
+        works = handle.posted
         handle.mark("posted")
         self._wait(handle, works)
         handle.mark("landed")

@@ -376,10 +376,14 @@ def test_a_transfer_whose_result_never_comes_fails_naming_the_prefill_node(monke
 class ScratchReceiver:
     def __init__(self) -> None:
         self.discarded: list[tuple[int, int, list[int]]] = []
+        self.broken: dict[int, str] = {}
 
     def discard(self, src_rank, room, message_nbytes):
         self.discarded.append((src_rank, room, message_nbytes))
         return TransferHandle(room, src_rank)
+
+    def break_channel(self, peer, reason):
+        self.broken[peer] = reason
 
 
 @pytest.mark.parametrize("room, num_tokens", [(ROOM, len(PROMPT) + 1), (ROOM + 1, 4)])
@@ -400,3 +404,14 @@ def test_a_refused_announcement_is_still_received_into_scratch(room, num_tokens)
         assert cache.is_empty() and not node.rooms
     else:
         assert not node.router.updates and ROOM in node.rooms
+
+
+def test_draft_depths_the_node_cannot_receive_break_the_channel_from_that_rank():
+    """With no draft depths of its own the node cannot size the depth messages: later
+    transfers from that rank then fail at once instead of taking this one's data."""
+    node, cache = decode_node(TransferState.BOOTSTRAPPING)
+    node.engine.runner = SimpleNamespace(kv_pool=cache.kv_pool)
+    node.receiver = ScratchReceiver()
+    node._handle(TransferAnnounce(ROOM + 1, 3, 4, 2))
+    assert not node.receiver.discarded
+    assert "came with 2 draft depths" in node.receiver.broken[3]

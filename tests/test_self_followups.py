@@ -4,6 +4,7 @@ both sampled from the model itself with a seed per candidate."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,9 @@ from engine import LLM
 from spec.train.data import Sequences
 from spec.train.pipeline import TrainDraftConfig, train_draft
 from spec.train.self_prompts import (
+    OPENINGS,
     OTHER_LANGUAGE_OPENINGS,
+    _opening,
     self_written_followups,
     self_written_prompts,
     user_turn,
@@ -30,6 +33,16 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     return LLM(str(path), device="cpu", max_num_seqs=8, kv_cache_tokens=2048)
 
 
+class CountingLLM:
+    def __init__(self, llm: LLM) -> None:
+        self.llm, self.calls = llm, 0
+        self.tokenizer, self.model_path = llm.tokenizer, llm.model_path
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        return self.llm.generate(prompts, params)
+
+
 def written(llm: LLM, tmp_path: Path, n: int = 6, **kwargs) -> list:
     tmp_path.mkdir(parents=True, exist_ok=True)
     return self_written_prompts(
@@ -37,14 +50,23 @@ def written(llm: LLM, tmp_path: Path, n: int = 6, **kwargs) -> list:
     )
 
 
+def test_without_other_languages_the_openings_are_the_ones_before_the_option() -> None:
+    for seed in range(200):
+        assert _opening(random.Random(seed), 0.0) == random.Random(seed).choice(OPENINGS)
+
+
 def test_other_languages_start_from_their_openings(llm: LLM, tmp_path: Path) -> None:
-    english = written(llm, tmp_path / "a")
-    assert written(llm, tmp_path / "b", other_languages=0.0) == english  # the default, unchanged
     others = written(llm, tmp_path / "c", other_languages=1.0)
     messages = [c[0]["content"] for c in others]
     assert all(m.startswith(OTHER_LANGUAGE_OPENINGS) for m in messages)
     with pytest.raises(ValueError, match="other_languages"):
         written(llm, tmp_path / "d", other_languages=1.5)
+    # A file made with a share is not resumed without it, nor the other way round.
+    with pytest.raises(ValueError, match="other settings \\(other_languages\\)"):
+        written(llm, tmp_path / "c")
+    written(llm, tmp_path / "e")
+    with pytest.raises(ValueError, match="other settings \\(other_languages\\)"):
+        written(llm, tmp_path / "e", other_languages=0.5)
 
 
 def test_followups_continue_the_conversation_and_its_answer(llm: LLM, tmp_path: Path) -> None:
@@ -67,7 +89,11 @@ def test_followups_continue_the_conversation_and_its_answer(llm: LLM, tmp_path: 
         llm, first, answers, 4, tmp_path / "g.json", seed=3, max_tokens=16, chunk=5, progress=False
     )
     assert again == followups
-    assert self_written_followups(llm, first, answers, 4, path, seed=3, max_tokens=16) == followups
+    counting = CountingLLM(llm)
+    assert self_written_followups(counting, first, answers, 4, path, seed=3, max_tokens=16) == (
+        followups
+    )
+    assert counting.calls == 0  # read from the file, not written again
     with pytest.raises(ValueError, match="max_tokens"):
         self_written_followups(llm, first, answers, 4, path, seed=3, max_tokens=17)
     with pytest.raises(ValueError, match="answers"):

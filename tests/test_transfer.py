@@ -128,8 +128,14 @@ def run_prefill(rank: int) -> dict:
     else:
         receiver = KVReceiver("cpu", timeout_s=GENEROUS_S)
         result["connected_receiver"] = receiver.connect(0).wait(60).name
+        # 301 was announced (as a prefill node does before its forward): its receives are
+        # posted, and the send that failed before posting must still fill them.
+        failed = receiver.expect(
+            0, GATHER_FAILS, [(make_pools(seed=None)[1], [7, 8])], metadata, metadata.allocate()
+        )
         target, target_row = make_pools(seed=None)[0], metadata.allocate()
         received = receiver.expect(0, AFTER_SEND_FAILURE, [(target, [5, 6])], metadata, target_row)
+        result["received_failed_send"] = (failed.wait(60).name, failed.error)
         result["received_after_send_failure"] = received.wait(60).name
         receiver.close()
     for handle, row in handles:
@@ -354,6 +360,14 @@ def test_send_failure_names_room_and_peer_and_worker_survives(outcome: dict) -> 
     assert outcome[1]["received_after_send_failure"] == "SUCCESS"
 
 
+def test_a_send_that_fails_before_posting_goes_out_as_zeros(outcome: dict) -> None:
+    """The receiver, whose receives were posted at the announcement, fails that room on its
+    row's tag (zeros: room 0), and the pair's next transfer lands in order."""
+    state, error = outcome[1]["received_failed_send"]
+    assert state == "FAILED" and f"expected {GATHER_FAILS} got 0" in error
+    assert outcome[1]["received_after_send_failure"] == "SUCCESS"
+
+
 def test_send_to_a_rank_outside_the_world_is_refused(outcome: dict) -> None:
     assert "peer rank 7 is not another rank of this world (size 3" in outcome[0]["bad_peer"]
 
@@ -543,13 +557,16 @@ def run_cuda(rank: int) -> dict:
     combo = combo_plan(receiver=rank == 1)
     transfers = [(room, [(p, plan[room]) for p in pools]) for room in (101, 102)]
     transfers += [(room, list(zip(pools, combo[room]))) for room, *_ in COMBOS]
+    # First a transfer the receiver discards; BEGUN's target KV goes ahead of its row.
+    discarded = (DISCARDED[0], [(p, DISCARDED[1]) for p in pools])
     if rank == 0:
         sender = KVSender(device, phase_events=True)
         handles = [sender.connect(1)]
-        for room, pairs in transfers:
+        for room, pairs in [discarded, *transfers]:
             row = metadata.allocate()
             metadata.write_row(row, room=room, **row_values(room))
-            handles.append(sender.send(1, room, pairs, metadata, row))
+            begun = sender.begin(1, room, PoolMessages.build(pairs[:1])) if room == BEGUN else None
+            handles.append(sender.send(1, room, pairs, metadata, row, begun=begun))
         result = {
             "sent": [h.wait(60).name for h in handles],
             "gpu_phases": [h.gpu_phases for h in handles],
@@ -559,6 +576,8 @@ def run_cuda(rank: int) -> dict:
         return result
     receiver = KVReceiver(device, timeout_s=GENEROUS_S)
     result = {"connected": receiver.connect(0).wait(60).name}
+    sizes = [kv_nbytes(p, len(DISCARDED[1])) for p in pools] + [metadata.row_nbytes]
+    scratch = receiver.discard(0, DISCARDED[0], sizes)
     sent_pools = make_pools(seed=0)
     sent_plan, sent_combo = slot_plan(seed=0), combo_plan(receiver=False)
     for room, pairs in transfers:
@@ -580,6 +599,7 @@ def run_cuda(rank: int) -> dict:
             0, room, [(pools[0], [1])], metadata, metadata.allocate(), timeout_s=RECEIVE_TIMEOUT_S
         )
         result[room] = (handle.wait(60).name, handle.error, handle.may_still_write)
+    result["discarded"] = scratch.wait(60).name
     receiver.close()
     return result
 
@@ -588,12 +608,14 @@ def run_cuda(rank: int) -> dict:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_transfer_between_two_gpus() -> None:
     got = run_ranks("cuda", world=2)
-    assert got[0]["sent"] == ["SUCCESS"] * (3 + len(COMBOS))
+    assert got[0]["sent"] == ["SUCCESS"] * (4 + len(COMBOS))
     assert list(got[0]["gpu_phases"][0]) == ["started"]  # connect: no phases of its own
-    for gpu_phases in got[0]["gpu_phases"][1:]:
-        assert list(gpu_phases) == ["started", "gathered", "posted", "completed"]
+    rooms = [DISCARDED[0], 101, 102] + [room for room, *_ in COMBOS]
+    for room, gpu_phases in zip(rooms, got[0]["gpu_phases"][1:]):
+        begun = ["begun", "kv_sent"] if room == BEGUN else []
+        assert list(gpu_phases) == ["started", *begun, "gathered", "posted", "completed"]
         assert gpu_phases["completed"] >= gpu_phases["gathered"] >= 0
-    assert got[1]["connected"] == "SUCCESS"
+    assert got[1]["connected"] == "SUCCESS" and got[1]["discarded"] == "SUCCESS"
     # One token is a run of one: read and filled in place; 33 scattered ones are staged.
     assert got[1][101] == ("SUCCESS", None, True, True, 0) and got[0]["staged"][101] == 0
     assert got[1][102] == ("SUCCESS", None, True, True, 2) and got[0]["staged"][102] == 2

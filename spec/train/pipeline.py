@@ -100,14 +100,18 @@ def _generate(
 ) -> tuple[Sequences, Sequences]:
     conversations = training_prompts(config.num_prompts, config.schedule.seed)
     heldout = heldout_prompts()[: config.num_heldout]
-    # Room for every sequence of a full batch: the answers, and prompts of a few hundred tokens.
-    kv_tokens = config.generate_batch * (config.max_tokens + 512)
+    # Room for every sequence of a full batch: the answers, and prompts of a few hundred tokens;
+    # a follow-up's prompt also holds a first message and its whole answer.
+    prompt_room = 1024 + (
+        config.max_tokens + config.self_prompt_max_tokens if config.num_self_followups else 0
+    )
+    kv_tokens = config.generate_batch * (config.max_tokens + prompt_room // 2)
     llm = LLM(
         args.model,
         device=args.device,
         dtype=args.dtype,
         max_num_seqs=config.generate_batch,
-        max_model_len=min(spec.engine_config.max_model_len, config.max_tokens + 1024),
+        max_model_len=min(spec.engine_config.max_model_len, config.max_tokens + prompt_room),
         kv_cache_tokens=kv_tokens,
         seed=config.schedule.seed,
     )

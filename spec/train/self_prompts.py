@@ -106,12 +106,7 @@ def self_written_prompts(
     store = _Store([], 0, meta)
     if path.exists():
         raw = json.loads(path.read_text())
-        differ = sorted(k for k in meta if raw["meta"].get(k) != meta[k])
-        if differ:
-            raise ValueError(
-                f"{path} was written with other settings ({', '.join(differ)}); "
-                "remove it or use another output folder"
-            )
+        _check_settings(path, raw["meta"], meta)
         store = _Store(raw["prompts"], raw["tried"], meta)
     seen = {_key(p) for p in store.prompts}
     prefix_ids = llm.tokenizer.encode(turn.prefix, add_special_tokens=False)
@@ -163,6 +158,16 @@ def self_written_prompts(
     return [[{"role": "user", "content": p}] for p in store.prompts[:n]]
 
 
+def _check_settings(path: Path, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
+    # Every key of either side: one a file has and the call does not is a difference too.
+    differ = sorted(k for k in stored.keys() | wanted.keys() if stored.get(k) != wanted.get(k))
+    if differ:
+        raise ValueError(
+            f"{path} was written with other settings ({', '.join(differ)}); "
+            "remove it or use another output folder"
+        )
+
+
 def _opening(rng: random.Random, other_languages: float) -> str:
     # Without other languages, one draw: the same openings as before the option existed.
     if other_languages and rng.random() < other_languages:
@@ -198,12 +203,7 @@ def self_written_followups(
     store = _Store([], 0, meta)
     if path.exists():
         raw = json.loads(path.read_text())
-        differ = sorted(k for k in meta if raw["meta"].get(k) != meta[k])
-        if differ:
-            raise ValueError(
-                f"{path} was written with other settings ({', '.join(differ)}); "
-                "remove it or use another output folder"
-            )
+        _check_settings(path, raw["meta"], meta)
         store = _Store(raw["prompts"], raw["tried"], meta)
     from tqdm.auto import tqdm
 
