@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from devices import DEVICES
 
+import engine.attention.torch_backend as torch_backend
 from engine.attention.torch_backend import (
     SHORT_EXTEND_MAX_TOKENS,
-    BatchedMetadata,
+    BatchedGroups,
     PerRequestMetadata,
     TorchAttentionBackend,
 )
@@ -157,8 +158,8 @@ def test_decode_matches_the_padded_sdpa_it_replaces() -> None:
     rows, slots = _assign_rows(req_pool, seq_lens, seed=4)
     backend = TorchAttentionBackend(num_heads, num_kv_heads, HEAD_DIM)
     batch = _batch(kv_pool, req_pool, rows, slots, seq_lens, [1] * len(seq_lens))
-    meta = backend.prepare(batch)
-    batch.attn_metadata = meta
+    batch.attn_metadata = backend.prepare(batch)
+    ((_, _, meta),) = batch.attn_metadata.groups
     q = torch.randn(len(seq_lens), num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(5))
     k = kv_pool.kv_buffer[batch.out_cache_loc, layer, 0].clone()
     v = kv_pool.kv_buffer[batch.out_cache_loc, layer, 1].clone()
@@ -261,7 +262,7 @@ def test_short_extend_matches_sdpa_on_a_mixed_batch(
     backend = TorchAttentionBackend(num_heads, num_kv_heads, HEAD_DIM)
     batch = _batch(kv_pool, req_pool, rows, slots, SHORT_SEQ_LENS, SHORT_EXTEND_LENS)
     batch.attn_metadata = backend.prepare(batch)
-    assert isinstance(batch.attn_metadata, BatchedMetadata)
+    assert isinstance(batch.attn_metadata, BatchedGroups)
 
     q, k, v = _new_tokens(sum(SHORT_EXTEND_LENS), num_heads, num_kv_heads, 33, device)
     out = backend.forward(q, k, v, layer, batch)
@@ -284,7 +285,7 @@ def test_short_extend_in_bfloat16_stays_close_to_float32(device: str) -> None:
     pool.kv_buffer.copy_(kv_pool.kv_buffer)
     batch = _batch(pool, req_pool, rows, slots, SHORT_SEQ_LENS, SHORT_EXTEND_LENS)
     batch.attn_metadata = backend.prepare(batch)
-    assert isinstance(batch.attn_metadata, BatchedMetadata)
+    assert isinstance(batch.attn_metadata, BatchedGroups)
     dtype = torch.bfloat16
     out = backend.forward(q.to(dtype), k.to(dtype), v.to(dtype), layer, batch)
     assert out.dtype == dtype
@@ -316,7 +317,7 @@ def test_long_spans_and_lone_requests_on_a_cpu_extend_per_request(
     batch = _batch(kv_pool, req_pool, rows, slots, seq_lens, extend_lens)
     batch.attn_metadata = backend.prepare(batch)
     lone_on_gpu = len(seq_lens) == 1 and device != "cpu"
-    expected_path = BatchedMetadata if lone_on_gpu else PerRequestMetadata
+    expected_path = BatchedGroups if lone_on_gpu else PerRequestMetadata
     assert isinstance(batch.attn_metadata, expected_path)
 
     q, k, v = _new_tokens(sum(extend_lens), num_heads, num_kv_heads, 53, device)
@@ -325,3 +326,29 @@ def test_long_spans_and_lone_requests_on_a_cpu_extend_per_request(
     expected = _reference_extend(q, kv_pool, 2, slots, extend_lens, backend.scale)
     tol = 1e-5 if device == "cpu" else 1e-4
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("extend_lens", [[1] * 6, [1, 3, 2, 1, 4, 1]], ids=["decode", "extend"])
+def test_a_large_batch_runs_in_groups_with_the_same_output(monkeypatch, extend_lens) -> None:
+    """Past BATCHED_GROUP_BYTES the batched path attends group by group of requests: the
+    output is the one-group output, however the requests fall into groups."""
+    num_heads, num_kv_heads, layer = 9, 3, 1
+    kv_pool, req_pool = _pools(num_kv_heads, seed=31)
+    seq_lens = [12, 40, 7, 33, 25, 3]
+    rows, slots = _assign_rows(req_pool, seq_lens, seed=32)
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, HEAD_DIM)
+    q, k, v = _new_tokens(sum(extend_lens), num_heads, num_kv_heads, 33, "cpu")
+
+    def run() -> tuple[torch.Tensor, int]:
+        batch = _batch(kv_pool, req_pool, rows, slots, seq_lens, extend_lens)
+        batch.attn_metadata = backend.prepare(batch)
+        assert isinstance(batch.attn_metadata, BatchedGroups)
+        return backend.forward(q, k, v, layer, batch), len(batch.attn_metadata.groups)
+
+    whole, one = run()
+    # Room for about two requests of the longest context per group.
+    per_request = 40 * (2 * num_kv_heads * HEAD_DIM * 4 + num_heads * max(extend_lens) * 4)
+    monkeypatch.setattr(torch_backend, "BATCHED_GROUP_BYTES", 2 * per_request)
+    grouped, several = run()
+    assert one == 1 and several >= 3
+    torch.testing.assert_close(grouped, whole, rtol=1e-6, atol=1e-6)

@@ -34,6 +34,11 @@ _BMM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()
 # would pad every other request to its length; per request, SDPA pads nothing, its fused kernels
 # never hold the scores, and a long span amortises its dispatch.
 SHORT_EXTEND_MAX_TOKENS = 16
+# What the batched path may hold per layer for one group of requests: their gathered K and V
+# (padded to the group's longest context) and their float32 scores. A batch that needs more
+# runs in consecutive groups of requests, so a large batch of long contexts never gathers the
+# whole batch's KV at once.
+BATCHED_GROUP_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -56,6 +61,14 @@ class BatchedMetadata:
 
 
 @dataclass
+class BatchedGroups:
+    """The batched path's metadata per group of consecutive requests, each as (first flat
+    token, number of tokens, its metadata); one group unless the batch is large."""
+
+    groups: list[tuple[int, int, BatchedMetadata]]
+
+
+@dataclass
 class PerRequestMetadata:
     """Extends with a long span: one SDPA call per request."""
 
@@ -64,7 +77,7 @@ class PerRequestMetadata:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def prepare(self, batch: ForwardBatch) -> BatchedMetadata | PerRequestMetadata:
+    def prepare(self, batch: ForwardBatch) -> BatchedGroups | PerRequestMetadata:
         short = max(batch.extend_lens) <= SHORT_EXTEND_MAX_TOKENS
         # On a CPU a lone extending request has no per-request calls to save, and its one SDPA
         # call costs less than the batched path's gathers and products. On a GPU the batched
@@ -82,8 +95,15 @@ class TorchAttentionBackend(AttentionBackend):
         pool = batch.kv_pool
         pool.write(layer, batch.out_cache_loc, k, v)
         meta = batch.attn_metadata
-        if isinstance(meta, BatchedMetadata):
-            return self._batched(q, layer, batch, meta)
+        if isinstance(meta, BatchedGroups):
+            if len(meta.groups) == 1:
+                return self._batched(q, layer, batch, meta.groups[0][2])
+            out = torch.empty_like(q)
+            for start, count, group in meta.groups:
+                out[start : start + count] = self._batched(
+                    q[start : start + count], layer, batch, group
+                )
+            return out
         out = torch.empty_like(q)
         with _sdpa_backends(q):
             self._per_request(q, k, v, layer, pool, meta, out)
@@ -119,22 +139,52 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[start : start + new] = o[0].transpose(0, 1)
 
-    def _prepare_batched(self, batch: ForwardBatch) -> BatchedMetadata:
+    def _prepare_batched(self, batch: ForwardBatch) -> BatchedGroups:
+        groups, token = [], 0
+        for first, end in self._group_bounds(batch):
+            count = sum(batch.extend_lens[first:end])
+            groups.append((token, count, self._prepare_group(batch, first, end, count)))
+            token += count
+        return BatchedGroups(groups)
+
+    def _group_bounds(self, batch: ForwardBatch) -> list[tuple[int, int]]:
+        """Consecutive groups of requests, each within BATCHED_GROUP_BYTES (a request that
+        alone needs more is a group of its own)."""
+        pool = batch.kv_pool
+        kv_bytes = 2 * pool.num_kv_heads * pool.head_dim * pool.kv_buffer.element_size()
+        score_bytes = self.num_heads * max(batch.extend_lens) * 4
+        bounds, first, longest = [], 0, 0
+        for i, seq_len in enumerate(batch.seq_lens):
+            longest_with = max(longest, seq_len)
+            if i > first and (i + 1 - first) * longest_with * (kv_bytes + score_bytes) > (
+                BATCHED_GROUP_BYTES
+            ):
+                bounds.append((first, i))
+                first, longest_with = i, seq_len
+            longest = longest_with
+        bounds.append((first, len(batch.seq_lens)))
+        return bounds
+
+    def _prepare_group(
+        self, batch: ForwardBatch, first: int, end: int, num_tokens: int
+    ) -> BatchedMetadata:
+        """Requests first..end-1 of `batch`, whose flat tokens number `num_tokens`."""
         rows = batch.req_to_token_pool.req_to_token
         device = rows.device
-        max_len, span = max(batch.seq_lens), max(batch.extend_lens)
-        lens, new = torch.tensor([batch.seq_lens, batch.extend_lens], device=device)
+        seq_lens, extend_lens = batch.seq_lens[first:end], batch.extend_lens[first:end]
+        max_len, span = max(seq_lens), max(extend_lens)
+        lens, new = torch.tensor([seq_lens, extend_lens], device=device)
         positions = torch.arange(max_len, device=device)
         cached = positions[None, :] < lens[:, None]  # [B, L]
         # Padded positions read slot 0, a harmless buffer; the mask hides them from every real
         # query.
-        slots = rows[batch.req_pool_indices, :max_len] * cached
+        slots = rows[batch.req_pool_indices[first:end], :max_len] * cached
         kv_rows = _kv_rows(slots, batch)
         query_positions = (lens - new)[:, None] + torch.arange(span, device=device)  # [B, n]
         mask = _additive(positions <= query_positions[:, :, None], batch)[:, None]
         if batch.is_decode:  # the flat tokens already are the padded queries
             return BatchedMetadata(slots, mask, kv_rows, query_rows=None, output_rows=None)
-        padding_rows = _padding_rows(new, span, self.num_heads, batch.num_tokens)
+        padding_rows = _padding_rows(new, span, self.num_heads, num_tokens)
         return BatchedMetadata(slots, mask, kv_rows, *padding_rows)
 
     def _batched(
