@@ -72,6 +72,27 @@ class _Store:
     tried: int
     meta: dict[str, Any]
 
+    @classmethod
+    def open(cls, path: Path, meta: dict[str, Any]) -> _Store:
+        """The store kept in `path`, refused if made with other settings; else an empty one."""
+        if not path.exists():
+            return cls([], 0, meta)
+        raw = json.loads(path.read_text())
+        _check_settings(path, raw["meta"], meta)
+        return cls(raw["prompts"], raw["tried"], meta)
+
+    def progress_bar(self, n: int, desc: str, progress: bool):
+        from tqdm.auto import tqdm
+
+        return tqdm(
+            total=n,
+            initial=min(n, len(self.prompts)),
+            desc=desc,
+            unit="msg",
+            disable=not progress,
+            mininterval=progress_interval(),
+        )
+
     def save(self, path: Path) -> None:
         partial = path.with_name(path.name + ".partial")
         partial.write_text(
@@ -103,23 +124,10 @@ def self_written_prompts(
     meta = {"model": str(llm.model_path), "seed": seed, "max_tokens": max_tokens, "turn": turn.end}
     if other_languages:
         meta["other_languages"] = other_languages  # absent at 0: earlier files stay valid
-    store = _Store([], 0, meta)
-    if path.exists():
-        raw = json.loads(path.read_text())
-        _check_settings(path, raw["meta"], meta)
-        store = _Store(raw["prompts"], raw["tried"], meta)
+    store = _Store.open(path, meta)
     seen = {_key(p) for p in store.prompts}
     prefix_ids = llm.tokenizer.encode(turn.prefix, add_special_tokens=False)
-    from tqdm.auto import tqdm
-
-    bar = tqdm(
-        total=n,
-        initial=min(n, len(store.prompts)),
-        desc=f"user messages -> {path.name}",
-        unit="msg",
-        disable=not progress,
-        mininterval=progress_interval(),
-    )
+    bar = store.progress_bar(n, f"user messages -> {path.name}", progress)
     # A model that rarely writes a usable message must not loop for ever.
     give_up = 20 * n + 10 * chunk
     with bar:
@@ -136,15 +144,7 @@ def self_written_prompts(
                 opening = _opening(random.Random(candidate_seed), other_languages)
                 openings.append(opening)
                 prompts.append(prefix_ids + llm.tokenizer.encode(opening, add_special_tokens=False))
-                params.append(
-                    SamplingParams(
-                        max_tokens=max_tokens,
-                        temperature=1.0,
-                        top_p=0.95,
-                        seed=candidate_seed,
-                        stop=turn.end,
-                    )
-                )
+                params.append(_sampling(max_tokens, candidate_seed, turn))
             before = len(store.prompts)
             for opening, out in zip(openings, llm.generate(prompts, params)):
                 message = _clean(opening, out.text, turn)
@@ -166,6 +166,13 @@ def _check_settings(path: Path, stored: dict[str, Any], wanted: dict[str, Any]) 
             f"{path} was written with other settings ({', '.join(differ)}); "
             "remove it or use another output folder"
         )
+
+
+def _sampling(max_tokens: int, candidate_seed: int, turn: UserTurn) -> SamplingParams:
+    """How a user message is written: sampled, with the candidate's own seed, to the turn's end."""
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=candidate_seed, stop=turn.end
+    )
 
 
 def _opening(rng: random.Random, other_languages: float) -> str:
@@ -200,21 +207,8 @@ def self_written_followups(
         "turn": turn.end,
         "first": conversations[0] if conversations else None,
     }
-    store = _Store([], 0, meta)
-    if path.exists():
-        raw = json.loads(path.read_text())
-        _check_settings(path, raw["meta"], meta)
-        store = _Store(raw["prompts"], raw["tried"], meta)
-    from tqdm.auto import tqdm
-
-    bar = tqdm(
-        total=n,
-        initial=min(n, len(store.prompts)),
-        desc=f"follow-up messages -> {path.name}",
-        unit="msg",
-        disable=not progress,
-        mininterval=progress_interval(),
-    )
+    store = _Store.open(path, meta)
+    bar = store.progress_bar(n, f"follow-up messages -> {path.name}", progress)
     with bar:
         while len(store.prompts) < n and store.tried < len(conversations):
             first = store.tried
@@ -232,15 +226,7 @@ def self_written_followups(
                 before = text[: text.index(_SENTINEL)] + opening
                 heads.append((head, opening))
                 prompts.append(llm.tokenizer.encode(before, add_special_tokens=False))
-                params.append(
-                    SamplingParams(
-                        max_tokens=max_tokens,
-                        temperature=1.0,
-                        top_p=0.95,
-                        seed=candidate_seed,
-                        stop=turn.end,
-                    )
-                )
+                params.append(_sampling(max_tokens, candidate_seed, turn))
             written_before = len(store.prompts)
             for (head, opening), out in zip(heads, llm.generate(prompts, params)):
                 message = _clean(opening, out.text, turn)
