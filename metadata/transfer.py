@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from engine.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
+from metadata.channel import Channel, channel_to
 from metadata.transfer_handle import TransferHandle, TransferState
 from metadata.wire import KVSource, PoolMessages, as_bytes, gather_kv, scatter_kv
 
@@ -69,64 +70,6 @@ _CLOSE = object()
 _SPIN_S = 0.005
 _NO_DEADLINE = timedelta(days=365)
 _CONNECT_TAG = 0  # rooms start at 1; see _tag for the (ordered) case of a collision
-
-
-class _Channel:
-    """How this process posts p2p operations to one peer: on which process group (None: the
-    default one), one batch at a time."""
-
-    def __init__(self, group: dist.ProcessGroup | None, peer_in_group: int | None = None) -> None:
-        self.group = group
-        self.peer_in_group = peer_in_group
-        # A group's batch state is per process: a sender and a receiver of one process that
-        # share a peer take turns.
-        self.lock = threading.Lock()
-
-    def post(self, sending: bool, peer: int, tag: int, buffers: list[torch.Tensor]) -> list:
-        """Post one batch of sends (receives) of `buffers` to (from) `peer`."""
-        with self.lock:
-            group = self.group
-            if group is not None and hasattr(group, "_start_coalescing"):
-                # The pair's own NCCL group: the coalesced batch batch_isend_irecv makes, built
-                # straight on the process group, without its Python checks per operation.
-                device = buffers[0].device
-                group._start_coalescing(device)
-                try:
-                    for buffer in buffers:
-                        if sending:
-                            group.send([buffer], self.peer_in_group, tag)
-                        else:
-                            group.recv([buffer], self.peer_in_group, tag)
-                finally:
-                    # Always closed: an open batch would hold back every later operation.
-                    work = group._end_coalescing(device)
-                return [work]
-            op = dist.isend if sending else dist.irecv
-            ops = [dist.P2POp(op, buffer, peer, group, tag) for buffer in buffers]
-            return dist.batch_isend_irecv(ops)
-
-
-_process_channels: dict[tuple[object, int], _Channel] = {}
-_process_channels_lock = threading.Lock()
-
-
-def _channel(peer: int, nccl: bool) -> _Channel:
-    """The channel with `peer` in this process's current group, made on first use. NCCL gets a
-    group of just the pair (made by the two ranks alone; its communicator comes with its first
-    batch): a batch runs on its group's communicator, which for the default group would wait
-    for every rank of the world to join it. gloo runs a batch as plain sends and receives, on
-    the default group."""
-    key = (dist.distributed_c10d._get_default_group(), peer)
-    with _process_channels_lock:
-        channel = _process_channels.get(key)
-        if channel is None:
-            group, peer_in_group = None, None
-            if nccl:
-                pair = sorted((dist.get_rank(), peer))
-                group = dist.new_group(pair, use_local_synchronization=True)
-                peer_in_group = pair.index(peer)
-            channel = _process_channels[key] = _Channel(group, peer_in_group)
-        return channel
 
 
 class _PeerWorkers:
@@ -149,7 +92,7 @@ class _PeerWorkers:
         self._closed = False
         # Peers whose channel a timeout left out of order, with the reason (see `_wait`).
         self._broken: dict[int, str] = {}
-        self._channels: dict[int, _Channel] = {}
+        self._channels: dict[int, Channel] = {}
 
     def connect(self, peer: int) -> TransferHandle:
         """Open the channel with `peer` before its first transfer; both sides call it, first.
@@ -170,7 +113,7 @@ class _PeerWorkers:
         self._submit(peer, handle, exchange)
         return handle
 
-    def _channel(self, peer: int) -> _Channel:
+    def _channel(self, peer: int) -> Channel:
         channel = self._channels.get(peer)
         if channel is not None:
             return channel
@@ -181,7 +124,7 @@ class _PeerWorkers:
                 f"peer rank {peer} is not another rank of this world (size {world}, "
                 f"this is rank {own})"
             )
-        channel = self._channels[peer] = _channel(peer, nccl=self._is_cuda)
+        channel = self._channels[peer] = channel_to(peer, nccl=self._is_cuda)
         return channel
 
     def _submit(self, peer: int, handle: TransferHandle, job: Callable[[], str | None]) -> None:
@@ -201,8 +144,12 @@ class _PeerWorkers:
         handle.advance(TransferState.WAITING)  # a posted handle stays TRANSFERRING
         jobs.put((handle, job))
 
+    def _new_handle(self, room: int, peer: int, timeout_s: float | None) -> TransferHandle:
+        """`timeout_s` overrides this side's deadline."""
+        return TransferHandle(room, peer, self.timeout_s if timeout_s is None else timeout_s)
+
     def _post_batch(
-        self, channel: _Channel, handle: TransferHandle, sending: bool, buffers: list
+        self, channel: Channel, handle: TransferHandle, sending: bool, buffers: list
     ) -> None:
         """Post `buffers` for `handle` (added to `handle.posted`). A batch that fails part way
         may have posted some of it: the channel to the peer is then out of order for good."""
@@ -328,7 +275,7 @@ class KVSender(_PeerWorkers):
         with `send(..., begun=handle)`, which posts the rest, whatever happens in between.
         `messages` (`PoolMessages.build`, before the forward) are the leading pools'."""
         self._channel(dst_rank)  # a rank outside the world is the caller's error
-        handle = TransferHandle(room, dst_rank, self.timeout_s if timeout_s is None else timeout_s)
+        handle = self._new_handle(room, dst_rank, timeout_s)
         handle.start_clock(gpu_events=self.phase_events)
         handle.nbytes = messages.nbytes
         self._post(handle, messages.pieces, None)
@@ -383,9 +330,7 @@ class KVSender(_PeerWorkers):
             begun, source = None, KVSource.build(pools_and_slots, metadata, row)
         handle = begun
         if handle is None:
-            handle = TransferHandle(
-                room, dst_rank, self.timeout_s if timeout_s is None else timeout_s
-            )
+            handle = self._new_handle(room, dst_rank, timeout_s)
             handle.start_clock(gpu_events=self.phase_events)
         handle.nbytes += source.nbytes
         self._post(handle, source.filled, source.row_bytes, stand_in=True)
@@ -477,7 +422,7 @@ class KVReceiver(_PeerWorkers):
         `timeout_s` overrides the receiver's deadline (e.g. to scale it with the size)."""
         target = KVSource.build(pools_and_slots, metadata, row)
         channel = self._channel(src_rank)
-        handle = TransferHandle(room, src_rank, self.timeout_s if timeout_s is None else timeout_s)
+        handle = self._new_handle(room, src_rank, timeout_s)
         self._submit(src_rank, handle, lambda: self._receive(channel, handle, target))
         return handle
 
@@ -494,7 +439,7 @@ class KVReceiver(_PeerWorkers):
         pair's operations by order alone: without these receives, the pair's next transfer
         would take this one's data. Call in announcement order, as `expect`."""
         channel = self._channel(src_rank)
-        handle = TransferHandle(room, src_rank, self.timeout_s if timeout_s is None else timeout_s)
+        handle = self._new_handle(room, src_rank, timeout_s)
 
         def receive_into_scratch() -> str | None:
             buffers = [
@@ -511,7 +456,7 @@ class KVReceiver(_PeerWorkers):
         self._submit(src_rank, handle, receive_into_scratch)
         return handle
 
-    def _receive(self, channel: _Channel, handle: TransferHandle, target: KVSource) -> str | None:
+    def _receive(self, channel: Channel, handle: TransferHandle, target: KVSource) -> str | None:
         buffers, staged = [], []
         for piece in target.filled:
             if piece.direct is None:
