@@ -153,6 +153,9 @@ class TorchAttentionBackend(AttentionBackend):
         pool = batch.kv_pool
         kv_bytes = 2 * pool.num_kv_heads * pool.head_dim * pool.kv_buffer.element_size()
         score_bytes = self.num_heads * max(batch.extend_lens) * 4
+        num_reqs = len(batch.seq_lens)
+        if num_reqs * max(batch.seq_lens) * (kv_bytes + score_bytes) <= BATCHED_GROUP_BYTES:
+            return [(0, num_reqs)]  # the usual case, without a walk over the requests
         bounds, first, longest = [], 0, 0
         for i, seq_len in enumerate(batch.seq_lens):
             longest_with = max(longest, seq_len)
@@ -162,7 +165,7 @@ class TorchAttentionBackend(AttentionBackend):
                 bounds.append((first, i))
                 first, longest_with = i, seq_len
             longest = longest_with
-        bounds.append((first, len(batch.seq_lens)))
+        bounds.append((first, num_reqs))
         return bounds
 
     def _prepare_group(
