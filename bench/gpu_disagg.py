@@ -4,8 +4,8 @@
    its own GPU as Ray gives it to a node:
    a. raw: `dist.send`/`dist.recv` of one contiguous tensor of a prompt's KV size;
    b. the nodes' code: `KVSender.send` -> `KVReceiver.expect` of the same prompt's KV from a real
-      `KVPool`, timed from the sender's handle (`elapsed_s`: worker start to SUCCESS) and from the
-      caller's `send()` to SUCCESS; the received KV is checked against the sent values. Run with
+      `KVPool`, timed from the sender's handle (`elapsed_s`: from the `send()` call, which
+      posts, to SUCCESS) and by the caller's clock; the received KV is checked against the sent values. Run with
       the slots a fresh pool hands a prompt (`--slots contiguous`: one ascending run on each
       side, sent from and received into the pool in place) and with randomly scattered ones
       (`--slots scattered`: gather, send, scatter), side by side by default (`both`). Each
@@ -15,8 +15,7 @@
       fixed cost goes.
    Then (c) raw again with both GPUs visible to both processes, for reference.
 2. The real cluster (1 prefill + 1 decode node on Ray, the real model): long prompts, each node's
-   transfer handles recorded (subclasses that log `nbytes`, `elapsed_s` and `phases` as
-   transfers end).
+   transfer handles recorded (bench/gpu_disagg_cluster.py).
 
 Every figure is a median over `--iters` timed runs after warm-ups (NCCL creates its p2p
 communicator on first use). GB/s = bytes / 1e9 / s.
@@ -30,7 +29,6 @@ gloo (for checking the script, not for figures)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import queue
@@ -46,6 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.gpu_disagg_cluster import run_cluster
+from bench.host_probe import host_probe
 from engine.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.process_group import create_store_server, destroy_transfer_group, init_transfer_group
@@ -245,45 +245,6 @@ def _dataplane(rank: int, port: int, cfg: dict) -> dict:
     return out
 
 
-def host_probe(device: str) -> dict:
-    """How fast this process runs host code, and what could slow it: a pure-Python loop and a
-    small device op, timed (median us of 30), next to the thread count, the CPUs it may use,
-    trace or profile hooks and the interpreter's switch interval. Run in a data-plane rank and
-    in a node, it tells whether a node's host steps are slower for its own reasons."""
-    import statistics
-    import sys
-    import threading
-
-    def median_us(fn, reps: int = 30) -> float:
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e6
-
-    def python_loop() -> None:
-        total = 0
-        for i in range(20000):
-            total += i
-
-    x = torch.zeros(16, device=device)
-
-    def device_ops() -> None:
-        for _ in range(50):
-            x.add_(1)
-
-    return {
-        "python_loop_us": round(median_us(python_loop), 1),
-        "50_small_ops_us": round(median_us(device_ops), 1),
-        "threads": threading.active_count(),
-        "cpus": len(os.sched_getaffinity(0)),
-        "trace_hook": sys.gettrace() is not None or sys.getprofile() is not None,
-        "switch_interval_s": sys.getswitchinterval(),
-        "torch_threads": torch.get_num_threads(),
-    }
-
-
 def run_dataplane(cfg: dict) -> dict[int, dict]:
     ctx = mp.get_context("spawn")
     store, port = create_store_server("127.0.0.1")
@@ -312,143 +273,6 @@ def run_dataplane(cfg: dict) -> dict[int, dict]:
                 p.kill()
         del store
     return got
-
-
-# --- 2. the real cluster ------------------------------------------------------------------------
-
-
-def _recording_classes():
-    """Node subclasses that log each transfer handle as it ends (Ray pickles them by value)."""
-    from decode_node import DecodeNode
-    from prefill_node import PrefillNode
-
-    def entry(handle, tokens: int) -> dict:
-        return {
-            "tokens": tokens,
-            "bytes": handle.nbytes,
-            "elapsed_s": handle.elapsed_s,
-            "phases": {**handle.phases, "end": handle.elapsed_s},
-            "gpu_phases": dict(handle.gpu_phases),
-            "ok": handle.state == TransferState.SUCCESS,
-        }
-
-    class RecordingPrefillNode(PrefillNode):
-        def _open_channel(self):
-            sender = super()._open_channel()
-            # GPU phases: "kv_sent" of a begun transfer is its KV's time from ready to sent.
-            sender.phase_events = sender.device.type == "cuda"
-            if os.environ.get("PDCLUSTER_BENCH_PROFILE_POSTING"):
-                import cProfile
-
-                profiler, post = cProfile.Profile(), sender._post
-
-                def profiled_post(*args):
-                    profiler.enable()
-                    try:
-                        post(*args)
-                    finally:
-                        profiler.disable()
-
-                sender._post = profiled_post
-                self.__dict__["posting_profiler"] = profiler
-            return sender
-
-        def posting_profile(self) -> str:
-            """The top of a cProfile of every posting (PDCLUSTER_BENCH_PROFILE_POSTING=1)."""
-            import io
-            import pstats
-
-            profiler = self.__dict__.get("posting_profiler")
-            if profiler is None:
-                return ""
-            out = io.StringIO()
-            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
-            return out.getvalue()
-
-        def _finish_transfers(self) -> None:
-            log = self.__dict__.setdefault("transfer_log", [])
-            for pending in self.sending:
-                if pending.handle.state in (TransferState.SUCCESS, TransferState.FAILED):
-                    log.append(entry(pending.handle, len(pending.req.prompt_token_ids)))
-            super()._finish_transfers()
-
-        def transfers(self) -> list[dict]:
-            return list(self.__dict__.get("transfer_log", []))
-
-        def host(self) -> dict:
-            return host_probe(str(self.runner.device))
-
-    class RecordingDecodeNode(DecodeNode):
-        def _land_transfers(self) -> None:
-            # An ended transfer may wait for its PrefillResult: log it once it is settled.
-            log = self.__dict__.setdefault("transfer_log", [])
-            before = list(self.receiving)
-            super()._land_transfers()
-            settled = {id(t) for t in before} - {id(t) for t in self.receiving}
-            for tracked in before:
-                if id(tracked) in settled and tracked.handle is not None:
-                    log.append(entry(tracked.handle, len(tracked.req.prompt_token_ids)))
-
-        def transfers(self) -> list[dict]:
-            return list(self.__dict__.get("transfer_log", []))
-
-    return RecordingPrefillNode, RecordingDecodeNode
-
-
-def run_cluster(model: str | None, device: str, tokens_list: list[int], reps: int) -> dict:
-    import cluster.launcher as launcher
-    from cluster.config import ClusterConfig
-    from engine import SamplingParams
-    from engine.loader import EngineArgs
-
-    prefill_cls, decode_cls = _recording_classes()
-    launcher._prefill_class = lambda: prefill_cls
-    launcher.DecodeNode = decode_cls
-    engine = EngineArgs(model=model, device=device, kv_cache_tokens=max(tokens_list) * 4)
-    t0 = time.perf_counter()
-    cluster = launcher.Cluster.launch(ClusterConfig(engine=engine))
-    launch_s = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    vocab = cluster.spec.model_config.vocab_size
-    requests = []
-    try:
-
-        async def main() -> None:
-            router = cluster.router
-            await router.start()
-            try:
-                gen = torch.Generator().manual_seed(0)
-                for n in tokens_list:
-                    for rep in range(reps):
-                        prompt = torch.randint(100, vocab - 100, (n,), generator=gen).tolist()
-                        start = time.perf_counter()
-                        async for _ in router.generate(f"bench-{n}-{rep}", prompt, params):
-                            pass
-                        requests.append({"tokens": n, "e2e_s": time.perf_counter() - start})
-            finally:
-                await router.close()
-
-        asyncio.run(main())
-        import ray
-
-        time.sleep(0.5)
-        prefill_log = ray.get(cluster.prefill_actors[0].transfers.remote(), timeout=60)
-        decode_log = ray.get(cluster.decode_actors[0].transfers.remote(), timeout=60)
-        prefill_host = ray.get(cluster.prefill_actors[0].host.remote(), timeout=60)
-        profile = ray.get(cluster.prefill_actors[0].posting_profile.remote(), timeout=60)
-        if profile:
-            print(f"prefill node, posting:\n{profile}")
-        empty = cluster.kv_pools_empty()
-    finally:
-        cluster.shutdown()
-    return {
-        "launch_s": launch_s,
-        "requests": requests,
-        "prefill": prefill_log,
-        "decode": decode_log,
-        "prefill_host": prefill_host,
-        "kv_pools_empty": empty,
-    }
 
 
 # --- report -------------------------------------------------------------------------------------
