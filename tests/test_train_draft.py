@@ -383,7 +383,7 @@ def test_answers_file_is_extended_not_regenerated(answer_llm: LLM, tmp_path: Pat
     path = tmp_path / "answers.pt"
     first = CountingLLM(answer_llm, fail_after=1)
     with pytest.raises(Interrupted):  # killed after the first chunk was saved
-        target_answers(first, CONVERSATIONS[:5], path, 8, chunk=2, progress=False)
+        target_answers(first, CONVERSATIONS[:5], path, 8, chunk=2, progress=False, save_every_s=0)
     saved = Sequences.load(path)
     assert len(saved) == 2 and first.asked == [CONVERSATIONS[:2]]
 
@@ -409,6 +409,21 @@ def test_answers_file_is_extended_not_regenerated(answer_llm: LLM, tmp_path: Pat
         target_answers(refused, CONVERSATIONS[1:], path, 8, progress=False)
     assert refused.asked == []
     assert Sequences.load(path).tokens == grown.tokens
+
+
+def test_answers_file_is_rewritten_at_most_once_a_period_and_at_the_end(
+    answer_llm: LLM, tmp_path: Path
+) -> None:
+    path = tmp_path / "answers.pt"
+    interrupted = CountingLLM(answer_llm, fail_after=2)
+    with pytest.raises(Interrupted):  # two chunks answered, within one period: nothing saved
+        target_answers(interrupted, CONVERSATIONS[:5], path, 8, chunk=2, progress=False)
+    assert not path.exists()
+
+    whole = CountingLLM(answer_llm)
+    data = target_answers(whole, CONVERSATIONS[:5], path, 8, chunk=2, progress=False)
+    assert len(whole.asked) == 3
+    assert Sequences.load(path).tokens == data.tokens and len(data) == 5
 
 
 class GeneratingLLM:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,9 +72,14 @@ def target_answers(
     max_tokens: int,
     chunk: int = 256,
     progress: bool = True,
+    save_every_s: float = 60.0,
 ) -> Sequences:
     """The target's greedy answer to every conversation, in `path`. An existing file made with
-    the same settings is extended from where it stopped; one made otherwise is refused."""
+    the same settings is extended from where it stopped; one made otherwise is refused.
+
+    The file is rewritten whole, so it is saved after a chunk only once `save_every_s` have
+    passed since the last save (and always at the end): rewriting it after every chunk cost
+    a growing share of a long run."""
     meta = {
         "model": str(llm.model_path),
         "max_tokens": max_tokens,
@@ -106,13 +112,17 @@ def target_answers(
         disable=not progress,
         mininterval=progress_interval(),
     )
+    saved_at = time.monotonic()
     with bar:
         for start in range(len(data), len(conversations), chunk):
             batch = conversations[start : start + chunk]
             for out in llm.chat(batch, params):
                 data.tokens.append(list(out.prompt_token_ids) + list(out.token_ids))
                 data.prompt_lens.append(len(out.prompt_token_ids))
-            data.save(path)
+            last = start + chunk >= len(conversations)
+            if last or time.monotonic() - saved_at >= save_every_s:
+                data.save(path)
+                saved_at = time.monotonic()
             bar.update(len(batch))
             bar.set_postfix(answer_tokens=data.num_answer_tokens)
     return data

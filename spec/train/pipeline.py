@@ -123,6 +123,7 @@ def _generate(
                 conversations,
                 config.out_dir / "answers.pt",
                 config.max_tokens,
+                chunk=config.generate_batch,
                 progress=config.progress,
             )
         )
@@ -142,6 +143,7 @@ def _generate(
             written,
             config.out_dir / "self_answers.pt",
             config.max_tokens,
+            chunk=config.generate_batch,
             progress=config.progress,
         )
         parts.append(answered)
@@ -172,7 +174,12 @@ def _generate(
             )
     train = Sequences.joined(parts)
     held = target_answers(
-        llm, heldout, config.out_dir / "heldout.pt", config.max_tokens, progress=config.progress
+        llm,
+        heldout,
+        config.out_dir / "heldout.pt",
+        config.max_tokens,
+        chunk=config.generate_batch,
+        progress=config.progress,
     )
     return train, held
 
