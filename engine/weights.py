@@ -27,6 +27,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "convert_gguf",
     "iter_safetensors",
+    "model_fingerprint",
     "load_hf_config",
     "load_tokenizer",
     "resolve_model",
@@ -75,6 +76,38 @@ def _check_folder(folder: Path) -> None:
 
 def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
+
+
+# What a model computes with, besides its weights; a converted folder also holds a note of its
+# source file, which names the file's path and time and so is left out.
+_FINGERPRINTED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
+_FINGERPRINT_EDGE = 1 << 20
+
+
+def model_fingerprint(folder: Path) -> str:
+    """A digest of a model folder's content: its config, tokenizer and chat template, and each
+    weight file's size, first and last MiB. Two conversions of one GGUF file land in folders
+    of different names but get the same digest; another model gets another one. Cheap enough
+    for multi-gigabyte weights, since it reads two MiB of each file."""
+    digest = hashlib.sha256()
+    for name in _FINGERPRINTED_FILES:
+        file = folder / name
+        if file.exists():
+            digest.update(name.encode() + b"\0" + file.read_bytes() + b"\0")
+    for file in _safetensors_files(folder):
+        size = file.stat().st_size
+        digest.update(f"{file.name}|{size}".encode())
+        with file.open("rb") as handle:
+            digest.update(handle.read(_FINGERPRINT_EDGE))
+            handle.seek(max(0, size - _FINGERPRINT_EDGE))
+            digest.update(handle.read(_FINGERPRINT_EDGE))
+    return digest.hexdigest()[:16]
 
 
 def load_hf_config(path: Path) -> PretrainedConfig:

@@ -426,6 +426,71 @@ def test_answers_file_is_rewritten_at_most_once_a_period_and_at_the_end(
     assert Sequences.load(path).tokens == data.tokens and len(data) == 5
 
 
+def _changed_copies(model: Path, where: Path) -> dict[str, Path]:
+    """The model folder copied as is, and twice changed: in its config, and in one weight byte."""
+    copies = {name: where / name for name in ("moved", "other-config", "other-weights")}
+    for copy in copies.values():
+        shutil.copytree(model, copy)
+    config = json.loads((copies["other-config"] / "config.json").read_text())
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 10
+    (copies["other-config"] / "config.json").write_text(json.dumps(config))
+    weights = copies["other-weights"] / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    return copies
+
+
+def test_generated_files_know_their_model_by_content_not_by_folder(
+    answer_llm: LLM, predictable_path: Path, tmp_path: Path
+) -> None:
+    answers, messages = tmp_path / "answers.pt", tmp_path / "messages.json"
+    data = target_answers(answer_llm, CONVERSATIONS[:2], answers, 8, progress=False)
+    written = self_written_prompts(answer_llm, 3, messages, max_tokens=16, progress=False)
+    copies = _changed_copies(predictable_path, tmp_path)
+
+    # The same model in another folder (moved, or its GGUF converted again) goes on.
+    moved = CountingLLM(answer_llm)
+    moved.model_path = copies["moved"]
+    grown = target_answers(moved, CONVERSATIONS[:3], answers, 8, progress=False)
+    assert moved.asked == [CONVERSATIONS[2:3]] and grown.tokens[:2] == data.tokens
+    moved_writer = GeneratingLLM(answer_llm)
+    moved_writer.model_path = copies["moved"]
+    assert self_written_prompts(moved_writer, 3, messages, max_tokens=16, progress=False) == (
+        written
+    )
+    assert moved_writer.calls == []
+
+    for name in ("other-config", "other-weights"):
+        other = CountingLLM(answer_llm)
+        other.model_path = other_writer_path = copies[name]
+        with pytest.raises(ValueError, match=r"\(model\)"):
+            target_answers(other, CONVERSATIONS[:3], answers, 8, progress=False)
+        other_writer = GeneratingLLM(answer_llm)
+        other_writer.model_path = other_writer_path
+        with pytest.raises(ValueError, match=r"\(model\)"):
+            self_written_prompts(other_writer, 3, messages, max_tokens=16, progress=False)
+
+
+def test_generated_files_from_before_fingerprints_are_matched_by_folder(
+    answer_llm: LLM, predictable_path: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "answers.pt"
+    target_answers(answer_llm, CONVERSATIONS[:2], path, 8, progress=False)
+    old = Sequences.load(path)
+    del old.meta["model_fingerprint"]
+    old.save(path)
+
+    same_folder = CountingLLM(answer_llm)
+    assert len(target_answers(same_folder, CONVERSATIONS[:3], path, 8, progress=False)) == 3
+    assert "model_fingerprint" in Sequences.load(path).meta  # upgraded when saved
+    old.save(path)
+    moved = CountingLLM(answer_llm)
+    moved.model_path = _changed_copies(predictable_path, tmp_path)["moved"]
+    with pytest.raises(ValueError, match=r"\(model\)"):
+        target_answers(moved, CONVERSATIONS[:3], path, 8, progress=False)
+
+
 class GeneratingLLM:
     """Passes generate calls to the engine, recording their sizes; raises instead once
     `fail_after` calls were made."""

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from engine import LLM, SamplingParams
+from engine.weights import model_fingerprint
 
 
 @dataclass
@@ -59,6 +60,23 @@ class Sequences:
         return cls(raw["tokens"], raw["prompt_lens"], raw["meta"])
 
 
+def model_meta(model_path: str | os.PathLike) -> dict[str, str]:
+    """How a generated file names the model that made it: its folder, and a digest of its
+    content that survives moving the folder or converting the same GGUF file again."""
+    return {"model": str(model_path), "model_fingerprint": model_fingerprint(Path(model_path))}
+
+
+def model_differs(stored: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """Whether a file's model is not the one asked for: by digest, or by folder for a file
+    written before files carried one."""
+    if "model_fingerprint" in stored and "model_fingerprint" in wanted:
+        return stored["model_fingerprint"] != wanted["model_fingerprint"]
+    return stored.get("model") != wanted.get("model")
+
+
+MODEL_KEYS = ("model", "model_fingerprint")
+
+
 def progress_interval() -> float:
     """Seconds between progress-bar updates: a log file gets a line now and then, not every
     redraw a terminal would show."""
@@ -81,7 +99,7 @@ def target_answers(
     passed since the last save (and always at the end): rewriting it after every chunk cost
     a growing share of a long run."""
     meta = {
-        "model": str(llm.model_path),
+        **model_meta(llm.model_path),
         "max_tokens": max_tokens,
         "num_conversations": len(conversations),
         "first": conversations[0] if conversations else None,
@@ -92,7 +110,11 @@ def target_answers(
         # More conversations may be asked for than a file holds: a prompt set is built so that
         # a longer list starts with the shorter one, and the file is extended.
         growing = ("num_conversations",)
-        differ = sorted(k for k in meta if k not in growing and data.meta.get(k) != meta[k])
+        differ = sorted(
+            k for k in meta if k not in growing + MODEL_KEYS and data.meta.get(k) != meta[k]
+        )
+        if model_differs(data.meta, meta):
+            differ.insert(0, "model")
         if len(data) > len(conversations):
             differ.append("num_conversations")
         if differ:

@@ -28,7 +28,7 @@ from engine.loader import EngineArgs, ModelSpec, resolve
 from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.request import spec_totals
-from engine.weights import iter_safetensors
+from engine.weights import iter_safetensors, model_fingerprint
 from spec.draft_model import MultiLayerEagleDraft, save_draft
 from spec.draft_vocab import choose_draft_vocab, count_tokens, coverage
 from spec.train.data import Sequences, target_answers
@@ -254,7 +254,8 @@ def train_draft(config: TrainDraftConfig) -> dict:
     # Float32 master weights; steps run in bf16 autocast on GPU.
     draft = MultiLayerEagleDraft(model_config, config.num_draft_steps).to(device)
     run_key = {
-        "model": str(spec.path),
+        # By content: a checkpoint resumes after the folder moved or was converted again.
+        "model": model_fingerprint(spec.path),
         "num_draft_steps": config.num_draft_steps,
         "aux_layers": list(config.aux_layers),
         "num_prompts": config.num_prompts,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import LLM, SamplingParams
-from spec.train.data import progress_interval
+from spec.train.data import MODEL_KEYS, model_differs, model_meta, progress_interval
 from spec.train.prompts import Conversation
 
 # "" leaves the whole message to the model; it is listed several times to weigh it.
@@ -121,7 +121,7 @@ def self_written_prompts(
     if not 0.0 <= other_languages <= 1.0:
         raise ValueError(f"other_languages is a share in [0, 1], got {other_languages}")
     turn = user_turn(llm.tokenizer)
-    meta = {"model": str(llm.model_path), "seed": seed, "max_tokens": max_tokens, "turn": turn.end}
+    meta = {**model_meta(llm.model_path), "seed": seed, "max_tokens": max_tokens, "turn": turn.end}
     if other_languages:
         meta["other_languages"] = other_languages  # absent at 0: earlier files stay valid
     store = _Store.open(path, meta)
@@ -160,7 +160,10 @@ def self_written_prompts(
 
 def _check_settings(path: Path, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
     # Every key of either side: one a file has and the call does not is a difference too.
-    differ = sorted(k for k in stored.keys() | wanted.keys() if stored.get(k) != wanted.get(k))
+    keys = (stored.keys() | wanted.keys()) - set(MODEL_KEYS)
+    differ = sorted(k for k in keys if stored.get(k) != wanted.get(k))
+    if model_differs(stored, wanted):
+        differ.insert(0, "model")
     if differ:
         raise ValueError(
             f"{path} was written with other settings ({', '.join(differ)}); "
@@ -201,7 +204,7 @@ def self_written_followups(
         raise ValueError(f"{len(answers)} answers for {len(conversations)} conversations")
     turn = user_turn(llm.tokenizer)
     meta = {
-        "model": str(llm.model_path),
+        **model_meta(llm.model_path),
         "seed": seed,
         "max_tokens": max_tokens,
         "turn": turn.end,
