@@ -463,11 +463,11 @@ def test_generated_files_know_their_model_by_content_not_by_folder(
 
     for name in ("other-config", "other-weights"):
         other = CountingLLM(answer_llm)
-        other.model_path = other_writer_path = copies[name]
+        other.model_path = copies[name]
         with pytest.raises(ValueError, match=r"\(model\)"):
             target_answers(other, CONVERSATIONS[:3], answers, 8, progress=False)
         other_writer = GeneratingLLM(answer_llm)
-        other_writer.model_path = other_writer_path
+        other_writer.model_path = copies[name]
         with pytest.raises(ValueError, match=r"\(model\)"):
             self_written_prompts(other_writer, 3, messages, max_tokens=16, progress=False)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,15 +67,21 @@ def model_meta(model_path: str | os.PathLike) -> dict[str, str]:
     return {"model": str(model_path), "model_fingerprint": model_fingerprint(Path(model_path))}
 
 
-def model_differs(stored: dict[str, Any], wanted: dict[str, Any]) -> bool:
-    """Whether a file's model is not the one asked for: by digest, or by folder for a file
-    written before files carried one."""
+_MODEL_KEYS = ("model", "model_fingerprint")
+
+
+def differing_settings(
+    stored: dict[str, Any], wanted: dict[str, Any], keys: Iterable[str]
+) -> list[str]:
+    """Which of `keys` a generated file's `stored` meta has otherwise than `wanted`. The model
+    is compared by digest, or by folder for a file written before files carried one, and is
+    reported as "model"."""
+    differ = sorted(k for k in set(keys) - set(_MODEL_KEYS) if stored.get(k) != wanted.get(k))
     if "model_fingerprint" in stored and "model_fingerprint" in wanted:
-        return stored["model_fingerprint"] != wanted["model_fingerprint"]
-    return stored.get("model") != wanted.get("model")
-
-
-MODEL_KEYS = ("model", "model_fingerprint")
+        same_model = stored["model_fingerprint"] == wanted["model_fingerprint"]
+    else:
+        same_model = stored.get("model") == wanted.get("model")
+    return differ if same_model else ["model", *differ]
 
 
 def progress_interval() -> float:
@@ -110,11 +117,7 @@ def target_answers(
         # More conversations may be asked for than a file holds: a prompt set is built so that
         # a longer list starts with the shorter one, and the file is extended.
         growing = ("num_conversations",)
-        differ = sorted(
-            k for k in meta if k not in growing + MODEL_KEYS and data.meta.get(k) != meta[k]
-        )
-        if model_differs(data.meta, meta):
-            differ.insert(0, "model")
+        differ = differing_settings(data.meta, meta, (k for k in meta if k not in growing))
         if len(data) > len(conversations):
             differ.append("num_conversations")
         if differ:

@@ -32,7 +32,7 @@ from engine.weights import iter_safetensors, model_fingerprint
 from spec.draft_model import MultiLayerEagleDraft, save_draft
 from spec.draft_vocab import choose_draft_vocab, count_tokens, coverage
 from spec.train.data import Sequences, target_answers
-from spec.train.prompts import heldout_prompts, training_prompts
+from spec.train.prompts import Conversation, heldout_prompts, training_prompts
 from spec.train.self_prompts import self_written_followups, self_written_prompts
 from spec.train.trainer import CHECKPOINT_FILE, DraftTrainer, Schedule
 
@@ -115,18 +115,20 @@ def _generate(
         kv_cache_tokens=kv_tokens,
         seed=config.schedule.seed,
     )
+
+    def answers(conversations: list[Conversation], file: str) -> Sequences:
+        return target_answers(
+            llm,
+            conversations,
+            config.out_dir / file,
+            config.max_tokens,
+            chunk=config.generate_batch,
+            progress=config.progress,
+        )
+
     parts = []
     if conversations:
-        parts.append(
-            target_answers(
-                llm,
-                conversations,
-                config.out_dir / "answers.pt",
-                config.max_tokens,
-                chunk=config.generate_batch,
-                progress=config.progress,
-            )
-        )
+        parts.append(answers(conversations, "answers.pt"))
     if config.num_self_prompts:
         written = self_written_prompts(
             llm,
@@ -138,14 +140,7 @@ def _generate(
             progress=config.progress,
             other_languages=config.self_other_languages,
         )
-        answered = target_answers(
-            llm,
-            written,
-            config.out_dir / "self_answers.pt",
-            config.max_tokens,
-            chunk=config.generate_batch,
-            progress=config.progress,
-        )
+        answered = answers(written, "self_answers.pt")
         parts.append(answered)
         if config.num_self_followups:
             texts = [
@@ -163,24 +158,9 @@ def _generate(
                 chunk=config.generate_batch,
                 progress=config.progress,
             )
-            parts.append(
-                target_answers(
-                    llm,
-                    followups,
-                    config.out_dir / "followup_answers.pt",
-                    config.max_tokens,
-                    progress=config.progress,
-                )
-            )
+            parts.append(answers(followups, "followup_answers.pt"))
     train = Sequences.joined(parts)
-    held = target_answers(
-        llm,
-        heldout,
-        config.out_dir / "heldout.pt",
-        config.max_tokens,
-        chunk=config.generate_batch,
-        progress=config.progress,
-    )
+    held = answers(heldout, "heldout.pt")
     return train, held
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import LLM, SamplingParams
-from spec.train.data import MODEL_KEYS, model_differs, model_meta, progress_interval
+from spec.train.data import differing_settings, model_meta, progress_interval
 from spec.train.prompts import Conversation
 
 # "" leaves the whole message to the model; it is listed several times to weigh it.
@@ -160,10 +160,7 @@ def self_written_prompts(
 
 def _check_settings(path: Path, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
     # Every key of either side: one a file has and the call does not is a difference too.
-    keys = (stored.keys() | wanted.keys()) - set(MODEL_KEYS)
-    differ = sorted(k for k in keys if stored.get(k) != wanted.get(k))
-    if model_differs(stored, wanted):
-        differ.insert(0, "model")
+    differ = differing_settings(stored, wanted, stored.keys() | wanted.keys())
     if differ:
         raise ValueError(
             f"{path} was written with other settings ({', '.join(differ)}); "
