@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,23 +29,13 @@ def sample(
     p_v / E_v is token v with probability exactly p_v (torch.multinomial draws one sample the
     same way, so on the CPU the tokens are the ones it gives). Everything stays on the logits'
     device until one copy brings the whole batch back, so a GPU never waits on the host for a
-    single request's draw."""
+    single request's draw; the sampled rows are filtered and drawn together, as one batch."""
     greedy = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return greedy.cpu()
-    probs = torch.stack([_filtered_probs(logits[i], params[i]) for i in rows])
-    noise = torch.empty_like(probs)
-    for row, i in zip(noise, rows):
-        generator = generators[i] or default_generator
-        if generator.device != row.device:
-            # Generators are host generators, and a GPU tensor can only be filled from one of
-            # its own device. A seed drawn from the request's generator keys a device one, so a
-            # seeded request still draws the same noise in any batch.
-            device_generator = _device_generator(row.device)
-            device_generator.manual_seed(_derived_seed(generator))
-            generator = device_generator
-        row.exponential_(generator=generator)
+    probs = filtered_probs_batch(logits[rows], [params[i] for i in rows])
+    noise = exponential_noise(probs, [generators[i] or default_generator for i in rows])
     # exponential_ may return 0 in principle: 0 / 0 would be NaN, which argmax picks, so a
     # zero-probability token could come out; clamped, it scores 0 and never wins.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
@@ -55,15 +46,49 @@ def sample(
     return tokens
 
 
-_device_generators: dict[torch.device, torch.Generator] = {}
+def exponential_noise(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """Exp(1) noise shaped like `probs` [R, V], row r drawn from `generators[r]`.
+
+    Generators are host generators. On the CPU each row is filled from its own, as
+    torch.multinomial would. A GPU tensor cannot be filled from a host generator, and reseeding
+    a device generator row by row costs a launch per row; there a seed drawn from each row's
+    generator keys a counter-based hash (`hashed_exponential`) that fills all rows at once, so
+    a seeded request still draws the same noise in any batch."""
+    if probs.device.type == "cpu":
+        noise = torch.empty_like(probs)
+        for row, generator in zip(noise, generators):
+            row.exponential_(generator=generator)
+        return noise
+    seeds = torch.tensor([_derived_seed(g) for g in generators], dtype=torch.int64)
+    return hashed_exponential(seeds.to(probs.device), probs.shape[1]).to(probs.dtype)
 
 
-def _device_generator(device: torch.device) -> torch.Generator:
-    """One generator per device, made once: it is reseeded before every draw."""
-    generator = _device_generators.get(device)
-    if generator is None:
-        generator = _device_generators[device] = torch.Generator(device=device)
-    return generator
+# splitmix64's constants, as the signed 64-bit integers torch computes with.
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    # torch shifts signed integers arithmetically; the mask makes it a logical shift.
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(z: torch.Tensor) -> torch.Tensor:
+    z = z.clone()
+    z.bitwise_xor_(_shift_right(z, 30)).mul_(_MIX1)
+    z.bitwise_xor_(_shift_right(z, 27)).mul_(_MIX2)
+    return z.bitwise_xor_(_shift_right(z, 31))
+
+
+def hashed_exponential(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R] int64 seeds -> [R, vocab] float32 Exp(1) draws: entry (r, v) is a function of
+    (seeds[r], v) alone (splitmix64 of the seed's stream at v), the same on every device."""
+    index = torch.arange(1, vocab + 1, dtype=torch.int64, device=seeds.device)
+    z = _splitmix64(_splitmix64(seeds)[:, None] + index * _GOLDEN)
+    # The top 53 bits, centred in their interval: a uniform in (0, 1), never 0 or 1.
+    uniform = (_shift_right(z, 11).double() + 0.5) * 2.0**-53
+    return uniform.log_().neg_().float()
 
 
 def _derived_seed(generator: torch.Generator) -> int:
@@ -73,27 +98,44 @@ def _derived_seed(generator: torch.Generator) -> int:
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution `sample` draws a non-greedy token from: one logits row [V] -> probs [V].
     Speculative acceptance tests draft tokens against exactly this distribution."""
-    return _filtered_probs(logits, params)
+    return filtered_probs_batch(logits[None], [params])[0]
 
 
-def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    probs = torch.softmax(logits / p.temperature, dim=-1)
-    if p.top_k == 0 and p.top_p >= 1.0:
+_filtered_probs = filtered_probs
+
+
+def filtered_probs_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`filtered_probs` of every row of logits [R, V], row r under params[r], in one pass: a
+    launch per operation for the batch, not one per request."""
+    rows, vocab = logits.shape
+    temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    probs = torch.softmax(logits / temperatures.to(logits.device)[:, None], dim=-1)
+    filtering = [r for r, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    if not filtering:
         return probs
-    sorted_probs, order = probs.sort(descending=True)
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-    if p.top_k > 0:
-        keep[p.top_k :] = False
-    if p.top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it
-        # is still below top_p, so the first token always stays.
-        mass_before = sorted_probs.cumsum(0) - sorted_probs
-        keep &= mass_before < p.top_p
+    chosen = probs if len(filtering) == rows else probs[filtering]
+    sorted_probs, order = chosen.sort(dim=-1, descending=True)
+    # top_k 0 keeps every rank; top_p 1 keeps every prefix (the mass before a token may round
+    # to 1 or above, so the test is switched off for those rows rather than run against 1).
+    top_k = torch.tensor([params[r].top_k or vocab for r in filtering])
+    top_p = torch.tensor(
+        [params[r].top_p if params[r].top_p < 1.0 else math.inf for r in filtering]
+    )
+    ranks = torch.arange(vocab, device=logits.device)
+    keep = ranks[None, :] < top_k.to(logits.device)[:, None]
+    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it
+    # is still below top_p, so the first token always stays.
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    keep &= mass_before < top_p.to(device=logits.device, dtype=mass_before.dtype)[:, None]
     # Back in vocabulary order by a scatter rather than boolean indexing, whose data-dependent
     # size would make a GPU wait for the host.
-    kept = torch.empty_like(keep).scatter_(0, order, keep)
-    filtered = probs.masked_fill(~kept, 0.0)
-    return filtered / filtered.sum()
+    kept = torch.empty_like(keep).scatter_(-1, order, keep)
+    filtered = chosen.masked_fill(~kept, 0.0)
+    filtered = filtered / filtered.sum(-1, keepdim=True)
+    if len(filtering) == rows:
+        return filtered
+    probs[filtering] = filtered
+    return probs
 
 
 def compute_logprobs(

@@ -11,7 +11,7 @@ from devices import DEVICES
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.sampler import _filtered_probs, sample
+from engine.sampler import _filtered_probs, filtered_probs_batch, hashed_exponential, sample
 
 PROMPTS = ["Hello world", "The quick brown fox", "a", "Once upon a time, in a land far away"]
 
@@ -289,6 +289,69 @@ def test_zero_noise_never_picks_a_filtered_token(monkeypatch: pytest.MonkeyPatch
     params = SamplingParams(temperature=1.0, top_k=2)
     tokens = sample(logits[None], [params], [None], torch.Generator().manual_seed(0))
     assert int(tokens[0]) in (2, 3)
+
+
+def test_batched_filter_equals_filtering_each_row_alone() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=gen) * 3
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=10, top_p=0.5),
+        SamplingParams(temperature=2.0),
+        SamplingParams(temperature=0.9, top_p=0.95),
+    ]
+    together = filtered_probs_batch(logits, params)
+    for row, p in zip(range(6), params):
+        assert torch.equal(together[row], _filtered_probs(logits[row], p)), p
+    # Only some rows filtered: the unfiltered ones keep the plain softmax.
+    assert torch.equal(together[0], torch.softmax(logits[0], -1))
+
+
+_MASK64 = 2**64 - 1
+
+
+def _splitmix64_reference(z: int) -> int:
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
+    return z ^ (z >> 31)
+
+
+def test_hashed_noise_is_splitmix64_of_the_seed_stream() -> None:
+    """The GPU's noise, computed here on the CPU: torch's signed 64-bit arithmetic must give
+    the unsigned hash bit for bit (wrapping products, logical shifts)."""
+    seeds = [0, 1, 2**62 + 12345, 2**63 - 1]
+    noise = hashed_exponential(torch.tensor(seeds), 40).double()
+    for r, seed in enumerate(seeds):
+        base = _splitmix64_reference(seed)
+        for v in (0, 1, 17, 39):
+            z = _splitmix64_reference((base + (v + 1) * 0x9E3779B97F4A7C15) & _MASK64)
+            uniform = ((z >> 11) + 0.5) * 2.0**-53
+            assert noise[r, v] == pytest.approx(-math.log(uniform), rel=1e-6)
+
+
+def test_hashed_noise_depends_on_the_seed_alone() -> None:
+    alone = hashed_exponential(torch.tensor([77]), 1000)
+    among = hashed_exponential(torch.tensor([5, 77, 9, 77]), 1000)
+    assert torch.equal(among[1], alone[0]) and torch.equal(among[3], alone[0])
+    assert not torch.equal(among[0], among[2])
+    assert (among > 0).all()
+
+
+def test_hashed_noise_races_to_the_right_frequencies() -> None:
+    """argmax p / E with the hashed Exp(1) noise draws token v with probability p_v, over
+    consecutive seeds (the derived seeds of a run are drawn, but nearby ones must not
+    correlate)."""
+    probs = torch.tensor([0.05, 0.35, 0.1, 0.3, 0.2])
+    draws = 20000
+    noise = hashed_exponential(torch.arange(draws), 5)
+    counts = torch.bincount((probs / noise).argmax(-1), minlength=5).double()
+    wanted = draws * probs.double()
+    chi2 = float(((counts - wanted) ** 2 / wanted).sum())
+    assert chi2 < _CHI2_CRITICAL[4], (chi2, counts.tolist())
+    mean = float(hashed_exponential(torch.arange(64), 4096).double().mean())
+    assert mean == pytest.approx(1.0, abs=0.01)
 
 
 # --- logprobs ------------------------------------------------------------------------------------
