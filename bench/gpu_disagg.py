@@ -5,11 +5,11 @@
    a. raw: `dist.send`/`dist.recv` of one contiguous tensor of a prompt's KV size;
    b. the nodes' code: `KVSender.send` -> `KVReceiver.expect` of the same prompt's KV from a real
       `KVPool`, timed from the sender's handle (`elapsed_s`: from the `send()` call, which
-      posts, to SUCCESS) and by the caller's clock; the received KV is checked against the sent values. Run with
-      the slots a fresh pool hands a prompt (`--slots contiguous`: one ascending run on each
-      side, sent from and received into the pool in place) and with randomly scattered ones
-      (`--slots scattered`: gather, send, scatter), side by side by default (`both`). Each
-      side's handle also gives the time to each phase of its worker's job
+      posts, to SUCCESS) and by the caller's clock; the received KV is checked against the sent
+      values. Run with the slots a fresh pool hands a prompt (`--slots contiguous`: one
+      ascending run on each side, sent from and received into the pool in place) and with
+      randomly scattered ones (`--slots scattered`: gather, send, scatter), side by side by
+      default (`both`). Each side's handle also gives the time to each phase of its worker's job
       (`TransferHandle.phases`: host clock; with `--phase-events` also `gpu_phases`: CUDA events
       on the worker's stream), printed as a per-phase median breakdown: where a transfer's
       fixed cost goes.

@@ -250,10 +250,19 @@ def run_train_draft(args: argparse.Namespace) -> None:
         save_dtype=args.save_dtype,
         draft_vocab_size=args.draft_vocab_size or None,
         restart=args.restart,
+        generate_only=args.generate_only,
+        data_from=tuple(args.data_from or ()),
         evaluate=not args.no_evaluate,
         progress=not args.no_progress,
     )
     summary = train_draft(config)
+    if config.generate_only:
+        data = summary["data"]
+        print(
+            f"data in {config.out_dir}: {data['train_conversations']} training conversations, "
+            f"{data['train_answer_tokens']} answer tokens ({summary['generate_s']:.0f} s)"
+        )
+        return
     print(f"draft written to {summary['draft']} ({summary['draft_bytes'] / 2**20:.1f} MiB)")
     for record in summary["validations"][-1:]:
         print(f"held-out replay: accept length {record['accept_length']:.2f}")
@@ -354,6 +363,18 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--restart", action="store_true", help="ignore a checkpoint in --out (data is kept)"
+    )
+    parser.add_argument(
+        "--generate-only",
+        action="store_true",
+        help="make the data in --out and stop (to train elsewhere with --data-from)",
+    )
+    parser.add_argument(
+        "--data-from",
+        action="append",
+        metavar="DIR",
+        help="also train on the answers generated in another --out folder (repeatable), "
+        "e.g. by --generate-only runs with other --seed values on other GPUs",
     )
     parser.add_argument(
         "--no-evaluate", action="store_true", help="skip the engine run on held-out prompts"

@@ -709,6 +709,42 @@ def test_cli_refuses_zero_draft_steps(predictable_path: Path, tmp_path: Path, ca
     assert not (tmp_path / "answers.pt").exists()
 
 
+def test_cli_trains_on_data_generated_by_other_runs(
+    predictable_path: Path, tmp_path: Path, capsys
+) -> None:
+    """Shards made with --generate-only and their own seeds, trained on with --data-from."""
+    shard = tmp_path / "shard"
+    only = ("--num-prompts", "0", "--seed", "7", "--generate-only")
+    assert main(cli_args(shard, predictable_path, *only)) == 0
+    assert "4 training conversations" in capsys.readouterr().out
+    assert (shard / "self_answers.pt").exists()
+    assert not (shard / "checkpoint.pt").exists() and not (shard / "draft").exists()
+    shard_tokens = json.loads((shard / "summary.json").read_text())["data"]["train_tokens"]
+
+    alone = tmp_path / "alone"
+    assert main(cli_args(alone, predictable_path)) == 0
+    alone_tokens = json.loads((alone / "summary.json").read_text())["data"]["train_tokens"]
+    out = tmp_path / "main"
+    assert main(cli_args(out, predictable_path, "--data-from", str(shard))) == 0
+    data = json.loads((out / "summary.json").read_text())["data"]
+    assert data["data_from_conversations"] == 4
+    assert data["train_conversations"] == 24
+    assert data["train_tokens"] == alone_tokens + shard_tokens
+    positions = sum(r["positions"] for r in read_log(out) if "loss" in r)
+    assert positions > sum(r["positions"] for r in read_log(alone) if "loss" in r)
+    capsys.readouterr()
+
+    # The checkpoint belongs to a run with the shard's data: without it, it is refused.
+    assert main(cli_args(out, predictable_path)) == 2
+    assert "(data_from)" in capsys.readouterr().err
+    other = tmp_path / "other-cap"
+    assert main(cli_args(other, predictable_path, *only, "--max-tokens", "6")) == 0
+    assert main(cli_args(tmp_path / "x", predictable_path, "--data-from", str(other))) == 2
+    assert "other settings than this run (max_tokens)" in capsys.readouterr().err
+    assert main(cli_args(out, predictable_path, "--data-from", str(out))) == 2
+    assert "data_from" in capsys.readouterr().err
+
+
 # --- 8. which draft an engine speculates with ---------------------------------------------
 
 

@@ -8,6 +8,10 @@
     draft/                   the trained draft (docs/draft-format.md), 16-bit by default
     summary.json             data sizes, time, final losses, held-out accept length
 
+`generate_only` stops once the data is made. `data_from` adds the answer files of other
+output folders to the training data: several runs with their own seeds can generate in
+parallel (on as many GPUs), and one trains on all of it.
+
 The held-out prompts (spec.train.prompts.heldout_prompts) are never trained on. After training,
 the engine itself decodes them with the new draft: its accept length is the figure to trust;
 the trainer's replay (Validation) estimates the same number without running the loop."""
@@ -31,11 +35,13 @@ from engine.request import spec_totals
 from engine.weights import iter_safetensors, model_fingerprint
 from spec.draft_model import MultiLayerEagleDraft, save_draft
 from spec.draft_vocab import choose_draft_vocab, count_tokens, coverage
-from spec.train.data import Sequences, target_answers
+from spec.train.data import Sequences, differing_settings, model_meta, target_answers
 from spec.train.prompts import Conversation, heldout_prompts, training_prompts
 from spec.train.self_prompts import self_written_followups, self_written_prompts
 from spec.train.trainer import CHECKPOINT_FILE, DraftTrainer, Schedule
 
+# The training answers a run generates (heldout.pt is never trained on).
+ANSWER_FILES = ("answers.pt", "self_answers.pt", "followup_answers.pt")
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -65,11 +71,19 @@ class TrainDraftConfig:
     # no restriction when it is not below the target's vocabulary size, or None.
     draft_vocab_size: int | None = 8192
     restart: bool = False
+    # Stop after generating the data: no training, no draft.
+    generate_only: bool = False
+    # Other output folders whose answer files are trained on too (same target, same max_tokens).
+    data_from: tuple[Path, ...] = ()
     evaluate: bool = True
     progress: bool = True
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
+        self.data_from = tuple(Path(folder) for folder in self.data_from)
+        places = [folder.resolve() for folder in (self.out_dir, *self.data_from)]
+        if len(set(places)) != len(places):
+            raise ValueError("data_from must name other folders than out_dir, each once")
         if self.save_dtype not in SAVE_DTYPES:
             raise ValueError(f"save_dtype must be one of {', '.join(SAVE_DTYPES)}")
         for name in ("num_draft_steps", "max_tokens", "generate_batch", "self_prompt_max_tokens"):
@@ -164,6 +178,26 @@ def _generate(
     return train, held
 
 
+def load_data_from(folders: tuple[Path, ...], model_path: Path, max_tokens: int) -> list[Sequences]:
+    """The answer files of `folders`, refused unless the same target made them with the same
+    answer length cap. A folder's generation may have stopped half way: what it holds counts."""
+    wanted = {**model_meta(model_path), "max_tokens": max_tokens}
+    parts = []
+    for folder in folders:
+        found = [folder / name for name in ANSWER_FILES if (folder / name).exists()]
+        if not found:
+            raise ValueError(f"{folder} holds none of {', '.join(ANSWER_FILES)}")
+        for path in found:
+            part = Sequences.load(path)
+            differ = differing_settings(part.meta, wanted, ("max_tokens",))
+            if differ:
+                raise ValueError(
+                    f"{path} was generated with other settings than this run ({', '.join(differ)})"
+                )
+            parts.append(part)
+    return parts
+
+
 def evaluate_draft(
     model: str | None,
     draft_dir: Path,
@@ -209,8 +243,31 @@ def train_draft(config: TrainDraftConfig) -> dict:
     args = EngineArgs(model=config.model, device=config.device, dtype=config.dtype)
     spec = resolve(args)
     started = time.perf_counter()
-    train, held = _generate(config, args, spec)
+    own, held = _generate(config, args, spec)
     generate_s = time.perf_counter() - started
+    data = {
+        "train_conversations": len(own),
+        "template_conversations": config.num_prompts,
+        "self_written_conversations": config.num_self_prompts,
+        "self_written_other_language_share": config.self_other_languages,
+        "followup_conversations": len(own) - config.num_prompts - config.num_self_prompts,
+        "train_answer_tokens": own.num_answer_tokens,
+        "train_tokens": sum(len(t) for t in own.tokens),
+        "heldout_conversations": len(held),
+        "heldout_answer_tokens": held.num_answer_tokens,
+    }
+    if config.generate_only:
+        summary = {"model": str(spec.path), "data": data, "generate_s": round(generate_s, 1)}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+    extra = load_data_from(config.data_from, spec.path, config.max_tokens)
+    train = Sequences.joined([own, *extra]) if extra else own
+    if extra:
+        data["data_from"] = [str(folder) for folder in config.data_from]
+        data["data_from_conversations"] = sum(len(part) for part in extra)
+        data["train_conversations"] = len(train)
+        data["train_answer_tokens"] = train.num_answer_tokens
+        data["train_tokens"] = sum(len(t) for t in train.tokens)
 
     engine_config = dataclasses.replace(spec.engine_config, cpu_packed_linear=False)
     model_config = spec.model_config
@@ -242,6 +299,9 @@ def train_draft(config: TrainDraftConfig) -> dict:
         "num_self_prompts": config.num_self_prompts,
         "max_tokens": config.max_tokens,
     }
+    if extra:
+        # Their sizes: a checkpoint resumes only over the same added data.
+        run_key["data_from"] = [len(part) for part in extra]
     if config.restart:
         (out / CHECKPOINT_FILE).unlink(missing_ok=True)
     trainer = DraftTrainer(
@@ -264,20 +324,15 @@ def train_draft(config: TrainDraftConfig) -> dict:
         "model": str(spec.path),
         "device": str(device),
         "config": {
-            **{k: v for k, v in asdict(config).items() if k not in ("schedule", "out_dir")},
+            **{
+                k: v
+                for k, v in asdict(config).items()
+                if k not in ("schedule", "out_dir", "data_from")
+            },
+            "data_from": [str(folder) for folder in config.data_from],
             "schedule": asdict(config.schedule),
         },
-        "data": {
-            "train_conversations": len(train),
-            "template_conversations": config.num_prompts,
-            "self_written_conversations": config.num_self_prompts,
-            "self_written_other_language_share": config.self_other_languages,
-            "followup_conversations": len(train) - config.num_prompts - config.num_self_prompts,
-            "train_answer_tokens": train.num_answer_tokens,
-            "train_tokens": sum(len(t) for t in train.tokens),
-            "heldout_conversations": len(held),
-            "heldout_answer_tokens": held.num_answer_tokens,
-        },
+        "data": data,
         "generate_s": round(generate_s, 1),
         "train_s": round(progress.elapsed_s, 1),
         "steps": progress.step,

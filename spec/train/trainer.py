@@ -306,7 +306,8 @@ class DraftTrainer:
             return False
         saved = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
         if saved["run_key"] != self.run_key:
-            differ = sorted(k for k in self.run_key if saved["run_key"].get(k) != self.run_key[k])
+            keys = self.run_key.keys() | saved["run_key"].keys()
+            differ = sorted(k for k in keys if saved["run_key"].get(k) != self.run_key.get(k))
             raise ValueError(
                 f"{self.checkpoint_path} belongs to a run with other settings "
                 f"({', '.join(differ)}); use another --out folder or --restart"
