@@ -101,9 +101,6 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return filtered_probs_batch(logits[None], [params])[0]
 
 
-_filtered_probs = filtered_probs
-
-
 def filtered_probs_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """`filtered_probs` of every row of logits [R, V], row r under params[r], in one pass: a
     launch per operation for the batch, not one per request."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import filtered_probs
+from engine.sampler import filtered_probs_batch
 from engine.sampling_params import SamplingParams
 
 
@@ -58,7 +58,7 @@ def accept_sampled(
     tokens: list[int] = []
     # Every position's distribution in one copy to the host: the walk below reads them one by
     # one, and a copy per position would wait for the device each time.
-    all_probs = torch.stack([filtered_probs(logits[j], params) for j in range(k + 1)]).cpu()
+    all_probs = filtered_probs_batch(logits, [params] * (k + 1)).cpu()
     for j in range(k + 1):
         probs = all_probs[j]
         generator = generators[j] or default_generator

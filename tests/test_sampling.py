@@ -11,7 +11,7 @@ from devices import DEVICES
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.sampler import _filtered_probs, filtered_probs_batch, hashed_exponential, sample
+from engine.sampler import filtered_probs, filtered_probs_batch, hashed_exponential, sample
 
 PROMPTS = ["Hello world", "The quick brown fox", "a", "Once upon a time, in a land far away"]
 
@@ -96,7 +96,7 @@ def test_top_k_1_equals_greedy(tiny_llm: LLM) -> None:
 @pytest.mark.parametrize("k", [1, 2, 5, 9])
 def test_top_k_keeps_exactly_k_most_likely(k: int) -> None:
     logits = torch.randn(50, generator=torch.Generator().manual_seed(k)) * 3
-    probs = _filtered_probs(logits, SamplingParams(top_k=k))
+    probs = filtered_probs(logits, SamplingParams(top_k=k))
     kept = probs.nonzero().flatten()
     assert sorted(kept.tolist()) == sorted(logits.topk(k).indices.tolist())
     assert probs.sum().item() == pytest.approx(1.0, abs=1e-6)
@@ -118,7 +118,7 @@ def test_top_k_keeps_exactly_k_most_likely(k: int) -> None:
 )
 def test_top_p_keeps_smallest_prefix_reaching_p(top_p: float, kept_masses: list[float]) -> None:
     masses = [0.1, 0.4, 0.2, 0.3]  # shuffled so order of the vocabulary does not matter
-    probs = _filtered_probs(_probs_with_mass(masses), SamplingParams(top_p=top_p))
+    probs = filtered_probs(_probs_with_mass(masses), SamplingParams(top_p=top_p))
     kept = {masses[i] for i in probs.nonzero().flatten().tolist()}
     assert kept == set(kept_masses)
     assert probs.sum().item() == pytest.approx(1.0, abs=1e-6)
@@ -131,23 +131,23 @@ def test_top_p_keeps_smallest_prefix_reaching_p(top_p: float, kept_masses: list[
 def test_top_p_prefix_that_reaches_p_exactly_is_enough(top_p: float, count: int) -> None:
     # Powers of two, so softmax and the cumulative sums are exact and p is hit on the dot.
     logits = _probs_with_mass([0.125, 0.5, 0.125, 0.25])
-    probs = _filtered_probs(logits, SamplingParams(top_p=top_p))
+    probs = filtered_probs(logits, SamplingParams(top_p=top_p))
     assert int((probs > 0).sum()) == count
     assert probs.sum().item() == pytest.approx(1.0, abs=1e-6)
 
 
 def test_top_k_and_top_p_combine_as_the_tighter_filter() -> None:
     logits = _probs_with_mass([0.1, 0.4, 0.2, 0.3])
-    assert (_filtered_probs(logits, SamplingParams(top_k=2, top_p=0.95)) > 0).sum() == 2
-    assert (_filtered_probs(logits, SamplingParams(top_k=3, top_p=0.5)) > 0).sum() == 2
+    assert (filtered_probs(logits, SamplingParams(top_k=2, top_p=0.95)) > 0).sum() == 2
+    assert (filtered_probs(logits, SamplingParams(top_k=3, top_p=0.5)) > 0).sum() == 2
 
 
 def test_top_p_applies_after_temperature() -> None:
     logits = _probs_with_mass([0.5, 0.3, 0.15, 0.05])
     # At T=1 the first three tokens hold 0.95 and the first two 0.8; flattened by T=4
     # (masses about 0.31, 0.28, 0.23, 0.18) the first three hold only about 0.82.
-    assert (_filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.85)) > 0).sum() == 3
-    assert (_filtered_probs(logits, SamplingParams(temperature=4.0, top_p=0.85)) > 0).sum() == 4
+    assert (filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.85)) > 0).sum() == 3
+    assert (filtered_probs(logits, SamplingParams(temperature=4.0, top_p=0.85)) > 0).sum() == 4
 
 
 def test_top_k_sampling_never_leaves_the_top_k(
@@ -218,7 +218,7 @@ def test_sampled_frequencies_match_the_filtered_distribution(
     params: SamplingParams, device: str
 ) -> None:
     logits = _probs_with_mass([0.05, 0.35, 0.1, 0.3, 0.2]).to(device)
-    expected = _filtered_probs(logits, params).cpu()
+    expected = filtered_probs(logits, params).cpu()
     draws = 20000
     # One call over many rows of the same logits: the batched draw is what is checked.
     tokens = sample(
@@ -304,7 +304,7 @@ def test_batched_filter_equals_filtering_each_row_alone() -> None:
     ]
     together = filtered_probs_batch(logits, params)
     for row, p in zip(range(6), params):
-        assert torch.equal(together[row], _filtered_probs(logits[row], p)), p
+        assert torch.equal(together[row], filtered_probs(logits[row], p)), p
     # Only some rows filtered: the unfiltered ones keep the plain softmax.
     assert torch.equal(together[0], torch.softmax(logits[0], -1))
 

@@ -245,29 +245,30 @@ def train_draft(config: TrainDraftConfig) -> dict:
     started = time.perf_counter()
     own, held = _generate(config, args, spec)
     generate_s = time.perf_counter() - started
+    extra = (
+        []
+        if config.generate_only
+        else load_data_from(config.data_from, spec.path, config.max_tokens)
+    )
+    train = Sequences.joined([own, *extra]) if extra else own
     data = {
-        "train_conversations": len(own),
+        "train_conversations": len(train),
         "template_conversations": config.num_prompts,
         "self_written_conversations": config.num_self_prompts,
         "self_written_other_language_share": config.self_other_languages,
         "followup_conversations": len(own) - config.num_prompts - config.num_self_prompts,
-        "train_answer_tokens": own.num_answer_tokens,
-        "train_tokens": sum(len(t) for t in own.tokens),
+        "train_answer_tokens": train.num_answer_tokens,
+        "train_tokens": sum(len(t) for t in train.tokens),
         "heldout_conversations": len(held),
         "heldout_answer_tokens": held.num_answer_tokens,
     }
+    if extra:
+        data["data_from"] = [str(folder) for folder in config.data_from]
+        data["data_from_conversations"] = len(train) - len(own)
     if config.generate_only:
         summary = {"model": str(spec.path), "data": data, "generate_s": round(generate_s, 1)}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
-    extra = load_data_from(config.data_from, spec.path, config.max_tokens)
-    train = Sequences.joined([own, *extra]) if extra else own
-    if extra:
-        data["data_from"] = [str(folder) for folder in config.data_from]
-        data["data_from_conversations"] = sum(len(part) for part in extra)
-        data["train_conversations"] = len(train)
-        data["train_answer_tokens"] = train.num_answer_tokens
-        data["train_tokens"] = sum(len(t) for t in train.tokens)
 
     engine_config = dataclasses.replace(spec.engine_config, cpu_packed_linear=False)
     model_config = spec.model_config
