@@ -2,13 +2,16 @@
 side by side in one run.
 
     python bench/spec.py [--device cpu|cuda] [--model PATH] [--draft-model PATH|random]
+        [--num-draft-chains 1 3]
 
-Both engines answer the held-out chat prompts (spec.train.prompts.heldout_prompts, never used
-to train the shipped draft), greedy, stopping at EOS or --max-tokens, and must produce identical
-tokens. The draft is the shipped default draft for the default model unless --draft-model names
-one; `--draft-model random` makes an untrained one, which shows the cost of speculating and
-nothing else. Prints a table and rewrites the "Speculative decoding (DEVICE)" section of
-docs/BENCHMARKS.md (raw figures in docs/bench/spec_DEVICE.json)."""
+Plain decoding and one speculative engine per --num-draft-chains value answer the held-out chat
+prompts (spec.train.prompts.heldout_prompts, never used to train the shipped draft), greedy,
+stopping at EOS or --max-tokens, and must produce identical tokens. With N chains, each greedy
+step verifies N draft chains that start with the first depth's N most likely tokens and keeps
+the one accepted furthest. The draft is the shipped default draft for the default model unless
+--draft-model names one; `--draft-model random` makes an untrained one, which shows the cost of
+speculating and nothing else. Prints a table and rewrites the "Speculative decoding (DEVICE)"
+section of docs/BENCHMARKS.md (raw figures in docs/bench/spec_DEVICE.json)."""
 
 from __future__ import annotations
 
@@ -65,6 +68,13 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--draft-model", default=None, help="a draft folder, or 'random'")
     parser.add_argument("--num-draft-steps", type=int, default=3)
+    parser.add_argument(
+        "--num-draft-chains",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="one speculative engine per value (default: the engine's default for the device)",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompts", type=int, default=16, help="held-out conversations used")
@@ -73,6 +83,7 @@ def main() -> None:
 
     keep_large_allocations_in_heap()
     common = {"device": args.device, "max_num_seqs": max(args.batch_sizes)}
+    chain_counts = list(dict.fromkeys(args.num_draft_chains))
     plain = LLM(args.model, **common)
     with tempfile.TemporaryDirectory() as scratch:
         if args.draft_model == "random":
@@ -84,42 +95,48 @@ def main() -> None:
             draft, draft_name = default_draft_path(), "the shipped default draft"
         else:
             sys.exit("bench/spec.py: --draft-model is needed for a model without a shipped draft")
-        speculative = LLM(
-            args.model,
-            **common,
-            speculative_algorithm="multi-layer-eagle",
-            draft_model=draft,
-            num_draft_steps=args.num_draft_steps,
-        )
+        speculative = [
+            LLM(
+                args.model,
+                **common,
+                speculative_algorithm="multi-layer-eagle",
+                draft_model=draft,
+                num_draft_steps=args.num_draft_steps,
+                num_draft_chains=chains,
+            )
+            for chains in chain_counts
+        ]
     conversations = heldout_prompts()[: args.prompts]
     prompts = [plain.apply_chat_template(c) for c in conversations]
     rows = []
     for batch in args.batch_sizes:
         base = run(plain, prompts, batch, args.max_tokens)
-        spec = run(speculative, prompts, batch, args.max_tokens)
-        rows.append(
-            {
-                "batch": batch,
-                "plain_tok_s": base["tok_s"],
-                "spec_tok_s": spec["tok_s"],
-                "speedup": spec["tok_s"] / base["tok_s"],
-                "accept_length": spec["accept_length"],
-                "acceptance": spec["acceptance"],
-                "completion_tokens": spec["completion_tokens"],
-                "identical": base["tokens"] == spec["tokens"],
-            }
-        )
+        for llm in speculative:
+            spec = run(llm, prompts, batch, args.max_tokens)
+            rows.append(
+                {
+                    "batch": batch,
+                    "draft_chains": llm.config.num_draft_chains,
+                    "plain_tok_s": base["tok_s"],
+                    "spec_tok_s": spec["tok_s"],
+                    "speedup": spec["tok_s"] / base["tok_s"],
+                    "accept_length": spec["accept_length"],
+                    "acceptance": spec["acceptance"],
+                    "completion_tokens": spec["completion_tokens"],
+                    "identical": base["tokens"] == spec["tokens"],
+                }
+            )
     lines = [
-        "| batch | plain tokens/s | speculative tokens/s | speedup | accept length "
+        "| batch | draft chains | plain tokens/s | speculative tokens/s | speedup | accept length "
         "| acceptance per draft position | identical output |",
-        "| ---: | ---: | ---: | ---: | ---: | :--- | :---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | :--- | :---: |",
     ]
     for r in rows:
         acceptance = ", ".join(f"{a:.2f}" for a in r["acceptance"])
         lines.append(
-            f"| {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-            f"{r['speedup']:.2f}x | {r['accept_length']:.2f} | {acceptance} | "
-            f"{'yes' if r['identical'] else 'NO'} |"
+            f"| {r['batch']} | {r['draft_chains']} | {r['plain_tok_s']:.1f} | "
+            f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['accept_length']:.2f} | "
+            f"{acceptance} | {'yes' if r['identical'] else 'NO'} |"
         )
     table = "\n".join(lines)
     print(table)
@@ -133,7 +150,9 @@ def main() -> None:
         f"draft depths from {draft_name}, the first {len(prompts)} held-out chat prompts, "
         f"greedy, at most {args.max_tokens} new tokens, stopping at EOS).\n\n" + table + "\n\n"
         "Accept length: tokens per verify step, bonus token included. Acceptance per draft "
-        "position: the share of verify steps that accepted draft token 1, 2, 3.\n"
+        "position: the share of verify steps that accepted draft token 1, 2, 3. Draft "
+        "chains: with N, each step verifies N chains that start with the first depth's N most "
+        "likely tokens and keeps the one accepted furthest.\n"
     )
     write_section(
         f"Speculative decoding ({device.upper()})",

@@ -59,6 +59,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="draft depths K to use (default: every depth the draft has)",
     )
     parser.add_argument(
+        "--num-draft-chains",
+        type=int,
+        default=None,
+        help="draft chains per greedy request, started with the first depth's most likely "
+        "tokens; each step keeps the one accepted furthest (default: 4 on a GPU, 1 on a CPU)",
+    )
+    parser.add_argument(
         "--debug-tensor-dump-dir",
         type=os.path.abspath,
         default=None,
@@ -152,6 +159,7 @@ def engine_args(args: argparse.Namespace):
         speculative_algorithm=args.speculative_algorithm,
         draft_model=args.draft_model,
         num_draft_steps=args.num_draft_steps,
+        num_draft_chains=args.num_draft_chains,
         debug_tensor_dump_dir=args.debug_tensor_dump_dir,
         debug_tensor_dump_layers=args.debug_tensor_dump_layers,
     )
@@ -272,13 +280,14 @@ def run_train_draft(args: argparse.Namespace) -> None:
             f"draft vocabulary: {vocab['size']} tokens, "
             f"{vocab['heldout_answer_coverage']:.2%} of held-out answer tokens"
         )
-    engine = summary.get("engine_heldout")
-    if engine and engine["accept_length"] is not None:
-        acceptance = ", ".join(f"{a:.2f}" for a in engine["acceptance"])
-        print(
-            f"held-out, engine: accept length {engine['accept_length']:.2f} "
-            f"(acceptance per draft position: {acceptance})"
-        )
+    for key in ("engine_heldout", "engine_heldout_chains"):
+        engine = summary.get(key)
+        if engine and engine["accept_length"] is not None:
+            acceptance = ", ".join(f"{a:.2f}" for a in engine["acceptance"])
+            print(
+                f"held-out, engine, {engine['draft_chains']} draft chain(s): accept length "
+                f"{engine['accept_length']:.2f} (acceptance per draft position: {acceptance})"
+            )
 
 
 def add_train_draft_args(parser: argparse.ArgumentParser) -> None:

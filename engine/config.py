@@ -150,6 +150,9 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     attention_backend: str = "torch"
     seed: int = 0
+    # Draft chains per greedy request when speculating (spec/worker.py): each alternative chain
+    # is verified in a request-table row of its own, so the table has this many rows a request.
+    num_draft_chains: int = 1
     # float32 linear layers on CPU run through oneDNN with prepacked weights (see cpu_linear.py).
     cpu_packed_linear: bool = True
     # Set by --debug-tensor-dump-dir: where this engine's forward passes are dumped.
@@ -159,3 +162,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_model_len", "kv_cache_tokens", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_draft_chains < 1:
+            raise ValueError(f"num_draft_chains must be >= 1, got {self.num_draft_chains}")
+
+    @property
+    def num_request_rows(self) -> int:
+        """Rows of the request table: max_num_seqs for requests, the rest for draft chains."""
+        return self.max_num_seqs * self.num_draft_chains

@@ -57,6 +57,14 @@ class KVPool:
         self.k_buffers[layer][slots] = k
         self.v_buffers[layer][slots] = v
 
+    def copy_slots(self, sources: list[int], destinations: list[int]) -> None:
+        """Every layer's K and V of slot sources[i] into slot destinations[i], in one copy."""
+        assert len(sources) == len(destinations)
+        if not sources:
+            return
+        index = torch.tensor([sources, destinations], dtype=torch.int64).to(self.device)
+        self.kv_buffer[index[1]] = self.kv_buffer[index[0]]
+
 
 class ReqToTokenPool:
     """Maps a request row to the KV slots of its tokens, shape [max_reqs, max_context_len]."""
@@ -82,6 +90,15 @@ class ReqToTokenPool:
         if row in self._free_rows or not 0 <= row < self.max_reqs:
             raise ValueError(f"request row {row} freed but not allocated")
         self._free_rows.append(row)
+
+    def copy_prefixes(self, pairs: list[tuple[int, int]], length: int) -> None:
+        """Each (source, destination) row pair: the destination's first `length` entries become
+        the source's, one indexed copy for all of them. A destination row then reads the
+        source's cached tokens there without holding their slots (spec/worker.py's forks)."""
+        if not pairs or length <= 0:
+            return
+        index = torch.tensor(pairs, dtype=torch.int64).T.to(self.req_to_token.device)
+        self.req_to_token[index[1], :length] = self.req_to_token[index[0], :length]
 
     def write(self, row: int, start: int, slots: list[int]) -> None:
         self.write_many([(row, start, slots)])

@@ -39,6 +39,7 @@ class LLM:
         speculative_algorithm: str | None = None,
         draft_model: str | os.PathLike | None = None,
         num_draft_steps: int | None = None,
+        num_draft_chains: int | None = None,
         debug_tensor_dump_dir: str | os.PathLike | None = None,
         debug_tensor_dump_layers: Sequence[int] | None = None,
         enable_tracing: bool = False,
@@ -46,7 +47,10 @@ class LLM:
         """With `speculative_algorithm` ("multi-layer-eagle") and `draft_model` (a draft folder,
         see docs/draft-format.md; by default the shipped draft for the default model), every
         request speculates with `num_draft_steps` draft depths (default: all the draft has)
-        unless `generate(..., speculative=False)` opts it out.
+        unless `generate(..., speculative=False)` opts it out. With `num_draft_chains` N > 1,
+        greedy requests draft N chains that start with depth 0's N most likely tokens, and
+        each step keeps the one the target accepts furthest (output unchanged); by default 4
+        on a GPU and 1 elsewhere.
         `debug_tensor_dump_dir` dumps every forward pass (engine/debug_dump.py) under
         DIR/offline/<target|draft-N>/rank0/, keeping only `debug_tensor_dump_layers` if given.
         `enable_tracing` gives each output its timeline (`RequestOutput.trace`, engine.tracing)."""
@@ -65,6 +69,7 @@ class LLM:
             speculative_algorithm=speculative_algorithm,
             draft_model=model_path_arg(draft_model),
             num_draft_steps=num_draft_steps,
+            num_draft_chains=num_draft_chains,
             debug_tensor_dump_dir=model_path_arg(debug_tensor_dump_dir),
             debug_tensor_dump_layers=(
                 None if debug_tensor_dump_layers is None else tuple(debug_tensor_dump_layers)

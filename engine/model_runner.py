@@ -64,7 +64,9 @@ class ModelRunner:
             self.device,
         )
         self.req_to_token_pool = ReqToTokenPool(
-            engine_config.max_num_seqs, engine_config.max_model_len, self.device
+            engine_config.num_request_rows,
+            engine_config.max_model_len,
+            self.device,
         )
         self.dumper = tensor_dumper(engine_config.tensor_dump, TARGET_ROLE, self.model)
 

@@ -14,6 +14,7 @@ the PrefillResult carries the error, naming this node."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -72,6 +73,10 @@ class _Pending:
 class PrefillNode(ServingNode):
     def __init__(self, args: EngineArgs, options: NodeOptions) -> None:
         super().__init__(options)
+        if args.speculative_algorithm is not None:
+            # A transfer carries the main draft chain only; the decode node drafts its own
+            # alternatives from its first draft extend on.
+            args = dataclasses.replace(args, num_draft_chains=1)
         self.spec, self.runner = load_node_engine(args, options)
         config = self.spec.engine_config
         self.kv_cache = KVCacheManager(self.runner.kv_pool, self.runner.req_to_token_pool)

@@ -5,14 +5,19 @@ Depth d at position i reads token x_{i+d+1} and g^{d-1}_i (g^{-1}: the target's 
 and predicts x_{i+d+2}. With committed tokens x_0..x_m, depth d runs over [valid_d, m-1]; the
 tokens it reads past x_m are the new chain's drafts (depth d at m-1 reads draft d and proposes
 draft d+1). Afterwards valid_d = max(0, m-d), and depth d keeps its output at m-d-1 as the
-boundary: depth d+1's next extend starts there, one position before depth d's does."""
+boundary: depth d+1's next extend starts there, one position before depth d's does.
+
+An alternative chain (`ChainFork`) starts with another token depth 0 proposes at m-1. Depth d
+reads a draft token at positions [m-d, m-1] only, so the fork recomputes just those, reading
+the main extend's KV before them (a forked sequence) and, at m-d, the boundary state depth d-1
+kept in this extend: the output there read x_m, a committed token, on every chain."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.prompt_embeds import InputEmbeds
-from spec.draft_runner import DraftInput
+from spec.draft_runner import DraftInput, DraftSeq
 from spec.state import SpecRequestState
 
 
@@ -23,11 +28,14 @@ class DraftExtend:
         tokens: list[int],
         target_hidden: torch.Tensor,
         input_embeds: InputEmbeds | None = None,
+        num_chains: int = 1,
     ) -> None:
         """tokens: committed x_0..x_m; target_hidden: the target's at [valid_0, m-1];
         input_embeds: the rows the target read in place of the embeddings of x_{valid_0}, ...
-        (given vectors), which every depth reads in place of those tokens' embeddings too."""
+        (given vectors), which every depth reads in place of those tokens' embeddings too;
+        num_chains: the chains to draft, the main one and num_chains - 1 forks."""
         self.state = state
+        self.num_chains = num_chains
         self.input_embeds = input_embeds
         self.embeds_start = state.seqs[0].valid_len
         self.tokens = tokens
@@ -67,6 +75,37 @@ class DraftExtend:
         self.prev_start, self.prev_output = seq.valid_len, output
         seq.valid_len = max(0, self.m - depth)
 
-    def finish(self) -> None:
+    def finish(self, forks: list[ChainFork]) -> None:
         self.state.chain, self.state.chain_probs = self.chain, self.chain_probs
+        self.state.alt_chains = [fork.chain for fork in forks]
         self.state.target_hidden = self.target_hidden[-1].clone()
+
+
+class ChainFork:
+    """One alternative chain of a request's draft extend, from depth 1 on."""
+
+    def __init__(self, main: DraftExtend, first_token: int) -> None:
+        self.main = main
+        self.chain = [first_token]
+        self.seqs: list[DraftSeq] = []  # depth d's fork at index d - 1
+        self.prev_output: torch.Tensor | None = None  # the last depth's, at [m-d+1, m-1]
+
+    def shared_len(self, depth: int) -> int:
+        """Positions of depth `depth` the fork reads from the main extend's KV."""
+        return max(0, self.main.m - depth)
+
+    def input_for(self, depth: int) -> DraftInput:
+        assert depth >= 1 and len(self.seqs) == depth and len(self.chain) == depth
+        m, start = self.main.m, self.shared_len(depth)
+        rows = []
+        if m - depth >= 0:
+            rows.append(self.main.state.boundary[depth - 1][None])
+        if self.prev_output is not None:
+            rows.append(self.prev_output)
+        # Position i reads chain token i + depth - m (the token at index i + depth + 1).
+        tokens = self.chain[start + depth - m : depth]
+        return DraftInput(self.seqs[-1], start, tokens, torch.cat(rows))
+
+    def take(self, output: torch.Tensor, token: int) -> None:
+        self.prev_output = output
+        self.chain.append(token)

@@ -4,7 +4,11 @@ read or wrote another depth's pool would silently compute from the wrong keys an
 
 Invariant (per request and depth, `DraftSeq`): positions [0, valid_len) hold KV computed from
 committed inputs; positions from valid_len on hold KV of draft inputs or nothing, and are
-recomputed by the next forward of this depth, which starts at valid_len."""
+recomputed by the next forward of this depth, which starts at valid_len.
+
+A fork (`DraftRunner.fork`) is a sequence of its own row whose first positions are another
+sequence's slots: it reads that KV and computes only its own later positions, for an alternative
+draft chain. It lives within one draft extend and never frees the slots it shares."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ class DraftSeq:
     row: int | None = None
     slots: list[int] = field(default_factory=list)
     valid_len: int = 0
+    shared: int = 0  # leading slots that belong to another sequence (a fork's parent)
 
 
 @dataclass
@@ -75,8 +80,9 @@ class DraftRunner:
             config.dtype,
             self.device,
         )
+        # As many as the target's: each alternative chain forks a row in every depth too.
         self.req_to_token_pool = ReqToTokenPool(
-            config.max_num_seqs, config.max_model_len, self.device
+            config.num_request_rows, config.max_model_len, self.device
         )
         self.dumper = tensor_dumper(config.tensor_dump, draft_role(depth), module)
 
@@ -89,12 +95,33 @@ class DraftRunner:
         grants = [(seq, max(0, n - len(seq.slots))) for seq, n in targets]
         grow_holders(self.kv_pool, self.req_to_token_pool, grants)
 
+    def fork(self, parents: list[tuple[DraftSeq, int]]) -> list[DraftSeq]:
+        """For each (parent, shared): a sequence whose positions [0, shared) read the parent's
+        KV there, valid up to `shared`. The parent must hold slots that far; its KV there may be
+        computed by the same forward that runs the fork, since every layer writes the batch's
+        KV before it attends."""
+        forks = []
+        for parent, shared in parents:
+            assert parent.row is not None and len(parent.slots) >= shared
+            row = self.req_to_token_pool.allocate_row()
+            forks.append(DraftSeq(row, parent.slots[:shared], shared, shared))
+        longest = max((shared for _, shared in parents), default=0)
+        # Entries past a fork's own `shared` are overwritten as it grows, or never read.
+        pairs = [(parent.row, fork.row) for (parent, _), fork in zip(parents, forks)]
+        self.req_to_token_pool.copy_prefixes(pairs, longest)
+        return forks
+
+    def can_fork(self, num_forks: int, num_slots: int) -> bool:
+        """Whether `num_forks` forks with `num_slots` positions of their own fit now."""
+        pool = self.req_to_token_pool
+        return pool.num_free_rows >= num_forks and self.kv_pool.allocator.can_allocate(num_slots)
+
     def release(self, seq: DraftSeq) -> None:
-        if seq.slots:
-            self.kv_pool.allocator.free(seq.slots)
+        if len(seq.slots) > seq.shared:
+            self.kv_pool.allocator.free(seq.slots[seq.shared :])
         if seq.row is not None:
             self.req_to_token_pool.free_row(seq.row)
-        seq.slots, seq.row, seq.valid_len = [], None, 0
+        seq.slots, seq.row, seq.valid_len, seq.shared = [], None, 0, 0
 
     def is_empty(self) -> bool:
         self.kv_pool.allocator.check_integrity()

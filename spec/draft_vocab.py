@@ -89,6 +89,12 @@ class DraftHead:
             best = self.vocab[best]
         return best, best_p
 
+    def top(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
+        """The `n` most likely token ids (target ids) for each row of hidden [B, hidden_size],
+        most likely first: [B, n]."""
+        best = self._logits(hidden).topk(n, dim=-1).indices
+        return best if self.vocab is None else self.vocab[best]
+
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """The proposed token ids (target ids) alone, for hidden [..., hidden_size]."""
         best = self._logits(hidden).argmax(dim=-1)

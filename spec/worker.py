@@ -20,7 +20,7 @@ from engine.request import Request, SpecStats
 from engine.sampler import TokenLogprob, compute_logprobs
 from spec.acceptance import Verdict, accept_greedy, accept_sampled
 from spec.batching import Span, extend_batch
-from spec.draft_extend import DraftExtend
+from spec.draft_extend import ChainFork, DraftExtend
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
@@ -32,15 +32,26 @@ class VerifyResult:
     tokens: list[list[int]]  # per request: the tokens to commit
     logprobs: list[list[TokenLogprob | None]]
     verdicts: list[Verdict]
-    num_drafts: list[int]  # per request: draft tokens checked (0: no speculation this step)
-    hidden: list[torch.Tensor]  # per request: the target's at the verified positions
+    num_drafts: list[int]  # per request: draft positions checked (0: no speculation this step)
+    num_proposed: list[int]  # per request: draft tokens checked, on every chain
+    hidden: list[torch.Tensor]  # per request: the target's at the kept chain's positions
     num_outputs_before: list[int]
+
+
+@dataclass
+class _Alternative:
+    request: int  # index in the verified batch
+    chain: list[int]
+    span: Span
 
 
 class MultiLayerEagleWorker:
     def __init__(self, runner: ModelRunner, draft: MultiLayerEagleDraft) -> None:
         self.runner = runner
         self.target = runner.model
+        # Chains drafted for each greedy request, started with depth 0's most likely tokens; a
+        # verify step keeps the one accepted furthest.
+        self.num_chains = runner.config.num_draft_chains
         self.num_draft_steps = draft.num_draft_steps
         self.depths = [
             DraftRunner(d, module, runner.model, runner.rotary, runner.config)
@@ -71,7 +82,7 @@ class MultiLayerEagleWorker:
             if req.spec_state is not None:
                 self.release(req)
             req.spec_state = self._new_state()
-            items.append(DraftExtend(req.spec_state, req.all_token_ids, h, e))
+            items.append(DraftExtend(req.spec_state, req.all_token_ids, h, e, self._chains(req)))
         self._extend(items)
 
     def export_state(self, req: Request) -> DraftState:
@@ -134,7 +145,8 @@ class MultiLayerEagleWorker:
     @torch.inference_mode()
     def verify(self, requests: list[Request], default_generator: torch.Generator) -> VerifyResult:
         """One target forward over each request's newest token and its draft chain (requests
-        not speculating bring just their newest token), then acceptance."""
+        not speculating bring just their newest token), and over each alternative chain in a
+        row of its own that reads the request's cached KV; then acceptance."""
         spans, chains = [], []
         for req in requests:
             m = req.num_tokens - 1
@@ -144,30 +156,105 @@ class MultiLayerEagleWorker:
             chains.append(chain)
             tokens = [req.all_token_ids[-1], *chain]
             spans.append(Span(req.row, m, tokens, req.slots[m : m + k + 1]))
+        alternatives = self._alternative_spans(requests, chains)
+        try:
+            return self._verify(requests, chains, spans, alternatives, default_generator)
+        finally:
+            pool, allocator = self.runner.req_to_token_pool, self.runner.kv_pool.allocator
+            for alt in alternatives:
+                pool.free_row(alt.span.row)
+                allocator.free(alt.span.slots)
+
+    def _verify(
+        self,
+        requests: list[Request],
+        chains: list[list[int]],
+        spans: list[Span],
+        alternatives: list[_Alternative],
+        default_generator: torch.Generator,
+    ) -> VerifyResult:
         runner = self.runner
         batch = extend_batch(
-            spans, runner.kv_pool, runner.req_to_token_pool, runner.attention, runner.device
+            spans + [alt.span for alt in alternatives],
+            runner.kv_pool,
+            runner.req_to_token_pool,
+            runner.attention,
+            runner.device,
         )
         logits, hidden = runner.forward_every_token(batch)
         lens = batch.extend_lens
         # One device-to-host copy for every greedy request's targets, not one per request.
         argmax = logits.argmax(dim=-1).tolist()
-        result = VerifyResult([], [], [], [], list(hidden.split(lens)), [])
-        per_request = zip(requests, chains, logits.split(lens), _starts(lens))
-        for req, chain, req_logits, start in per_request:
+        starts = _starts(lens) + [sum(lens)]
+        all_logits, all_hidden = logits.split(lens), hidden.split(lens)
+        by_request: dict[int, list[int]] = {}  # request index -> its alternatives' span indices
+        for j, alt in enumerate(alternatives, start=len(requests)):
+            by_request.setdefault(alt.request, []).append(j)
+        result = VerifyResult([], [], [], [], [], [], [])
+        moves: tuple[list[int], list[int]] = ([], [])  # KV of accepted alternative drafts
+        for i, (req, chain) in enumerate(zip(requests, chains)):
+            kept = i  # the span whose tokens are committed
             if req.params.greedy:
-                verdict = accept_greedy(argmax[start : start + len(chain) + 1], chain)
+                verdict = accept_greedy(argmax[starts[i] : starts[i] + len(chain) + 1], chain)
+                for j in by_request.get(i, []):
+                    alt = alternatives[j - len(requests)]
+                    # The newest token's target is the main span's: alternatives start after it.
+                    targets = argmax[starts[i] : starts[i] + 1] + argmax[starts[j] : starts[j + 1]]
+                    other = accept_greedy(targets, alt.chain)
+                    if other.num_accepted > verdict.num_accepted:
+                        verdict, kept = other, j
             else:
                 generators = _generators(req, len(chain) + 1)
                 verdict = accept_sampled(
-                    req_logits, chain, req.params, generators, default_generator
+                    all_logits[i], chain, req.params, generators, default_generator
                 )
+            kept_logits, kept_hidden = all_logits[i], all_hidden[i]
+            if kept != i:
+                kept_logits = torch.cat([all_logits[i][:1], all_logits[kept]])
+                kept_hidden = torch.cat([all_hidden[i][:1], all_hidden[kept]])
+                # The accepted drafts' KV moves to the request's own slots.
+                m, accepted = req.num_tokens - 1, verdict.num_accepted
+                moves[0].extend(alternatives[kept - len(requests)].span.slots[:accepted])
+                moves[1].extend(req.slots[m + 1 : m + 1 + accepted])
             result.tokens.append(verdict.tokens)
-            result.logprobs.append(_logprobs(req, req_logits, verdict.tokens))
+            result.logprobs.append(_logprobs(req, kept_logits, verdict.tokens))
             result.verdicts.append(verdict)
             result.num_drafts.append(len(chain))
+            result.num_proposed.append(len(chain) * (1 + len(by_request.get(i, []))))
+            result.hidden.append(kept_hidden)
             result.num_outputs_before.append(len(req.output_token_ids))
+        runner.kv_pool.copy_slots(*moves)
         return result
+
+    def _alternative_spans(
+        self, requests: list[Request], chains: list[list[int]]
+    ) -> list[_Alternative]:
+        """A span per alternative chain of the greedy requests that verify drafts: a spare row
+        holding the request's slots up to its newest token, and slots of its own after it.
+        The newest token's KV there is what the main span writes in the same forward: every
+        layer writes the batch's KV before it attends. None this step where the rows or slots
+        are not free."""
+        wanted = [
+            (i, alt[: len(chain)])
+            for i, (req, chain) in enumerate(zip(requests, chains))
+            if chain and req.params.greedy
+            for alt in req.spec_state.alt_chains
+        ]
+        pool, allocator = self.runner.req_to_token_pool, self.runner.kv_pool.allocator
+        needed = sum(len(alt) for _, alt in wanted)
+        if not wanted or pool.num_free_rows < len(wanted) or not allocator.can_allocate(needed):
+            return []
+        alternatives, pairs, writes = [], [], []
+        for i, alt in wanted:
+            req = requests[i]
+            m = req.num_tokens - 1
+            row, slots = pool.allocate_row(), allocator.allocate(len(alt))
+            pairs.append((req.row, row))
+            writes.append((row, m + 1, slots))
+            alternatives.append(_Alternative(i, alt, Span(row, m + 1, alt, slots)))
+        pool.copy_prefixes(pairs, max(alt.span.start for alt in alternatives))
+        pool.write_many(writes)
+        return alternatives
 
     @torch.inference_mode()
     def finish_round(self, requests: list[Request], verified: VerifyResult) -> None:
@@ -177,11 +264,13 @@ class MultiLayerEagleWorker:
         for i, req in enumerate(requests):
             committed = len(req.output_token_ids) - verified.num_outputs_before[i]
             if verified.num_drafts[i]:
-                _count(req, verified.num_drafts[i], verified.verdicts[i], committed)
+                drafts, proposed = verified.num_drafts[i], verified.num_proposed[i]
+                _count(req, drafts, proposed, verified.verdicts[i], committed)
             if req.finished or req.spec_state is None or not req.lookahead:
                 continue
             hidden = verified.hidden[i][:committed]
-            items.append(DraftExtend(req.spec_state, req.all_token_ids, hidden))
+            chains = self._chains(req)
+            items.append(DraftExtend(req.spec_state, req.all_token_ids, hidden, None, chains))
         self._extend(items)
 
     def release(self, req: Request) -> None:
@@ -195,6 +284,11 @@ class MultiLayerEagleWorker:
     def is_empty(self) -> bool:
         return all(runner.is_empty() for runner in self.depths)
 
+    def _chains(self, req: Request) -> int:
+        # Alternatives are verified for greedy requests only: speculative sampling over several
+        # chains needs acceptance rules of its own.
+        return self.num_chains if req.params.greedy else 1
+
     # --- the draft extend shared by prefill and decode ---
     def _new_state(self) -> SpecRequestState:
         return SpecRequestState(
@@ -205,8 +299,17 @@ class MultiLayerEagleWorker:
     def _extend(self, items: list[DraftExtend]) -> None:
         if not items:
             return
+        forks: list[ChainFork] = []
         for depth, runner in enumerate(self.depths):
-            outputs = runner.forward([item.input_for(depth) for item in items])
+            inputs = [item.input_for(depth) for item in items]
+            if depth and forks:
+                # Forks share the main sequences' slots, so those must be taken first.
+                runner.grow_many([(i.seq, i.start + len(i.token_ids)) for i in inputs])
+                parents = [(f.main.state.seqs[depth], f.shared_len(depth)) for f in forks]
+                for fork, seq in zip(forks, runner.fork(parents)):
+                    fork.seqs.append(seq)
+                inputs += [fork.input_for(depth) for fork in forks]
+            outputs = runner.forward(inputs)
             last = torch.stack([out[-1] for out in outputs])
             # A depth's output is hidden_size wide whatever the target's stream: norm + head only.
             best, best_p = self.head.propose(last)
@@ -214,8 +317,39 @@ class MultiLayerEagleWorker:
             ids, probs = torch.stack([best.double(), best_p.double()]).tolist()
             for item, out, token, prob in zip(items, outputs, ids, probs):
                 item.take(depth, out, int(token), prob)
+            for fork, out, token in zip(forks, outputs[len(items) :], ids[len(items) :]):
+                fork.take(out, int(token))
+            if depth == 0:
+                forks = self._forks(items, last[: len(items)], ids)
         for item in items:
-            item.finish()
+            item.finish([fork for fork in forks if fork.main is item])
+        for fork in forks:
+            for runner, seq in zip(self.depths[1:], fork.seqs):
+                runner.release(seq)
+
+    def _forks(
+        self, items: list[DraftExtend], last: torch.Tensor, best: list[float]
+    ) -> list[ChainFork]:
+        """The alternative chains of `items`, each started with one of depth 0's next most
+        likely tokens. None where a depth lacks the rows or slots for them (they are dropped
+        whole, and the step verifies main chains only)."""
+        wanted = [i for i, item in enumerate(items) if item.num_chains > 1]
+        if not wanted:
+            return []
+        width = max(items[i].num_chains for i in wanted)
+        top = self.head.top(last[wanted], width).tolist()
+        forks = []
+        for i, candidates in zip(wanted, top):
+            item = items[i]
+            others = [t for t in candidates if t != int(best[i])][: item.num_chains - 1]
+            forks += [ChainFork(item, token) for token in others]
+        for depth, runner in enumerate(self.depths[1:], start=1):
+            # The main sequences grow to m first: forks may only take what is left after.
+            main = sum(max(0, item.m - len(item.state.seqs[depth].slots)) for item in items)
+            own = sum(fork.main.m - fork.shared_len(depth) for fork in forks)
+            if not runner.can_fork(len(forks), main + own):
+                return []
+        return forks
 
 
 def _starts(lens: list[int]) -> list[int]:
@@ -239,7 +373,9 @@ def _logprobs(req: Request, logits: torch.Tensor, tokens: list[int]) -> list[Tok
     return compute_logprobs(rows, torch.tensor(tokens), [req.params] * len(tokens))
 
 
-def _count(req: Request, num_drafts: int, verdict: Verdict, committed: int) -> None:
+def _count(
+    req: Request, num_drafts: int, num_proposed: int, verdict: Verdict, committed: int
+) -> None:
     stats = req.spec_stats
     if stats is None:  # a request built without EngineCore.make_request
         stats = req.spec_stats = SpecStats()
@@ -248,7 +384,7 @@ def _count(req: Request, num_drafts: int, verdict: Verdict, committed: int) -> N
     # A stop condition may cut the committed tokens short of the accepted drafts.
     accepted = min(verdict.num_accepted, committed)
     stats.verify_steps += 1
-    stats.proposed_tokens += num_drafts
+    stats.proposed_tokens += num_proposed
     stats.accepted_tokens += accepted
     stats.emitted_tokens += committed
     for j in range(accepted):

@@ -1,6 +1,7 @@
 """Speculative decoding through the disaggregated cluster: the prefill node drafts over the
 prompt and sends every depth's KV and the chain; the decode node verifies it first, then
-drafts, verifies and extends. Greedy output must equal the target alone."""
+drafts, verifies and extends, with alternative chains from its first draft extend on where it
+drafts several. Greedy output must equal the target alone."""
 
 from __future__ import annotations
 
@@ -55,11 +56,11 @@ async def _run(router, max_tokens: int) -> list[tuple[list[int], dict]]:
 
 
 @pytest.mark.parametrize(
-    ("draft", "num_draft_steps", "prefill", "decode"),
-    [("good", 3, 2, 2), ("good", 1, 1, 1), ("random", 4, 1, 1)],
+    ("draft", "num_draft_steps", "prefill", "decode", "chains"),
+    [("good", 3, 2, 2, 1), ("good", 1, 1, 1, 1), ("random", 4, 1, 1, 1), ("random", 3, 1, 1, 3)],
 )
 def test_speculative_cluster_is_lossless(
-    folders, reference, draft, num_draft_steps, prefill, decode
+    folders, reference, draft, num_draft_steps, prefill, decode, chains
 ):
     cluster = launch(
         str(folders / "target"),
@@ -68,6 +69,7 @@ def test_speculative_cluster_is_lossless(
         speculative_algorithm="multi-layer-eagle",
         draft_model=str(folders / draft),
         num_draft_steps=num_draft_steps,
+        num_draft_chains=chains,
         **ENGINE,
     )
     try:
@@ -94,6 +96,8 @@ def test_speculative_cluster_is_lossless(
                         + details["rejected_prediction_tokens"]
                     )
                     assert proposed >= usage["spec_verify_steps"]
+                    if chains > 1:  # the decode node verified alternatives after the first step
+                        assert proposed > num_draft_steps * usage["spec_verify_steps"]
         accepted = sum(
             u["completion_tokens_details"]["accepted_prediction_tokens"] for _, u in results[20]
         )

@@ -21,7 +21,7 @@ import spec.default_draft as default_draft
 import spec.train.trainer as trainer_module
 from cluster.cli import main
 from engine import LLM, SamplingParams
-from engine.loader import EngineArgs, resolve
+from engine.loader import DEFAULT_DRAFT_CHAINS, EngineArgs, resolve
 from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.weights import iter_safetensors
@@ -199,6 +199,11 @@ def test_replay_equals_the_engines_accept_length(trained) -> None:
     assert abs(engine["accept_length"] - replay["accept_length"]) < 1e-9
     assert engine["acceptance"] == pytest.approx(replay["acceptance"], abs=1e-9)
     assert len(engine["acceptance"]) == NUM_DRAFT_STEPS
+    # And as a GPU engine runs it by default, with alternative chains: they start with the
+    # draft's next guesses for the first position, which is accepted at least as often.
+    chains = summary["engine_heldout_chains"]
+    assert chains["draft_chains"] == DEFAULT_DRAFT_CHAINS > 1
+    assert chains["acceptance"][0] >= engine["acceptance"][0]
 
 
 def test_saved_draft_loads_with_the_trained_weights(trained, predictable_path: Path) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
-from engine.loader import EngineArgs, ModelSpec, resolve
+from engine.loader import DEFAULT_DRAFT_CHAINS, EngineArgs, ModelSpec, resolve
 from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.request import spec_totals
@@ -207,10 +207,12 @@ def evaluate_draft(
     dtype: str = "auto",
     num_draft_steps: int | None = None,
     batch: int = 16,
+    num_draft_chains: int = 1,
 ) -> dict:
     """The engine's own greedy speculative decoding of `conversations` with the draft in
     `draft_dir`: accept length (tokens per verify step, bonus included) and, per draft position,
-    the share of verify steps that accepted it."""
+    the share of verify steps that accepted it. One chain by default: the draft's own
+    agreement, which the replay measures too."""
     llm = LLM(
         model,
         device=device,
@@ -219,6 +221,7 @@ def evaluate_draft(
         speculative_algorithm="multi-layer-eagle",
         draft_model=draft_dir,
         num_draft_steps=num_draft_steps,
+        num_draft_chains=num_draft_chains,
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     outputs = []
@@ -232,6 +235,7 @@ def evaluate_draft(
         "verify_steps": steps,
         "conversations": len(conversations),
         "max_tokens": max_tokens,
+        "draft_chains": num_draft_chains,
     }
 
 
@@ -346,14 +350,17 @@ def train_draft(config: TrainDraftConfig) -> dict:
     }
     if config.evaluate:
         del trainer, target
-        summary["engine_heldout"] = evaluate_draft(
-            config.model,
-            draft_dir,
-            heldout_prompts()[: config.num_heldout],
-            config.max_tokens,
-            device=config.device,
-            dtype=config.dtype,
-        )
+        # The chain alone, then as a GPU engine runs it by default: with alternative chains.
+        for key, chains in (("engine_heldout", 1), ("engine_heldout_chains", DEFAULT_DRAFT_CHAINS)):
+            summary[key] = evaluate_draft(
+                config.model,
+                draft_dir,
+                heldout_prompts()[: config.num_heldout],
+                config.max_tokens,
+                device=config.device,
+                dtype=config.dtype,
+                num_draft_chains=chains,
+            )
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
