@@ -99,7 +99,10 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.speculator = speculator
         self.tracing = tracing
-        self.kv_cache = KVCacheManager(runner.kv_pool, runner.req_to_token_pool)
+        # A decode node admits by free rows: the cap keeps the alternatives' rows free.
+        self.kv_cache = KVCacheManager(
+            runner.kv_pool, runner.req_to_token_pool, max_requests=config.max_num_seqs
+        )
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_seqs,

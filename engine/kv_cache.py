@@ -8,9 +8,17 @@ from engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> None:
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        req_to_token_pool: ReqToTokenPool,
+        max_requests: int | None = None,
+    ) -> None:
+        """`max_requests`: rows requests may hold (default: all). The rest stay free for
+        speculative decoding's alternative chains, which take rows within a step only."""
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
+        self.max_requests = req_to_token_pool.max_reqs if max_requests is None else max_requests
 
     @property
     def num_free_slots(self) -> int:
@@ -21,9 +29,11 @@ class KVCacheManager:
         return self.kv_pool.capacity
 
     def can_grow(self, num_slots: int, num_new_rows: int = 0) -> bool:
+        rows = self.req_to_token_pool
+        held = rows.max_reqs - rows.num_free_rows
         return (
             self.kv_pool.allocator.can_allocate(num_slots)
-            and self.req_to_token_pool.num_free_rows >= num_new_rows
+            and held + num_new_rows <= self.max_requests
         )
 
     def grow(self, req: Request, num_slots: int) -> None:

@@ -57,14 +57,6 @@ class KVPool:
         self.k_buffers[layer][slots] = k
         self.v_buffers[layer][slots] = v
 
-    def copy_slots(self, sources: list[int], destinations: list[int]) -> None:
-        """Every layer's K and V of slot sources[i] into slot destinations[i], in one copy."""
-        assert len(sources) == len(destinations)
-        if not sources:
-            return
-        index = torch.tensor([sources, destinations], dtype=torch.int64).to(self.device)
-        self.kv_buffer[index[1]] = self.kv_buffer[index[0]]
-
 
 class ReqToTokenPool:
     """Maps a request row to the KV slots of its tokens, shape [max_reqs, max_context_len]."""

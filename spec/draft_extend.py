@@ -88,7 +88,9 @@ class ChainFork:
         self.main = main
         self.chain = [first_token]
         self.seqs: list[DraftSeq] = []  # depth d's fork at index d - 1
-        self.prev_output: torch.Tensor | None = None  # the last depth's, at [m-d+1, m-1]
+        # The fork's output of the depth it ran last, d-1, at [max(0, m-d+1), m-1]: what depth
+        # d reads after the boundary row.
+        self.prev_output: torch.Tensor | None = None
 
     def shared_len(self, depth: int) -> int:
         """Positions of depth `depth` the fork reads from the main extend's KV."""

@@ -71,7 +71,8 @@ class DraftRunner:
             model_config.head_dim,
         )
         # As many slots and rows as the target: a depth never holds more positions of a request
-        # than the target does, so it cannot run out where the target did not.
+        # than the target does, so it cannot run out where the target did not. Forks hold more
+        # within a draft extend, and only where `can_fork` found room.
         self.kv_pool = KVPool(
             config.kv_cache_tokens,
             1,
@@ -108,7 +109,12 @@ class DraftRunner:
         longest = max((shared for _, shared in parents), default=0)
         # Entries past a fork's own `shared` are overwritten as it grows, or never read.
         pairs = [(parent.row, fork.row) for (parent, _), fork in zip(parents, forks)]
-        self.req_to_token_pool.copy_prefixes(pairs, longest)
+        try:
+            self.req_to_token_pool.copy_prefixes(pairs, longest)
+        except BaseException:
+            for fork in forks:
+                self.release(fork)
+            raise
         return forks
 
     def can_fork(self, num_forks: int, num_slots: int) -> bool:

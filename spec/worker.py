@@ -156,8 +156,9 @@ class MultiLayerEagleWorker:
             chains.append(chain)
             tokens = [req.all_token_ids[-1], *chain]
             spans.append(Span(req.row, m, tokens, req.slots[m : m + k + 1]))
-        alternatives = self._alternative_spans(requests, chains)
+        alternatives: list[_Alternative] = []
         try:
+            self._alternative_spans(requests, chains, alternatives)
             return self._verify(requests, chains, spans, alternatives, default_generator)
         finally:
             pool, allocator = self.runner.req_to_token_pool, self.runner.kv_pool.allocator
@@ -191,7 +192,7 @@ class MultiLayerEagleWorker:
         for j, alt in enumerate(alternatives, start=len(requests)):
             by_request.setdefault(alt.request, []).append(j)
         result = VerifyResult([], [], [], [], [], [], [])
-        moves: tuple[list[int], list[int]] = ([], [])  # KV of accepted alternative drafts
+        swaps = []  # (row, first position, slots) of requests that keep an alternative
         for i, (req, chain) in enumerate(zip(requests, chains)):
             kept = i  # the span whose tokens are committed
             if req.params.greedy:
@@ -212,10 +213,7 @@ class MultiLayerEagleWorker:
             if kept != i:
                 kept_logits = torch.cat([all_logits[i][:1], all_logits[kept]])
                 kept_hidden = torch.cat([all_hidden[i][:1], all_hidden[kept]])
-                # The accepted drafts' KV moves to the request's own slots.
-                m, accepted = req.num_tokens - 1, verdict.num_accepted
-                moves[0].extend(alternatives[kept - len(requests)].span.slots[:accepted])
-                moves[1].extend(req.slots[m + 1 : m + 1 + accepted])
+                swaps.append(self._take_slots(req, alternatives[kept - len(requests)], verdict))
             result.tokens.append(verdict.tokens)
             result.logprobs.append(_logprobs(req, kept_logits, verdict.tokens))
             result.verdicts.append(verdict)
@@ -223,17 +221,30 @@ class MultiLayerEagleWorker:
             result.num_proposed.append(len(chain) * (1 + len(by_request.get(i, []))))
             result.hidden.append(kept_hidden)
             result.num_outputs_before.append(len(req.output_token_ids))
-        runner.kv_pool.copy_slots(*moves)
+        runner.req_to_token_pool.write_many(swaps)
         return result
 
+    @staticmethod
+    def _take_slots(req: Request, alt: _Alternative, verdict: Verdict) -> tuple[int, int, list]:
+        """The request takes the slots holding the alternative's accepted drafts' KV, and the
+        alternative takes (to free) the request's slots it replaces. No KV moves: a copy would
+        still be queued on the device when the slots it reads are freed and, on a decode node,
+        written by a transfer on another stream. Returns the request's row-table write."""
+        first, count = req.num_tokens, verdict.num_accepted  # positions m+1, ...
+        own = req.slots[first : first + count]
+        req.slots[first : first + count] = alt.span.slots[:count]
+        alt.span.slots[:count] = own
+        return req.row, first, req.slots[first : first + count]
+
     def _alternative_spans(
-        self, requests: list[Request], chains: list[list[int]]
-    ) -> list[_Alternative]:
+        self, requests: list[Request], chains: list[list[int]], alternatives: list[_Alternative]
+    ) -> None:
         """A span per alternative chain of the greedy requests that verify drafts: a spare row
         holding the request's slots up to its newest token, and slots of its own after it.
         The newest token's KV there is what the main span writes in the same forward: every
         layer writes the batch's KV before it attends. None this step where the rows or slots
-        are not free."""
+        are not free. Appends to `alternatives` as it takes rows and slots, so the caller frees
+        them whatever happens."""
         wanted = [
             (i, alt[: len(chain)])
             for i, (req, chain) in enumerate(zip(requests, chains))
@@ -243,8 +254,8 @@ class MultiLayerEagleWorker:
         pool, allocator = self.runner.req_to_token_pool, self.runner.kv_pool.allocator
         needed = sum(len(alt) for _, alt in wanted)
         if not wanted or pool.num_free_rows < len(wanted) or not allocator.can_allocate(needed):
-            return []
-        alternatives, pairs, writes = [], [], []
+            return
+        pairs, writes = [], []
         for i, alt in wanted:
             req = requests[i]
             m = req.num_tokens - 1
@@ -254,7 +265,6 @@ class MultiLayerEagleWorker:
             alternatives.append(_Alternative(i, alt, Span(row, m + 1, alt, slots)))
         pool.copy_prefixes(pairs, max(alt.span.start for alt in alternatives))
         pool.write_many(writes)
-        return alternatives
 
     @torch.inference_mode()
     def finish_round(self, requests: list[Request], verified: VerifyResult) -> None:
@@ -300,6 +310,16 @@ class MultiLayerEagleWorker:
         if not items:
             return
         forks: list[ChainFork] = []
+        try:
+            self._extend_depths(items, forks)
+        finally:
+            for fork in forks:
+                for runner, seq in zip(self.depths[1:], fork.seqs):
+                    runner.release(seq)
+
+    def _extend_depths(self, items: list[DraftExtend], forks: list[ChainFork]) -> None:
+        """Every depth over `items`, and over their forks from depth 1 on, which this fills in
+        (the caller releases them, also after a failure)."""
         for depth, runner in enumerate(self.depths):
             inputs = [item.input_for(depth) for item in items]
             if depth and forks:
@@ -320,12 +340,9 @@ class MultiLayerEagleWorker:
             for fork, out, token in zip(forks, outputs[len(items) :], ids[len(items) :]):
                 fork.take(out, int(token))
             if depth == 0:
-                forks = self._forks(items, last[: len(items)], ids)
+                forks += self._forks(items, last[: len(items)], ids)
         for item in items:
             item.finish([fork for fork in forks if fork.main is item])
-        for fork in forks:
-            for runner, seq in zip(self.depths[1:], fork.seqs):
-                runner.release(seq)
 
     def _forks(
         self, items: list[DraftExtend], last: torch.Tensor, best: list[float]

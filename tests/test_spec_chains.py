@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from tiny_models import make_tiny_llama
 
 from cluster.cli import build_parser, engine_args, main
 from engine import LLM, SamplingParams
+from engine.errors import PdclusterError
 from engine.loader import DEFAULT_DRAFT_CHAINS, EngineArgs, resolve
 from spec.draft_vocab import DraftHead
 from spec.train.dense import draft_forward, target_forward
@@ -218,3 +220,45 @@ def test_the_chains_flag_reaches_the_engine_and_bad_values_are_a_message(capsys)
     assert engine_args(args).num_draft_chains == 3
     assert main(["generate", "--speculative-algorithm", SPEC, "--num-draft-chains", "0", "hi"]) == 2
     assert "num_draft_chains must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["verify", "draft depth 2"])
+def test_a_failed_forward_gives_back_every_fork_and_alternative(models, where: str) -> None:
+    target, draft = models["random"]
+    llm = _llm(target, draft, 3)
+    worker = llm.engine.speculator
+    calls = {"n": 0}
+
+    def fail_later(original):
+        def wrapped(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] > 2:  # after the prefill's extend and a step: forks exist by then
+                raise RuntimeError("injected")
+            return original(*args, **kwargs)
+
+        return wrapped
+
+    if where == "verify":
+        runner = worker.runner
+        runner.forward_every_token = fail_later(runner.forward_every_token)
+    else:
+        worker.depths[2].forward = fail_later(worker.depths[2].forward)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with pytest.raises(PdclusterError, match="injected"):
+        llm.generate([[5, 9, 200, 31], list(range(3, 30))], params)
+    _assert_clean(llm)
+
+
+def test_requests_hold_at_most_max_num_seqs_rows(models) -> None:
+    """The table has a row per chain and request; a decode node admits by free rows, and the
+    cap keeps the alternatives' rows for them."""
+    target, draft = models["random"]
+    cache = _llm(target, draft, 3, max_num_seqs=2).engine.kv_cache
+    assert cache.req_to_token_pool.max_reqs == 6 and cache.max_requests == 2
+    holders = [SimpleNamespace(row=None, slots=[]) for _ in range(2)]
+    for holder in holders:
+        assert cache.can_grow(4, 1)
+        cache.grow(holder, 4)
+    assert not cache.can_grow(4, 1) and cache.can_grow(4)
+    for holder in holders:
+        cache.release(holder)
