@@ -86,7 +86,8 @@ class ReqToTokenPool:
     def copy_prefixes(self, pairs: list[tuple[int, int]], length: int) -> None:
         """Each (source, destination) row pair: the destination's first `length` entries become
         the source's, one indexed copy for all of them. A destination row then reads the
-        source's cached tokens there without holding their slots (spec/worker.py's forks)."""
+        source's cached tokens there without holding their slots (speculative decoding's
+        alternative draft chains)."""
         if not pairs or length <= 0:
             return
         index = torch.tensor(pairs, dtype=torch.int64).T.to(self.req_to_token.device)

@@ -36,6 +36,7 @@ class DraftExtend:
         num_chains: the chains to draft, the main one and num_chains - 1 forks."""
         self.state = state
         self.num_chains = num_chains
+        self.forks: list[ChainFork] = []  # the alternatives drafted, once depth 0 proposed
         self.input_embeds = input_embeds
         self.embeds_start = state.seqs[0].valid_len
         self.tokens = tokens
@@ -75,9 +76,9 @@ class DraftExtend:
         self.prev_start, self.prev_output = seq.valid_len, output
         seq.valid_len = max(0, self.m - depth)
 
-    def finish(self, forks: list[ChainFork]) -> None:
+    def finish(self) -> None:
         self.state.chain, self.state.chain_probs = self.chain, self.chain_probs
-        self.state.alt_chains = [fork.chain for fork in forks]
+        self.state.alt_chains = [fork.chain for fork in self.forks]
         self.state.target_hidden = self.target_hidden[-1].clone()
 
 

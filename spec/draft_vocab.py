@@ -83,17 +83,18 @@ class DraftHead:
     def propose(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, hidden_size] -> (token ids [B] in the target's vocabulary, each one's
         probability under the draft's distribution over its vocabulary)."""
-        logits = self._logits(hidden)
-        best_p, best = torch.softmax(logits, dim=-1).max(dim=-1)
-        if self.vocab is not None:
-            best = self.vocab[best]
-        return best, best_p
+        best, best_p = self.propose_top(hidden, 1)
+        return best[:, 0], best_p
 
-    def top(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
-        """The `n` most likely token ids (target ids) for each row of hidden [B, hidden_size],
-        most likely first: [B, n]."""
-        best = self._logits(hidden).topk(n, dim=-1).indices
-        return best if self.vocab is None else self.vocab[best]
+    def propose_top(self, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, hidden_size] -> (the `n` most likely token ids [B, n] in the target's
+        vocabulary, most likely first; the first one's probability [B]), from one evaluation
+        of the head."""
+        probs = torch.softmax(self._logits(hidden), dim=-1)
+        top_p, top = probs.topk(min(n, probs.shape[-1]), dim=-1)
+        if self.vocab is not None:
+            top = self.vocab[top]
+        return top, top_p[:, 0]
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """The proposed token ids (target ids) alone, for hidden [..., hidden_size]."""

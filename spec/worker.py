@@ -1,6 +1,7 @@
 """The multi-layer EAGLE worker: draft extend after the target's prefill, then per decode step
-verify -> accept -> draft extend. One worker for any number of depths (chain, topk = 1); the
-alignment of tokens, hidden states and positions across depths is spec.draft_extend's.
+verify -> accept -> draft extend. One worker for any number of depths and draft chains; the
+alignment of tokens, hidden states and positions across depths is spec.draft_extend's, and the
+alternative chains' place in the verify forward spec.alternatives'.
 
 A prefill node calls `draft_extend_prefill` after the target's prefill, then sends
 `export_state` and each depth's KV (`depth_kv`). A decode node calls `reserve` before receiving
@@ -19,6 +20,7 @@ from engine.prompt_embeds import InputEmbeds
 from engine.request import Request, SpecStats
 from engine.sampler import TokenLogprob, compute_logprobs
 from spec.acceptance import Verdict, accept_greedy, accept_sampled
+from spec.alternatives import Alternative, release_alternatives, take_alternatives, take_slots
 from spec.batching import Span, extend_batch
 from spec.draft_extend import ChainFork, DraftExtend
 from spec.draft_model import MultiLayerEagleDraft
@@ -36,13 +38,6 @@ class VerifyResult:
     num_proposed: list[int]  # per request: draft tokens checked, on every chain
     hidden: list[torch.Tensor]  # per request: the target's at the kept chain's positions
     num_outputs_before: list[int]
-
-
-@dataclass
-class _Alternative:
-    request: int  # index in the verified batch
-    chain: list[int]
-    span: Span
 
 
 class MultiLayerEagleWorker:
@@ -156,27 +151,26 @@ class MultiLayerEagleWorker:
             chains.append(chain)
             tokens = [req.all_token_ids[-1], *chain]
             spans.append(Span(req.row, m, tokens, req.slots[m : m + k + 1]))
-        alternatives: list[_Alternative] = []
+        runner = self.runner
+        pool, kv_pool = runner.req_to_token_pool, runner.kv_pool
+        alternatives: list[list[Alternative]] = [[] for _ in requests]
         try:
-            self._alternative_spans(requests, chains, alternatives)
+            take_alternatives(requests, chains, pool, kv_pool, len(spans), alternatives)
             return self._verify(requests, chains, spans, alternatives, default_generator)
         finally:
-            pool, allocator = self.runner.req_to_token_pool, self.runner.kv_pool.allocator
-            for alt in alternatives:
-                pool.free_row(alt.span.row)
-                allocator.free(alt.span.slots)
+            release_alternatives(alternatives, pool, kv_pool)
 
     def _verify(
         self,
         requests: list[Request],
         chains: list[list[int]],
         spans: list[Span],
-        alternatives: list[_Alternative],
+        alternatives: list[list[Alternative]],
         default_generator: torch.Generator,
     ) -> VerifyResult:
         runner = self.runner
         batch = extend_batch(
-            spans + [alt.span for alt in alternatives],
+            spans + [alt.span for alts in alternatives for alt in alts],
             runner.kv_pool,
             runner.req_to_token_pool,
             runner.attention,
@@ -188,83 +182,38 @@ class MultiLayerEagleWorker:
         argmax = logits.argmax(dim=-1).tolist()
         starts = _starts(lens) + [sum(lens)]
         all_logits, all_hidden = logits.split(lens), hidden.split(lens)
-        by_request: dict[int, list[int]] = {}  # request index -> its alternatives' span indices
-        for j, alt in enumerate(alternatives, start=len(requests)):
-            by_request.setdefault(alt.request, []).append(j)
         result = VerifyResult([], [], [], [], [], [], [])
-        swaps = []  # (row, first position, slots) of requests that keep an alternative
-        for i, (req, chain) in enumerate(zip(requests, chains)):
-            kept = i  # the span whose tokens are committed
+        swaps = []  # row-table writes of requests that keep an alternative's drafts
+        for i, (req, chain, alts) in enumerate(zip(requests, chains, alternatives)):
+            kept: Alternative | None = None
             if req.params.greedy:
                 verdict = accept_greedy(argmax[starts[i] : starts[i] + len(chain) + 1], chain)
-                for j in by_request.get(i, []):
-                    alt = alternatives[j - len(requests)]
+                for alt in alts:
                     # The newest token's target is the main span's: alternatives start after it.
+                    j = alt.index
                     targets = argmax[starts[i] : starts[i] + 1] + argmax[starts[j] : starts[j + 1]]
                     other = accept_greedy(targets, alt.chain)
                     if other.num_accepted > verdict.num_accepted:
-                        verdict, kept = other, j
+                        verdict, kept = other, alt
             else:
                 generators = _generators(req, len(chain) + 1)
                 verdict = accept_sampled(
                     all_logits[i], chain, req.params, generators, default_generator
                 )
             kept_logits, kept_hidden = all_logits[i], all_hidden[i]
-            if kept != i:
-                kept_logits = torch.cat([all_logits[i][:1], all_logits[kept]])
-                kept_hidden = torch.cat([all_hidden[i][:1], all_hidden[kept]])
-                swaps.append(self._take_slots(req, alternatives[kept - len(requests)], verdict))
+            if kept is not None:
+                kept_logits = torch.cat([all_logits[i][:1], all_logits[kept.index]])
+                kept_hidden = torch.cat([all_hidden[i][:1], all_hidden[kept.index]])
+                swaps.append(take_slots(req, kept, verdict.num_accepted))
             result.tokens.append(verdict.tokens)
             result.logprobs.append(_logprobs(req, kept_logits, verdict.tokens))
             result.verdicts.append(verdict)
             result.num_drafts.append(len(chain))
-            result.num_proposed.append(len(chain) * (1 + len(by_request.get(i, []))))
+            result.num_proposed.append(len(chain) * (1 + len(alts)))
             result.hidden.append(kept_hidden)
             result.num_outputs_before.append(len(req.output_token_ids))
         runner.req_to_token_pool.write_many(swaps)
         return result
-
-    @staticmethod
-    def _take_slots(req: Request, alt: _Alternative, verdict: Verdict) -> tuple[int, int, list]:
-        """The request takes the slots holding the alternative's accepted drafts' KV, and the
-        alternative takes (to free) the request's slots it replaces. No KV moves: a copy would
-        still be queued on the device when the slots it reads are freed and, on a decode node,
-        written by a transfer on another stream. Returns the request's row-table write."""
-        first, count = req.num_tokens, verdict.num_accepted  # positions m+1, ...
-        own = req.slots[first : first + count]
-        req.slots[first : first + count] = alt.span.slots[:count]
-        alt.span.slots[:count] = own
-        return req.row, first, req.slots[first : first + count]
-
-    def _alternative_spans(
-        self, requests: list[Request], chains: list[list[int]], alternatives: list[_Alternative]
-    ) -> None:
-        """A span per alternative chain of the greedy requests that verify drafts: a spare row
-        holding the request's slots up to its newest token, and slots of its own after it.
-        The newest token's KV there is what the main span writes in the same forward: every
-        layer writes the batch's KV before it attends. None this step where the rows or slots
-        are not free. Appends to `alternatives` as it takes rows and slots, so the caller frees
-        them whatever happens."""
-        wanted = [
-            (i, alt[: len(chain)])
-            for i, (req, chain) in enumerate(zip(requests, chains))
-            if chain and req.params.greedy
-            for alt in req.spec_state.alt_chains
-        ]
-        pool, allocator = self.runner.req_to_token_pool, self.runner.kv_pool.allocator
-        needed = sum(len(alt) for _, alt in wanted)
-        if not wanted or pool.num_free_rows < len(wanted) or not allocator.can_allocate(needed):
-            return
-        pairs, writes = [], []
-        for i, alt in wanted:
-            req = requests[i]
-            m = req.num_tokens - 1
-            row, slots = pool.allocate_row(), allocator.allocate(len(alt))
-            pairs.append((req.row, row))
-            writes.append((row, m + 1, slots))
-            alternatives.append(_Alternative(i, alt, Span(row, m + 1, alt, slots)))
-        pool.copy_prefixes(pairs, max(alt.span.start for alt in alternatives))
-        pool.write_many(writes)
 
     @torch.inference_mode()
     def finish_round(self, requests: list[Request], verified: VerifyResult) -> None:
@@ -331,41 +280,42 @@ class MultiLayerEagleWorker:
                 inputs += [fork.input_for(depth) for fork in forks]
             outputs = runner.forward(inputs)
             last = torch.stack([out[-1] for out in outputs])
+            # Depth 0 also ranks the first tokens of the alternatives.
+            width = max(item.num_chains for item in items) if depth == 0 else 1
             # A depth's output is hidden_size wide whatever the target's stream: norm + head only.
-            best, best_p = self.head.propose(last)
-            # One copy to the host for both (ids are exact in float64).
-            ids, probs = torch.stack([best.double(), best_p.double()]).tolist()
-            for item, out, token, prob in zip(items, outputs, ids, probs):
-                item.take(depth, out, int(token), prob)
-            for fork, out, token in zip(forks, outputs[len(items) :], ids[len(items) :]):
-                fork.take(out, int(token))
+            best, best_p = self.head.propose_top(last, width)
+            # One copy to the host for ids and probability (ids are exact in float64): row
+            # [token, next likeliest tokens..., probability of the token].
+            rows = torch.cat([best.double(), best_p.double()[:, None]], dim=1).tolist()
+            for item, out, row in zip(items, outputs, rows):
+                item.take(depth, out, int(row[0]), row[-1])
+            for fork, out, row in zip(forks, outputs[len(items) :], rows[len(items) :]):
+                fork.take(out, int(row[0]))
             if depth == 0:
-                forks += self._forks(items, last[: len(items)], ids)
+                forks += self._forks(items, rows)
         for item in items:
-            item.finish([fork for fork in forks if fork.main is item])
+            item.finish()
 
-    def _forks(
-        self, items: list[DraftExtend], last: torch.Tensor, best: list[float]
-    ) -> list[ChainFork]:
-        """The alternative chains of `items`, each started with one of depth 0's next most
-        likely tokens. None where a depth lacks the rows or slots for them (they are dropped
-        whole, and the step verifies main chains only)."""
-        wanted = [i for i, item in enumerate(items) if item.num_chains > 1]
-        if not wanted:
+    def _forks(self, items: list[DraftExtend], ranked: list[list[float]]) -> list[ChainFork]:
+        """The alternative chains of `items`, started with the tokens depth 0 ranked after each
+        main chain's first (`ranked`: the rows of depth 0's proposal). None where a depth lacks
+        the rows or slots for them: they are dropped whole, and the step verifies main chains
+        only."""
+        forks = [
+            ChainFork(item, int(token))
+            for item, row in zip(items, ranked)
+            for token in row[1 : item.num_chains]
+        ]
+        if not forks:
             return []
-        width = max(items[i].num_chains for i in wanted)
-        top = self.head.top(last[wanted], width).tolist()
-        forks = []
-        for i, candidates in zip(wanted, top):
-            item = items[i]
-            others = [t for t in candidates if t != int(best[i])][: item.num_chains - 1]
-            forks += [ChainFork(item, token) for token in others]
         for depth, runner in enumerate(self.depths[1:], start=1):
             # The main sequences grow to m first: forks may only take what is left after.
             main = sum(max(0, item.m - len(item.state.seqs[depth].slots)) for item in items)
             own = sum(fork.main.m - fork.shared_len(depth) for fork in forks)
             if not runner.can_fork(len(forks), main + own):
                 return []
+        for fork in forks:
+            fork.main.forks.append(fork)
         return forks
 
 

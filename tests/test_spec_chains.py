@@ -124,7 +124,7 @@ def test_every_chain_is_what_the_draft_proposes_after_its_first_token(models) ->
             tokens = torch.tensor(committed)
             with torch.no_grad():
                 hidden, _ = target_forward(runner.model, runner.rotary, tokens[None])
-                top = head.top(_dense(worker, runner, tokens, hidden)[0][m - 1 : m], 3)
+                top, _ = head.propose_top(_dense(worker, runner, tokens, hidden)[0][m - 1 : m], 3)
             assert [state.chain[0], *(alt[0] for alt in state.alt_chains)] == top[0].tolist()
             for chain in [state.chain, *state.alt_chains]:
                 tokens = torch.tensor(committed + chain[:-1])
