@@ -9,19 +9,9 @@ import logging
 import os
 import sys
 
+from cluster.cli_args import add_model_args, layer_list
+from cluster.train_draft_cli import add_train_draft_args, run_train_draft
 from engine.errors import PdclusterError
-
-
-def add_model_args(parser: argparse.ArgumentParser, model_help: str, dtype_help: str) -> None:
-    """--model, --device and --dtype, as every command that loads a model takes them."""
-    parser.add_argument("--model", default=None, help=model_help)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help=f"{dtype_help} (default: float32 on CPU, bfloat16 on GPU)",
-    )
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -76,21 +66,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--debug-tensor-dump-layers",
-        type=_layer_list,
+        type=layer_list,
         default=None,
         metavar="L1,L2,...",
         help="with --debug-tensor-dump-dir: dump only these target decoder layers "
         "(embeddings, final norm, LM head and draft depths always)",
     )
-
-
-def _layer_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(
-            f"expected layer numbers like 0,3,5, got {text!r}"
-        ) from err
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
@@ -224,171 +205,6 @@ def run_generate(args: argparse.Namespace) -> None:
     else:
         [out] = llm.generate([args.prompt], params)
     print(out.text)
-
-
-def run_train_draft(args: argparse.Namespace) -> None:
-    from spec.train.pipeline import TrainDraftConfig, train_draft
-    from spec.train.trainer import Schedule
-
-    config = TrainDraftConfig(
-        out_dir=args.out,
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        num_draft_steps=args.num_draft_steps,
-        aux_layers=args.aux_layers or (),
-        num_prompts=args.num_prompts,
-        num_self_prompts=args.self_prompts,
-        self_prompt_max_tokens=args.self_prompt_max_tokens,
-        self_other_languages=args.self_other_languages,
-        num_self_followups=args.self_followups,
-        num_heldout=args.num_heldout,
-        max_tokens=args.max_tokens,
-        generate_batch=args.generate_batch,
-        schedule=Schedule(
-            epochs=args.epochs,
-            tokens_per_batch=args.tokens_per_batch,
-            lr=args.lr,
-            warmup_steps=args.warmup_steps,
-            seed=args.seed,
-            checkpoint_every=args.checkpoint_every,
-            weight_decay=args.weight_decay,
-            hidden_noise=args.hidden_noise,
-        ),
-        save_dtype=args.save_dtype,
-        draft_vocab_size=args.draft_vocab_size or None,
-        restart=args.restart,
-        generate_only=args.generate_only,
-        data_from=tuple(args.data_from or ()),
-        evaluate=not args.no_evaluate,
-        progress=not args.no_progress,
-    )
-    summary = train_draft(config)
-    if config.generate_only:
-        data = summary["data"]
-        print(
-            f"data in {config.out_dir}: {data['train_conversations']} training conversations, "
-            f"{data['train_answer_tokens']} answer tokens ({summary['generate_s']:.0f} s)"
-        )
-        return
-    print(f"draft written to {summary['draft']} ({summary['draft_bytes'] / 2**20:.1f} MiB)")
-    for record in summary["validations"][-1:]:
-        print(f"held-out replay: accept length {record['accept_length']:.2f}")
-    vocab = summary["draft_vocab"]
-    if vocab["restricted"]:
-        print(
-            f"draft vocabulary: {vocab['size']} tokens, "
-            f"{vocab['heldout_answer_coverage']:.2%} of held-out answer tokens"
-        )
-    for key in ("engine_heldout", "engine_heldout_chains"):
-        engine = summary.get(key)
-        if engine and engine["accept_length"] is not None:
-            acceptance = ", ".join(f"{a:.2f}" for a in engine["acceptance"])
-            print(
-                f"held-out, engine, {engine['draft_chains']} draft chain(s): accept length "
-                f"{engine['accept_length']:.2f} (acceptance per draft position: {acceptance})"
-            )
-
-
-def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="output folder (resumes what is there)")
-    add_model_args(
-        parser, "target model folder or GGUF (default: the embedded one)", "the target's dtype"
-    )
-    parser.add_argument("--num-draft-steps", type=int, default=3, help="draft depths K")
-    parser.add_argument(
-        "--aux-layers",
-        type=_layer_list,
-        default=None,
-        metavar="L1,L2,...",
-        help="target layers depth 0 reads side by side, EAGLE3 style (default: the last one)",
-    )
-    parser.add_argument(
-        "--num-prompts",
-        type=int,
-        default=4000,
-        help="training conversations from the written templates",
-    )
-    parser.add_argument(
-        "--self-prompts",
-        type=int,
-        default=4000,
-        metavar="N",
-        help="training conversations whose user message the target writes itself (0: none)",
-    )
-    parser.add_argument(
-        "--self-other-languages",
-        type=float,
-        default=0.0,
-        metavar="SHARE",
-        help="share of self-written messages started in another language than English",
-    )
-    parser.add_argument(
-        "--self-followups",
-        type=int,
-        default=0,
-        metavar="N",
-        help="three-turn conversations: a self-written one, its answer and a second user "
-        "message the target writes (at most --self-prompts)",
-    )
-    parser.add_argument(
-        "--self-prompt-max-tokens",
-        type=int,
-        default=96,
-        help="length cap of a user message the target writes",
-    )
-    parser.add_argument(
-        "--num-heldout", type=int, default=None, help="held-out conversations (default: all)"
-    )
-    parser.add_argument("--max-tokens", type=int, default=256, help="answer length cap")
-    parser.add_argument(
-        "--generate-batch", type=int, default=128, help="requests the generating engine batches"
-    )
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument(
-        "--tokens-per-batch", type=int, default=8192, help="padded tokens per training step"
-    )
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--warmup-steps", type=int, default=50)
-    parser.add_argument("--weight-decay", type=float, default=0.0)
-    parser.add_argument(
-        "--hidden-noise",
-        type=float,
-        default=0.0,
-        help="noise on the target hidden states in training, relative to their RMS",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint-every", type=int, default=200, help="steps")
-    parser.add_argument(
-        "--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"]
-    )
-    parser.add_argument(
-        "--draft-vocab-size",
-        type=int,
-        default=8192,
-        metavar="N",
-        help="tokens the draft may propose: the N most frequent in the training answers "
-        "(default 8192; 0: the target's whole vocabulary)",
-    )
-    parser.add_argument(
-        "--restart", action="store_true", help="ignore a checkpoint in --out (data is kept)"
-    )
-    parser.add_argument(
-        "--generate-only",
-        action="store_true",
-        help="make the data in --out and stop (to train elsewhere with --data-from)",
-    )
-    parser.add_argument(
-        "--data-from",
-        action="append",
-        metavar="DIR",
-        help="also train on the answers generated in another --out folder (repeatable), "
-        "e.g. by --generate-only runs with other --seed values on other GPUs",
-    )
-    parser.add_argument(
-        "--no-evaluate", action="store_true", help="skip the engine run on held-out prompts"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def build_parser() -> argparse.ArgumentParser:
