@@ -1,11 +1,14 @@
-"""Shared fixtures: one tiny random Llama checkpoint per test session, and an engine over it."""
+"""Shared fixtures: one tiny random Llama checkpoint per test session, and an engine over it;
+for the draft-training tests, one CPU thread and a target a draft can learn."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from tiny_models import CHAT_TEMPLATE, make_tiny_llama
+import torch
+from tiny_drafts import make_predictable_llama
+from tiny_models import CHAT_TEMPLATE, make_tiny_llama, save_chat_template
 from transformers import LlamaForCausalLM
 
 from engine import LLM
@@ -46,3 +49,22 @@ def backend(tiny_model_path: Path):
     backend = LocalBackend(llm, model_name=TINY_BACKEND_MODEL)
     yield backend
     backend.close()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """These models are tiny: on a busy shared CPU, intra-op threads waiting for one another
+    make training ten times slower than one thread alone."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def predictable_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer tiny Llama whose next token a draft can learn, with a chat template."""
+    path = tmp_path_factory.mktemp("predictable")
+    make_predictable_llama(path, logit_scale=3.0)
+    save_chat_template(path)
+    return path
