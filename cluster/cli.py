@@ -31,6 +31,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV slots per node (default: 2 GiB worth on CPU, 80%% of free memory on GPU)",
     )
     parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="attention kernels: triton (paged, CUDA graph capturable; needs CUDA) or torch "
+        "(the reference; runs anywhere); auto: triton on a GPU, torch on a CPU",
+    )
+    parser.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="run decode steps eagerly on a GPU instead of replaying captured CUDA graphs",
+    )
+    parser.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="largest decode batch captured in a CUDA graph; larger batches run eagerly "
+        "(default: --max-num-seqs)",
+    )
+    parser.add_argument(
         "--speculative-algorithm",
         default=None,
         choices=["multi-layer-eagle"],
@@ -62,7 +81,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="debugging, slow: save every module's output of each forward pass; files go to "
         "DIR/<node>/<target|draft-N>/rank0/forward_NNNNNN.pt, <node> being prefill-0, "
-        "decode-0, ... (offline for generate); needs eager mode, which is all the engine runs",
+        "decode-0, ... (offline for generate); runs eagerly: no CUDA graph is captured",
     )
     parser.add_argument(
         "--debug-tensor-dump-layers",
@@ -137,6 +156,9 @@ def engine_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,
+        attention_backend=args.attention_backend,
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
         speculative_algorithm=args.speculative_algorithm,
         draft_model=args.draft_model,
         num_draft_steps=args.num_draft_steps,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine.debug_dump import TensorDumpConfig
+from engine.debug_dump import TensorDumpConfig, refuse_cuda_graphs
 from engine.errors import UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -149,6 +149,8 @@ class EngineConfig:
     kv_cache_tokens: int = 16384
     max_prefill_tokens: int = 8192
     attention_backend: str = "torch"
+    # Decode batches up to this size replay CUDA graphs (engine/cuda_graph.py); 0: none.
+    cuda_graph_max_bs: int = 0
     seed: int = 0
     # Draft chains per greedy request when speculating (spec/worker.py): each alternative chain
     # is verified in a request-table row of its own, so the table has this many rows a request.
@@ -162,6 +164,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_model_len", "kv_cache_tokens", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
+        refuse_cuda_graphs(self.tensor_dump is not None, self.cuda_graph_max_bs > 0)
         if self.num_draft_chains < 1:
             raise ValueError(f"num_draft_chains must be >= 1, got {self.num_draft_chains}")
 

@@ -32,6 +32,9 @@ class ForwardBatch:
     input_embeds: torch.Tensor | None = None
     input_embeds_mask: torch.Tensor | None = None
     attn_metadata: Any = field(default=None, repr=False)
+    # Set when the batch sits in a CUDA graph's static buffers (engine.cuda_graph): the
+    # captured batch size it is padded to.
+    graph_batch_size: int | None = None
 
     @property
     def batch_size(self) -> int:

@@ -4,7 +4,9 @@ Invariants:
 - `KVPool` holds `capacity + 1` slots per layer; slot 0 is the padding slot (see engine.allocator),
   so padded positions may write there and nobody reads it as real data;
 - `ReqToTokenPool.req_to_token[row, i]` is the slot holding token i of the request in `row`, for
-  every i below the request's computed length; rows are handed out and returned whole.
+  every i below the request's computed length; rows are handed out and returned whole. One more
+  row, `padding_row`, is never handed out and holds only the padding slot: padded rows of a
+  CUDA graph's batch read it.
 """
 
 from __future__ import annotations
@@ -59,13 +61,15 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """Maps a request row to the KV slots of its tokens, shape [max_reqs, max_context_len]."""
+    """Maps a request row to the KV slots of its tokens, shape [max_reqs + 1, max_context_len]
+    (the last row being the padding row)."""
 
     def __init__(self, max_reqs: int, max_context_len: int, device: str | torch.device) -> None:
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
+        self.padding_row = max_reqs
         self.req_to_token = torch.zeros(
-            (max_reqs, max_context_len), dtype=torch.int64, device=device
+            (max_reqs + 1, max_context_len), dtype=torch.int64, device=device
         )
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 

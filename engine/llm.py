@@ -34,7 +34,9 @@ class LLM:
         max_model_len: int | None = None,
         kv_cache_tokens: int | None = None,
         max_prefill_tokens: int = 8192,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
+        disable_cuda_graph: bool = False,
+        cuda_graph_max_bs: int | None = None,
         seed: int = 0,
         speculative_algorithm: str | None = None,
         draft_model: str | os.PathLike | None = None,
@@ -53,6 +55,9 @@ class LLM:
         on a GPU and 1 elsewhere.
         `debug_tensor_dump_dir` dumps every forward pass (engine/debug_dump.py) under
         DIR/offline/<target|draft-N>/rank0/, keeping only `debug_tensor_dump_layers` if given.
+        `attention_backend`: "triton" (GPU), "torch" (anywhere) or "auto" (triton on a GPU).
+        On a GPU, decode steps of up to `cuda_graph_max_bs` requests (default max_num_seqs)
+        replay CUDA graphs captured here, unless `disable_cuda_graph` or a tensor dump.
         `enable_tracing` gives each output its timeline (`RequestOutput.trace`, engine.tracing)."""
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
@@ -65,6 +70,8 @@ class LLM:
             kv_cache_tokens=kv_cache_tokens,
             max_prefill_tokens=max_prefill_tokens,
             attention_backend=attention_backend,
+            disable_cuda_graph=disable_cuda_graph,
+            cuda_graph_max_bs=cuda_graph_max_bs,
             seed=seed,
             speculative_algorithm=speculative_algorithm,
             draft_model=model_path_arg(draft_model),

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from engine.attention import resolve_attention_backend
 from engine.config import EngineConfig, ModelConfig, default_device, resolve_dtype
 from engine.debug_dump import OFFLINE_NODE, tensor_dump_config
 from engine.kv_pool import KVPool
@@ -30,7 +31,12 @@ class EngineArgs:
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
     max_prefill_tokens: int = 8192
-    attention_backend: str = "torch"
+    # "auto": triton on a GPU, torch elsewhere (engine.attention).
+    attention_backend: str = "auto"
+    # Decode steps on a GPU replay CUDA graphs (engine/cuda_graph.py) for batches up to
+    # cuda_graph_max_bs (None: max_num_seqs) unless disabled, or unless tensors are dumped.
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
     seed: int = 0
     # Speculative decoding (see spec/ and docs/draft-format.md); off when algorithm is None.
     speculative_algorithm: str | None = None
@@ -57,9 +63,8 @@ class EngineArgs:
                 raise ValueError("num_draft_chains needs a speculative_algorithm")
         if self.debug_tensor_dump_layers is not None and self.debug_tensor_dump_dir is None:
             raise ValueError("debug_tensor_dump_layers needs debug_tensor_dump_dir")
-        # The engine runs eagerly: it has no CUDA graphs to turn off. An option that turns them
-        # on must call debug_dump.refuse_cuda_graphs(dumping, cuda_graphs) here: forward hooks
-        # do not run when a graph replays, so a dump would silently miss every captured pass.
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
     dtype = resolve_dtype(None if args.dtype == "auto" else args.dtype, device)
     max_model_len = args.max_model_len or model_config.max_position_embeddings
     kv_tokens = args.kv_cache_tokens or _default_kv_tokens(model_config, dtype, device)
+    backend = resolve_attention_backend(args.attention_backend, device)
     engine_config = EngineConfig(
         device=device,
         dtype=dtype,
@@ -98,7 +104,8 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
         # More slots than every sequence at full length could use are never needed.
         kv_cache_tokens=min(kv_tokens, args.max_num_seqs * max_model_len),
         max_prefill_tokens=args.max_prefill_tokens,
-        attention_backend=args.attention_backend,
+        attention_backend=backend,
+        cuda_graph_max_bs=_cuda_graph_max_bs(args, device, backend),
         seed=args.seed,
         num_draft_chains=_draft_chains(args, device),
         tensor_dump=tensor_dump_config(
@@ -124,6 +131,17 @@ def _draft_chains(args: EngineArgs, device: str) -> int:
     if args.num_draft_chains is not None:
         return args.num_draft_chains
     return DEFAULT_DRAFT_CHAINS if torch.device(device).type == "cuda" else 1
+
+
+def _cuda_graph_max_bs(args: EngineArgs, device: str, backend: str) -> int:
+    """The largest decode batch captured in a CUDA graph; 0 for none. Graphs need a GPU and
+    the Triton backend; a tensor dump needs eager mode, since a replayed graph runs no forward
+    hooks, so dumping turns them off (debug_dump.refuse_cuda_graphs guards the engine)."""
+    if args.disable_cuda_graph or torch.device(device).type != "cuda" or backend != "triton":
+        return 0
+    if args.debug_tensor_dump_dir is not None:
+        return 0
+    return min(args.cuda_graph_max_bs or args.max_num_seqs, args.max_num_seqs)
 
 
 def load_runner(spec: ModelSpec) -> ModelRunner:

@@ -10,6 +10,7 @@ import torch
 
 from engine.attention import AttentionBackend, create_attention_backend
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graph import DecodeGraphs
 from engine.debug_dump import TARGET_ROLE, dump_pass, tensor_dumper
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool, ReqToTokenPool
@@ -69,9 +70,29 @@ class ModelRunner:
             self.device,
         )
         self.dumper = tensor_dumper(engine_config.tensor_dump, TARGET_ROLE, self.model)
+        self.graphs: DecodeGraphs | None = None
+        if engine_config.cuda_graph_max_bs:
+            self.graphs = DecodeGraphs(
+                self._decode_outputs,
+                self.attention,
+                self.kv_pool,
+                self.req_to_token_pool,
+                engine_config.cuda_graph_max_bs,
+            )
+            self.graphs.capture()
 
     def build_batch(self, requests: list[Request]) -> ForwardBatch:
-        """Each request extends its cached prefix (`kv_len`) to all of its tokens."""
+        """Each request extends its cached prefix (`kv_len`) to all of its tokens. A decode
+        batch that a CUDA graph holds goes into the graph's static buffers."""
+        if self._graph_runs(requests):
+            assert self.graphs is not None
+            return self.graphs.load(
+                [req.token_ids(req.kv_len, req.num_tokens)[0] for req in requests],
+                [req.kv_len for req in requests],
+                [req.slots[req.kv_len] for req in requests],
+                [req.row for req in requests],
+                [req.num_tokens for req in requests],
+            )
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -103,8 +124,28 @@ class ModelRunner:
         batch.attn_metadata = self.attention.prepare(batch)
         return batch
 
+    def _graph_runs(self, requests: list[Request]) -> bool:
+        """Whether a CUDA graph runs this batch: every request decodes its one newest token (an
+        output token, so never one given as an embedding), and a graph holds the batch's size."""
+        if self.graphs is None or self.graphs.bucket_for(len(requests)) is None:
+            return False
+        return all(
+            req.num_tokens - req.kv_len == 1 and req.kv_len >= len(req.prompt_token_ids)
+            for req in requests
+        )
+
+    def _decode_outputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a decode graph computes: logits and the draft's input at every token."""
+        hidden, draft_hidden = self._run_model(batch)
+        return self.model.compute_logits(hidden), draft_hidden
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, keep_hidden: bool = False) -> ForwardOutput:
+        if batch.graph_batch_size is not None and self.graphs is not None:
+            logits, draft_hidden = self.graphs.replay(batch)
+            if not keep_hidden:
+                return ForwardOutput(logits, draft_hidden)
+            return ForwardOutput(logits, draft_hidden, draft_hidden, None)
         with dump_pass(self.dumper, batch):
             hidden, draft_hidden = self._run_model(batch)
             last = batch.last_token_indices()

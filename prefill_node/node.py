@@ -77,6 +77,8 @@ class PrefillNode(ServingNode):
             # A transfer carries the main draft chain only; the decode node drafts its own
             # alternatives from its first draft extend on.
             args = dataclasses.replace(args, num_draft_chains=1)
+        # This node never decodes: decode graphs would cost start-up time and memory for nothing.
+        args = dataclasses.replace(args, disable_cuda_graph=True)
         self.spec, self.runner = load_node_engine(args, options)
         config = self.spec.engine_config
         self.kv_cache = KVCacheManager(self.runner.kv_pool, self.runner.req_to_token_pool)

@@ -15,6 +15,10 @@ from engine.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
+    # Whether `prepare_for_capture` exists: its metadata lives in device buffers a CUDA graph
+    # can read at replay.
+    supports_cuda_graph = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -30,3 +34,21 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         """q [T, H, D], k and v [T, Hkv, D] of the new tokens -> attention output [T, H, D]."""
+
+    def rotate_and_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """`forward` for q and k before their rotary embedding (cos, sin: [T, 1, D]); a
+        backend may fuse the rotation with its KV write."""
+        # Imported here: engine.models imports this module.
+        from engine.models.rope import apply_rotary
+
+        q, k = apply_rotary(q, k, cos, sin)
+        return self.forward(q, k, v, layer, batch)

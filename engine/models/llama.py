@@ -13,7 +13,8 @@ from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
-from engine.models.rope import RotaryEmbedding, apply_rotary
+from engine.kernels import triton_usable
+from engine.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -23,11 +24,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_usable(x):
+            from engine.kernels.elementwise import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)[0]
         # Normalize in float32 whatever the model dtype, as the reference implementation does.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), one kernel on a GPU."""
+        if triton_usable(x):
+            from engine.kernels.elementwise import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual=residual)
+        summed = residual + x
+        return self(summed), summed
 
 
 class Attention(nn.Module):
@@ -55,8 +71,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rotary)
-        out = backend.forward(q, k, v, self.layer, batch)
+        out = backend.rotate_and_attend(q, k, v, *rotary, self.layer, batch)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -72,7 +87,12 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if triton_usable(gate_up):
+            from engine.kernels.elementwise import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -91,8 +111,9 @@ class DecoderLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, rotary, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn = self.self_attn(self.input_layernorm(hidden), batch, rotary, backend)
+        normed, hidden = self.post_attention_layernorm.add_and_norm(attn, hidden)
+        return hidden + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
