@@ -1,9 +1,11 @@
 """Where one decode step's time goes on a GPU: kernels per step and per layer, GPU time per step,
 and the kernels that take it, from a torch.profiler trace of plain greedy decode steps.
 
-    python bench/gpu_profile.py [--model PATH] [--batch-size 1] [--steps 20] [--disable-cuda-graph]
+    python bench/gpu_profile.py [--model PATH | --shape llama8b] [--batch-size 1] [--steps 20]
+        [--disable-cuda-graph]
 
-Without --model it builds SmolLM2-135M's shapes with random weights (bench/gpu_step.py). The
+Without --model it builds random weights of SmolLM2-135M's shapes, or of another shape of
+bench/gpu_step.py (`--shape llama8b`). The
 trace covers `--steps` decode steps after the prompt: kernels launched from a replayed CUDA
 graph are counted as they run. Prints tables only; writes nothing."""
 
@@ -28,6 +30,9 @@ from engine import LLM, SamplingParams  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
+    parser.add_argument(
+        "--shape", default="smollm2", help="random weights of this shape without --model"
+    )
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -36,7 +41,7 @@ def main() -> None:
     path = args.model
     if path is None:
         path = tempfile.mkdtemp(prefix="gpu_profile_")
-        random_model("smollm2", Path(path), "cuda")  # saved; the returned copy is dropped
+        random_model(args.shape, Path(path), "cuda")  # saved; the returned copy is dropped
         torch.cuda.empty_cache()
     llm = LLM(
         path,

@@ -1,7 +1,7 @@
 """GPU decode step: engine.LLM with and without CUDA graphs against transformers, ms per step.
 
     python bench/gpu_step.py [--models smollm2 llama8b] [--batch-sizes 1 16 64] [--steps 128]
-        [--repeats 3] [--model PATH|default [--spec]] [--skip-hf] [--no-write]
+        [--repeats 3] [--model PATH|default [--spec]] [--skip-hf | --hf-models M ...] [--no-write]
 
 One process, one CUDA GPU, bfloat16. A step costs (t(16 + STEPS new tokens) - t(16)) / STEPS,
 greedy, EOS ignored, the same pseudo-random --prompt-len token ids in every row, median of
@@ -244,7 +244,7 @@ def bench_model(
     compiled = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
     static = dict(cache_implementation="static", compile_config=compiled)
     for r in rows:
-        if args.skip_hf:
+        if args.skip_hf or (args.hf_models is not None and name not in args.hf_models):
             r["hf_eager"] = r["hf_compiled"] = "skipped"
             continue
         if hf is None:
@@ -352,6 +352,9 @@ def main() -> None:
     parser.add_argument("--model", help="a real SmolLM2 folder for smollm2, or 'default'")
     parser.add_argument("--spec", action="store_true", help="plain vs speculative (with --model)")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers columns")
+    parser.add_argument(
+        "--hf-models", nargs="+", choices=list(SHAPES), help="transformers columns for these only"
+    )
     parser.add_argument("--attention-backend", help="passed to LLM when given")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")

@@ -1,12 +1,16 @@
-"""Decode forwards captured as CUDA graphs, one per batch-size bucket, and replayed with the
-batch padded to its bucket: a replay costs one launch where the eager forward costs one host
-dispatch per kernel (about ten a layer).
+"""Forwards captured as CUDA graphs and replayed with the batch padded to a captured size: a
+replay costs one launch where the eager forward costs one host dispatch per kernel (about ten
+a layer).
 
-The graphs read their inputs from one static [5, max_bs] buffer (token ids, positions, KV slots,
-request rows, sequence lengths), filled by one host-to-device copy per step. Padded rows read
-token 0 at position 0, write their K and V to the padding slot (slot 0, which no request owns)
-and read the padding row of the request table, so they never touch a request's KV; their
-outputs are sliced off before anything (sampling, statistics, a transfer) sees them.
+A graph set (`CudaGraphs`) serves batches whose requests each bring at most `max_span` new
+tokens: decode (span 1), captured per batch size, and speculative verify (the newest token
+and the draft chain, or an alternative chain), captured per token count. A graph reads its
+inputs from one static buffer (per token: id, position, KV slot; per request: row, length,
+first token, new tokens), filled by one host-to-device copy per step. Padded tokens read token
+0 at position 0, each as a request of its own over the request table's padding row, and write
+their K and V to the padding slot (slot 0, which no request owns), so they never touch a
+request's KV; their outputs are sliced off before anything (sampling, acceptance, statistics,
+a transfer) sees them.
 
 The graph runner touches attention only through the backend's `prepare_for_capture`: the
 backend's kernels read the static buffers, so a replay needs no metadata work."""
@@ -20,13 +24,14 @@ from collections.abc import Callable
 import torch
 
 from engine.attention import AttentionBackend
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, Span
 from engine.kv_pool import KVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
-# Rows of the static input buffer.
-_IDS, _POSITIONS, _SLOTS, _ROWS, _SEQ_LENS = range(5)
+# The static input buffer: three rows of per-token values, then four of per-request values.
+_IDS, _POSITIONS, _SLOTS = range(3)
+_ROWS, _SEQ_LENS, _Q_STARTS, _Q_LENS = range(4)
 PADDING_SLOT = 0
 
 
@@ -38,6 +43,17 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
 
 
+def token_buckets(max_tokens: int) -> list[int]:
+    """Token counts captured for spans longer than one token: 8, 16, 32, 48, 64, 96, 128, ...
+    (each power of two and one and a half times it), and `max_tokens` itself, none above it."""
+    sizes = {8, 16}
+    power = 32
+    while power < max_tokens:
+        sizes.update((power, power * 3 // 2))
+        power *= 2
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+
+
 def bucket_for(buckets: list[int], batch_size: int) -> int | None:
     """The smallest bucket that holds `batch_size`, or None above the largest."""
     for size in buckets:
@@ -46,43 +62,100 @@ def bucket_for(buckets: list[int], batch_size: int) -> int | None:
     return None
 
 
-DecodeOutputs = tuple[torch.Tensor, ...]
+def padded_columns(size: int, spans: list[Span], padding_row: int) -> list[list[int]]:
+    """A graph's seven input rows over `size` columns: per token its id, position and KV slot;
+    per request its row, length, first token and number of tokens. The spans come first, then
+    one padding request per remaining token (token 0 at position 0, writing the padding slot,
+    over the padding row), then requests of no token, which attention skips."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    rows, seq_lens, starts, lens = [], [], [], []
+    for span in spans:
+        rows.append(span.row)
+        seq_lens.append(span.start + len(span.token_ids))
+        starts.append(len(ids))
+        lens.append(len(span.token_ids))
+        ids += span.token_ids
+        positions += range(span.start, span.start + len(span.token_ids))
+        slots += span.slots
+    padding = size - len(ids)
+    assert padding >= 0, f"{len(ids)} tokens in a graph of {size}"
+    rows += [padding_row] * padding
+    seq_lens += [1] * padding
+    starts += range(len(ids), size)
+    lens += [1] * padding
+    ids += [0] * padding
+    positions += [0] * padding
+    slots += [PADDING_SLOT] * padding
+    empty = size - len(rows)
+    rows += [padding_row] * empty
+    seq_lens += [1] * empty
+    starts += [0] * empty
+    lens += [0] * empty
+    return [ids, positions, slots, rows, seq_lens, starts, lens]
 
 
-class DecodeGraphs:
-    """`load` a decode batch into the static buffers, then `replay` it. `run` is the eager
-    forward that was captured: ForwardBatch -> tensors whose first dimension is the batch."""
+GraphOutputs = tuple[torch.Tensor, ...]
+
+
+class CudaGraphs:
+    """`load` a batch into the static buffers, then `replay` it. `run` is the eager forward
+    that was captured: (ForwardBatch, per-token hidden input or None) -> tensors whose first
+    dimension is the batch's tokens. `buckets` are the token counts captured; a graph of T
+    tokens holds up to T requests of at most `max_span` tokens each. With `hidden_width`, each
+    token also brings a hidden state of that width (a draft depth's input)."""
 
     def __init__(
         self,
-        run: Callable[[ForwardBatch], DecodeOutputs],
+        name: str,
+        run: Callable[[ForwardBatch], GraphOutputs],
         attention: AttentionBackend,
         kv_pool: KVPool,
         req_to_token_pool: ReqToTokenPool,
-        max_batch_size: int,
+        buckets: list[int],
+        max_span: int,
+        hidden_width: int | None = None,
+        hidden_dtype: torch.dtype | None = None,
     ) -> None:
         if not attention.supports_cuda_graph:
             raise ValueError(f"{type(attention).__name__} cannot be captured in a CUDA graph")
+        self.name = name
         self.run = run
         self.attention = attention
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
-        self.buckets = batch_size_buckets(max_batch_size)
+        self.buckets = buckets
+        self.max_span = max_span
+        self.capacity = max(buckets)
         device = kv_pool.device
-        self.inputs = torch.zeros((5, max_batch_size), dtype=torch.int64, device=device)
-        self.host = torch.zeros((5, max_batch_size), dtype=torch.int64, pin_memory=True)
-        self.q_starts = torch.arange(max_batch_size, dtype=torch.int64, device=device)
-        self.q_lens = torch.ones(max_batch_size, dtype=torch.int64, device=device)
-        self.padding = torch.tensor(
-            [0, 0, PADDING_SLOT, req_to_token_pool.padding_row, 1], dtype=torch.int64
-        )
+        self.inputs = torch.zeros((7, self.capacity), dtype=torch.int64, device=device)
+        self.host = torch.zeros((7, self.capacity), dtype=torch.int64, pin_memory=True)
+        self.hidden: torch.Tensor | None = None
+        if hidden_width is not None:
+            self.hidden = torch.zeros(
+                (self.capacity, hidden_width), dtype=hidden_dtype, device=device
+            )
         self._copied: torch.cuda.Event | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, DecodeOutputs] = {}
+        self.outputs: dict[int, GraphOutputs] = {}
         self.capture_seconds = 0.0
+        self.num_replays = 0
 
-    def bucket_for(self, batch_size: int) -> int | None:
-        return bucket_for(self.buckets, batch_size)
+    def bucket_for(self, num_tokens: int) -> int | None:
+        return bucket_for(self.buckets, num_tokens)
+
+    def fits(self, spans: list[Span]) -> bool:
+        """Whether a captured graph runs these spans."""
+        num_tokens = sum(len(span.token_ids) for span in spans)
+        return (
+            bool(spans)
+            and self.bucket_for(num_tokens) is not None
+            and all(
+                0 < len(span.token_ids) <= self.max_span and span.input_embeds is None
+                for span in spans
+            )
+        )
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
@@ -90,84 +163,92 @@ class DecodeGraphs:
         intermediates are alive at a time, so they can share it."""
         from tqdm import tqdm
 
+        device = self.kv_pool.device
         start = time.perf_counter()
-        before = torch.cuda.memory_allocated(self.kv_pool.device)
-        self.inputs.copy_(self.padding[:, None].expand_as(self.inputs))
-        stream = torch.cuda.Stream(self.kv_pool.device)
-        stream.wait_stream(torch.cuda.current_stream(self.kv_pool.device))
+        before = torch.cuda.memory_allocated(device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         pool = None
         sizes = sorted(self.buckets, reverse=True)
-        for size in tqdm(sizes, desc="capturing CUDA graphs", disable=not progress, leave=False):
+        desc = f"capturing {self.name} CUDA graphs"
+        for size in tqdm(sizes, desc=desc, disable=not progress, leave=False):
+            self._fill(size, [])  # every token a padding request of its own
+            self.inputs.copy_(self.host)
             batch = self._static_batch(size)
+            hidden = None if self.hidden is None else self.hidden[:size]
             with torch.cuda.stream(stream):
-                self.run(batch)  # compiles the kernels and sets up cuBLAS outside the capture
+                # Compiles the kernels and sets up cuBLAS outside the capture.
+                self.run(batch, hidden)
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[size] = self.run(batch)
+                self.outputs[size] = self.run(batch, hidden)
             pool = graph.pool()
             self.graphs[size] = graph
-        torch.cuda.current_stream(self.kv_pool.device).wait_stream(stream)
-        torch.cuda.synchronize(self.kv_pool.device)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - start
-        used = torch.cuda.memory_allocated(self.kv_pool.device) - before
+        used = torch.cuda.memory_allocated(device) - before
         logger.info(
-            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB",
+            "captured %d %s CUDA graphs (%s tokens) in %.1f s, %.0f MiB",
             len(sizes),
+            self.name,
             ",".join(map(str, self.buckets)),
             self.capture_seconds,
             used / 2**20,
         )
 
-    def load(
-        self,
-        input_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        rows: list[int],
-        seq_lens: list[int],
-    ) -> ForwardBatch:
-        """A decode batch of len(input_ids) requests, written into the static buffers with its
-        padding rows: one copy to the device."""
-        num_reqs = len(input_ids)
-        size = self.bucket_for(num_reqs)
-        assert size is not None, f"batch of {num_reqs} above the largest graph"
+    def load(self, spans: list[Span], hidden: torch.Tensor | None = None) -> ForwardBatch:
+        """A batch of these spans (`fits` must hold), written into the static buffers with its
+        padding: one copy from the host, and one on the device of `hidden` [tokens, width] when
+        the graphs take a hidden input (padded tokens read what the buffer holds: their
+        outputs are dropped)."""
+        num_tokens = sum(len(span.token_ids) for span in spans)
+        size = self.bucket_for(num_tokens)
+        assert size is not None, f"{num_tokens} tokens above the largest {self.name} graph"
         if self._copied is not None:
             self._copied.synchronize()  # the last copy has read the host buffer
-        host = self.host[:, :size]
-        host[:, :num_reqs] = torch.tensor([input_ids, positions, slots, rows, seq_lens])
-        host[:, num_reqs:] = self.padding[:, None]
-        self.inputs[:, :size].copy_(host, non_blocking=True)
+        self._fill(size, spans)
+        self.inputs[:, :size].copy_(self.host[:, :size], non_blocking=True)
+        if self.hidden is not None:
+            assert hidden is not None and hidden.shape[0] == num_tokens
+            self.hidden[:num_tokens].copy_(hidden)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        inputs = self.inputs[:, :num_reqs]
+        tokens, reqs = self.inputs[:3, :num_tokens], self.inputs[3:, : len(spans)]
         return ForwardBatch(
-            input_ids=inputs[_IDS],
-            positions=inputs[_POSITIONS],
-            out_cache_loc=inputs[_SLOTS],
-            req_pool_indices=inputs[_ROWS],
-            seq_lens=list(seq_lens),
-            extend_lens=[1] * num_reqs,
+            input_ids=tokens[_IDS],
+            positions=tokens[_POSITIONS],
+            out_cache_loc=tokens[_SLOTS],
+            req_pool_indices=reqs[_ROWS],
+            seq_lens=[span.start + len(span.token_ids) for span in spans],
+            extend_lens=[len(span.token_ids) for span in spans],
             kv_pool=self.kv_pool,
             req_to_token_pool=self.req_to_token_pool,
+            graph=self,
             graph_batch_size=size,
         )
 
-    def replay(self, batch: ForwardBatch) -> DecodeOutputs:
-        """The captured forward's outputs for `batch` (made by `load`), sliced to its requests.
+    def replay(self, batch: ForwardBatch) -> GraphOutputs:
+        """The captured forward's outputs for `batch` (made by `load`), sliced to its tokens.
         They are views of the graph's buffers: valid until the next replay."""
         size = batch.graph_batch_size
-        assert size is not None and size in self.graphs
+        assert batch.graph is self and size in self.graphs
         self.graphs[size].replay()
-        return tuple(out[: batch.batch_size] for out in self.outputs[size])
+        self.num_replays += 1
+        return tuple(out[: batch.num_tokens] for out in self.outputs[size])
+
+    def _fill(self, size: int, spans: list[Span]) -> None:
+        columns = padded_columns(size, spans, self.req_to_token_pool.padding_row)
+        self.host[:, :size] = torch.tensor(columns)
 
     def _static_batch(self, size: int) -> ForwardBatch:
-        inputs = self.inputs[:, :size]
+        tokens, reqs = self.inputs[:3, :size], self.inputs[3:, :size]
         batch = ForwardBatch(
-            input_ids=inputs[_IDS],
-            positions=inputs[_POSITIONS],
-            out_cache_loc=inputs[_SLOTS],
-            req_pool_indices=inputs[_ROWS],
+            input_ids=tokens[_IDS],
+            positions=tokens[_POSITIONS],
+            out_cache_loc=tokens[_SLOTS],
+            req_pool_indices=reqs[_ROWS],
             seq_lens=[1] * size,
             extend_lens=[1] * size,
             kv_pool=self.kv_pool,
@@ -175,6 +256,6 @@ class DecodeGraphs:
             graph_batch_size=size,
         )
         batch.attn_metadata = self.attention.prepare_for_capture(
-            inputs[_ROWS], inputs[_SEQ_LENS], self.q_starts[:size], self.q_lens[:size], 1
+            reqs[_ROWS], reqs[_SEQ_LENS], reqs[_Q_STARTS], reqs[_Q_LENS], self.max_span
         )
         return batch

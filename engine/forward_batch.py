@@ -8,6 +8,20 @@ from typing import Any
 import torch
 
 from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.prompt_embeds import InputEmbeds
+
+
+@dataclass
+class Span:
+    """What one request brings to a forward: its row in the request table, the position of its
+    first new token (positions below are cached), the new tokens and the KV slot each writes
+    (already in the row)."""
+
+    row: int
+    start: int
+    token_ids: list[int]
+    slots: list[int]
+    input_embeds: InputEmbeds | None = None  # rows that replace some tokens' embeddings
 
 
 @dataclass
@@ -32,8 +46,9 @@ class ForwardBatch:
     input_embeds: torch.Tensor | None = None
     input_embeds_mask: torch.Tensor | None = None
     attn_metadata: Any = field(default=None, repr=False)
-    # Set when the batch sits in a CUDA graph's static buffers (engine.cuda_graph): the
-    # captured batch size it is padded to.
+    # Set when the batch sits in a CUDA graph's static buffers: the graph set that holds it
+    # (engine.cuda_graph.CudaGraphs) and the captured size it is padded to.
+    graph: Any = field(default=None, repr=False)
     graph_batch_size: int | None = None
 
     @property

@@ -10,9 +10,9 @@ import torch
 
 from engine.attention import AttentionBackend, create_attention_backend
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graph import DecodeGraphs
+from engine.cuda_graph import CudaGraphs, batch_size_buckets, token_buckets
 from engine.debug_dump import TARGET_ROLE, dump_pass, tensor_dumper
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, Span
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.models import model_class
 from engine.models.cpu_linear import pack_linears, packed_linear_available
@@ -70,16 +70,45 @@ class ModelRunner:
             self.device,
         )
         self.dumper = tensor_dumper(engine_config.tensor_dump, TARGET_ROLE, self.model)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: CudaGraphs | None = None
+        self.verify_graphs: CudaGraphs | None = None
         if engine_config.cuda_graph_max_bs:
-            self.graphs = DecodeGraphs(
-                self._decode_outputs,
+            self.graphs = CudaGraphs(
+                "decode",
+                self._every_token_outputs,
                 self.attention,
                 self.kv_pool,
                 self.req_to_token_pool,
-                engine_config.cuda_graph_max_bs,
+                batch_size_buckets(engine_config.cuda_graph_max_bs),
+                max_span=1,
             )
             self.graphs.capture()
+
+    def capture_verify_graphs(self, max_span: int, max_rows_per_request: int) -> None:
+        """Capture graphs for forwards whose requests each bring at most `max_span` tokens in
+        at most `max_rows_per_request` request rows (speculative verify: the newest token and
+        a draft chain, and the alternative chains), up to cuda_graph_max_bs requests. No-op
+        when this engine runs no graphs."""
+        max_requests = self.config.cuda_graph_max_bs
+        if not max_requests:
+            return
+        self.verify_graphs = CudaGraphs(
+            "verify",
+            self._every_token_outputs,
+            self.attention,
+            self.kv_pool,
+            self.req_to_token_pool,
+            token_buckets(max_requests * max_rows_per_request * max_span),
+            max_span=max_span,
+        )
+        self.verify_graphs.capture()
+
+    def graph_batch(self, spans: list[Span]) -> ForwardBatch | None:
+        """A batch of these spans in the verify graphs' buffers, or None where no captured
+        graph runs them (too many tokens, too long a span)."""
+        if self.verify_graphs is None or not self.verify_graphs.fits(spans):
+            return None
+        return self.verify_graphs.load(spans)
 
     def build_batch(self, requests: list[Request]) -> ForwardBatch:
         """Each request extends its cached prefix (`kv_len`) to all of its tokens. A decode
@@ -87,11 +116,15 @@ class ModelRunner:
         if self._graph_runs(requests):
             assert self.graphs is not None
             return self.graphs.load(
-                [req.token_ids(req.kv_len, req.num_tokens)[0] for req in requests],
-                [req.kv_len for req in requests],
-                [req.slots[req.kv_len] for req in requests],
-                [req.row for req in requests],
-                [req.num_tokens for req in requests],
+                [
+                    Span(
+                        req.row,
+                        req.kv_len,
+                        req.token_ids(req.kv_len, req.num_tokens),
+                        req.slots[req.kv_len : req.num_tokens],
+                    )
+                    for req in requests
+                ]
             )
         ids: list[int] = []
         positions: list[int] = []
@@ -134,15 +167,18 @@ class ModelRunner:
             for req in requests
         )
 
-    def _decode_outputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a decode graph computes: logits and the draft's input at every token."""
+    def _every_token_outputs(
+        self, batch: ForwardBatch, _hidden_input: None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a graph computes: logits and the draft's input at every token (the target takes
+        no hidden input, unlike a draft depth)."""
         hidden, draft_hidden = self._run_model(batch)
         return self.model.compute_logits(hidden), draft_hidden
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, keep_hidden: bool = False) -> ForwardOutput:
-        if batch.graph_batch_size is not None and self.graphs is not None:
-            logits, draft_hidden = self.graphs.replay(batch)
+        if batch.graph is not None:
+            logits, draft_hidden = batch.graph.replay(batch)
             if not keep_hidden:
                 return ForwardOutput(logits, draft_hidden)
             return ForwardOutput(logits, draft_hidden, draft_hidden, None)
@@ -172,6 +208,11 @@ class ModelRunner:
     def forward_every_token(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [T, vocab] and hidden states [T, spec_hidden_size] at every new token: what
         speculative verify needs, since it checks a draft token at each position."""
+        if batch.graph is not None:
+            logits, hidden = batch.graph.replay(batch)
+            # The draft reads the hidden states after the next replay may have begun (a
+            # boundary state kept for the next step): they leave the graph's buffer.
+            return logits, hidden.clone()
         with dump_pass(self.dumper, batch):
             hidden, draft_hidden = self._run_model(batch)
             return self.model.compute_logits(hidden), draft_hidden

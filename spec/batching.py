@@ -3,23 +3,14 @@ depths feed tokens that are not a Request's committed tokens, into pools of thei
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.attention import AttentionBackend
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, Span
 from engine.kv_pool import KVPool, ReqToTokenPool
-from engine.prompt_embeds import InputEmbeds, concat_input_embeds
+from engine.prompt_embeds import concat_input_embeds
 
-
-@dataclass
-class Span:
-    row: int  # the request's row in `req_to_token_pool`
-    start: int  # position of the first new token; positions below it are cached
-    token_ids: list[int]
-    slots: list[int]  # the KV slot each new token writes, already in the row
-    input_embeds: InputEmbeds | None = None  # rows that replace some tokens' embeddings
+__all__ = ["Span", "extend_batch"]
 
 
 def extend_batch(

@@ -18,7 +18,9 @@ import torch
 
 from engine.attention import create_attention_backend
 from engine.config import EngineConfig
+from engine.cuda_graph import CudaGraphs, token_buckets
 from engine.debug_dump import draft_role, dump_pass, tensor_dumper
+from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
@@ -86,6 +88,24 @@ class DraftRunner:
             config.num_request_rows, config.max_model_len, self.device
         )
         self.dumper = tensor_dumper(config.tensor_dump, draft_role(depth), module)
+        self.graphs: CudaGraphs | None = None
+
+    def capture_graphs(self, max_span: int, max_tokens: int, in_width: int) -> None:
+        """Capture this depth's forward for batches of spans of at most `max_span` tokens, up
+        to `max_tokens` in all (draft extends after a verify step). The caller decides whether
+        this engine runs graphs."""
+        self.graphs = CudaGraphs(
+            f"draft-{self.depth}",
+            self._forward_tokens,
+            self.attention,
+            self.kv_pool,
+            self.req_to_token_pool,
+            token_buckets(max_tokens),
+            max_span=max_span,
+            hidden_width=in_width,
+            hidden_dtype=self.kv_pool.dtype,
+        )
+        self.graphs.capture(progress=False)
 
     def grow_to(self, seq: DraftSeq, num_positions: int) -> None:
         """Give `seq` slots for positions [0, num_positions), taking a row first if needed."""
@@ -146,12 +166,21 @@ class DraftRunner:
             end = item.start + len(item.token_ids)
             slots = item.seq.slots[item.start : end]
             spans.append(Span(item.seq.row, item.start, item.token_ids, slots, item.input_embeds))
+        hidden = torch.cat([item.hidden for item in inputs])
+        if self.graphs is not None and self.graphs.fits(spans):
+            batch = self.graphs.load(spans, hidden.to(self.kv_pool.dtype))
+            # Out of the graph's buffer: a boundary row is kept until the next extend.
+            out = self.graphs.replay(batch)[0].clone()
+            return list(out.split(batch.extend_lens))
         batch = extend_batch(
             spans, self.kv_pool, self.req_to_token_pool, self.attention, self.device
         )
-        embeds = self.target.embed(batch)
-        hidden = torch.cat([item.hidden for item in inputs])
-        cos_sin = self.rotary.lookup(batch.positions, embeds.dtype)
         with dump_pass(self.dumper, batch, input_hidden=hidden):
-            out = self.module(embeds, hidden, batch, cos_sin, self.attention)
+            out = self._forward_tokens(batch, hidden)[0]
         return list(out.split(batch.extend_lens))
+
+    def _forward_tokens(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        """This depth's output [T, hidden_size] at the batch's tokens, reading `hidden`."""
+        embeds = self.target.embed(batch)
+        cos_sin = self.rotary.lookup(batch.positions, embeds.dtype)
+        return (self.module(embeds, hidden, batch, cos_sin, self.attention),)

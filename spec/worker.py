@@ -53,6 +53,23 @@ class MultiLayerEagleWorker:
             for d, module in enumerate(draft.depths)
         ]
         self.head = DraftHead(runner.model, draft.vocab)
+        if runner.config.cuda_graph_max_bs:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs for the forwards of every decode step. Verify: the newest token and a
+        chain of K drafts in one row, each other chain (K tokens) in a row of its own. Draft
+        extend: depth d reads the tokens committed since its last extend (at most K + 1) and
+        the d positions before them it left to recompute, so at most 2K; a fork reads at most
+        K."""
+        k, chains = self.num_draft_steps, self.num_chains
+        self.runner.capture_verify_graphs(k + 1, chains)
+        max_requests = self.runner.config.cuda_graph_max_bs
+        widths = [self.runner.model_config.spec_hidden_size] + [
+            self.runner.model_config.hidden_size
+        ] * (k - 1)
+        for runner, width in zip(self.depths, widths):
+            runner.capture_graphs(2 * k, max_requests * chains * 2 * k, width)
 
     # --- after the target's prefill (prefill nodes, and the offline engine) ---
     @torch.inference_mode()
@@ -169,12 +186,9 @@ class MultiLayerEagleWorker:
         default_generator: torch.Generator,
     ) -> VerifyResult:
         runner = self.runner
-        batch = extend_batch(
-            spans + [alt.span for alts in alternatives for alt in alts],
-            runner.kv_pool,
-            runner.req_to_token_pool,
-            runner.attention,
-            runner.device,
+        all_spans = spans + [alt.span for alts in alternatives for alt in alts]
+        batch = runner.graph_batch(all_spans) or extend_batch(
+            all_spans, runner.kv_pool, runner.req_to_token_pool, runner.attention, runner.device
         )
         logits, hidden = runner.forward_every_token(batch)
         lens = batch.extend_lens

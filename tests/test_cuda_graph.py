@@ -13,7 +13,14 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.attention import resolve_attention_backend
-from engine.cuda_graph import batch_size_buckets, bucket_for
+from engine.cuda_graph import (
+    PADDING_SLOT,
+    batch_size_buckets,
+    bucket_for,
+    padded_columns,
+    token_buckets,
+)
+from engine.forward_batch import Span
 from engine.kernels import triton_runs_on
 from engine.kv_pool import ReqToTokenPool
 from engine.loader import EngineArgs, resolve
@@ -36,6 +43,32 @@ def test_buckets_cover_every_batch_size_up_to_the_largest() -> None:
             size = bucket_for(buckets, n)
             assert size is not None and n <= size <= max_bs
         assert bucket_for(buckets, max_bs + 1) is None
+
+
+def test_token_buckets_for_verify() -> None:
+    assert token_buckets(1024) == [8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    assert token_buckets(13) == [8, 13] and token_buckets(4) == [4]
+
+
+def test_padding_columns_keep_every_real_token_and_send_padding_to_the_padding_slot() -> None:
+    spans = [Span(3, 10, [7, 8, 9, 10], [41, 42, 43, 44]), Span(5, 2, [11, 12, 13], [51, 52, 53])]
+    ids, positions, slots, rows, seq_lens, starts, lens = padded_columns(12, spans, padding_row=9)
+    # The spans' tokens first, in order, each at its position and slot.
+    assert ids[:7] == [7, 8, 9, 10, 11, 12, 13]
+    assert positions[:7] == [10, 11, 12, 13, 2, 3, 4]
+    assert slots[:7] == [41, 42, 43, 44, 51, 52, 53]
+    assert (rows[:2], seq_lens[:2], starts[:2], lens[:2]) == ([3, 5], [14, 5], [0, 4], [4, 3])
+    # Five padding tokens, each one request of one token over the padding row and slot.
+    assert ids[7:] == [0] * 5 and positions[7:] == [0] * 5 and slots[7:] == [PADDING_SLOT] * 5
+    assert rows[2:7] == [9] * 5 and seq_lens[2:7] == [1] * 5 and lens[2:7] == [1] * 5
+    assert starts[2:7] == [7, 8, 9, 10, 11]
+    # The rest hold no token: attention skips them.
+    assert lens[7:] == [0] * 5 and rows[7:] == [9] * 5
+    # Every token belongs to exactly one request.
+    covered = sorted(t for s, n in zip(starts, lens) for t in range(s, s + n))
+    assert covered == list(range(12))
+    with pytest.raises(AssertionError):
+        padded_columns(6, spans, padding_row=9)
 
 
 def test_attention_backend_choice() -> None:
@@ -125,6 +158,7 @@ def test_graphs_give_the_eager_engines_tokens(tiny_model_path: Path, seed: int) 
     assert eager.engine.runner.graphs is None
     reference = _gpu_llm(tiny_model_path, attention_backend="torch")
     got = [o.token_ids for o in graphs.generate(prompts, params)]
+    assert graphs.engine.runner.graphs.num_replays > 0
     assert got == [o.token_ids for o in eager.generate(prompts, params)]
     assert got == [o.token_ids for o in reference.generate(prompts, params)]
 
@@ -178,3 +212,7 @@ def test_speculation_on_the_triton_backend_is_lossless(tmp_path_factory) -> None
             num_draft_chains=chains,
         )
         assert [o.token_ids for o in spec.generate(prompts, params)] == plain
+        verify = spec.engine.runner.verify_graphs
+        assert verify is not None and verify.num_replays > 0
+        depths = spec.engine.speculator.depths
+        assert all(d.graphs is not None and d.graphs.num_replays > 0 for d in depths)

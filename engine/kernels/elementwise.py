@@ -4,7 +4,8 @@ and rotary embedding fused with the write of K and V into the paged cache.
 
 Each rounds where the torch code in engine/models rounds (to the model dtype after the add,
 after the normalisation, after the activation, after each product of the rotation), so the
-results equal the torch path's up to the order of RMSNorm's float32 sum."""
+results agree with the torch path's to the model dtype's rounding (tests/test_triton_attention.py
+bounds the difference)."""
 
 from __future__ import annotations
 
