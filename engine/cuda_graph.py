@@ -209,7 +209,9 @@ class CudaGraphs:
         if self._copied is not None:
             self._copied.synchronize()  # the last copy has read the host buffer
         self._fill(size, spans)
-        self.inputs[:, :size].copy_(self.host[:, :size], non_blocking=True)
+        # The whole buffer (a few KiB): a column slice is strided, and a strided copy from the
+        # host goes through a pageable staging copy that waits for the device.
+        self.inputs.copy_(self.host, non_blocking=True)
         if self.hidden is not None:
             assert hidden is not None and hidden.shape[0] == num_tokens
             self.hidden[:num_tokens].copy_(hidden)

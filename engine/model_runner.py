@@ -181,6 +181,8 @@ class ModelRunner:
             logits, draft_hidden = batch.graph.replay(batch)
             if not keep_hidden:
                 return ForwardOutput(logits, draft_hidden)
+            # Kept hidden states outlive the next replay: out of the graph's buffer.
+            draft_hidden = draft_hidden.clone()
             return ForwardOutput(logits, draft_hidden, draft_hidden, None)
         with dump_pass(self.dumper, batch):
             hidden, draft_hidden = self._run_model(batch)

@@ -184,3 +184,20 @@ def test_silu_and_mul_matches_torch(dtype) -> None:
     expected = F.silu(gate) * up
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(silu_and_mul(gate_up).float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_modules_keep_autograd_where_gradients_are_on() -> None:
+    """The draft trainer runs the same modules with gradients: there they take the torch path,
+    which autograd can differentiate; inference takes the kernels."""
+    from engine.kernels import triton_usable
+    from engine.models.llama import RMSNorm
+
+    norm = RMSNorm(64, 1e-5).cuda()
+    x = torch.randn(3, 64, device="cuda", requires_grad=True)
+    out, summed = norm.add_and_norm(x, torch.randn(3, 64, device="cuda"))
+    (norm(x).sum() + out.sum() + summed.sum()).backward()
+    assert x.grad is not None and norm.weight.grad is not None
+    with torch.inference_mode():
+        assert triton_usable(x.detach())
+        fused = norm(x.detach())
+    torch.testing.assert_close(fused, norm(x).detach(), atol=1e-5, rtol=1e-5)

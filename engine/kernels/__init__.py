@@ -19,8 +19,15 @@ def _triton_installed() -> bool:
 
 
 def triton_usable(x: torch.Tensor) -> bool:
-    """Whether `x` lives where the Triton kernels run (a CUDA device, Triton installed)."""
-    return x.is_cuda and _triton_installed()
+    """Whether an inference op on `x` takes the Triton path: `x` lives where the kernels run
+    (a CUDA device, Triton installed), and nothing needs what they lack: a backward pass (the
+    draft trainer runs the same modules with gradients) or autocast's dtype promotion."""
+    return (
+        x.is_cuda
+        and _triton_installed()
+        and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled(x.device.type)
+    )
 
 
 def triton_runs_on(device: str | torch.device) -> bool:

@@ -62,8 +62,9 @@ def _attention_kernel(
     IEEE: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
-    request = tl.program_id(0)
-    block = tl.program_id(1)
+    # Blocks of new tokens on the first grid axis, whose size CUDA does not cap at 65,535.
+    block = tl.program_id(0)
+    request = tl.program_id(1)
     kv_head = tl.program_id(2) % NUM_KV_HEADS
     q_len = tl.load(q_lens_ptr + request)
     if block * BLOCK_TOKENS >= q_len:
@@ -205,11 +206,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D] of the new tokens -> attention output [T, H, D].
 
-    k_cache, v_cache: [slots, Hkv, D] views of one layer; req_to_token [rows, max_len];
-    per request (all [B] device tensors): its row, its length after this forward, its first
-    token in q, its number of new tokens; `max_q_len` bounds the last (a launch size, so a CUDA
-    graph captures it). `num_splits` > 1 splits each request's keys in that many parts, for
-    decode of few long sequences. Rows of `out` for tokens of no request are left untouched."""
+        k_cache, v_cache: [slots, Hkv, D] views of one layer; req_to_token [rows, max_len];
+        per request (all [B] device tensors): its row, its length after this forward, its first
+        token in q, its number of new tokens; `max_q_len` bounds the last (a launch size, so a CUDA
+        graph captures it). `num_splits` > 1 splits each request's keys in that many parts, for
+        decode of few long sequences. Every token of q must belong to one request (padding
+    included): with splits, the merge writes every row."""
     num_tokens, num_heads, dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -230,7 +232,7 @@ def paged_attention(
         lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
         stride_split = partial.stride(0)
         stride_lse_split, stride_lse_token = lse.stride(0), lse.stride(1)
-    grid = (batch, triton.cdiv(max_q_len, block_tokens), num_kv_heads * num_splits)
+    grid = (triton.cdiv(max_q_len, block_tokens), batch, num_kv_heads * num_splits)
     _attention_kernel[grid](
         q,
         partial,
