@@ -138,7 +138,8 @@ class CudaGraphs:
             )
         self._copied: torch.cuda.Event | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, GraphOutputs] = {}
+        # What every graph's outputs are copied into, sized for the largest.
+        self._outputs: GraphOutputs = ()
         self.capture_seconds = 0.0
         self.num_replays = 0
 
@@ -159,8 +160,10 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
-        """Capture every bucket, largest first, into one memory pool: only one graph's
-        intermediates are alive at a time, so they can share it."""
+        """Capture every bucket, largest first, into one memory pool. Each graph ends by
+        copying its outputs into buffers shared by all sizes (allocated outside the pool), so
+        no graph keeps memory of its own once captured: the pool holds one graph's
+        intermediates at a time, whatever the number of sizes."""
         from tqdm import tqdm
 
         device = self.kv_pool.device
@@ -178,11 +181,15 @@ class CudaGraphs:
             hidden = None if self.hidden is None else self.hidden[:size]
             with torch.cuda.stream(stream):
                 # Compiles the kernels and sets up cuBLAS outside the capture.
-                self.run(batch, hidden)
+                warm = self.run(batch, hidden)
             stream.synchronize()
+            if not self._outputs:  # the largest size comes first
+                self._outputs = tuple(torch.empty_like(out) for out in warm)
+            del warm
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[size] = self.run(batch, hidden)
+                for shared, out in zip(self._outputs, self.run(batch, hidden)):
+                    shared[:size].copy_(out)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.current_stream(device).wait_stream(stream)
@@ -238,7 +245,7 @@ class CudaGraphs:
         assert batch.graph is self and size in self.graphs
         self.graphs[size].replay()
         self.num_replays += 1
-        return tuple(out[: batch.num_tokens] for out in self.outputs[size])
+        return tuple(out[: batch.num_tokens] for out in self._outputs)
 
     def _fill(self, size: int, spans: list[Span]) -> None:
         columns = padded_columns(size, spans, self.req_to_token_pool.padding_row)
