@@ -5,7 +5,7 @@ and the kernels that take it, from a torch.profiler trace of plain greedy decode
         [--disable-cuda-graph]
 
 Without --model it builds random weights of SmolLM2-135M's shapes, or of another shape of
-bench/gpu_step.py (`--shape llama8b`). The
+bench/random_models.py (`--shape llama8b`). The
 trace covers `--steps` decode steps after the prompt: kernels launched from a replayed CUDA
 graph are counted as they run. Prints tables only; writes nothing."""
 
@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_step import random_model  # noqa: E402
+from bench.random_models import random_model  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 

@@ -38,16 +38,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.random_models import SHAPES, random_model, weight_bytes  # noqa: E402
 from bench.report import write_section  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
-FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
-FIELDS += ("num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
-SHAPES = {
-    "smollm2": (49152, 576, 1536, 30, 9, 3, 64, True, 100000.0),
-    "llama8b": (128256, 4096, 14336, 32, 32, 8, 128, False, 500000.0),
-    "tiny": (1024, 64, 128, 2, 4, 2, 16, False, 10000.0),  # for a smoke run on a CPU
-}  # the FIELDS, then rope_theta
 BATCHES = {"smollm2": [1, 16, 64], "llama8b": [1, 32], "tiny": [1, 4]}
 SHORT, MAX_MODEL_LEN, SPEC_MAX_TOKENS, STARTUP_TARGET_S = 16, 1024, 128, 30.0
 COLUMNS = ["engine_graphs", "engine_eager", "hf_eager", "hf_compiled", "hbm_floor"]
@@ -101,45 +95,6 @@ def verdict(check: Callable[[Any], bool], data: Any) -> str:
         return "yes" if check(data) else "no"
     except TypeError:  # a figure is missing: text where a number should be
         return "?"
-
-
-def random_model(name: str, folder: Path, device: str) -> Any:
-    """Build `name` with random bf16 weights on `device`, save it with a tokenizer, return it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    shape = dict(zip(FIELDS, SHAPES[name]), rope_theta=SHAPES[name][-1])
-    config = LlamaConfig(**shape, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                         bos_token_id=1, eos_token_id=2)  # fmt: skip
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # never an fp32 copy of 8B weights
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():
-        for p in model.parameters():  # tied weights come once
-            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    model.config.dtype = torch.bfloat16
-    model.save_pretrained(folder)
-    # A byte-level BPE without merges: one token per byte after <unk>, <s>, </s> (eos: id 2).
-    tokens = ["<unk>", "<s>", "</s>", *sorted(pre_tokenizers.ByteLevel.alphabet())]
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    ).save_pretrained(folder)
-    return model
-
-
-def weight_bytes(c: Any) -> int:
-    """bf16 bytes a decode step reads: decoder layers, final norm, LM head."""
-    attention = 2 * c.hidden_size * c.head_dim * (c.num_attention_heads + c.num_key_value_heads)
-    layer = attention + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
-    return 2 * (c.num_hidden_layers * layer + c.hidden_size * (1 + c.vocab_size))
 
 
 def copy_bandwidth(device: str, size: int, iters: int = 20) -> float:

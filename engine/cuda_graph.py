@@ -109,14 +109,13 @@ class CudaGraphs:
     def __init__(
         self,
         name: str,
-        run: Callable[[ForwardBatch], GraphOutputs],
+        run: Callable[[ForwardBatch, torch.Tensor | None], GraphOutputs],
         attention: AttentionBackend,
         kv_pool: KVPool,
         req_to_token_pool: ReqToTokenPool,
         buckets: list[int],
         max_span: int,
         hidden_width: int | None = None,
-        hidden_dtype: torch.dtype | None = None,
     ) -> None:
         if not attention.supports_cuda_graph:
             raise ValueError(f"{type(attention).__name__} cannot be captured in a CUDA graph")
@@ -134,13 +133,12 @@ class CudaGraphs:
         self.hidden: torch.Tensor | None = None
         if hidden_width is not None:
             self.hidden = torch.zeros(
-                (self.capacity, hidden_width), dtype=hidden_dtype, device=device
+                (self.capacity, hidden_width), dtype=kv_pool.dtype, device=device
             )
         self._copied: torch.cuda.Event | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # What every graph's outputs are copied into, sized for the largest.
         self._outputs: GraphOutputs = ()
-        self.capture_seconds = 0.0
         self.num_replays = 0
 
     def bucket_for(self, num_tokens: int) -> int | None:
@@ -194,14 +192,13 @@ class CudaGraphs:
             self.graphs[size] = graph
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
-        self.capture_seconds = time.perf_counter() - start
         used = torch.cuda.memory_allocated(device) - before
         logger.info(
             "captured %d %s CUDA graphs (%s tokens) in %.1f s, %.0f MiB",
             len(sizes),
             self.name,
             ",".join(map(str, self.buckets)),
-            self.capture_seconds,
+            time.perf_counter() - start,
             used / 2**20,
         )
 
@@ -224,18 +221,10 @@ class CudaGraphs:
             self.hidden[:num_tokens].copy_(hidden)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        tokens, reqs = self.inputs[:3, :num_tokens], self.inputs[3:, : len(spans)]
-        return ForwardBatch(
-            input_ids=tokens[_IDS],
-            positions=tokens[_POSITIONS],
-            out_cache_loc=tokens[_SLOTS],
-            req_pool_indices=reqs[_ROWS],
-            seq_lens=[span.start + len(span.token_ids) for span in spans],
-            extend_lens=[len(span.token_ids) for span in spans],
-            kv_pool=self.kv_pool,
-            req_to_token_pool=self.req_to_token_pool,
-            graph=self,
-            graph_batch_size=size,
+        return self._batch(
+            size,
+            [span.start + len(span.token_ids) for span in spans],
+            [len(span.token_ids) for span in spans],
         )
 
     def replay(self, batch: ForwardBatch) -> GraphOutputs:
@@ -252,19 +241,27 @@ class CudaGraphs:
         self.host[:, :size] = torch.tensor(columns)
 
     def _static_batch(self, size: int) -> ForwardBatch:
-        tokens, reqs = self.inputs[:3, :size], self.inputs[3:, :size]
-        batch = ForwardBatch(
-            input_ids=tokens[_IDS],
-            positions=tokens[_POSITIONS],
-            out_cache_loc=tokens[_SLOTS],
-            req_pool_indices=reqs[_ROWS],
-            seq_lens=[1] * size,
-            extend_lens=[1] * size,
-            kv_pool=self.kv_pool,
-            req_to_token_pool=self.req_to_token_pool,
-            graph_batch_size=size,
-        )
+        """The batch captured for `size`: every column, its metadata over the static buffers."""
+        batch = self._batch(size, [1] * size, [1] * size)
+        reqs = self.inputs[3:, :size]
         batch.attn_metadata = self.attention.prepare_for_capture(
             reqs[_ROWS], reqs[_SEQ_LENS], reqs[_Q_STARTS], reqs[_Q_LENS], self.max_span
         )
         return batch
+
+    def _batch(self, size: int, seq_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
+        """A batch over the first columns of the static buffers: sum(extend_lens) tokens of
+        len(seq_lens) requests, in the graph of `size`."""
+        tokens = self.inputs[:3, : sum(extend_lens)]
+        return ForwardBatch(
+            input_ids=tokens[_IDS],
+            positions=tokens[_POSITIONS],
+            out_cache_loc=tokens[_SLOTS],
+            req_pool_indices=self.inputs[3 + _ROWS, : len(seq_lens)],
+            seq_lens=seq_lens,
+            extend_lens=extend_lens,
+            kv_pool=self.kv_pool,
+            req_to_token_pool=self.req_to_token_pool,
+            graph=self,
+            graph_batch_size=size,
+        )

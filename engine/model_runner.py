@@ -113,19 +113,9 @@ class ModelRunner:
     def build_batch(self, requests: list[Request]) -> ForwardBatch:
         """Each request extends its cached prefix (`kv_len`) to all of its tokens. A decode
         batch that a CUDA graph holds goes into the graph's static buffers."""
-        if self._graph_runs(requests):
-            assert self.graphs is not None
-            return self.graphs.load(
-                [
-                    Span(
-                        req.row,
-                        req.kv_len,
-                        req.token_ids(req.kv_len, req.num_tokens),
-                        req.slots[req.kv_len : req.num_tokens],
-                    )
-                    for req in requests
-                ]
-            )
+        graph_batch = self._decode_graph_batch(requests)
+        if graph_batch is not None:
+            return graph_batch
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -157,15 +147,25 @@ class ModelRunner:
         batch.attn_metadata = self.attention.prepare(batch)
         return batch
 
-    def _graph_runs(self, requests: list[Request]) -> bool:
-        """Whether a CUDA graph runs this batch: every request decodes its one newest token (an
-        output token, so never one given as an embedding), and a graph holds the batch's size."""
-        if self.graphs is None or self.graphs.bucket_for(len(requests)) is None:
-            return False
-        return all(
+    def _decode_graph_batch(self, requests: list[Request]) -> ForwardBatch | None:
+        """The batch in a decode graph's buffers when every request decodes its one newest
+        token (an output token, so never one given as an embedding) and a graph holds the
+        batch's size; None otherwise."""
+        if self.graphs is None or not all(
             req.num_tokens - req.kv_len == 1 and req.kv_len >= len(req.prompt_token_ids)
             for req in requests
-        )
+        ):
+            return None
+        spans = [
+            Span(
+                req.row,
+                req.kv_len,
+                req.token_ids(req.kv_len, req.num_tokens),
+                req.slots[req.kv_len : req.num_tokens],
+            )
+            for req in requests
+        ]
+        return self.graphs.load(spans) if self.graphs.fits(spans) else None
 
     def _every_token_outputs(
         self, batch: ForwardBatch, _hidden_input: None = None

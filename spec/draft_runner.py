@@ -90,7 +90,7 @@ class DraftRunner:
         self.dumper = tensor_dumper(config.tensor_dump, draft_role(depth), module)
         self.graphs: CudaGraphs | None = None
 
-    def capture_graphs(self, max_span: int, max_tokens: int, in_width: int) -> None:
+    def capture_graphs(self, max_span: int, max_tokens: int) -> None:
         """Capture this depth's forward for batches of spans of at most `max_span` tokens, up
         to `max_tokens` in all (draft extends after a verify step). The caller decides whether
         this engine runs graphs."""
@@ -102,8 +102,7 @@ class DraftRunner:
             self.req_to_token_pool,
             token_buckets(max_tokens),
             max_span=max_span,
-            hidden_width=in_width,
-            hidden_dtype=self.kv_pool.dtype,
+            hidden_width=self.module.hnorm.weight.shape[0],
         )
         self.graphs.capture(progress=False)
 

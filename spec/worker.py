@@ -64,12 +64,9 @@ class MultiLayerEagleWorker:
         K."""
         k, chains = self.num_draft_steps, self.num_chains
         self.runner.capture_verify_graphs(k + 1, chains)
-        max_requests = self.runner.config.cuda_graph_max_bs
-        widths = [self.runner.model_config.spec_hidden_size] + [
-            self.runner.model_config.hidden_size
-        ] * (k - 1)
-        for runner, width in zip(self.depths, widths):
-            runner.capture_graphs(2 * k, max_requests * chains * 2 * k, width)
+        max_tokens = self.runner.config.cuda_graph_max_bs * chains * 2 * k
+        for runner in self.depths:
+            runner.capture_graphs(2 * k, max_tokens)
 
     # --- after the target's prefill (prefill nodes, and the offline engine) ---
     @torch.inference_mode()

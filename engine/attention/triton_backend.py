@@ -10,6 +10,7 @@ fills them before each replay; `prepare_for_capture` builds metadata over those 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +43,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> TritonMetadata:
         device = batch.input_ids.device
-        starts, total = [], 0
-        for n in batch.extend_lens:
-            starts.append(total)
-            total += n
+        starts = [0, *itertools.accumulate(batch.extend_lens)][:-1]
         lengths = torch.tensor([batch.seq_lens, starts, batch.extend_lens], dtype=torch.int64).to(
             device, non_blocking=True
         )
