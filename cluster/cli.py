@@ -9,6 +9,8 @@ import logging
 import os
 import sys
 
+from cluster.bench_serving.cli import DESCRIPTION as BENCH_SERVING_DESCRIPTION
+from cluster.bench_serving.cli import add_bench_serving_args, run_bench_serving
 from cluster.cli_args import add_model_args, layer_list
 from cluster.train_draft_cli import add_train_draft_args, run_train_draft
 from engine.errors import PdclusterError
@@ -29,6 +31,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="KV slots per node (default: 2 GiB worth on CPU, 80%% of free memory on GPU)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="fraction of the GPU's total memory one engine may take (weights, KV, activations), "
+        "for engines sharing a GPU (default: the KV pool takes 80%% of the memory free at "
+        "start-up; --gpus-per-node below 1 sets it to the node's share)",
     )
     parser.add_argument(
         "--attention-backend",
@@ -98,6 +109,26 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--prefill-nodes", type=int, default=1, help="prefill actors (default 1)")
     parser.add_argument("--decode-nodes", type=int, default=1, help="decode actors (default 1)")
+    parser.add_argument(
+        "--aggregated",
+        action="store_true",
+        help="no disaggregation: --replicas engines, each prefilling and decoding its own "
+        "requests, behind the same router and API (the baseline to compare with)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="with --aggregated: engine actors, one GPU each (default 1)",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=float,
+        default=1.0,
+        metavar="SHARE",
+        help="share of a GPU each node takes; 0.5 puts a prefill and a decode node on one GPU "
+        "(KV pools sized to the share, transfers through host memory) (default 1)",
+    )
     parser.add_argument("--prefill-policy", default="round_robin", choices=sorted(POLICIES))
     parser.add_argument("--decode-policy", default="least_load", choices=sorted(POLICIES))
     parser.add_argument(
@@ -156,6 +187,7 @@ def engine_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
@@ -190,6 +222,9 @@ def run_serve(args: argparse.Namespace) -> None:
             engine=engine_args(args),
             prefill_nodes=args.prefill_nodes,
             decode_nodes=args.decode_nodes,
+            aggregated=args.aggregated,
+            replicas=args.replicas,
+            gpus_per_node=args.gpus_per_node,
             prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy,
             ray_address=args.ray_address,
@@ -285,6 +320,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_train_draft_args(train)
     train.set_defaults(func=run_train_draft)
+
+    bench = commands.add_parser("bench", help="benchmark a running server")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True)
+    serving = benchmarks.add_parser(
+        "serving",
+        help="load an OpenAI-compatible server (pdcluster, vLLM, SGLang) at request rates",
+        description=BENCH_SERVING_DESCRIPTION,
+    )
+    add_bench_serving_args(serving)
+    serving.set_defaults(func=run_bench_serving)
     return parser
 
 
@@ -294,13 +339,14 @@ def main(argv: list[str] | None = None) -> int:
 
     keep_large_allocations_in_heap()
     try:
-        args.func(args)
+        status = args.func(args)
     except (PdclusterError, ValueError) as err:
         print(f"pdcluster: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    # Commands that report how they ended (bench: 130 after Ctrl-C) return their exit code.
+    return status if isinstance(status, int) else 0
 
 
 if __name__ == "__main__":

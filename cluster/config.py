@@ -13,6 +13,14 @@ class ClusterConfig:
     engine: EngineArgs = field(default_factory=EngineArgs)
     prefill_nodes: int = 1
     decode_nodes: int = 1
+    # Aggregated: `replicas` nodes that each prefill and decode their own requests (no prefill
+    # nodes, no KV transfer), behind the same router; prefill_nodes and decode_nodes are unused.
+    aggregated: bool = False
+    replicas: int = 1
+    # The share of a GPU each node takes: 1, or a fraction so that nodes share a GPU (0.5: a
+    # prefill and a decode node on one GPU), each sizing its KV pool from its share and
+    # transferring through host memory (NCCL will not pair a GPU with itself). Unused on CPU.
+    gpus_per_node: float = 1.0
     prefill_policy: str = "round_robin"
     decode_policy: str = "least_load"
     ray_address: str | None = None
@@ -37,8 +45,17 @@ class ClusterConfig:
     stats_log_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.prefill_nodes < 1 or self.decode_nodes < 1:
+        if self.aggregated and self.replicas < 1:
+            raise ValueError(
+                f"an aggregated cluster needs at least one replica, got {self.replicas}"
+            )
+        if not self.aggregated and (self.prefill_nodes < 1 or self.decode_nodes < 1):
             raise ValueError("a cluster needs at least one prefill node and one decode node")
+        if not 0 < self.gpus_per_node <= 1:
+            raise ValueError(
+                f"gpus_per_node must be in (0, 1] (a node uses one GPU at most), got "
+                f"{self.gpus_per_node}"
+            )
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"unknown log level {self.log_level!r}")
         if self.node_wait_s < 0:
@@ -50,6 +67,10 @@ class ClusterConfig:
                 f"prefill and decode nodes need different Ray resources, both are "
                 f"{self.prefill_resource!r}"
             )
+
+    @property
+    def shares_gpus(self) -> bool:
+        return self.gpus_per_node < 1
 
     @property
     def world_size(self) -> int:

@@ -1,7 +1,9 @@
 """Start a cluster on Ray: one actor per prefill and decode node, each in a placement-group
-bundle of its own (one GPU each on GPU; on hosts that carry the role's custom resource where the
-Ray cluster declares one), paired, joined into the data-plane process group and connected to the
-router. `Cluster.shutdown` stops every actor."""
+bundle of its own (one GPU each on GPU, or a share of one; on hosts that carry the role's custom
+resource where the Ray cluster declares one), paired, joined into the data-plane process group
+and connected to the router. An aggregated cluster starts replicas instead (each an engine that
+prefills its own prompts), with no pairing and no process group. `Cluster.shutdown` stops every
+actor."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.config import ClusterConfig
 from cluster.router import NodeState, Router
 from cluster.tracing import clock_offset_ns
-from decode_node import DecodeNode
+from decode_node import AggregatedNode, DecodeNode
 from engine.errors import PdclusterError
 from engine.loader import EngineArgs, ModelSpec, resolve
 from metadata.node_common import AUTO_HOST, NodeOptions
@@ -38,8 +40,8 @@ class Cluster:
     config: ClusterConfig
     spec: ModelSpec
     router: Router
-    prefill_actors: list
-    decode_actors: list
+    prefill_actors: list  # none on an aggregated cluster
+    decode_actors: list  # the replicas on an aggregated cluster
     placement: object
     started_ray: bool
     store: object
@@ -66,10 +68,11 @@ class Cluster:
             prefill_actors, decode_actors = _start_nodes(
                 config, placement, on_gpu, AUTO_HOST if joined else "127.0.0.1"
             )
+            decode_role = "replica" if config.aggregated else "decode"
             prefill_info = _get([a.describe.remote() for a in prefill_actors], "prefill", config)
-            decode_info = _get([a.describe.remote() for a in decode_actors], "decode", config)
+            decode_info = _get([a.describe.remote() for a in decode_actors], decode_role, config)
             kv_tokens = min(
-                _get([a.stats.remote() for a in decode_actors], "decode", config),
+                _get([a.stats.remote() for a in decode_actors], decode_role, config),
                 key=lambda s: s["kv_capacity"],
             )["kv_capacity"]
             prefill_states = [
@@ -77,7 +80,7 @@ class Cluster:
                 for i, (a, info) in enumerate(zip(prefill_actors, prefill_info))
             ]
             decode_states = [
-                NodeState("decode", i, _pinger(a), info["endpoint"], stats=_stats_reader(a))
+                NodeState(decode_role, i, _pinger(a), info["endpoint"], stats=_stats_reader(a))
                 for i, (a, info) in enumerate(zip(decode_actors, decode_info))
             ]
             if config.enable_tracing:
@@ -96,30 +99,16 @@ class Cluster:
                 tracing=config.enable_tracing,
                 trace_dir=config.trace_dir,
             )
-            prefill_endpoints = {i: info["endpoint"] for i, info in enumerate(prefill_info)}
-            prefill_specs = {i: info["spec"] for i, info in enumerate(prefill_info)}
-            decode_endpoints = {i: info["endpoint"] for i, info in enumerate(decode_info)}
-            _get(
-                [
-                    a.connect.remote(prefill_endpoints, prefill_specs, router.endpoint)
-                    for a in decode_actors
-                ],
-                "decode",
-                config,
-            )
-            _get([a.connect.remote(decode_endpoints) for a in prefill_actors], "prefill", config)
-            store, port = create_store_server(host)
-            prefill_ranks = [config.prefill_rank(i) for i in range(config.prefill_nodes)]
-            decode_ranks = [config.decode_rank(i) for i in range(config.decode_nodes)]
-            # Each prefill node opens a channel to every decode node and vice versa.
-            joins = [
-                a.join_group.remote(host, port, rank, config.world_size, decode_ranks)
-                for rank, a in zip(prefill_ranks, prefill_actors)
-            ] + [
-                a.join_group.remote(host, port, rank, config.world_size, prefill_ranks)
-                for rank, a in zip(decode_ranks, decode_actors)
-            ]
-            _get(joins, "node", config)
+            if config.aggregated:
+                _get([a.connect.remote(router.endpoint) for a in decode_actors], "replica", config)
+            else:
+                store = _pair_and_join(
+                    config,
+                    host,
+                    router,
+                    (prefill_actors, prefill_info),
+                    (decode_actors, decode_info),
+                )
             _get([a.start.remote() for a in prefill_actors + decode_actors], "node", config)
         except BaseException:
             if router is not None:
@@ -131,12 +120,7 @@ class Cluster:
             if started_ray:
                 ray.shutdown()
             raise
-        log.info(
-            "cluster up: %d prefill, %d decode nodes on %s",
-            config.prefill_nodes,
-            config.decode_nodes,
-            device,
-        )
+        log.info("cluster up: %s on %s", describe_nodes(config), device)
         return cls(
             config, spec, router, prefill_actors, decode_actors, placement, started_ray, store
         )
@@ -166,6 +150,44 @@ class Cluster:
         remove_placement_group(self.placement)
         if self.started_ray:
             ray.shutdown()
+
+
+def _pair_and_join(
+    config: ClusterConfig,
+    host: str,
+    router: Router,
+    prefill: tuple[list, list[dict]],
+    decode: tuple[list, list[dict]],
+):
+    """Pair every decode node with every prefill node and the router, then join all of them
+    into the data-plane process group (each prefill node opens a channel to every decode node
+    and vice versa). `prefill`, `decode`: the role's actors and their `describe()`. Returns the
+    group's store, which must live as long as the cluster."""
+    (prefill_actors, prefill_info), (decode_actors, decode_info) = prefill, decode
+    prefill_endpoints = {i: info["endpoint"] for i, info in enumerate(prefill_info)}
+    prefill_specs = {i: info["spec"] for i, info in enumerate(prefill_info)}
+    decode_endpoints = {i: info["endpoint"] for i, info in enumerate(decode_info)}
+    _get(
+        [
+            a.connect.remote(prefill_endpoints, prefill_specs, router.endpoint)
+            for a in decode_actors
+        ],
+        "decode",
+        config,
+    )
+    _get([a.connect.remote(decode_endpoints) for a in prefill_actors], "prefill", config)
+    store, port = create_store_server(host)
+    prefill_ranks = [config.prefill_rank(i) for i in range(config.prefill_nodes)]
+    decode_ranks = [config.decode_rank(i) for i in range(config.decode_nodes)]
+    joins = [
+        a.join_group.remote(host, port, rank, config.world_size, decode_ranks)
+        for rank, a in zip(prefill_ranks, prefill_actors)
+    ] + [
+        a.join_group.remote(host, port, rank, config.world_size, prefill_ranks)
+        for rank, a in zip(decode_ranks, decode_actors)
+    ]
+    _get(joins, "node", config)
+    return store
 
 
 def init_ray(address: str | None) -> None:
@@ -203,10 +225,21 @@ class RoleDemand:
     bundle: dict[str, float]
 
 
+def describe_nodes(config: ClusterConfig) -> str:
+    if config.aggregated:
+        return f"{config.replicas} aggregated replica{'s' if config.replicas != 1 else ''}"
+    return f"{config.prefill_nodes} prefill + {config.decode_nodes} decode nodes"
+
+
 def role_demands(
     config: ClusterConfig, on_gpu: bool, cluster_resources: dict[str, float]
 ) -> list[RoleDemand]:
-    base = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": CPU_NODE_SHARE}
+    share = config.gpus_per_node
+    gpus = int(share) if float(share).is_integer() else share  # a whole GPU reads "1"
+    base = {"GPU": gpus, "CPU": 1} if on_gpu else {"CPU": CPU_NODE_SHARE}
+    if config.aggregated:
+        # A replica is both roles: it asks for no role's resource.
+        return [RoleDemand("replica", config.replicas, base)]
     demands = []
     for role, count, resource in (
         ("prefill", config.prefill_nodes, config.prefill_resource),
@@ -278,9 +311,13 @@ def _place(config: ClusterConfig, on_gpu: bool) -> PlacementGroup:
 def _start_nodes(
     config: ClusterConfig, placement: PlacementGroup, on_gpu: bool, node_host: str
 ) -> tuple[list, list]:
-    """Create every node actor in its bundle; returns (prefill actors, decode actors)."""
+    """Create every node actor in its bundle; returns (prefill actors, decode actors), the
+    latter the replicas on an aggregated cluster."""
     # Each actor sees only its own GPU, as cuda:0.
     engine_args = replace(config.engine, device="cuda:0" if on_gpu else "cpu")
+    shares_gpu = on_gpu and config.shares_gpus
+    if shares_gpu and engine_args.gpu_memory_utilization is None:
+        engine_args = replace(engine_args, gpu_memory_utilization=config.gpus_per_node)
     threads = None if on_gpu else config.cpu_threads_per_node
 
     def create(actor_cls, role: str, index: int, rank: int):
@@ -293,15 +330,19 @@ def _start_nodes(
             enable_tracing=config.enable_tracing,
             log_level=config.log_level,
             stats_log_interval_s=config.stats_log_interval_s,
+            transfer_through_host=shares_gpu,
         )
         return actor_cls.options(
-            num_gpus=1 if on_gpu else 0,
+            num_gpus=config.gpus_per_node if on_gpu else 0,
             num_cpus=1 if on_gpu else CPU_NODE_SHARE,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement, placement_group_bundle_index=rank
             ),
         ).remote(engine_args, options)
 
+    if config.aggregated:
+        replica_cls = ray.remote(AggregatedNode)
+        return [], [create(replica_cls, "replica", i, i) for i in range(config.replicas)]
     prefill_cls = ray.remote(_prefill_class())
     decode_cls = ray.remote(DecodeNode)
     prefill = [

@@ -1,7 +1,11 @@
 """The router: the cluster's GenerationBackend. It validates and tokenizes, mints a room per
 request, picks a prefill and a decode node by policy, sends the request to the decode node (which
 preallocates and drives the prefill node), and turns the decode node's token stream into
-detokenized deltas. It watches node health, so a dead node ends its requests with an error."""
+detokenized deltas. It watches node health, so a dead node ends its requests with an error.
+
+Without prefill nodes the cluster is aggregated: each "decode" node is a replica that prefills
+its own prompts (decode_node.AggregatedNode), picked by the decode policy, and stands for both
+roles in usage, errors and traces."""
 
 from __future__ import annotations
 
@@ -64,7 +68,7 @@ class NodeState:
 
 @dataclass
 class _Flight:
-    prefill: NodeState
+    prefill: NodeState | None  # None on an aggregated cluster
     decode: NodeState
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     got_first_token: bool = False
@@ -148,6 +152,21 @@ class Router:
         self._context.term()
         self._send_context.term()
 
+    @property
+    def aggregated(self) -> bool:
+        """Replicas that prefill their own prompts, no prefill nodes."""
+        return not self.prefill_nodes
+
+    @property
+    def _decode_role(self) -> str:
+        return "replica" if self.aggregated else "decode"
+
+    @property
+    def _prefill_stage(self) -> str:
+        # Before the first token a disaggregated request may be anywhere between the prefill
+        # node and the transfer's landing; an aggregated one is in its replica's prefill.
+        return "prefill" if self.aggregated else "prefill/transfer"
+
     # --- GenerationBackend ---
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)
@@ -183,7 +202,7 @@ class Router:
             }
             for n in self.prefill_nodes + self.decode_nodes
         ]
-        alive_p = any(n.alive for n in self.prefill_nodes)
+        alive_p = self.aggregated or any(n.alive for n in self.prefill_nodes)
         alive_d = any(n.alive for n in self.decode_nodes)
         all_alive = all(n["status"] == "ok" for n in nodes)
         status = "ok" if all_alive else ("degraded" if alive_p and alive_d else "down")
@@ -208,17 +227,20 @@ class Router:
         timeline = traces.begin(request_id, trace_events) if traces is not None else None
         await self.start()
         timer = self.metrics.request()
-        prefill = self._pick(self.prefill_nodes, self.prefill_policy, "prefill")
-        decode_node = self._pick(self.decode_nodes, self.decode_policy, "decode")
+        decode_node = self._pick(self.decode_nodes, self.decode_policy, self._decode_role)
+        prefill = None
+        if not self.aggregated:
+            prefill = self._pick(self.prefill_nodes, self.prefill_policy, "prefill")
+            prefill.in_flight += 1
         room = secrets.randbits(63)
         flight = _Flight(prefill, decode_node)
         self._flights[room] = flight
-        prefill.in_flight += 1
         decode_node.in_flight += 1
         finished = False
+        prefilled_by = prefill or decode_node
         if timeline is not None:
             timeline.room = room
-            timeline.mark("routed", {"prefill": prefill.name, "decode": decode_node.name})
+            timeline.mark("routed", {"prefill": prefilled_by.name, "decode": decode_node.name})
         try:
             self._outboxes[decode_node.index].send(
                 encode(
@@ -227,7 +249,7 @@ class Router:
                         request_id,
                         list(prompt_token_ids),
                         _sampling_spec(params),
-                        prefill.index,
+                        prefilled_by.index,
                         _embeddings_spec(prompt_embeds),
                     )
                 )
@@ -248,11 +270,12 @@ class Router:
                 if update.error is not None:
                     finished = True
                     timer.failed(failure_kind(update.error))
-                    stage = "decode" if flight.got_first_token else "prefill/transfer"
+                    stage = "decode" if flight.got_first_token else self._prefill_stage
                     raise BackendError(update.error, stage=stage, node=decode_node.name)
                 if update.token_ids and not flight.got_first_token:
                     flight.got_first_token = True
-                    prefill.in_flight -= 1
+                    if prefill is not None:
+                        prefill.in_flight -= 1
                     if timeline is not None:
                         timeline.mark("first_token")
                 completion_tokens += len(update.token_ids)
@@ -267,7 +290,7 @@ class Router:
                 usage = make_usage(
                     len(prompt_token_ids),
                     completion_tokens,
-                    prefill_node=prefill.name,
+                    prefill_node=prefilled_by.name,
                     decode_node=decode_node.name,
                     **_speculation_usage(update.stats),
                 )
@@ -282,7 +305,7 @@ class Router:
                 return
         finally:
             self._flights.pop(room, None)
-            if not flight.got_first_token:
+            if not flight.got_first_token and prefill is not None:
                 prefill.in_flight -= 1
             decode_node.in_flight -= 1
             if not finished:
@@ -322,7 +345,9 @@ class Router:
             log.error("%s is down: %s", node.name, node.error)
             for flight in list(self._flights.values()):
                 if flight.decode is node:
-                    flight.queue.put_nowait(_NodeDied(node, "decode"))
+                    before_first = self.aggregated and not flight.got_first_token
+                    stage = "prefill" if before_first else "decode"
+                    flight.queue.put_nowait(_NodeDied(node, stage))
                 elif flight.prefill is node and not flight.got_first_token:
                     flight.queue.put_nowait(_NodeDied(node, "prefill"))
 
@@ -337,7 +362,7 @@ class Router:
         self,
         timeline: RequestTimeline,
         update: TokenUpdate,
-        prefill: NodeState,
+        prefill: NodeState | None,
         decode: NodeState,
         usage: dict[str, Any],
     ) -> dict[str, Any]:
@@ -347,6 +372,7 @@ class Router:
         nodes = [
             NodeTimeline(node.name, reported.get(node.role, []), node.clock_offset_ns)
             for node in (prefill, decode)
+            if node is not None
         ]
         return await self.traces.finish(timeline, update.finish_reason, nodes, usage)
 

@@ -9,18 +9,14 @@ import logging
 import uvicorn
 
 from cluster.config import ServeConfig
-from cluster.launcher import Cluster
+from cluster.launcher import Cluster, describe_nodes
 from cluster.openai_api import create_app
 
 log = logging.getLogger(__name__)
 
 
 def serve(config: ServeConfig) -> None:
-    print(
-        f"starting {config.cluster.prefill_nodes} prefill + {config.cluster.decode_nodes} "
-        "decode nodes ...",
-        flush=True,
-    )
+    print(f"starting {describe_nodes(config.cluster)} ...", flush=True)
     cluster = Cluster.launch(config.cluster)
     try:
         asyncio.run(_serve_http(cluster, config))

@@ -30,7 +30,7 @@ from engine.tracing import clock_ns
 log = logging.getLogger(__name__)
 TRACES_KEPT = 256  # the most recent traces GET /v1/traces/{id} can answer
 ROUTER_PID = 1
-_ROLE_PID_BASE = {"prefill": 100, "decode": 200}
+_ROLE_PID_BASE = {"prefill": 100, "decode": 200, "replica": 300}
 _DECODE_STEP_SPANS = ("draft", "decode")  # each decode step opens one of these first
 
 
@@ -131,11 +131,16 @@ def chrome_trace(
     """The request's Chrome trace-event JSON (`nodes`: its prefill node's and decode node's
     timelines), with its summary under otherData.trace_summary."""
     by_role = {node.role: node for node in nodes}
-    prefill, decode = by_role.get("prefill"), by_role.get("decode")
+    # An aggregated cluster's replica talks to the router as a decode node does.
+    prefill, decode = by_role.get("prefill"), by_role.get("decode") or by_role.get("replica")
     aligned = _align(router.events, prefill, decode)
     request_id = router.request_id
     tracks = [("router", ROUTER_PID, router.events)]
-    tracks += [(node.name, node.pid, aligned[node.role]) for node in (prefill, decode) if node]
+    tracks += [
+        (node.name, node.pid, aligned[key])
+        for key, node in (("prefill", prefill), ("decode", decode))
+        if node is not None
+    ]
     events: list[dict[str, Any]] = []
     for sort_index, (name, pid, track) in enumerate(tracks):
         events += _metadata(name, pid, sort_index)

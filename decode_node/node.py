@@ -42,7 +42,7 @@ from metadata.node_common import (
     metadata_buffers,
     transfer_spec,
 )
-from metadata.node_metrics import Activity, ActivityLog, TransferTotals
+from metadata.node_metrics import Activity, ActivityLog, TransferTotals, speculation_usage
 from metadata.serving_node import ServingNode
 from metadata.transfer import KVReceiver, TransferState
 from metadata.wire import kv_nbytes
@@ -118,7 +118,9 @@ class DecodeNode(ServingNode):
 
     def _open_channel(self) -> KVReceiver:
         self.receiver = KVReceiver(
-            self.spec.engine_config.device, timeout_s=self.options.transfer_timeout_s
+            self.spec.engine_config.device,
+            timeout_s=self.options.transfer_timeout_s,
+            host_staged=self.options.transfer_through_host,
         )
         return self.receiver
 
@@ -390,20 +392,11 @@ class DecodeNode(ServingNode):
         self._send(TokenUpdate(tracked.message.room, new, logprobs, req.finish_reason, stats=stats))
 
     def _speculation_usage(self, req: Request) -> dict:
-        """The request's speculation figures under their OpenAI usage names; also added to
-        this node's totals."""
-        stats = req.spec_stats
-        if stats is None or not stats.verify_steps:
-            return {}
-        self.spec_totals.add(stats)
-        return {
-            "completion_tokens_details": {
-                "accepted_prediction_tokens": stats.accepted_tokens,
-                "rejected_prediction_tokens": stats.rejected_tokens,
-            },
-            "spec_verify_steps": stats.verify_steps,
-            "spec_accept_length": stats.accept_length,
-        }
+        """The request's speculation figures for `usage`, also added to this node's totals."""
+        usage = speculation_usage(req.spec_stats)
+        if usage:
+            self.spec_totals.add(req.spec_stats)
+        return usage
 
     def _abort(self, room: int) -> None:
         tracked = self.rooms.get(room)

@@ -34,6 +34,7 @@ class LLM:
         max_model_len: int | None = None,
         kv_cache_tokens: int | None = None,
         max_prefill_tokens: int = 8192,
+        gpu_memory_utilization: float | None = None,
         attention_backend: str = "auto",
         disable_cuda_graph: bool = False,
         cuda_graph_max_bs: int | None = None,
@@ -58,6 +59,8 @@ class LLM:
         `attention_backend`: "triton" (GPU), "torch" (anywhere) or "auto" (triton on a GPU).
         On a GPU, decode steps of up to `cuda_graph_max_bs` requests (default max_num_seqs)
         replay CUDA graphs captured here, unless `disable_cuda_graph` or a tensor dump.
+        `gpu_memory_utilization`: the fraction of the GPU's total memory this engine may take,
+        for engines that share a GPU (default: the KV pool takes 80% of what is free).
         `enable_tracing` gives each output its timeline (`RequestOutput.trace`, engine.tracing)."""
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
@@ -69,6 +72,7 @@ class LLM:
             max_model_len=max_model_len,
             kv_cache_tokens=kv_cache_tokens,
             max_prefill_tokens=max_prefill_tokens,
+            gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend,
             disable_cuda_graph=disable_cuda_graph,
             cuda_graph_max_bs=cuda_graph_max_bs,

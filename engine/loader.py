@@ -31,6 +31,10 @@ class EngineArgs:
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
     max_prefill_tokens: int = 8192
+    # The fraction of the GPU's total memory this engine may take (weights, KV and activations),
+    # for engines that share a GPU; None: the KV pool sizes itself from the memory free at
+    # start-up. Unused on CPU and when kv_cache_tokens is given.
+    gpu_memory_utilization: float | None = None
     # "auto": triton on a GPU, torch elsewhere (engine.attention).
     attention_backend: str = "auto"
     # Decode steps on a GPU replay CUDA graphs (engine/cuda_graph.py) for batches up to
@@ -65,6 +69,9 @@ class EngineArgs:
             raise ValueError("debug_tensor_dump_layers needs debug_tensor_dump_dir")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,9 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
     device = args.device or default_device()
     dtype = resolve_dtype(None if args.dtype == "auto" else args.dtype, device)
     max_model_len = args.max_model_len or model_config.max_position_embeddings
-    kv_tokens = args.kv_cache_tokens or _default_kv_tokens(model_config, dtype, device)
+    kv_tokens = args.kv_cache_tokens or _default_kv_tokens(
+        model_config, dtype, device, args.gpu_memory_utilization
+    )
     backend = resolve_attention_backend(args.attention_backend, device)
     engine_config = EngineConfig(
         device=device,
@@ -161,12 +170,18 @@ def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
 
 
-def _default_kv_tokens(config: ModelConfig, dtype: torch.dtype, device: str) -> int:
+def _default_kv_tokens(
+    config: ModelConfig, dtype: torch.dtype, device: str, utilization: float | None = None
+) -> int:
     per_token = KVPool.bytes_per_token(
         config.num_layers, config.num_kv_heads, config.head_dim, dtype
     )
     if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        if utilization is not None:
+            # Engines sharing the GPU start together: each keeps to its share of the total,
+            # whatever the others had taken when it measured.
+            free = min(free, int(total * utilization))
         # Weights are not loaded yet: leave room for them, and a share for activations.
         budget = int(free * DEFAULT_GPU_KV_FRACTION) - _weight_bytes(config, dtype)
     else:

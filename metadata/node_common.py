@@ -37,6 +37,9 @@ class NodeOptions:
     enable_tracing: bool = False  # a timeline per request (engine.tracing), sent to the router
     log_level: str = "info"
     stats_log_interval_s: float = 5.0  # a busy node logs its load this often; <= 0: never
+    # Transfers over gloo through host memory although the pools are on a GPU: for nodes that
+    # share one GPU, which NCCL refuses to pair with itself.
+    transfer_through_host: bool = False
 
     @property
     def name(self) -> str:
@@ -137,6 +140,13 @@ def abandon_slots(req: Request, room: int, why: str, also: str = "") -> None:
 
 
 def join_transfer_group(
-    spec: ModelSpec, store_host: str, store_port: int, rank: int, world_size: int
+    spec: ModelSpec,
+    store_host: str,
+    store_port: int,
+    rank: int,
+    world_size: int,
+    through_host: bool = False,
 ) -> None:
-    init_transfer_group(store_host, store_port, rank, world_size, spec.engine_config.device)
+    device = spec.engine_config.device
+    backend = "gloo" if through_host else None
+    init_transfer_group(store_host, store_port, rank, world_size, device, backend=backend)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.request import SpecStats
 from metadata.transfer import TransferHandle, TransferState
 
 # Upper bounds (seconds) of the transfer latency histogram; the last bucket is +Inf.
@@ -130,3 +131,18 @@ class ActivityLog:
         line = format_activity(activity, before, elapsed)
         self._log.info(line)
         return line
+
+
+def speculation_usage(stats: SpecStats | None) -> dict:
+    """A finished request's speculation figures under their OpenAI `usage` names; empty when it
+    never verified a draft."""
+    if stats is None or not stats.verify_steps:
+        return {}
+    return {
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": stats.accepted_tokens,
+            "rejected_prediction_tokens": stats.rejected_tokens,
+        },
+        "spec_verify_steps": stats.verify_steps,
+        "spec_accept_length": stats.accept_length,
+    }

@@ -38,7 +38,11 @@ def init_transfer_group(
     world_size: int,
     device: str,
     timeout_s: float = 600,
+    backend: str | None = None,
 ) -> None:
+    """`backend`: None picks by device (`backend_for`); "gloo" on a CUDA device for nodes that
+    share a GPU (NCCL will not pair a GPU with itself), whose transfers then stage through host
+    memory (metadata.transfer, `host_staged`)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
     if dist.is_initialized():
@@ -51,7 +55,7 @@ def init_transfer_group(
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(store_host, store_port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group(
-        backend=backend_for(torch_device),
+        backend=backend or backend_for(torch_device),
         store=store,
         rank=rank,
         world_size=world_size,

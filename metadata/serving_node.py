@@ -41,7 +41,14 @@ class ServingNode:
     def join_group(
         self, store_host: str, store_port: int, rank: int, world_size: int, peers: list[int]
     ) -> None:
-        join_transfer_group(self.spec, store_host, store_port, rank, world_size)
+        join_transfer_group(
+            self.spec,
+            store_host,
+            store_port,
+            rank,
+            world_size,
+            through_host=self.options.transfer_through_host,
+        )
         self.rank = rank
         self._channel = self._open_channel()
         open_channels(self._channel, peers, self.options.transfer_timeout_s)

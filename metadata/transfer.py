@@ -78,14 +78,25 @@ class _PeerWorkers:
     _role = "kv-channel"
 
     def __init__(
-        self, device: str | torch.device, timeout_s: float = 120.0, phase_events: bool = False
+        self,
+        device: str | torch.device,
+        timeout_s: float = 120.0,
+        phase_events: bool = False,
+        host_staged: bool = False,
     ) -> None:
         """`phase_events`: also time each transfer's phases with CUDA events (`gpu_phases`), at
-        the cost of one event per phase and a wait for the last one: for benchmarks."""
+        the cost of one event per phase and a wait for the last one: for benchmarks.
+        `host_staged`: the group is gloo although the pools are on a GPU (the two nodes share
+        one GPU, which NCCL refuses to pair with itself): every message crosses through host
+        memory, copied out before the send and in after the receive."""
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self._is_cuda = self.device.type == "cuda"
-        self.phase_events = phase_events and self._is_cuda
+        self.host_staged = host_staged
+        self._nccl = self._is_cuda and not host_staged
+        # Where the buffers handed to the process group live.
+        self._wire_device = torch.device("cpu") if host_staged else self.device
+        self.phase_events = phase_events and self._nccl
         self._queues: dict[int, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -102,7 +113,7 @@ class _PeerWorkers:
         channel = self._channel(peer)
         handle = TransferHandle(room=0, peer=peer, timeout_s=self.timeout_s)
         sending = isinstance(self, KVSender)
-        token = torch.tensor([dist.get_rank() if sending else -1], device=self.device)
+        token = torch.tensor([dist.get_rank() if sending else -1], device=self._wire_device)
 
         def exchange() -> str | None:
             self._wait(handle, channel.post(sending, peer, _CONNECT_TAG, [token]))
@@ -124,7 +135,7 @@ class _PeerWorkers:
                 f"peer rank {peer} is not another rank of this world (size {world}, "
                 f"this is rank {own})"
             )
-        channel = self._channels[peer] = channel_to(peer, nccl=self._is_cuda)
+        channel = self._channels[peer] = channel_to(peer, nccl=self._nccl)
         return channel
 
     def _submit(self, peer: int, handle: TransferHandle, job: Callable[[], str | None]) -> None:
@@ -201,7 +212,7 @@ class _PeerWorkers:
         """Wait for `works` up to the deadline. A timeout leaves the operations posted (neither
         backend can cancel one), so the channel to `peer` is marked broken for good."""
         peer, deadline = handle.peer, time.monotonic() + handle.timeout_s
-        if self._is_cuda:
+        if self._nccl:
             # WorkNCCL.wait() only orders streams; poll to learn completion, with a bound.
             # Yield the interpreter without sleeping for the first moments (most transfers end
             # within a millisecond, and a sleep's wake-up costs ~100 us), then back off.
@@ -381,6 +392,10 @@ class KVSender(_PeerWorkers):
                 # The row goes as it is: the caller leaves it alone until the handle is terminal.
                 buffers.append(row_bytes)
                 handle.mark("gathered")
+            if self.host_staged:
+                # A blocking copy on the caller's stream: it follows the forward's writes.
+                buffers = [buffer.to("cpu").contiguous() for buffer in buffers]
+                handle.staging += buffers
         except Exception as err:
             handle.left_posted = bool(handle.posted)
             handle.fail(f"room {room}, peer rank {peer}: {type(err).__name__}: {err}")
@@ -388,7 +403,7 @@ class KVSender(_PeerWorkers):
             if stand_in and not self._closed and peer not in self._broken:
                 sizes = [piece.nbytes for piece in pieces]
                 sizes += [] if row_bytes is None else [row_bytes.numel()]
-                zeros = [torch.zeros(n, dtype=torch.uint8, device=self.device) for n in sizes]
+                zeros = [torch.zeros(n, dtype=torch.uint8, device=self._wire_device) for n in sizes]
                 handle.staging += zeros
                 self._post_batch(channel, handle, True, zeros)
             return
@@ -443,7 +458,7 @@ class KVReceiver(_PeerWorkers):
 
         def receive_into_scratch() -> str | None:
             buffers = [
-                torch.empty(n, dtype=torch.uint8, device=self.device) for n in message_nbytes
+                torch.empty(n, dtype=torch.uint8, device=self._wire_device) for n in message_nbytes
             ]
             handle.nbytes = sum(message_nbytes)
             self._post_batch(channel, handle, False, buffers)
@@ -472,13 +487,19 @@ class KVReceiver(_PeerWorkers):
         buffers.append(row)
         handle.nbytes = target.nbytes
         handle.staged = len(staged)
-        self._post_batch(channel, handle, False, buffers)
+        on_wire = buffers
+        if self.host_staged:
+            on_wire = [torch.empty(b.shape, dtype=b.dtype, device="cpu") for b in buffers]
+        self._post_batch(channel, handle, False, on_wire)
         if handle.state == TransferState.FAILED:
             return handle.error
         works = handle.posted
         handle.mark("posted")
         self._wait(handle, works)
         handle.mark("landed")
+        if self.host_staged:
+            for buffer, landed in zip(buffers, on_wire):
+                buffer.copy_(landed)
         for piece, kv in staged:
             scatter_kv(piece.pool, piece.index, kv)
         target.row_bytes.copy_(row)

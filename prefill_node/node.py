@@ -117,7 +117,9 @@ class PrefillNode(ServingNode):
 
     def _open_channel(self) -> KVSender:
         self.sender = KVSender(
-            self.spec.engine_config.device, timeout_s=self.options.transfer_timeout_s
+            self.spec.engine_config.device,
+            timeout_s=self.options.transfer_timeout_s,
+            host_staged=self.options.transfer_through_host,
         )
         return self.sender
 

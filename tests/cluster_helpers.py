@@ -28,6 +28,16 @@ def launch(model: str, prefill: int, decode: int, **engine: object) -> Cluster:
     )
 
 
+def launch_aggregated(model: str, replicas: int, tracing: bool = False, **engine: object):
+    ensure_ray()
+    engine_args = EngineArgs(model=model, device="cpu", **engine)
+    return Cluster.launch(
+        ClusterConfig(
+            engine=engine_args, aggregated=True, replicas=replicas, enable_tracing=tracing
+        )
+    )
+
+
 def serve(cluster: Cluster, api_key: str | None = None) -> BackgroundServer:
     return BackgroundServer(create_app(cluster.router, api_key=api_key)).start()
 

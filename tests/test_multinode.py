@@ -180,6 +180,17 @@ def test_bundles_ask_for_a_role_resource_only_where_the_cluster_declares_it():
         "asked for 2 decode nodes with {'decode': 1, 'GPU': 1, 'CPU': 1} each; "
         "the cluster has decode=1 in all"
     )
+    # Half a GPU each: a prefill and a decode node fit on one GPU; replicas ask for no role.
+    shared = ClusterConfig(gpus_per_node=0.5)
+    one_gpu = {"GPU": 1.0, "CPU": 16.0}
+    assert [d.bundle for d in role_demands(shared, True, one_gpu)] == [
+        {"GPU": 0.5, "CPU": 1},
+        {"GPU": 0.5, "CPU": 1},
+    ]
+    assert shortfall(role_demands(shared, True, one_gpu), one_gpu) is None
+    replicas = ClusterConfig(aggregated=True, replicas=3)
+    [demand] = role_demands(replicas, True, with_roles)
+    assert (demand.role, demand.count, demand.bundle) == ("replica", 3, {"GPU": 1, "CPU": 1})
     renamed = ClusterConfig(prefill_resource="ingest", decode_resource="")
     assert [d.bundle for d in role_demands(renamed, False, {"ingest": 1, "decode": 1})] == [
         {"ingest": 1, "CPU": 0.01},
@@ -241,3 +252,35 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_engines_sharing_a_gpu_size_their_kv_from_their_share(monkeypatch):
+    """Two nodes on one GPU start together: each keeps to its share of the total, whatever the
+    other had taken when it measured the free memory."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine import loader
+
+    config = SimpleNamespace(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
+    gib = 1024**3
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, 80 * gib))
+    per_token = 2 * 2 * 2 * 16 * 2  # layers x (K, V) x kv heads x head dim x bf16 bytes
+    weights = loader._weight_bytes(config, torch.bfloat16)
+    whole = loader._default_kv_tokens(config, torch.bfloat16, "cuda:0")
+    assert whole == (int(60 * gib * loader.DEFAULT_GPU_KV_FRACTION) - weights) // per_token
+    half = loader._default_kv_tokens(config, torch.bfloat16, "cuda:0", utilization=0.5)
+    assert half == (int(40 * gib * loader.DEFAULT_GPU_KV_FRACTION) - weights) // per_token
+    # A share larger than what is free takes what is free.
+    most = loader._default_kv_tokens(config, torch.bfloat16, "cuda:0", utilization=0.9)
+    assert most == whole

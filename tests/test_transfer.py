@@ -206,10 +206,11 @@ def run_decode() -> dict:
 def child(scenario: str, rank: int, world: int, port: int, results: mp.Queue) -> None:
     torch.set_num_threads(1)  # up to three processes on two cores
     try:
-        device = f"cuda:{rank}" if scenario == "cuda" else "cpu"
-        init_transfer_group("127.0.0.1", port, rank, world, device, timeout_s=60)
-        if scenario == "cuda":
-            result = run_cuda(rank)
+        device = {"cuda": f"cuda:{rank}", "shared_gpu": "cuda:0"}.get(scenario, "cpu")
+        backend = "gloo" if scenario in HOST_STAGED else None
+        init_transfer_group("127.0.0.1", port, rank, world, device, timeout_s=60, backend=backend)
+        if scenario in ("cuda", *HOST_STAGED):
+            result = run_cuda(rank, device, host_staged=scenario in HOST_STAGED)
         elif scenario == "combos":
             result = run_combos(rank)
         elif scenario == "discard":
@@ -547,11 +548,11 @@ def test_direct_receives_write_only_their_slots(combos: dict) -> None:
     assert combos[0]["connected"] == combos[1]["connected"] == "SUCCESS"
 
 
-def run_cuda(rank: int) -> dict:
-    """Rank 0 -> rank 1 on two GPUs over NCCL: two rooms at scattered slots and the COMBOS rooms
-    (pools read and filled in place or staged, each side on its own) land byte-identical, then
-    a room that is never sent times out on the receiver's own clock and breaks that channel."""
-    device = f"cuda:{rank}"
+def run_cuda(rank: int, device: str, host_staged: bool = False) -> dict:
+    """Rank 0 -> rank 1 on two GPUs over NCCL (or, `host_staged`, over gloo through host memory:
+    two nodes sharing a GPU): two rooms at scattered slots and the COMBOS rooms (pools read and
+    filled in place or staged, each side on its own) land byte-identical, then a room that is
+    never sent times out on the receiver's own clock and breaks that channel."""
     pools = make_pools(seed=0 if rank == 0 else None, device=device)
     plan, metadata = slot_plan(seed=rank), make_metadata(device)
     combo = combo_plan(receiver=rank == 1)
@@ -560,7 +561,7 @@ def run_cuda(rank: int) -> dict:
     # First a transfer the receiver discards; BEGUN's target KV goes ahead of its row.
     discarded = (DISCARDED[0], [(p, DISCARDED[1]) for p in pools])
     if rank == 0:
-        sender = KVSender(device, phase_events=True)
+        sender = KVSender(device, phase_events=True, host_staged=host_staged)
         handles = [sender.connect(1)]
         for room, pairs in [discarded, *transfers]:
             row = metadata.allocate()
@@ -574,7 +575,7 @@ def run_cuda(rank: int) -> dict:
         }
         sender.close()
         return result
-    receiver = KVReceiver(device, timeout_s=GENEROUS_S)
+    receiver = KVReceiver(device, timeout_s=GENEROUS_S, host_staged=host_staged)
     result = {"connected": receiver.connect(0).wait(60).name}
     sizes = [kv_nbytes(p, len(DISCARDED[1])) for p in pools] + [metadata.row_nbytes]
     scratch = receiver.discard(0, DISCARDED[0], sizes)
@@ -604,17 +605,38 @@ def run_cuda(rank: int) -> dict:
     return result
 
 
+# Scenarios whose group is gloo while the pools may be on a GPU: every message crosses through
+# host memory. "host_staged" runs that path on CPU pools, "shared_gpu" on one GPU shared by both.
+HOST_STAGED = ("host_staged", "shared_gpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_transfer_between_two_gpus() -> None:
     got = run_ranks("cuda", world=2)
-    assert got[0]["sent"] == ["SUCCESS"] * (4 + len(COMBOS))
     assert list(got[0]["gpu_phases"][0]) == ["started"]  # connect: no phases of its own
     rooms = [DISCARDED[0], 101, 102] + [room for room, *_ in COMBOS]
     for room, gpu_phases in zip(rooms, got[0]["gpu_phases"][1:]):
         begun = ["begun", "kv_sent"] if room == BEGUN else []
         assert list(gpu_phases) == ["started", *begun, "gathered", "posted", "completed"]
         assert gpu_phases["completed"] >= gpu_phases["gathered"] >= 0
+    check_landed(got)
+
+
+def test_transfer_staged_through_host_memory() -> None:
+    """The path of two nodes sharing a GPU (gloo cannot send GPU tensors), run on CPU pools:
+    fresh host buffers on the wire, copied into the slots and the row after landing."""
+    check_landed(run_ranks("host_staged", world=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_transfer_between_two_processes_sharing_one_gpu() -> None:
+    check_landed(run_ranks("shared_gpu", world=2))
+
+
+def check_landed(got: dict[int, dict]) -> None:
+    assert got[0]["sent"] == ["SUCCESS"] * (4 + len(COMBOS))
     assert got[1]["connected"] == "SUCCESS" and got[1]["discarded"] == "SUCCESS"
     # One token is a run of one: read and filled in place; 33 scattered ones are staged.
     assert got[1][101] == ("SUCCESS", None, True, True, 0) and got[0]["staged"][101] == 0

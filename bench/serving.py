@@ -1,0 +1,228 @@
+"""Serving under load, side by side: the disaggregated cluster against the aggregated mode on the
+same hardware, each loaded by `pdcluster bench serving` over HTTP.
+
+    python bench/serving.py --setups aggregated 1p1d [--gpus-per-node 0.5] [--speculative off on]
+        [--datasets random chat] [--input-len 1024] [--output-len 128] [--num-prompts 200]
+        [--request-rates 4 16 inf] [--max-concurrency N] [--slo-ttft-ms 1000 --slo-tpot-ms 50]
+        [--model PATH] [--device cpu|cuda] [--section TITLE]
+
+Each setup (and speculation on or off) is launched in this process (Ray, the router behind the
+HTTP API on a free port), loaded with every dataset and rate, then checked: every node's KV pools
+must be empty once the load is over (read from the nodes). Prints one table and rewrites the
+section TITLE of docs/BENCHMARKS.md (raw figures in docs/bench/<slug>.json). A soak is the same
+script with one setup, one rate and many short requests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import ray  # noqa: E402
+
+from bench.report import write_section  # noqa: E402
+from cluster.bench_serving.cli import main as bench_serving  # noqa: E402
+from cluster.config import ClusterConfig  # noqa: E402
+from cluster.launcher import Cluster, describe_nodes, init_ray  # noqa: E402
+from cluster.openai_api import BackgroundServer, create_app  # noqa: E402
+from engine.loader import EngineArgs  # noqa: E402
+from engine.weights import resolve_model  # noqa: E402
+
+SETUPS = ("aggregated", "1p1d")
+POOLS_DRAIN_S = 60.0
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str  # "aggregated" or "1p1d"
+    speculative: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}{' + spec' if self.speculative else ''}"
+
+
+def cluster_config(setup: Setup, args: argparse.Namespace) -> ClusterConfig:
+    engine = EngineArgs(
+        model=args.model,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_tokens=args.kv_cache_tokens,
+        speculative_algorithm="multi-layer-eagle" if setup.speculative else None,
+    )
+    common = dict(
+        engine=engine,
+        cpu_threads_per_node=args.cpu_threads_per_node,
+        stats_log_interval_s=0.0,
+        log_level="warning",
+    )
+    if setup.name == "aggregated":
+        return ClusterConfig(aggregated=True, replicas=args.replicas, **common)
+    return ClusterConfig(
+        prefill_nodes=1, decode_nodes=1, gpus_per_node=args.gpus_per_node, **common
+    )
+
+
+def bench_flags(args: argparse.Namespace, url: str, dataset: str, out: Path) -> list[str]:
+    flags = ["--url", url, "--endpoint", args.endpoint, "--dataset", dataset]
+    flags += ["--num-prompts", str(args.num_prompts), "--seed", str(args.seed)]
+    flags += ["--request-rate", *[str(rate) for rate in args.request_rates]]
+    flags += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    flags += ["--range-ratio", str(args.range_ratio), "--output-dir", str(out)]
+    flags += ["--tokenizer", str(args.model), "--timeout", str(args.timeout)]
+    if args.max_concurrency:
+        flags += ["--max-concurrency", str(args.max_concurrency)]
+    if args.slo_ttft_ms is not None:
+        flags += ["--slo-ttft-ms", str(args.slo_ttft_ms)]
+    if args.slo_tpot_ms is not None:
+        flags += ["--slo-tpot-ms", str(args.slo_tpot_ms)]
+    if not args.progress:
+        flags.append("--disable-tqdm")
+    return flags
+
+
+def run_setup(setup: Setup, args: argparse.Namespace, workdir: Path) -> list[dict]:
+    """Launch the setup, load it with every dataset, check its pools; one row per run."""
+    config = cluster_config(setup, args)
+    print(f"\n=== {setup.label}: {describe_nodes(config)} ===", flush=True)
+    started = time.perf_counter()
+    cluster = Cluster.launch(config)
+    launch_s = time.perf_counter() - started
+    server = BackgroundServer(create_app(cluster.router)).start()
+    rows = []
+    try:
+        for dataset in args.datasets:
+            out = workdir / re.sub(r"\W+", "-", f"{setup.label}-{dataset}")
+            code = bench_serving(bench_flags(args, server.url, dataset, out))
+            if code != 0:
+                raise SystemExit(f"the load generator stopped with code {code} on {setup.label}")
+            runs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+            # The run's own "dataset" (name, lengths, path) gives way to the name.
+            rows += [{**run, "setup": setup.label, "dataset": dataset} for run in runs]
+        pools_empty = _pools_drain(cluster)
+        for row in rows:
+            row["pools_empty"] = pools_empty
+            row["launch_s"] = round(launch_s, 1)
+    finally:
+        server.stop()
+        cluster.shutdown()
+    return rows
+
+
+def _pools_drain(cluster: Cluster) -> bool:
+    """Whether every node's pools are empty, allowing a moment for the last frees."""
+    deadline = time.monotonic() + POOLS_DRAIN_S
+    while not cluster.kv_pools_empty():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def table(rows: list[dict]) -> str:
+    header = (
+        "| setup | dataset | rate/s | done/failed/lost | req/s | out tok/s | TTFT p50 / p99 ms "
+    )
+    header += "| ITL p50 / p99 ms | TPOT p50 ms | goodput/s | accept len | pools empty |"
+    lines = [header, "| " + " | ".join(["---"] * 12) + " |"]
+    for row in rows:
+        ttft, itl, tpot = row["ttft_ms"], row["itl_ms"], row["tpot_ms"]
+        accept = row.get("spec_accept_length")
+        cells = [
+            row["setup"],
+            row["dataset"],
+            str(row["request_rate"]),
+            f"{row['completed']}/{row['failed']}/{row['lost']}",
+            _fmt(row["request_throughput"], 2),
+            _fmt(row["output_token_throughput"], 0),
+            f"{_fmt(ttft['p50'], 0)} / {_fmt(ttft['p99'], 0)}",
+            f"{_fmt(itl['p50'], 1)} / {_fmt(itl['p99'], 1)}",
+            _fmt(tpot["p50"], 1),
+            _fmt(row.get("goodput"), 2),
+            _fmt(accept, 2),
+            "yes" if row["pools_empty"] else "**no**",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    parser.add_argument("--speculative", nargs="+", choices=["off", "on"], default=["off"])
+    parser.add_argument("--model", default=None, help="default: the embedded default model")
+    parser.add_argument("--device", default=None, help="default: cuda when Ray sees a GPU")
+    parser.add_argument("--replicas", type=int, default=1, help="aggregated replicas")
+    parser.add_argument("--gpus-per-node", type=float, default=1.0, help="1p1d: GPU share")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--kv-cache-tokens", type=int, default=None)
+    parser.add_argument("--cpu-threads-per-node", type=int, default=1)
+    parser.add_argument("--endpoint", default="completions", choices=["chat", "completions"])
+    parser.add_argument("--datasets", nargs="+", default=["random"], choices=["random", "chat"])
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--request-rates", nargs="+", default=["inf"])
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument("--slo-ttft-ms", type=float, default=None)
+    parser.add_argument("--slo-tpot-ms", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    parser.add_argument("--progress", action="store_true", help="show a progress bar per run")
+    parser.add_argument("--section", default="Serving under load")
+    args = parser.parse_args(argv)
+    args.model = str(resolve_model(args.model))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    init_ray(None)
+    setups = [Setup(name, spec == "on") for spec in args.speculative for name in args.setups]
+    rows: list[dict] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as workdir:
+        for setup in setups:
+            rows += run_setup(setup, args, Path(workdir))
+    elapsed = time.perf_counter() - started
+    ray.shutdown()
+    text = table(rows)
+    print("\n" + text)
+    device = _hardware(args)
+    command = "python bench/serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    body = (
+        f"`{command}`\n\n{device}; {args.num_prompts} prompts per run, dataset lengths "
+        f"{args.input_len} in / {args.output_len} out for `random`; SLO: TTFT "
+        f"{args.slo_ttft_ms} ms, TPOT {args.slo_tpot_ms} ms; whole script {elapsed:.0f} s.\n\n"
+        f"{text}\n"
+    )
+    slug = re.sub(r"\W+", "_", args.section.lower()).strip("_")
+    raw = {"command": command, "elapsed_s": elapsed, "rows": rows}
+    write_section(args.section, body, raw, f"{slug}.json")
+
+
+def _hardware(args: argparse.Namespace) -> str:
+    import os
+
+    import torch
+
+    if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
+        return f"{torch.cuda.get_device_name()}, bfloat16"
+    return f"CPU ({os.cpu_count()} cores), float32, {args.cpu_threads_per_node} thread(s) per node"
+
+
+if __name__ == "__main__":
+    main()

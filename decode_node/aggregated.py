@@ -1,0 +1,190 @@
+"""The aggregated node: one engine that prefills and decodes its own requests, behind the same
+router, protocol, metrics and tracing as a disaggregated pair. It is the baseline that
+disaggregation has to beat, and what to run where disaggregation does not pay.
+
+It speaks the decode node's side of the protocol (GenerateRequest and AbortRequest in,
+TokenUpdate out) and ignores the prefill node a request names: no KV crosses, so it joins no
+process group and holds no metadata rows. Its requests wait in the engine's own queue, which
+admits them as KV frees up, and prefill and decode share its steps (EngineCore's policy:
+waiting prompts first)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.engine_core import EngineCore
+from engine.errors import RequestRejectedError
+from engine.loader import EngineArgs
+from engine.prompt_embeds import PromptEmbeds
+from engine.request import Request, SpecStats
+from engine.sampling_params import SamplingParams
+from engine.tracing import set_time
+from metadata.control import Inbox, Outbox
+from metadata.messages import AbortRequest, GenerateRequest, TokenUpdate
+from metadata.node_common import NodeOptions, load_node_engine
+from metadata.node_metrics import Activity, ActivityLog, speculation_usage
+from metadata.serving_node import ServingNode
+from spec import speculator_from_args
+
+log = logging.getLogger(__name__)
+IDLE_POLL_MS = 5
+
+
+@dataclass
+class _Served:
+    req: Request
+    room: int
+    sent_tokens: int = 0
+
+
+class AggregatedNode(ServingNode):
+    def __init__(self, args: EngineArgs, options: NodeOptions) -> None:
+        super().__init__(options)
+        self.spec, runner = load_node_engine(args, options)
+        self.speculator = speculator_from_args(args, runner)
+        self.num_draft_steps = self.speculator.num_draft_steps if self.speculator else 0
+        self.engine = EngineCore(
+            runner, self.spec.tokenizer, self.speculator, tracing=options.enable_tracing
+        )
+        self.kv_cache = self.engine.kv_cache
+        self.inbox = Inbox(options.host)
+        self.router: Outbox | None = None
+        self.rooms: dict[int, _Served] = {}
+        self.tokens_out = 0
+        self.prompt_tokens = 0
+        self.spec_totals = SpecStats()
+        self.activity_log = ActivityLog(options.stats_log_interval_s, log)
+
+    # --- setup and health (Ray calls) ---
+    def connect(self, router_endpoint: str) -> None:
+        self.router = Outbox(router_endpoint)
+
+    def stats(self) -> dict:
+        allocator = self.engine.runner.kv_pool.allocator
+        return {
+            "node": self.options.name,
+            "running": len(self.engine.scheduler.running),
+            "queued": len(self.engine.scheduler.waiting),
+            "kv_used": allocator.num_used,
+            "kv_capacity": allocator.capacity,
+            "tokens_out": self.tokens_out,
+            "prompt_tokens": self.prompt_tokens,
+            "spec_verify_steps": self.spec_totals.verify_steps,
+            "spec_accept_length": (
+                self.spec_totals.accept_length if self.spec_totals.verify_steps else None
+            ),
+            "spec_accepted_per_position": list(self.spec_totals.accepted_per_position),
+        }
+
+    def kv_is_empty(self) -> bool:
+        drafts_empty = self.speculator is None or self.speculator.is_empty()
+        return self.kv_cache.is_empty() and drafts_empty
+
+    # --- the serving loop ---
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_work()
+            for msg in self.inbox.receive(0 if busy else IDLE_POLL_MS):
+                self._handle(msg)
+            if self.engine.has_work():
+                self._step()
+            self.activity_log.tick(self._activity)
+
+    def _activity(self) -> Activity:
+        allocator = self.engine.runner.kv_pool.allocator
+        running = self.engine.scheduler.running
+        live = [r.spec_stats for r in running if r.spec_stats is not None]
+        return Activity(
+            len(running),
+            len(self.engine.scheduler.waiting),
+            0,
+            allocator.num_used,
+            allocator.capacity,
+            self.tokens_out,
+            self.spec_totals.verify_steps + sum(s.verify_steps for s in live),
+            self.spec_totals.emitted_tokens + sum(s.emitted_tokens for s in live),
+        )
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, GenerateRequest):
+            self._accept(msg)
+        elif isinstance(msg, AbortRequest):
+            self._abort(msg.room)
+        else:
+            log.warning("unexpected message %s", type(msg).__name__)
+
+    def _accept(self, msg: GenerateRequest) -> None:
+        try:
+            params = SamplingParams(**msg.sampling.__dict__)
+            embeds = None
+            if msg.prompt_embeds is not None:
+                given = msg.prompt_embeds
+                embeds = PromptEmbeds.from_bytes(given.positions, given.width, given.data)
+            req = self.engine.make_request(
+                str(msg.room), list(msg.prompt_token_ids), params, prompt_embeds=embeds
+            )
+        except (RequestRejectedError, ValueError) as err:
+            self._send(TokenUpdate(msg.room, [], error=f"{self.options.name}: {err}"))
+            return
+        if msg.room in self.rooms:
+            self._send(
+                TokenUpdate(msg.room, [], error=f"{self.options.name}: room {msg.room} is taken")
+            )
+            return
+        set_time(req, "decode_received")
+        self.rooms[msg.room] = _Served(req, msg.room)
+        self.prompt_tokens += len(req.prompt_token_ids)
+        self.engine.add_request(req)
+
+    def _step(self) -> None:
+        self.engine.step()
+        for served in list(self.rooms.values()):
+            req = served.req
+            if len(req.output_token_ids) == served.sent_tokens and not req.finished:
+                continue
+            if served.sent_tokens == 0 and req.output_token_ids:
+                set_time(req, "first_token")
+            if req.finished:
+                set_time(req, "finish")
+                del self.rooms[served.room]
+            self._report(served)
+
+    def _report(self, served: _Served) -> None:
+        req = served.req
+        new = req.output_token_ids[served.sent_tokens :]
+        logprobs = [
+            [lp.token_id, lp.logprob, [[t, v] for t, v in lp.top_logprobs]]
+            for lp in req.logprobs[served.sent_tokens :]
+        ]
+        served.sent_tokens = len(req.output_token_ids)
+        self.tokens_out += len(new)
+        if req.error is not None:
+            error = f"{self.options.name}: {req.error}"
+            self._send(TokenUpdate(served.room, new, logprobs, error=error))
+            return
+        stats = {}
+        if req.finished:
+            stats = {
+                "stop_string": req.stopped_by_string,
+                **self._speculation_usage(req),
+            }
+            if req.trace is not None:
+                stats["trace"] = {"replica": req.trace.events}
+        self._send(TokenUpdate(served.room, new, logprobs, req.finish_reason, stats=stats))
+
+    def _speculation_usage(self, req: Request) -> dict:
+        """The request's speculation figures for `usage`, also added to this node's totals."""
+        usage = speculation_usage(req.spec_stats)
+        if usage:
+            self.spec_totals.add(req.spec_stats)
+        return usage
+
+    def _abort(self, room: int) -> None:
+        served = self.rooms.pop(room, None)
+        if served is not None:
+            self.engine.scheduler.abort(served.req.request_id)
+
+    def _send(self, update: TokenUpdate) -> None:
+        if self.router is not None:
+            self.router.send(update)
