@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -23,6 +23,7 @@ from cluster.tracing import clock_offset_ns
 from decode_node import AggregatedNode, DecodeNode
 from engine.errors import PdclusterError
 from engine.loader import EngineArgs, ModelSpec, resolve
+from metadata.control_auth import new_control_key
 from metadata.node_common import AUTO_HOST, NodeOptions
 from metadata.process_group import create_store_server
 
@@ -45,6 +46,8 @@ class Cluster:
     placement: object
     started_ray: bool
     store: object
+    # The cluster's control-plane key, drawn at launch (metadata.control_auth).
+    control_key: bytes = field(repr=False)
 
     @classmethod
     def launch(cls, config: ClusterConfig) -> Cluster:
@@ -56,6 +59,7 @@ class Cluster:
         decode_actors: list = []
         store = None
         router: Router | None = None
+        control_key = new_control_key()
         try:
             device = cluster_device(config.engine.device)
             spec = resolve(_driver_engine_args(config.engine, device))
@@ -66,7 +70,7 @@ class Cluster:
             host = ray.util.get_node_ip_address() if joined else "127.0.0.1"
             placement = _place(config, on_gpu)
             prefill_actors, decode_actors = _start_nodes(
-                config, placement, on_gpu, AUTO_HOST if joined else "127.0.0.1"
+                config, placement, on_gpu, AUTO_HOST if joined else "127.0.0.1", control_key
             )
             decode_role = "replica" if config.aggregated else "decode"
             prefill_info = _get([a.describe.remote() for a in prefill_actors], "prefill", config)
@@ -93,6 +97,7 @@ class Cluster:
                 prefill_states,
                 decode_states,
                 kv_cache_tokens=kv_tokens,
+                control_key=control_key,
                 prefill_policy=config.prefill_policy,
                 decode_policy=config.decode_policy,
                 host=host,
@@ -122,7 +127,15 @@ class Cluster:
             raise
         log.info("cluster up: %s on %s", describe_nodes(config), device)
         return cls(
-            config, spec, router, prefill_actors, decode_actors, placement, started_ray, store
+            config,
+            spec,
+            router,
+            prefill_actors,
+            decode_actors,
+            placement,
+            started_ray,
+            store,
+            control_key,
         )
 
     def node_stats(self) -> list[dict]:
@@ -166,10 +179,11 @@ def _pair_and_join(
     (prefill_actors, prefill_info), (decode_actors, decode_info) = prefill, decode
     prefill_endpoints = {i: info["endpoint"] for i, info in enumerate(prefill_info)}
     prefill_specs = {i: info["spec"] for i, info in enumerate(prefill_info)}
+    prefill_ranks = {i: config.prefill_rank(i) for i in range(len(prefill_info))}
     decode_endpoints = {i: info["endpoint"] for i, info in enumerate(decode_info)}
     _get(
         [
-            a.connect.remote(prefill_endpoints, prefill_specs, router.endpoint)
+            a.connect.remote(prefill_endpoints, prefill_specs, prefill_ranks, router.endpoint)
             for a in decode_actors
         ],
         "decode",
@@ -177,13 +191,12 @@ def _pair_and_join(
     )
     _get([a.connect.remote(decode_endpoints) for a in prefill_actors], "prefill", config)
     store, port = create_store_server(host)
-    prefill_ranks = [config.prefill_rank(i) for i in range(config.prefill_nodes)]
     decode_ranks = [config.decode_rank(i) for i in range(config.decode_nodes)]
     joins = [
-        a.join_group.remote(host, port, rank, config.world_size, decode_ranks)
-        for rank, a in zip(prefill_ranks, prefill_actors)
+        a.join_group.remote(host, port, prefill_ranks[i], config.world_size, decode_ranks)
+        for i, a in enumerate(prefill_actors)
     ] + [
-        a.join_group.remote(host, port, rank, config.world_size, prefill_ranks)
+        a.join_group.remote(host, port, rank, config.world_size, list(prefill_ranks.values()))
         for rank, a in zip(decode_ranks, decode_actors)
     ]
     _get(joins, "node", config)
@@ -309,10 +322,14 @@ def _place(config: ClusterConfig, on_gpu: bool) -> PlacementGroup:
 
 
 def _start_nodes(
-    config: ClusterConfig, placement: PlacementGroup, on_gpu: bool, node_host: str
+    config: ClusterConfig,
+    placement: PlacementGroup,
+    on_gpu: bool,
+    node_host: str,
+    control_key: bytes,
 ) -> tuple[list, list]:
-    """Create every node actor in its bundle; returns (prefill actors, decode actors), the
-    latter the replicas on an aggregated cluster."""
+    """Create every node actor in its bundle, each given the cluster's `control_key`; returns
+    (prefill actors, decode actors), the latter the replicas on an aggregated cluster."""
     # Each actor sees only its own GPU, as cuda:0.
     engine_args = replace(config.engine, device="cuda:0" if on_gpu else "cpu")
     shares_gpu = on_gpu and config.shares_gpus
@@ -331,6 +348,7 @@ def _start_nodes(
             log_level=config.log_level,
             stats_log_interval_s=config.stats_log_interval_s,
             transfer_through_host=shares_gpu,
+            control_key=control_key,
         )
         return actor_cls.options(
             num_gpus=config.gpus_per_node if on_gpu else 0,

@@ -5,6 +5,8 @@
   the accept length of each speculative request; requests by finish reason; failures by kind.
 - Each node's load, KV usage, transfers and speculation, read from its `stats()` (a Ray call for
   cluster nodes) when scraped, at most once per STATS_MAX_AGE_S, so scrapes never hammer nodes.
+- Control-plane messages dropped (unauthenticated, replayed or malformed: metadata.control_auth)
+  by each node's inbox and by the router's own (node and role "router").
 
 Every `ClusterMetrics` owns its registry (never prometheus_client's global one), so two routers in
 one process never share or clash over a metric. Transfer GB/s over a window is
@@ -73,7 +75,12 @@ def failure_kind(error: str) -> str:
 
 
 class ClusterMetrics:
-    def __init__(self, nodes: Sequence[StatsSource]) -> None:
+    def __init__(
+        self,
+        nodes: Sequence[StatsSource],
+        control_rejected: Callable[[], int] | None = None,
+    ) -> None:
+        """`control_rejected`: how many control messages the router's own socket dropped."""
         self.registry = CollectorRegistry()
         registry = self.registry
         self.ttft = Histogram(
@@ -121,7 +128,7 @@ class ClusterMetrics:
         self.generation_tokens = Counter(
             "pdcluster_generation_tokens", "Tokens streamed to clients.", registry=registry
         )
-        self.nodes = NodeCollector(nodes)
+        self.nodes = NodeCollector(nodes, control_rejected)
         registry.register(self.nodes)
 
     def request(self) -> RequestTimer:
@@ -180,10 +187,17 @@ class RequestTimer:
 
 class NodeCollector:
     """Per-node metrics from the latest stats of each node (a custom collector: the values
-    are the nodes' own counters and gauges, copied at scrape time)."""
+    are the nodes' own counters and gauges, copied at scrape time), and the router's count of
+    dropped control messages beside the nodes'."""
 
-    def __init__(self, nodes: Sequence[StatsSource], max_age_s: float = STATS_MAX_AGE_S) -> None:
+    def __init__(
+        self,
+        nodes: Sequence[StatsSource],
+        router_control_rejected: Callable[[], int] | None = None,
+        max_age_s: float = STATS_MAX_AGE_S,
+    ) -> None:
         self._nodes = list(nodes)
+        self._router_control_rejected = router_control_rejected
         self._max_age_s = max_age_s
         self._stats: dict[str, dict] = {}
         self._fetched_at = float("-inf")
@@ -227,6 +241,10 @@ class NodeCollector:
             stats = self._stats.get(node.name)
             if stats is not None:
                 families.add(node.name, node.role, stats)
+        if self._router_control_rejected is not None:
+            families.control_rejected.add_metric(
+                ["router", "router"], self._router_control_rejected()
+            )
         yield from families.all()
 
 
@@ -264,6 +282,12 @@ class _NodeFamilies:
         )
         self.prompt = CounterMetricFamily(
             "pdcluster_node_prompt_tokens", "Prompt tokens a prefill node ran.", labels=labels
+        )
+        self.control_rejected = CounterMetricFamily(
+            "pdcluster_control_messages_rejected",
+            "Control-plane messages a socket dropped: unsigned, forged, signed with another "
+            'key, replayed or malformed (node and role "router": the router\'s own socket).',
+            labels=labels,
         )
         transfer = [*labels, "direction"]
         self.transfers = CounterMetricFamily(
@@ -320,6 +344,7 @@ class _NodeFamilies:
             (self.kv_capacity, "kv_capacity"),
             (self.generated, "tokens_out"),
             (self.prompt, "prompt_tokens"),
+            (self.control_rejected, "control_rejected"),
         ):
             if stats.get(key) is not None:
                 family.add_metric(labels, stats[key])

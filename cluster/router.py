@@ -30,6 +30,8 @@ from engine.prompt_embeds import PromptEmbeds
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.validation import chat_prompt_ids, validate_request
+from metadata.control import Outbox
+from metadata.control_auth import FrameVerifier
 from metadata.messages import (
     AbortRequest,
     EmbeddingsSpec,
@@ -38,7 +40,6 @@ from metadata.messages import (
     SamplingSpec,
     TokenUpdate,
     decode,
-    encode,
 )
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class Router:
         decode_nodes: list[NodeState],
         *,
         kv_cache_tokens: int,
+        control_key: bytes,
         prefill_policy: str = "round_robin",
         decode_policy: str = "least_load",
         host: str = "127.0.0.1",
@@ -94,8 +96,10 @@ class Router:
         tracing: bool = False,
         trace_dir: str | None = None,
     ) -> None:
-        """`tracing`: keep each request's trace (`traces`, GET /v1/traces/{id}) and its summary
-        in `usage`, and write it to `trace_dir` if given; the nodes must trace too."""
+        """`control_key`: the cluster's control-plane key (metadata.control_auth), which signs
+        what the router sends and must sign what it receives. `tracing`: keep each request's
+        trace (`traces`, GET /v1/traces/{id}) and its summary in `usage`, and write it to
+        `trace_dir` if given; the nodes must trace too."""
         self.spec = spec
         self.tokenizer = spec.tokenizer
         self.model_name = model_name or spec.path.name
@@ -105,17 +109,22 @@ class Router:
         self.decode_nodes = decode_nodes
         self.prefill_policy = create_policy(prefill_policy)
         self.decode_policy = create_policy(decode_policy)
-        self.metrics = ClusterMetrics(prefill_nodes + decode_nodes)
         self.traces = TraceStore(trace_dir) if tracing else None
+        self._control_key = control_key
         self._context = zmq.asyncio.Context()
         self._inbox = self._context.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
         port = self._inbox.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
-        # Plain (blocking-API) PUSH sockets: a send only queues the message, so it needs no
-        # await, and an abort sent from a cancelled generator's `finally` still goes out.
+        self._verifier = FrameVerifier(control_key, self.endpoint)
+        self.metrics = ClusterMetrics(
+            prefill_nodes + decode_nodes, control_rejected=lambda: self._verifier.rejected
+        )
+        # Outboxes on a plain (blocking-API) context: a send only queues the message, so it
+        # needs no await, and an abort sent from a cancelled generator's `finally` still goes
+        # out.
         self._send_context = zmq.Context()
-        self._outboxes: dict[int, zmq.Socket] = {}
+        self._outboxes: dict[int, Outbox] = {}
         self._flights: dict[int, _Flight] = {}
         self._tasks: list[asyncio.Task] = []
         self._closed = False
@@ -126,10 +135,9 @@ class Router:
         if self._tasks:
             return
         for node in self.decode_nodes:
-            socket = self._send_context.socket(zmq.PUSH)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(node.endpoint)
-            self._outboxes[node.index] = socket
+            self._outboxes[node.index] = Outbox(
+                node.endpoint, self._control_key, self._send_context
+            )
         self._tasks = [
             asyncio.create_task(self._receive_updates()),
             asyncio.create_task(self._watch_health()),
@@ -147,8 +155,9 @@ class Router:
         if self._closed:
             return
         self._closed = True
-        for socket in [self._inbox, *self._outboxes.values()]:
-            socket.close(linger=0)
+        self._inbox.close(linger=0)
+        for outbox in self._outboxes.values():
+            outbox.close()
         self._context.term()
         self._send_context.term()
 
@@ -243,15 +252,13 @@ class Router:
             timeline.mark("routed", {"prefill": prefilled_by.name, "decode": decode_node.name})
         try:
             self._outboxes[decode_node.index].send(
-                encode(
-                    GenerateRequest(
-                        room,
-                        request_id,
-                        list(prompt_token_ids),
-                        _sampling_spec(params),
-                        prefilled_by.index,
-                        _embeddings_spec(prompt_embeds),
-                    )
+                GenerateRequest(
+                    room,
+                    request_id,
+                    list(prompt_token_ids),
+                    _sampling_spec(params),
+                    prefilled_by.index,
+                    _embeddings_spec(prompt_embeds),
                 )
             )
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
@@ -312,16 +319,18 @@ class Router:
                 timer.failed("aborted")
             if not finished and decode_node.alive and not self._closed:
                 # The client went away (or the task was cancelled): free the request's KV.
-                self._outboxes[decode_node.index].send(encode(AbortRequest(room)))
+                self._outboxes[decode_node.index].send(AbortRequest(room))
 
     # --- background tasks ---
     async def _receive_updates(self) -> None:
         while True:
-            data = await self._inbox.recv()
+            data = self._verifier.open(await self._inbox.recv())
+            if data is None:
+                continue
             try:
                 update = decode(data)
             except MessageError as err:
-                log.warning("dropped a malformed token update: %s", err)
+                self._verifier.reject(f"malformed message: {err}")
                 continue
             if not isinstance(update, TokenUpdate):
                 continue

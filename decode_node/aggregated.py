@@ -48,7 +48,7 @@ class AggregatedNode(ServingNode):
             runner, self.spec.tokenizer, self.speculator, tracing=options.enable_tracing
         )
         self.kv_cache = self.engine.kv_cache
-        self.inbox = Inbox(options.host)
+        self.inbox = Inbox(options.host, options.control_key)
         self.router: Outbox | None = None
         self.rooms: dict[int, _Served] = {}
         self.tokens_out = 0
@@ -58,7 +58,7 @@ class AggregatedNode(ServingNode):
 
     # --- setup and health (Ray calls) ---
     def connect(self, router_endpoint: str) -> None:
-        self.router = Outbox(router_endpoint)
+        self.router = Outbox(router_endpoint, self.options.control_key)
 
     def stats(self) -> dict:
         allocator = self.engine.runner.kv_pool.allocator
@@ -75,6 +75,7 @@ class AggregatedNode(ServingNode):
                 self.spec_totals.accept_length if self.spec_totals.verify_steps else None
             ),
             "spec_accepted_per_position": list(self.spec_totals.accepted_per_position),
+            "control_rejected": self.inbox.rejected,
         }
 
     def kv_is_empty(self) -> bool:

@@ -65,8 +65,9 @@ class DecodeNode(ServingNode):
         self.kv_cache = self.engine.kv_cache
         self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
         self.spec_totals = SpecStats()
-        self.inbox = Inbox(options.host)
+        self.inbox = Inbox(options.host, options.control_key)
         self.prefill_outboxes: dict[int, Outbox] = {}
+        self.prefill_ranks: dict[int, int] = {}  # prefill node index -> its data-plane rank
         self.router: Outbox | None = None
         self.receiver: KVReceiver | None = None
         self.rooms: dict[int, Tracked] = {}
@@ -81,18 +82,22 @@ class DecodeNode(ServingNode):
         self,
         prefill_endpoints: dict[int, str],
         prefill_specs: dict[int, dict],
+        prefill_ranks: dict[int, int],
         router_endpoint: str,
     ) -> None:
         """Pair with every prefill node, refusing (PairingError) any whose KV layout, dtype,
-        model or spec_hidden_size differs from this node's."""
+        model or spec_hidden_size differs from this node's. `prefill_ranks`: each prefill
+        node's rank in the data-plane group, the only rank its transfers may come from."""
         mine = transfer_spec(self.spec, self.num_draft_steps)
         for index in sorted(prefill_specs):
             try:
                 check_compatible(TransferSpec.from_dict(prefill_specs[index]), mine)
             except PairingError as err:
                 raise PairingError(f"prefill-{index} and {self.options.name}: {err}") from None
-        self.prefill_outboxes = {i: Outbox(e) for i, e in prefill_endpoints.items()}
-        self.router = Outbox(router_endpoint)
+        key = self.options.control_key
+        self.prefill_outboxes = {i: Outbox(e, key) for i, e in prefill_endpoints.items()}
+        self.prefill_ranks = dict(prefill_ranks)
+        self.router = Outbox(router_endpoint, key)
 
     def stats(self) -> dict:
         allocator = self.engine.runner.kv_pool.allocator
@@ -111,6 +116,7 @@ class DecodeNode(ServingNode):
             "spec_accepted_per_position": list(self.spec_totals.accepted_per_position),
             "transfers_in_flight": self._transfers_in_flight(),
             "transfers": self.transfer_totals.as_dict(),
+            "control_rejected": self.inbox.rejected,
         }
 
     def _transfers_in_flight(self) -> int:
@@ -217,29 +223,31 @@ class DecodeNode(ServingNode):
 
     def _post_receive(self, announce: TransferAnnounce) -> None:
         tracked = self.rooms.get(announce.room)
-        if tracked is None or tracked.meta_row is None:
+        if tracked is not None and tracked.meta_row is None:
+            tracked = None  # not asked of a prefill node yet, or already running
+        unreceivable = self._unreceivable(announce)
+        if unreceivable is not None:
+            if tracked is not None:
+                self._fail(tracked, unreceivable)
+            return
+        if tracked is None:
             log.warning(
-                "announcement for unknown room %s: its transfer is discarded", announce.room
+                "announcement for room %s, which expects none: its transfer is discarded",
+                announce.room,
             )
             self._discard(announce)
             return
-        prompt_len = len(tracked.req.prompt_token_ids)
-        if announce.num_tokens != prompt_len:
+        refusal = self._refusal(announce, tracked)
+        if refusal is not None:
             self._discard(announce)
-            self._fail(
-                tracked, f"prefill announced {announce.num_tokens} tokens, expected {prompt_len}"
-            )
+            self._fail(tracked, refusal)
             return
         tracked.announce = announce
         req = tracked.req
+        prompt_len = len(req.prompt_token_ids)
         pools = [(self.engine.runner.kv_pool, req.slots[:prompt_len])]
-        if announce.num_draft_tokens and req.num_draft_tokens:
+        if announce.num_draft_tokens:
             pools += self.speculator.depth_kv(req, prompt_len)
-        elif announce.num_draft_tokens:
-            self._discard(announce)
-            reason = f"prefill sent {announce.num_draft_tokens} draft depths to a node that "
-            self._fail(tracked, reason + "does not speculate")
-            return
         elif req.num_draft_tokens:
             # The prefill node drafted nothing (one token left to emit after the first): this
             # request decodes plainly, and its reserved draft slots go back now.
@@ -249,6 +257,51 @@ class DecodeNode(ServingNode):
             announce.prefill_rank, announce.room, pools, self.metadata, tracked.meta_row
         )
         set_time(req, "receive_posted")
+
+    def _unreceivable(self, announce: TransferAnnounce) -> str | None:
+        """Why no receive at all may be posted for `announce`, if none may: a rank that is not
+        one of this node's prefill peers sends it nothing, and a token count no prompt has
+        (outside 1..max_model_len) is no transfer of this cluster's, whose scratch would be
+        unbounded; the channel from that rank is then out of order for good."""
+        rank, room = announce.prefill_rank, announce.room
+        if rank not in self.prefill_ranks.values():
+            reason = f"room {room} was announced by rank {rank}, which is no prefill node's"
+            log.error("%s: the announcement is dropped", reason)
+            return reason
+        max_len = self.spec.engine_config.max_model_len
+        if not 1 <= announce.num_tokens <= max_len:
+            reason = (
+                f"room {room} was announced with {announce.num_tokens} tokens, not 1..{max_len}"
+            )
+            log.error("%s: the channel from rank %d is out of order", reason, rank)
+            self.receiver.break_channel(rank, reason)
+            return reason
+        return None
+
+    def _refusal(self, announce: TransferAnnounce, tracked: Tracked) -> str | None:
+        """Why `announce` is not the transfer `tracked`'s request expects, if it is not: from
+        another rank than its prefill node's, a second one, another token count than its
+        prompt's, or draft depths it does not receive (0 or all of this node's)."""
+        room, rank = announce.room, announce.prefill_rank
+        prefill = tracked.message.prefill_node
+        expected_rank = self.prefill_ranks.get(prefill)
+        if rank != expected_rank:
+            return (
+                f"room {room} was announced by rank {rank}, but its prefill went to "
+                f"prefill-{prefill} (rank {expected_rank})"
+            )
+        if tracked.announce is not None:
+            return f"room {room} was announced twice by prefill-{prefill}"
+        prompt_len = len(tracked.req.prompt_token_ids)
+        if announce.num_tokens != prompt_len:
+            return f"prefill announced {announce.num_tokens} tokens, expected {prompt_len}"
+        depths = tracked.req.num_draft_tokens
+        if announce.num_draft_tokens not in (0, depths):
+            return (
+                f"prefill-{prefill} announced {announce.num_draft_tokens} draft depths, this "
+                f"node receives {depths}"
+            )
+        return None
 
     def _discard(self, announce: TransferAnnounce) -> None:
         """Receive an announced transfer that no request takes into scratch (see

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,9 @@ class NodeOptions:
     # Transfers over gloo through host memory although the pools are on a GPU: for nodes that
     # share one GPU, which NCCL refuses to pair with itself.
     transfer_through_host: bool = False
+    # The cluster's control-plane key (metadata.control_auth): every message a node sends is
+    # signed with it, and every message it receives must be.
+    control_key: bytes = field(repr=False, kw_only=True)
 
     @property
     def name(self) -> str:

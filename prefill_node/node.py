@@ -85,7 +85,7 @@ class PrefillNode(ServingNode):
         self.speculator = speculator_from_args(args, self.runner)
         self.num_draft_steps = self.speculator.num_draft_steps if self.speculator else 0
         self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
-        self.inbox = Inbox(options.host)
+        self.inbox = Inbox(options.host, options.control_key)
         self.outboxes: dict[int, Outbox] = {}
         self.sender: KVSender | None = None
         self.waiting: deque[_Pending] = deque()
@@ -99,7 +99,8 @@ class PrefillNode(ServingNode):
 
     # --- setup and health (Ray calls) ---
     def connect(self, decode_endpoints: dict[int, str]) -> None:
-        self.outboxes = {i: Outbox(e) for i, e in decode_endpoints.items()}
+        key = self.options.control_key
+        self.outboxes = {i: Outbox(e, key) for i, e in decode_endpoints.items()}
 
     def stats(self) -> dict:
         allocator = self.runner.kv_pool.allocator
@@ -113,6 +114,7 @@ class PrefillNode(ServingNode):
             "prompt_tokens": self.prompt_tokens,
             "transfers_in_flight": len(self.sending),
             "transfers": self.transfer_totals.as_dict(),
+            "control_rejected": self.inbox.rejected,
         }
 
     def _open_channel(self) -> KVSender:

@@ -22,6 +22,7 @@ from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from metadata.buffers import MetadataBuffers
+from metadata.control_auth import new_control_key
 from metadata.messages import (
     MessageError,
     PrefillResult,
@@ -123,7 +124,7 @@ class FakeSpeculator:
 
 def prefill_node(recorder: Recorder, fail: bool = False, speculator=None) -> PrefillNode:
     node = PrefillNode.__new__(PrefillNode)
-    node.options = NodeOptions("prefill", 0)
+    node.options = NodeOptions("prefill", 0, control_key=new_control_key())
     node.rank = 0
     node.kv_cache = kv_cache()
     node.runner = FakeRunner(node.kv_cache.kv_pool, recorder, fail)
@@ -301,6 +302,7 @@ def test_a_void_row_lands_as_no_rooms() -> None:
 
 ROOM = 4242
 PROMPT = list(range(3, 13))
+PREFILL_RANK = 3  # prefill-0's, which every request here goes to
 
 
 class Router:
@@ -314,13 +316,15 @@ class Router:
 def decode_node(state: TransferState, error: str | None = None):
     node = DecodeNode.__new__(DecodeNode)
     cache = kv_cache()
-    node.options = NodeOptions("decode", 0)
+    node.options = NodeOptions("decode", 0, control_key=new_control_key())
+    node.spec = SimpleNamespace(engine_config=SimpleNamespace(max_model_len=CAPACITY))
     node.engine = SimpleNamespace(kv_cache=cache)
     node.kv_cache = cache
     node.speculator = None
     node.metadata = MetadataBuffers(2, HIDDEN, 0, 1, torch.float32, "cpu")
     node.router = Router()
     node.prefill_outboxes = {}
+    node.prefill_ranks = {0: PREFILL_RANK}
     node.transfer_totals = TransferTotals("receive")
     req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
     cache.grow(req, len(PROMPT) + 4)

@@ -21,6 +21,7 @@ from cluster.local_backend import LocalBackend
 from cluster.metrics import ClusterMetrics, RequestTimer
 from cluster.openai_api import create_app
 from engine import LLM
+from metadata.control_auth import new_control_key
 from metadata.node_common import NodeOptions, metadata_buffers
 from metadata.node_metrics import Activity, ActivityLog, TransferTotals, format_activity
 from metadata.transfer import TransferHandle, TransferState
@@ -89,7 +90,8 @@ def transfer_bytes(cluster, prompt_len: int) -> int:
         head_dim=config.head_dim,
         dtype=cluster.spec.engine_config.dtype,
     )
-    metadata = metadata_buffers(cluster.spec, NodeOptions("prefill", 0), 0)
+    options = NodeOptions("prefill", 0, control_key=new_control_key())
+    metadata = metadata_buffers(cluster.spec, options, 0)
     return transfer_nbytes([(pool, prompt_len)], metadata.row_nbytes)
 
 

@@ -7,6 +7,7 @@ from tiny_models import make_tiny_llama
 
 from decode_node import DecodeNode
 from engine.loader import EngineArgs
+from metadata.control_auth import new_control_key
 from metadata.handshake import PairingError, TransferSpec
 from metadata.node_common import NodeOptions
 
@@ -17,7 +18,7 @@ def decode_node(tmp_path_factory):
     make_tiny_llama(path)
     node = DecodeNode(
         EngineArgs(model=str(path), device="cpu", kv_cache_tokens=256, max_model_len=128),
-        NodeOptions("decode", 0),
+        NodeOptions("decode", 0, control_key=new_control_key()),
     )
     yield node
     node.inbox.close()
@@ -28,7 +29,9 @@ def _spec(node: DecodeNode, **changes) -> dict:
 
 
 def test_identical_prefill_pairs(decode_node):
-    decode_node.connect({0: "tcp://127.0.0.1:1"}, {0: _spec(decode_node)}, "tcp://127.0.0.1:2")
+    decode_node.connect(
+        {0: "tcp://127.0.0.1:1"}, {0: _spec(decode_node)}, {0: 0}, "tcp://127.0.0.1:2"
+    )
 
 
 @pytest.mark.parametrize(
@@ -48,6 +51,7 @@ def test_mismatch_is_refused_naming_it(decode_node, field, value):
         decode_node.connect(
             {0: "tcp://127.0.0.1:1", 1: "tcp://127.0.0.1:3"},
             {0: _spec(decode_node), 1: _spec(decode_node, **{field: value})},
+            {0: 0, 1: 1},
             "tcp://127.0.0.1:2",
         )
     message = str(err.value)
