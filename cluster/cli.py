@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Mapping
 
 from cluster.bench_serving.cli import DESCRIPTION as BENCH_SERVING_DESCRIPTION
 from cluster.bench_serving.cli import add_bench_serving_args, run_bench_serving
@@ -213,8 +214,39 @@ def run_demo(args: argparse.Namespace) -> None:
     run_cluster_demo(args)
 
 
+API_KEY_VARIABLE = "PDCLUSTER_API_KEY"
+
+
+def serve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The bearer token from --api-key, --api-key-file or $PDCLUSTER_API_KEY, one of them at
+    most; the file and the variable keep it out of `ps`. An empty key would let anyone in."""
+    sources: dict[str, str] = {}
+    if args.api_key is not None:
+        sources["--api-key"] = args.api_key
+    if args.api_key_file is not None:
+        sources["--api-key-file"] = _first_line(args.api_key_file)
+    if API_KEY_VARIABLE in environ:
+        sources[f"${API_KEY_VARIABLE}"] = environ[API_KEY_VARIABLE]
+    if len(sources) > 1:
+        raise ValueError(f"give the API key one way, not {' and '.join(sources)}")
+    if not sources:
+        return None
+    [(source, key)] = sources.items()
+    if not key.strip():
+        raise ValueError(f"the API key from {source} is empty")
+    return key.strip()
+
+
+def _first_line(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.readline()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read the API key file {path}: {err}") from err
+
+
 def run_serve(args: argparse.Namespace) -> None:
-    from cluster.config import ClusterConfig, ServeConfig
+    from cluster.config import DEFAULT_MAX_REQUEST_BYTES, ClusterConfig, ServeConfig
     from cluster.serve import serve
 
     config = ServeConfig(
@@ -239,8 +271,12 @@ def run_serve(args: argparse.Namespace) -> None:
         ),
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=serve_api_key(args, os.environ),
         served_model_name=args.served_model_name,
+        max_request_bytes=(
+            DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None else args.max_request_bytes
+        ),
+        metrics_require_api_key=args.metrics_require_api_key,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     serve(config)
@@ -273,7 +309,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require this bearer token")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require this bearer token on /v1 (shows in `ps`: --api-key-file or "
+        "$PDCLUSTER_API_KEY do not)",
+    )
+    serve.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="require the bearer token on the first line of this file",
+    )
+    serve.add_argument(
+        "--metrics-require-api-key",
+        action="store_true",
+        help="require the API key on /metrics too (open to scrapers by default)",
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="refuse a request body larger than this with a 413 (default 8 MiB)",
+    )
     serve.add_argument("--served-model-name", default=None, help="model name in the API")
     serve.add_argument(
         "--log-level",

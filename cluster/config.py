@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from engine.loader import EngineArgs
 
+# Room for a full long context as text or token ids, and for some prompt_embeds vectors
+# (a 4096-wide vector is about 80 KB of JSON); a body beyond it is refused with a 413.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -90,3 +94,12 @@ class ServeConfig:
     port: int = 8000
     api_key: str | None = None
     served_model_name: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # /metrics is open to scrapers by default, like /health; this puts it behind the API key.
+    metrics_require_api_key: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
+        if self.metrics_require_api_key and self.api_key is None:
+            raise ValueError("requiring the API key on /metrics needs an API key")

@@ -1,16 +1,19 @@
 """The OpenAI-compatible HTTP server over any GenerationBackend.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (both streaming over SSE or not),
-GET /v1/models, GET /v1/traces/{request_id} (Chrome trace JSON, with --enable-tracing),
-GET /health, GET /metrics (Prometheus). Every error has the OpenAI body
-{"error": {"message", "type", "param", "code"}}: bad input is a 400 (never FastAPI's 422), an
-unknown model a 404 with code "model_not_found" (what OpenAI answers), a missing or wrong API
-key a 401, and a BackendError its own status with a message naming the node and stage.
+GET /v1/models, GET /v1/models/{id}, GET /v1/traces/{request_id} (Chrome trace JSON, with
+--enable-tracing), GET /health, GET /metrics (Prometheus). Every error has the OpenAI body
+{"error": {"message", "type", "param", "code"}}: bad input is a 400 (never FastAPI's 422, never
+a 500) counted as a "rejected" failure in the backend's metrics, an unknown model a 404 with
+code "model_not_found" (what OpenAI answers), a missing or wrong API key a 401, a body over the
+size limit a 413, and a BackendError its own status with a message naming the node and stage.
+Work that grows with the prompt (tokenizing, validating) runs on a worker thread, so that the
+event loop keeps answering /health and the streams of other requests.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import logging
 import threading
 import time
@@ -18,32 +21,30 @@ import uuid
 from typing import Any
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from jinja2 import TemplateError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.backend import BackendError, GenerationBackend
+from cluster.api_errors import ERROR_RESPONSES, OpenAIError, install_error_handlers
+from cluster.backend import GenerationBackend
+from cluster.config import DEFAULT_MAX_REQUEST_BYTES
+from cluster.http_guards import ApiKeyGuard, BodySizeLimit, TrailingSlashes
 from cluster.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from cluster.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ResponseFormatter,
-    describe_validation_error,
-    error_body,
-    now,
+from cluster.protocol import ResponseFormatter, now
+from cluster.request_preparation import (
+    PreparedRequest,
+    check_request,
+    prepare_chat,
+    prepare_completion,
+    require_served_model,
 )
+from cluster.request_schema import ChatCompletionRequest, CompletionRequest
 from cluster.streaming import (
     ClientGone,
-    backend_error_body,
     collect,
     event_stream,
     next_delta,
     unless_disconnected,
 )
-from engine import RequestRejectedError, SamplingParams
-from engine.prompt_embeds import PromptEmbeds
 from engine.tracing import clock_ns
 
 log = logging.getLogger(__name__)
@@ -52,48 +53,41 @@ log = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499
 
 
-class OpenAIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | int | None = None,
-        type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type
-
-
-def create_app(backend: GenerationBackend, api_key: str | None = None) -> FastAPI:
+def create_app(
+    backend: GenerationBackend,
+    api_key: str | None = None,
+    *,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    metrics_require_api_key: bool = False,
+) -> FastAPI:
     """An app serving `backend`. With `api_key`, /v1/* needs `Authorization: Bearer <key>`;
-    /health and /metrics stay open for load balancers, probes and scrapers."""
-    app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
+    /health stays open for load balancers and probes, and so does /metrics for scrapers unless
+    `metrics_require_api_key`. A request body over `max_request_bytes` is refused with a 413."""
+    if metrics_require_api_key and api_key is None:
+        raise ValueError("metrics_require_api_key needs an api_key")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
+    app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None, redirect_slashes=False)
     started = now()
+    v1 = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
-    async def require_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), api_key):
-            raise OpenAIError(401, "missing or incorrect API key", code="invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
-
-    @v1.get("/models")
-    async def models() -> dict:
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": backend.model_name,
             "object": "model",
             "created": started,
             "owned_by": "pdcluster",
             "max_model_len": backend.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @v1.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        require_served_model(model_id, backend)
+        return model_card()
 
     @v1.get("/traces/{request_id}")
     async def trace(request_id: str) -> JSONResponse:
@@ -109,121 +103,46 @@ def create_app(backend: GenerationBackend, api_key: str | None = None) -> FastAP
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         arrival_ns = clock_ns()
-        _check_common(body, backend)
-        if not body.messages:
-            raise OpenAIError(400, "messages must not be empty", param="messages")
+        check_request(body, backend, request.url.path)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt = backend.apply_chat_template(messages)
-        except (ValueError, LookupError, TemplateError) as err:
-            raise OpenAIError(400, f"could not apply the chat template: {err}") from err
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _sampling_params(body, body.requested_max_tokens, logprobs, len(prompt), backend)
-        return await _generate(
-            request, backend, body, "chat", prompt, params, arrival_ns=arrival_ns
-        )
+        # On a worker thread: it grows with the prompt, and the event loop serves everyone.
+        prepared = await asyncio.to_thread(prepare_chat, body, backend)
+        return await _generate(request, backend, body, "chat", prepared, arrival_ns)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival_ns = clock_ns()
-        _check_common(body, backend)
+        check_request(body, backend, request.url.path)
         if body.echo:
             raise OpenAIError(400, "echo=true is not supported", param="echo")
         if body.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
-        prompt = _prompt_token_ids(body.prompt, backend.tokenizer)
-        embeds = _prompt_embeds(body)
-        params = _sampling_params(body, body.max_tokens, body.logprobs, len(prompt), backend)
-        return await _generate(
-            request, backend, body, "completion", prompt, params, embeds, arrival_ns=arrival_ns
-        )
+        prepared = await asyncio.to_thread(prepare_completion, body, backend)
+        return await _generate(request, backend, body, "completion", prepared, arrival_ns)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         report = await backend.health()
         return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={404: ERROR_RESPONSES[404]})
     async def metrics() -> Response:
-        # Open like /health (scrapers carry no key); a backend without metrics answers 404.
+        # A backend without metrics answers 404.
         render = getattr(backend, "metrics_text", None)
         if render is None:
             raise OpenAIError(404, "this backend exposes no metrics", type="not_found_error")
         return Response(await render(), media_type=METRICS_CONTENT_TYPE)
 
     app.include_router(v1)
-    _install_error_handlers(app)
+    install_error_handlers(app, backend)
+    # Added innermost first: a request meets TrailingSlashes, then ApiKeyGuard, then the limit.
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    if api_key is not None:
+        protected = ("/v1", "/metrics") if metrics_require_api_key else ("/v1",)
+        app.add_middleware(ApiKeyGuard, api_key=api_key, protected=protected)
+    app.add_middleware(TrailingSlashes)
     return app
-
-
-def _check_common(body: ChatCompletionRequest | CompletionRequest, backend: Any) -> None:
-    if body.model is not None and body.model != backend.model_name:
-        raise OpenAIError(
-            404,
-            f"the model {body.model!r} does not exist; this server serves {backend.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
-    if body.n != 1:
-        raise OpenAIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(body, name) not in (None, 0):
-            raise OpenAIError(400, f"{name} is not supported (only 0)", param=name)
-
-
-def _prompt_token_ids(prompt: Any, tokenizer: Any) -> list[int]:
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise OpenAIError(
-                400, "batched prompts are not supported: send one prompt per request", "prompt"
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        # The same encoding as engine.LLM.generate, so both give the same tokens for a string.
-        return tokenizer.encode(prompt)
-    return list(prompt)
-
-
-def _prompt_embeds(body: CompletionRequest) -> PromptEmbeds | None:
-    """The extension's vectors; their width and positions are the backend's to check."""
-    if body.prompt_embeds is None:
-        return None
-    try:
-        return PromptEmbeds.of((item.position, item.embedding) for item in body.prompt_embeds)
-    except RequestRejectedError as err:
-        raise OpenAIError(400, str(err), param="prompt_embeds") from err
-
-
-def _sampling_params(
-    body: ChatCompletionRequest | CompletionRequest,
-    max_tokens: int | None,
-    logprobs: int | None,
-    prompt_len: int,
-    backend: Any,
-) -> SamplingParams:
-    if max_tokens is None:
-        # Unset in chat means "until the context is full", as in the OpenAI API.
-        max_tokens = backend.max_model_len - prompt_len
-        if max_tokens < 1:
-            raise OpenAIError(
-                400,
-                f"the prompt ({prompt_len} tokens) fills the context of "
-                f"{backend.max_model_len} tokens",
-                param="messages",
-            )
-    elif max_tokens < 1:
-        raise OpenAIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    optional = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
-    return SamplingParams(
-        max_tokens=max_tokens,
-        stop=body.stop or (),
-        seed=body.seed,
-        ignore_eos=body.ignore_eos,
-        logprobs=logprobs,
-        **{name: value for name, value in optional.items() if value is not None},
-    )
 
 
 async def _generate(
@@ -231,21 +150,21 @@ async def _generate(
     backend: GenerationBackend,
     body: ChatCompletionRequest | CompletionRequest,
     kind: str,
-    prompt: list[int],
-    params: SamplingParams,
-    prompt_embeds: PromptEmbeds | None = None,
-    arrival_ns: int | None = None,
+    prepared: PreparedRequest,
+    arrival_ns: int,
 ) -> Response:
+    prompt = prepared.prompt
     # Passed only when given, so that a backend without the extension serves the rest.
-    extension = {} if prompt_embeds is None else {"prompt_embeds": prompt_embeds}
-    backend.validate(prompt, params, **extension)
+    extension: dict[str, Any] = {}
+    if prepared.prompt_embeds is not None:
+        extension["prompt_embeds"] = prepared.prompt_embeds
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     formatter = ResponseFormatter(kind, request_id, backend, body.include_usage)
     started = time.perf_counter()
     # Likewise the timeline so far, only to a backend that traces (cluster.tracing).
-    if getattr(backend, "traces", None) is not None and arrival_ns is not None:
+    if getattr(backend, "traces", None) is not None:
         extension["trace_events"] = [("arrival", arrival_ns), ("tokenized", clock_ns())]
-    deltas = backend.generate(request_id, prompt, params, **extension)
+    deltas = backend.generate(request_id, prompt, prepared.params, **extension)
 
     def log_line(outcome: str, completion_tokens: int) -> None:
         log.info(
@@ -271,39 +190,6 @@ async def _generate(
         await deltas.aclose()
         raise
     return event_stream(first, deltas, formatter, log_line)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    def reply(request: Request, status: int, body: dict[str, Any]) -> JSONResponse:
-        log.info("%s %d: %s", request.url.path, status, body["error"]["message"])
-        return JSONResponse(body, status_code=status)
-
-    @app.exception_handler(OpenAIError)
-    async def openai_error(request: Request, err: OpenAIError) -> JSONResponse:
-        return reply(request, err.status, error_body(err.message, err.type, err.param, err.code))
-
-    @app.exception_handler(RequestRejectedError)
-    async def rejected(request: Request, err: RequestRejectedError) -> JSONResponse:
-        return reply(request, 400, error_body(str(err)))
-
-    @app.exception_handler(BackendError)
-    async def backend_error(request: Request, err: BackendError) -> JSONResponse:
-        return reply(request, err.status, backend_error_body(err))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        message, param = describe_validation_error(err.errors())
-        return reply(request, 400, error_body(message, param=param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-        return reply(request, err.status_code, error_body(str(err.detail)))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, err: Exception) -> JSONResponse:
-        # Starlette still logs the traceback; the client gets the usual error body.
-        body = error_body(f"internal server error: {err!r}", type="server_error", code=500)
-        return reply(request, 500, body)
 
 
 class BackgroundServer:

@@ -1,9 +1,6 @@
-"""OpenAI request bodies (pydantic) and response builders (plain dicts).
-
-Requests are validated strictly: a string where a number belongs ("max_tokens": "10") is a 400,
-as in the OpenAI API, rather than silently coerced; unknown fields are ignored. Extensions:
-`top_k` and `ignore_eos` in requests, `prompt_embeds` in completion requests (vectors that replace
-the embeddings of some prompt tokens), and `token_ids` in every response choice.
+"""OpenAI response bodies and stream chunks (plain dicts), and the error body every failure
+carries. Extension: `token_ids` in every response choice. The request bodies are in
+cluster.request_schema.
 """
 
 from __future__ import annotations
@@ -11,96 +8,24 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from engine import TokenLogprob
 
 FinishReason = Literal["stop", "length", "abort"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+class ErrorResponse(BaseModel):
+    """The body of every error answer (documented in the OpenAPI schema)."""
 
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _SamplingFields(_Strict):
-    """What both endpoints share. `model` may be left out: the served model is used."""
-
-    model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    user: str | None = None
-    # Accepted so that clients which always send them at their neutral value keep working;
-    # any other value is refused rather than silently ignored.
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        # max_completion_tokens is the newer name; it wins when both are given.
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
-
-
-class PromptEmbedding(_Strict):
-    """A vector given in place of the embedding of the prompt token at `position` (a position
-    in the tokenized prompt; the token there stays as a placeholder)."""
-
-    position: int
-    embedding: list[float]
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = 16
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    prompt_embeds: list[PromptEmbedding] | None = None
-
-
-# ---- responses ---------------------------------------------------------------------------
+    error: ErrorDetail
 
 
 def error_body(
@@ -312,36 +237,3 @@ class ResponseFormatter:
             return None
         args = (self.request_id, self.model, self.created, None)
         return chat_chunk(*args, usage=usage) if self.chat else text_completion(*args, usage=usage)
-
-
-# pydantic names the branches of a union in error locations ("stop", "list[str]"); they are
-# types, not fields, so they are left out of `param`.
-_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def describe_validation_error(errors: Any) -> tuple[str, str | None]:
-    """pydantic errors -> (message, param): every problem with the first field that failed."""
-    errors = list(errors)
-    if not errors:
-        return "invalid request body", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
-    if not _field_path(first.get("loc", ())):
-        return f"the request body must be a JSON object: {first.get('msg')}", None
-    param = _field_path(first["loc"])
-    field = next(p for p in first["loc"] if p != "body")
-    reasons = [
-        f"{_field_path(e['loc'])}: {e['msg']}" for e in errors if field in e.get("loc", ())[:2]
-    ]
-    return f"invalid request: {'; '.join(dict.fromkeys(reasons))}", param
-
-
-def _field_path(loc: Any) -> str:
-    named = [
-        f"[{p}]" if isinstance(p, int) else f".{p}"
-        for p in loc
-        if isinstance(p, int)
-        or (p != "body" and "[" not in p and p.lower() not in _TYPE_NAMES and p.islower())
-    ]
-    return "".join(named).lstrip(".")

@@ -30,7 +30,12 @@ async def _serve_http(cluster: Cluster, config: ServeConfig) -> None:
     if config.served_model_name:
         router.model_name = config.served_model_name
     await router.start()
-    app = create_app(router, api_key=config.api_key)
+    app = create_app(
+        router,
+        api_key=config.api_key,
+        max_request_bytes=config.max_request_bytes,
+        metrics_require_api_key=config.metrics_require_api_key,
+    )
     server = uvicorn.Server(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
     )

@@ -9,6 +9,10 @@ from engine.errors import RequestRejectedError
 from engine.prompt_embeds import PromptEmbeds
 from engine.sampling_params import SamplingParams
 
+# A signed 64-bit integer: the range OpenAI documents for `seed`, and what msgpack carries to
+# the nodes and a torch int64 tensor holds, so that no value admitted here fails on the way.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 def validate_request(
     prompt: list[int],
@@ -24,6 +28,14 @@ def validate_request(
         raise RequestRejectedError("the prompt is empty")
     if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt):
         raise RequestRejectedError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if params.top_k > vocab_size:
+        raise RequestRejectedError(
+            f"top_k must be at most the vocabulary size ({vocab_size}), got {params.top_k}"
+        )
+    if params.seed is not None and not INT64_MIN <= params.seed <= INT64_MAX:
+        raise RequestRejectedError(
+            f"seed must be a signed 64-bit integer ({INT64_MIN} to {INT64_MAX}), got {params.seed}"
+        )
     total = len(prompt) + params.max_tokens
     if total > max_model_len:
         raise RequestRejectedError(

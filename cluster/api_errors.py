@@ -1,0 +1,95 @@
+"""The errors of the HTTP API: the exception the routes raise, the responses the OpenAPI schema
+documents, and the handlers that turn every failure into the OpenAI error body."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.backend import BackendError, GenerationBackend
+from cluster.protocol import ErrorResponse, error_body
+from cluster.request_schema import describe_validation_error
+from cluster.streaming import backend_error_body
+from engine import RequestRejectedError
+
+log = logging.getLogger("cluster.openai_api")
+
+# "default" also keeps FastAPI from documenting a 422 for invalid bodies: this server answers
+# those with a 400.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request (the message names the field)"},
+    401: {"model": ErrorResponse, "description": "Missing or incorrect API key"},
+    404: {"model": ErrorResponse, "description": "Unknown model, route or trace"},
+    413: {"model": ErrorResponse, "description": "Request body over the server's size limit"},
+    "default": {"model": ErrorResponse, "description": "Any other error, in the same body"},
+}
+
+
+class OpenAIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | int | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+
+
+def install_error_handlers(app: FastAPI, backend: GenerationBackend) -> None:
+    """Every 400 the HTTP layer answers counts as a "rejected" failure in the backend's metrics
+    (when it has any), as the requests its `validate` refuses do."""
+
+    def reply(
+        request: Request, status: int, body: dict[str, Any], headers: dict | None = None
+    ) -> JSONResponse:
+        log.info("%s %d: %s", request.url.path, status, body["error"]["message"])
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    def count_rejected() -> None:
+        metrics = getattr(backend, "metrics", None)
+        if metrics is not None:
+            metrics.failure("rejected")
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, err: OpenAIError) -> JSONResponse:
+        if err.status == 400:
+            count_rejected()
+        return reply(request, err.status, error_body(err.message, err.type, err.param, err.code))
+
+    @app.exception_handler(RequestRejectedError)
+    async def rejected(request: Request, err: RequestRejectedError) -> JSONResponse:
+        # Raised by backend.validate, which has counted it already.
+        return reply(request, 400, error_body(str(err)))
+
+    @app.exception_handler(BackendError)
+    async def backend_error(request: Request, err: BackendError) -> JSONResponse:
+        return reply(request, err.status, backend_error_body(err))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        count_rejected()
+        message, param = describe_validation_error(err.errors())
+        return reply(request, 400, error_body(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        # Its headers are kept: the Allow of a 405, say.
+        return reply(request, err.status_code, error_body(str(err.detail)), err.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:
+        # Starlette still logs the traceback; the client gets the usual error body.
+        body = error_body(f"internal server error: {err!r}", type="server_error", code=500)
+        return reply(request, 500, body)

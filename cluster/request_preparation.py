@@ -1,0 +1,198 @@
+"""From a validated request body to what the backend takes: the prompt's token ids, the
+sampling parameters and any prompt embeddings, checked against the backend's limits.
+
+`check_request` holds the checks that cost nothing and runs on the event loop;
+`prepare_chat` and `prepare_completion` hold everything that grows with the prompt (checking
+its text, tokenizing it, validating the token ids) and run on a worker thread, so a backend's
+`apply_chat_template` and `validate` must be safe to call off the event loop (LocalBackend's
+and the router's only read fixed configuration and thread-safe counters). Every refusal is
+an OpenAIError naming the field; a ValueError, TypeError or OverflowError that escapes a step
+is refused too, naming the step, rather than answered as a 500.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+from cluster.api_errors import OpenAIError
+from cluster.backend import GenerationBackend
+from cluster.request_schema import ChatCompletionRequest, CompletionRequest
+from engine import RequestRejectedError, SamplingParams
+from engine.prompt_embeds import PromptEmbeds
+
+log = logging.getLogger("cluster.openai_api")
+
+# A body of a million made-up fields must not make a log line of them.
+MAX_NAMED_UNKNOWN_FIELDS = 10
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request ready for the backend: tokenized, with its sampling parameters, validated."""
+
+    prompt: list[int]
+    params: SamplingParams
+    prompt_embeds: PromptEmbeds | None = None
+
+
+def require_served_model(name: str, backend: GenerationBackend) -> None:
+    if name != backend.model_name:
+        raise OpenAIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {backend.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_request(
+    body: ChatCompletionRequest | CompletionRequest, backend: GenerationBackend, path: str
+) -> None:
+    if body.model is not None:
+        require_served_model(body.model, backend)
+    if body.n != 1:
+        raise OpenAIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name) not in (None, 0):
+            raise OpenAIError(400, f"{name} is not supported (only 0)", param=name)
+    unsupported = body.unsupported_field()
+    if unsupported is not None:
+        name, reason = unsupported
+        raise OpenAIError(400, reason, param=name)
+    unknown = body.unknown_fields()
+    if unknown:
+        # As vLLM does: a field from a newer API or another server must not break a client.
+        named = ", ".join(repr(name) for name in unknown[:MAX_NAMED_UNKNOWN_FIELDS])
+        if len(unknown) > MAX_NAMED_UNKNOWN_FIELDS:
+            named += f" and {len(unknown) - MAX_NAMED_UNKNOWN_FIELDS} more"
+        log.warning("%s: ignoring unknown fields %s", path, named)
+
+
+def prepare_chat(body: ChatCompletionRequest, backend: GenerationBackend) -> PreparedRequest:
+    _require_valid_unicode(body)
+    prompt = _chat_prompt(body, backend)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = _sampling_params(body, body.requested_max_tokens, logprobs, len(prompt), backend)
+    return _validated(backend, PreparedRequest(prompt, params))
+
+
+def prepare_completion(body: CompletionRequest, backend: GenerationBackend) -> PreparedRequest:
+    _require_valid_unicode(body)
+    prompt = _prompt_token_ids(body.prompt, backend.tokenizer)
+    prompt_embeds = _prompt_embeds(body)
+    params = _sampling_params(body, body.max_tokens, body.logprobs, len(prompt), backend)
+    return _validated(backend, PreparedRequest(prompt, params, prompt_embeds))
+
+
+@contextlib.contextmanager
+def _refused_as_invalid(step: str, param: str | None = None) -> Iterator[None]:
+    """The exceptions a value the tokenizer, the sampling parameters or a message to a node
+    cannot take raises are the input's fault: a 400, not a 500 (after which the HTTP server
+    would also drop the keep-alive connection)."""
+    try:
+        yield
+    except (OpenAIError, RequestRejectedError):
+        raise
+    except (ValueError, TypeError, OverflowError) as err:
+        message = f"invalid request: {step} failed: {type(err).__name__}: {err}"
+        raise OpenAIError(400, message, param=param) from err
+
+
+def _validated(backend: GenerationBackend, prepared: PreparedRequest) -> PreparedRequest:
+    # Passed only when given, so that a backend without the extension serves the rest.
+    extension = {} if prepared.prompt_embeds is None else {"prompt_embeds": prepared.prompt_embeds}
+    with _refused_as_invalid("validating the request"):
+        backend.validate(prepared.prompt, prepared.params, **extension)
+    return prepared
+
+
+def _require_valid_unicode(body: ChatCompletionRequest | CompletionRequest) -> None:
+    # JSON may carry a lone UTF-16 surrogate ("\ud800"): a Python str, but not text that the
+    # tokenizer, or the UTF-8 of a message to a node, can hold.
+    for param, text in body.texts():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise OpenAIError(
+                400,
+                f"{param} is not valid Unicode: a lone UTF-16 surrogate "
+                f"{text[err.start]!r} at character {err.start}",
+                param=param,
+            ) from err
+
+
+def _chat_prompt(body: ChatCompletionRequest, backend: GenerationBackend) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    with _refused_as_invalid("applying the chat template", "messages"):
+        try:
+            return backend.apply_chat_template(messages)
+        except (LookupError, TemplateError) as err:
+            message = f"could not apply the chat template: {err}"
+            raise OpenAIError(400, message, param="messages") from err
+
+
+def _prompt_token_ids(prompt: Any, tokenizer: Any) -> list[int]:
+    if isinstance(prompt, list) and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise OpenAIError(
+                400, "batched prompts are not supported: send one prompt per request", "prompt"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        with _refused_as_invalid("tokenizing the prompt", "prompt"):
+            # The same encoding as engine.LLM.generate, so both give the same tokens for a string.
+            return tokenizer.encode(prompt)
+    return list(prompt)
+
+
+def _prompt_embeds(body: CompletionRequest) -> PromptEmbeds | None:
+    """The extension's vectors; their width and positions are the backend's to check."""
+    if body.prompt_embeds is None:
+        return None
+    with _refused_as_invalid("reading prompt_embeds", "prompt_embeds"):
+        try:
+            return PromptEmbeds.of((item.position, item.embedding) for item in body.prompt_embeds)
+        except RequestRejectedError as err:
+            raise OpenAIError(400, str(err), param="prompt_embeds") from err
+
+
+def _sampling_params(
+    body: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_len: int,
+    backend: GenerationBackend,
+) -> SamplingParams:
+    if max_tokens is None:
+        # Unset in chat means "until the context is full", as in the OpenAI API.
+        max_tokens = backend.max_model_len - prompt_len
+        if max_tokens < 1:
+            raise OpenAIError(
+                400,
+                f"the prompt ({prompt_len} tokens) fills the context of "
+                f"{backend.max_model_len} tokens",
+                param="messages",
+            )
+    optional = {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k_or_disabled,
+    }
+    with _refused_as_invalid("building the sampling parameters"):
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                stop=body.stop or (),
+                seed=body.seed,
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+                **{name: value for name, value in optional.items() if value is not None},
+            )
+        except RequestRejectedError as err:
+            raise OpenAIError(400, str(err)) from err
