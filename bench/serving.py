@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +30,6 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 
 from bench.report import write_section  # noqa: E402
-from cluster.bench_serving.cli import main as bench_serving  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.launcher import Cluster, describe_nodes, init_ray  # noqa: E402
 from cluster.openai_api import BackgroundServer, create_app  # noqa: E402
@@ -57,6 +57,7 @@ def cluster_config(setup: Setup, args: argparse.Namespace) -> ClusterConfig:
         max_num_seqs=args.max_num_seqs,
         kv_cache_tokens=args.kv_cache_tokens,
         speculative_algorithm="multi-layer-eagle" if setup.speculative else None,
+        draft_model=args.draft_model if setup.speculative else None,
     )
     common = dict(
         engine=engine,
@@ -101,7 +102,10 @@ def run_setup(setup: Setup, args: argparse.Namespace, workdir: Path) -> list[dic
     try:
         for dataset in args.datasets:
             out = workdir / re.sub(r"\W+", "-", f"{setup.label}-{dataset}")
-            code = bench_serving(bench_flags(args, server.url, dataset, out))
+            # The load generator runs in a process of its own, as a user's would: sharing this
+            # process's interpreter with the router would delay both and bunch the tokens.
+            command = [sys.executable, "-m", "cluster.cli", "bench", "serving"]
+            code = subprocess.run(command + bench_flags(args, server.url, dataset, out)).returncode
             if code != 0:
                 raise SystemExit(f"the load generator stopped with code {code} on {setup.label}")
             runs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
@@ -163,6 +167,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     parser.add_argument("--speculative", nargs="+", choices=["off", "on"], default=["off"])
     parser.add_argument("--model", default=None, help="default: the embedded default model")
+    parser.add_argument(
+        "--draft-model", default=None, help="with --speculative on (default: the shipped draft)"
+    )
     parser.add_argument("--device", default=None, help="default: cuda when Ray sees a GPU")
     parser.add_argument("--replicas", type=int, default=1, help="aggregated replicas")
     parser.add_argument("--gpus-per-node", type=float, default=1.0, help="1p1d: GPU share")
@@ -197,20 +204,24 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as workdir:
         for setup in setups:
             rows += run_setup(setup, args, Path(workdir))
-    elapsed = time.perf_counter() - started
+            # Written after every setup: a later setup that fails keeps the earlier rows.
+            report(rows, args, argv, time.perf_counter() - started, done=setup == setups[-1])
     ray.shutdown()
-    text = table(rows)
-    print("\n" + text)
-    device = _hardware(args)
+    print("\n" + table(rows))
+
+
+def report(rows: list[dict], args: argparse.Namespace, argv, elapsed: float, done: bool) -> None:
     command = "python bench/serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    partial = "" if done else " (not every setup has run yet)"
     body = (
-        f"`{command}`\n\n{device}; {args.num_prompts} prompts per run, dataset lengths "
+        f"`{command}`\n\n{_hardware(args)}; {args.num_prompts} prompts per run, dataset lengths "
         f"{args.input_len} in / {args.output_len} out for `random`; SLO: TTFT "
-        f"{args.slo_ttft_ms} ms, TPOT {args.slo_tpot_ms} ms; whole script {elapsed:.0f} s.\n\n"
-        f"{text}\n"
+        f"{args.slo_ttft_ms or '-'} ms, TPOT {args.slo_tpot_ms or '-'} ms; {elapsed:.0f} s"
+        f"{partial}.\n\n"
+        f"{table(rows)}\n"
     )
     slug = re.sub(r"\W+", "_", args.section.lower()).strip("_")
-    raw = {"command": command, "elapsed_s": elapsed, "rows": rows}
+    raw = {"command": command, "elapsed_s": elapsed, "complete": done, "rows": rows}
     write_section(args.section, body, raw, f"{slug}.json")
 
 
