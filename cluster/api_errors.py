@@ -26,11 +26,16 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse, "description": "Missing or incorrect API key"},
     404: {"model": ErrorResponse, "description": "Unknown model, route or trace"},
     413: {"model": ErrorResponse, "description": "Request body over the server's size limit"},
+    429: {"model": ErrorResponse, "description": "Too many requests in flight (Retry-After)"},
+    503: {"model": ErrorResponse, "description": "Draining, or no first token in time"},
     "default": {"model": ErrorResponse, "description": "Any other error, in the same body"},
 }
 
 
 class OpenAIError(Exception):
+    """An error answered with the OpenAI body. `failure` is the kind it counts as in the
+    backend's metrics: "rejected" for a 400 unless given, nothing for other statuses."""
+
     def __init__(
         self,
         status: int,
@@ -38,6 +43,9 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | int | None = None,
         type: str = "invalid_request_error",
+        *,
+        headers: dict[str, str] | None = None,
+        failure: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -45,11 +53,14 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
         self.type = type
+        self.headers = headers
+        self.failure = failure if failure is not None or status != 400 else "rejected"
 
 
 def install_error_handlers(app: FastAPI, backend: GenerationBackend) -> None:
     """Every 400 the HTTP layer answers counts as a "rejected" failure in the backend's metrics
-    (when it has any), as the requests its `validate` refuses do."""
+    (when it has any), as the requests its `validate` refuses do; a refusal at admission (429,
+    or 503 while draining) counts as "overloaded"."""
 
     def reply(
         request: Request, status: int, body: dict[str, Any], headers: dict | None = None
@@ -57,16 +68,17 @@ def install_error_handlers(app: FastAPI, backend: GenerationBackend) -> None:
         log.info("%s %d: %s", request.url.path, status, body["error"]["message"])
         return JSONResponse(body, status_code=status, headers=headers)
 
-    def count_rejected() -> None:
+    def count_failure(kind: str) -> None:
         metrics = getattr(backend, "metrics", None)
         if metrics is not None:
-            metrics.failure("rejected")
+            metrics.failure(kind)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, err: OpenAIError) -> JSONResponse:
-        if err.status == 400:
-            count_rejected()
-        return reply(request, err.status, error_body(err.message, err.type, err.param, err.code))
+        if err.failure is not None:
+            count_failure(err.failure)
+        body = error_body(err.message, err.type, err.param, err.code)
+        return reply(request, err.status, body, err.headers)
 
     @app.exception_handler(RequestRejectedError)
     async def rejected(request: Request, err: RequestRejectedError) -> JSONResponse:
@@ -79,7 +91,7 @@ def install_error_handlers(app: FastAPI, backend: GenerationBackend) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        count_rejected()
+        count_failure("rejected")
         message, param = describe_validation_error(err.errors())
         return reply(request, 400, error_body(message, param=param))
 

@@ -245,7 +245,7 @@ def _first_line(path: str) -> str:
         raise ValueError(f"cannot read the API key file {path}: {err}") from err
 
 
-def run_serve(args: argparse.Namespace) -> None:
+def run_serve(args: argparse.Namespace) -> int:
     from cluster.config import DEFAULT_MAX_REQUEST_BYTES, ClusterConfig, ServeConfig
     from cluster.serve import serve
 
@@ -277,9 +277,12 @@ def run_serve(args: argparse.Namespace) -> None:
             DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None else args.max_request_bytes
         ),
         metrics_require_api_key=args.metrics_require_api_key,
+        drain_timeout_s=args.drain_timeout,
+        max_queued_requests=args.max_queued_requests,
+        queue_timeout_s=args.queue_timeout,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    serve(config)
+    return serve(config)
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -334,6 +337,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse a request body larger than this with a 413 (default 8 MiB)",
     )
     serve.add_argument("--served-model-name", default=None, help="model name in the API")
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM or a first Ctrl-C, refuse new requests (503, /health 503) and give "
+        "those running this long to finish before stopping; a second Ctrl-C stops at once "
+        "(default 30)",
+    )
+    serve.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="answer 429 (with Retry-After) to a request arriving while N are in flight, "
+        "accepted and not finished (default: no limit)",
+    )
+    serve.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="end a request that has no first token this long after arriving, with a 503 "
+        "naming the timeout, and free its KV (default: no timeout)",
+    )
     serve.add_argument(
         "--log-level",
         default="info",

@@ -97,9 +97,25 @@ class ServeConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     # /metrics is open to scrapers by default, like /health; this puts it behind the API key.
     metrics_require_api_key: bool = False
+    # After SIGTERM (or a first Ctrl-C), how long the requests in flight get to finish while new
+    # ones are refused (cluster.admission); those left then end with an error naming the drain.
+    drain_timeout_s: float = 30.0
+    # Generation requests in flight (admitted and not finished, waiting or generating) beyond
+    # which new ones get a 429; None: no limit.
+    max_queued_requests: int | None = None
+    # A request with no first token this long after its arrival ends with an error; None: never.
+    queue_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(
+                f"max_queued_requests must be positive, got {self.max_queued_requests}"
+            )
+        if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
+            raise ValueError(f"queue_timeout_s must be positive, got {self.queue_timeout_s}")
         if self.metrics_require_api_key and self.api_key is None:
             raise ValueError("requiring the API key on /metrics needs an API key")

@@ -35,7 +35,7 @@ from prometheus_client.utils import floatToGoString
 log = logging.getLogger(__name__)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-FAILURE_KINDS = ("rejected", "node_down", "transfer", "aborted", "error")
+FAILURE_KINDS = ("rejected", "overloaded", "node_down", "transfer", "aborted", "error")
 STATS_MAX_AGE_S = 1.0
 STATS_TIMEOUT_S = 5.0
 LATENCY_BUCKETS = (
@@ -115,8 +115,9 @@ class ClusterMetrics:
         )
         self.failures = Counter(
             "pdcluster_request_failures",
-            "Requests that failed, by kind: rejected (invalid, 400), node_down, transfer, "
-            "aborted (client gone or cancelled), error (anything else).",
+            "Requests that failed, by kind: rejected (invalid, 400), overloaded (refused at "
+            "admission: too many in flight, 429, or draining, 503), node_down, transfer, "
+            "aborted (client gone, cancelled or past the queue timeout), error (anything else).",
             ["kind"],
             registry=registry,
         )

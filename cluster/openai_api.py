@@ -7,6 +7,9 @@ GET /v1/models, GET /v1/models/{id}, GET /v1/traces/{request_id} (Chrome trace J
 a 500) counted as a "rejected" failure in the backend's metrics, an unknown model a 404 with
 code "model_not_found" (what OpenAI answers), a missing or wrong API key a 401, a body over the
 size limit a 413, and a BackendError its own status with a message naming the node and stage.
+Generation requests pass the admission gate (cluster.admission) first: a 503 with Retry-After
+while the server drains (and /health answers 503, status "draining"), a 429 with Retry-After
+when too many are in flight, and a 503 for one with no first token within the queue timeout.
 Work that grows with the prompt (tokenizing, validating) runs on a worker thread, so that the
 event loop keeps answering /health and the streams of other requests.
 """
@@ -18,12 +21,14 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from cluster.admission import Admission, AdmittedRequest
 from cluster.api_errors import ERROR_RESPONSES, OpenAIError, install_error_handlers
 from cluster.backend import GenerationBackend
 from cluster.config import DEFAULT_MAX_REQUEST_BYTES
@@ -59,14 +64,18 @@ def create_app(
     *,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     metrics_require_api_key: bool = False,
+    admission: Admission | None = None,
 ) -> FastAPI:
     """An app serving `backend`. With `api_key`, /v1/* needs `Authorization: Bearer <key>`;
     /health stays open for load balancers and probes, and so does /metrics for scrapers unless
-    `metrics_require_api_key`. A request body over `max_request_bytes` is refused with a 413."""
+    `metrics_require_api_key`. A request body over `max_request_bytes` is refused with a 413.
+    `admission` admits generation requests (default: one without limits, never draining); the
+    caller keeps it to drain the server."""
     if metrics_require_api_key and api_key is None:
         raise ValueError("metrics_require_api_key needs an api_key")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
+    gate = admission if admission is not None else Admission()
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None, redirect_slashes=False)
     started = now()
     v1 = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
@@ -106,9 +115,8 @@ def create_app(
         check_request(body, backend, request.url.path)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        # On a worker thread: it grows with the prompt, and the event loop serves everyone.
-        prepared = await asyncio.to_thread(prepare_chat, body, backend)
-        return await _generate(request, backend, body, "chat", prepared, arrival_ns)
+        admitted, prepared = await _admit_and_prepare(gate, prepare_chat, body, backend)
+        return await _generate(request, backend, body, "chat", prepared, arrival_ns, admitted)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -118,12 +126,15 @@ def create_app(
             raise OpenAIError(400, "echo=true is not supported", param="echo")
         if body.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
-        prepared = await asyncio.to_thread(prepare_completion, body, backend)
-        return await _generate(request, backend, body, "completion", prepared, arrival_ns)
+        admitted, prepared = await _admit_and_prepare(gate, prepare_completion, body, backend)
+        return await _generate(request, backend, body, "completion", prepared, arrival_ns, admitted)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         report = await backend.health()
+        if gate.draining:
+            # Readiness probes and load balancers take a draining server out at once.
+            report = {**report, "status": "draining", "in_flight": gate.in_flight}
         return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
 
     @app.get("/metrics", responses={404: ERROR_RESPONSES[404]})
@@ -145,6 +156,22 @@ def create_app(
     return app
 
 
+async def _admit_and_prepare(
+    gate: Admission,
+    prepare: Callable[[Any, GenerationBackend], PreparedRequest],
+    body: ChatCompletionRequest | CompletionRequest,
+    backend: GenerationBackend,
+) -> tuple[AdmittedRequest, PreparedRequest]:
+    """Admit the request before any work on it, then prepare it on a worker thread: that grows
+    with the prompt, and the event loop serves everyone."""
+    admitted = gate.admit()
+    try:
+        return admitted, await asyncio.to_thread(prepare, body, backend)
+    except BaseException:
+        admitted.release()
+        raise
+
+
 async def _generate(
     request: Request,
     backend: GenerationBackend,
@@ -152,6 +179,7 @@ async def _generate(
     kind: str,
     prepared: PreparedRequest,
     arrival_ns: int,
+    admitted: AdmittedRequest,
 ) -> Response:
     prompt = prepared.prompt
     # Passed only when given, so that a backend without the extension serves the rest.
@@ -164,7 +192,8 @@ async def _generate(
     # Likewise the timeline so far, only to a backend that traces (cluster.tracing).
     if getattr(backend, "traces", None) is not None:
         extension["trace_events"] = [("arrival", arrival_ns), ("tokenized", clock_ns())]
-    deltas = backend.generate(request_id, prompt, prepared.params, **extension)
+    # Closing `deltas` also ends the request's admission.
+    deltas = admitted.watch(backend.generate(request_id, prompt, prepared.params, **extension))
 
     def log_line(outcome: str, completion_tokens: int) -> None:
         log.info(
@@ -177,18 +206,22 @@ async def _generate(
             time.perf_counter() - started,
         )
 
+    # Every way out closes `deltas` (aborting an unfinished request), except a started stream,
+    # which closes them when it ends.
+    stream_started = False
     try:
         if not body.stream:
             result = await unless_disconnected(request, collect(deltas))
             log_line(f"finish={result.finish_reason}", len(result.token_ids))
             return JSONResponse(formatter.complete(result))
         first = await unless_disconnected(request, next_delta(deltas))
+        stream_started = True
     except ClientGone:
         log_line("client disconnected", 0)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    except BaseException:
-        await deltas.aclose()
-        raise
+    finally:
+        if not stream_started:
+            await deltas.aclose()
     return event_stream(first, deltas, formatter, log_line)
 
 
