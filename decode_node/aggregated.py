@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from decode_node.token_updates import token_update
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
@@ -153,26 +154,18 @@ class AggregatedNode(ServingNode):
 
     def _report(self, served: _Served) -> None:
         req = served.req
-        new = req.output_token_ids[served.sent_tokens :]
-        logprobs = [
-            [lp.token_id, lp.logprob, [[t, v] for t, v in lp.top_logprobs]]
-            for lp in req.logprobs[served.sent_tokens :]
-        ]
+        update = token_update(
+            served.room, req, served.sent_tokens, self.options.name, lambda: self._final_stats(req)
+        )
         served.sent_tokens = len(req.output_token_ids)
-        self.tokens_out += len(new)
-        if req.error is not None:
-            error = f"{self.options.name}: {req.error}"
-            self._send(TokenUpdate(served.room, new, logprobs, error=error))
-            return
-        stats = {}
-        if req.finished:
-            stats = {
-                "stop_string": req.stopped_by_string,
-                **self._speculation_usage(req),
-            }
-            if req.trace is not None:
-                stats["trace"] = {"replica": req.trace.events}
-        self._send(TokenUpdate(served.room, new, logprobs, req.finish_reason, stats=stats))
+        self.tokens_out += len(update.token_ids)
+        self._send(update)
+
+    def _final_stats(self, req: Request) -> dict:
+        stats = {"stop_string": req.stopped_by_string, **self._speculation_usage(req)}
+        if req.trace is not None:
+            stats["trace"] = {"replica": req.trace.events}
+        return stats
 
     def _speculation_usage(self, req: Request) -> dict:
         """The request's speculation figures for `usage`, also added to this node's totals."""

@@ -16,6 +16,7 @@ import logging
 import time
 from collections import deque
 
+from decode_node.token_updates import token_update
 from decode_node.tracked import RESULT_WAIT_S, Tracked
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
@@ -417,32 +418,29 @@ class DecodeNode(ServingNode):
 
     def _report(self, tracked: Tracked) -> None:
         req = tracked.req
-        new = req.output_token_ids[tracked.sent_tokens :]
-        logprobs = [
-            [lp.token_id, lp.logprob, [[t, v] for t, v in lp.top_logprobs]]
-            for lp in req.logprobs[tracked.sent_tokens :]
-        ]
+        update = token_update(
+            tracked.message.room,
+            req,
+            tracked.sent_tokens,
+            self.options.name,
+            lambda: self._final_stats(tracked),
+        )
         tracked.sent_tokens = len(req.output_token_ids)
-        self.tokens_out += len(new)
-        if req.error is not None:
-            self._send(
-                TokenUpdate(
-                    tracked.message.room, new, logprobs, error=f"{self.options.name}: {req.error}"
-                )
-            )
-            return
-        stats = {}
-        if req.finished:
-            stats = {
-                "prefill_node": tracked.message.prefill_node,
-                "decode_node": self.options.index,
-                "stop_string": req.stopped_by_string,
-                **self._speculation_usage(req),
-            }
-            if req.trace is not None:
-                prefill = tracked.result.trace if tracked.result is not None else []
-                stats["trace"] = {"prefill": prefill, "decode": req.trace.events}
-        self._send(TokenUpdate(tracked.message.room, new, logprobs, req.finish_reason, stats=stats))
+        self.tokens_out += len(update.token_ids)
+        self._send(update)
+
+    def _final_stats(self, tracked: Tracked) -> dict:
+        req = tracked.req
+        stats = {
+            "prefill_node": tracked.message.prefill_node,
+            "decode_node": self.options.index,
+            "stop_string": req.stopped_by_string,
+            **self._speculation_usage(req),
+        }
+        if req.trace is not None:
+            prefill = tracked.result.trace if tracked.result is not None else []
+            stats["trace"] = {"prefill": prefill, "decode": req.trace.events}
+        return stats
 
     def _speculation_usage(self, req: Request) -> dict:
         """The request's speculation figures for `usage`, also added to this node's totals."""
