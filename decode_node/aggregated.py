@@ -18,13 +18,13 @@ from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
 from engine.prompt_embeds import PromptEmbeds
-from engine.request import Request, SpecStats
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.tracing import set_time
 from metadata.control import Inbox, Outbox
 from metadata.messages import AbortRequest, GenerateRequest, TokenUpdate
 from metadata.node_common import NodeOptions, load_node_engine
-from metadata.node_metrics import Activity, ActivityLog, speculation_usage
+from metadata.node_metrics import Activity, ActivityLog, SpeculationTotals
 from metadata.serving_node import ServingNode
 from spec import speculator_from_args
 
@@ -54,7 +54,7 @@ class AggregatedNode(ServingNode):
         self.rooms: dict[int, _Served] = {}
         self.tokens_out = 0
         self.prompt_tokens = 0
-        self.spec_totals = SpecStats()
+        self.spec_totals = SpeculationTotals()
         self.activity_log = ActivityLog(options.stats_log_interval_s, log)
 
     # --- setup and health (Ray calls) ---
@@ -71,11 +71,7 @@ class AggregatedNode(ServingNode):
             "kv_capacity": allocator.capacity,
             "tokens_out": self.tokens_out,
             "prompt_tokens": self.prompt_tokens,
-            "spec_verify_steps": self.spec_totals.verify_steps,
-            "spec_accept_length": (
-                self.spec_totals.accept_length if self.spec_totals.verify_steps else None
-            ),
-            "spec_accepted_per_position": list(self.spec_totals.accepted_per_position),
+            **self.spec_totals.stats(),
             "control_rejected": self.inbox.rejected,
         }
 
@@ -96,7 +92,6 @@ class AggregatedNode(ServingNode):
     def _activity(self) -> Activity:
         allocator = self.engine.runner.kv_pool.allocator
         running = self.engine.scheduler.running
-        live = [r.spec_stats for r in running if r.spec_stats is not None]
         return Activity(
             len(running),
             len(self.engine.scheduler.waiting),
@@ -104,8 +99,7 @@ class AggregatedNode(ServingNode):
             allocator.num_used,
             allocator.capacity,
             self.tokens_out,
-            self.spec_totals.verify_steps + sum(s.verify_steps for s in live),
-            self.spec_totals.emitted_tokens + sum(s.emitted_tokens for s in live),
+            *self.spec_totals.with_running(running),
         )
 
     def _handle(self, msg: object) -> None:
@@ -140,10 +134,13 @@ class AggregatedNode(ServingNode):
         self.engine.add_request(req)
 
     def _step(self) -> None:
-        self.engine.step()
-        for served in list(self.rooms.values()):
-            req = served.req
-            if len(req.output_token_ids) == served.sent_tokens and not req.finished:
+        finished = self.engine.step()
+        # Only the requests this step ran can have news: the running ones, and those it ended.
+        for req in [*self.engine.scheduler.running, *finished]:
+            served = self.rooms.get(int(req.request_id))
+            if served is None or (
+                len(req.output_token_ids) == served.sent_tokens and not req.finished
+            ):
                 continue
             if served.sent_tokens == 0 and req.output_token_ids:
                 set_time(req, "first_token")
@@ -162,17 +159,10 @@ class AggregatedNode(ServingNode):
         self._send(update)
 
     def _final_stats(self, req: Request) -> dict:
-        stats = {"stop_string": req.stopped_by_string, **self._speculation_usage(req)}
+        stats = {"stop_string": req.stopped_by_string, **self.spec_totals.usage(req)}
         if req.trace is not None:
             stats["trace"] = {"replica": req.trace.events}
         return stats
-
-    def _speculation_usage(self, req: Request) -> dict:
-        """The request's speculation figures for `usage`, also added to this node's totals."""
-        usage = speculation_usage(req.spec_stats)
-        if usage:
-            self.spec_totals.add(req.spec_stats)
-        return usage
 
     def _abort(self, room: int) -> None:
         served = self.rooms.pop(room, None)

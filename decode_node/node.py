@@ -21,7 +21,6 @@ from decode_node.tracked import RESULT_WAIT_S, Tracked
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
-from engine.request import Request, SpecStats
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tracing import set_time, set_time_batch
@@ -43,7 +42,7 @@ from metadata.node_common import (
     metadata_buffers,
     transfer_spec,
 )
-from metadata.node_metrics import Activity, ActivityLog, TransferTotals, speculation_usage
+from metadata.node_metrics import Activity, ActivityLog, SpeculationTotals, TransferTotals
 from metadata.serving_node import ServingNode
 from metadata.transfer import KVReceiver, TransferState
 from metadata.wire import kv_nbytes
@@ -65,7 +64,7 @@ class DecodeNode(ServingNode):
         )
         self.kv_cache = self.engine.kv_cache
         self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
-        self.spec_totals = SpecStats()
+        self.spec_totals = SpeculationTotals()
         self.inbox = Inbox(options.host, options.control_key)
         self.prefill_outboxes: dict[int, Outbox] = {}
         self.prefill_ranks: dict[int, int] = {}  # prefill node index -> its data-plane rank
@@ -110,11 +109,7 @@ class DecodeNode(ServingNode):
             "kv_used": allocator.num_used,
             "kv_capacity": allocator.capacity,
             "tokens_out": self.tokens_out,
-            "spec_verify_steps": self.spec_totals.verify_steps,
-            "spec_accept_length": (
-                self.spec_totals.accept_length if self.spec_totals.verify_steps else None
-            ),
-            "spec_accepted_per_position": list(self.spec_totals.accepted_per_position),
+            **self.spec_totals.stats(),
             "transfers_in_flight": self._transfers_in_flight(),
             "transfers": self.transfer_totals.as_dict(),
             "control_rejected": self.inbox.rejected,
@@ -145,8 +140,6 @@ class DecodeNode(ServingNode):
     def _activity(self) -> Activity:
         allocator = self.engine.runner.kv_pool.allocator
         running = self.engine.scheduler.running
-        # The totals count finished requests; add the running ones' so far.
-        live = [r.spec_stats for r in running if r.spec_stats is not None]
         return Activity(
             len(running),
             len(self.prealloc),
@@ -154,8 +147,7 @@ class DecodeNode(ServingNode):
             allocator.num_used,
             allocator.capacity,
             self.tokens_out,
-            self.spec_totals.verify_steps + sum(s.verify_steps for s in live),
-            self.spec_totals.emitted_tokens + sum(s.emitted_tokens for s in live),
+            *self.spec_totals.with_running(running),
         )
 
     def _poll_timeout_ms(self) -> int:
@@ -435,19 +427,12 @@ class DecodeNode(ServingNode):
             "prefill_node": tracked.message.prefill_node,
             "decode_node": self.options.index,
             "stop_string": req.stopped_by_string,
-            **self._speculation_usage(req),
+            **self.spec_totals.usage(req),
         }
         if req.trace is not None:
             prefill = tracked.result.trace if tracked.result is not None else []
             stats["trace"] = {"prefill": prefill, "decode": req.trace.events}
         return stats
-
-    def _speculation_usage(self, req: Request) -> dict:
-        """The request's speculation figures for `usage`, also added to this node's totals."""
-        usage = speculation_usage(req.spec_stats)
-        if usage:
-            self.spec_totals.add(req.spec_stats)
-        return usage
 
     def _abort(self, room: int) -> None:
         tracked = self.rooms.get(room)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.request import SpecStats
+from engine.request import Request, SpecStats
 from metadata.transfer import TransferHandle, TransferState
 
 # Upper bounds (seconds) of the transfer latency histogram; the last bucket is +Inf.
@@ -146,3 +146,34 @@ def speculation_usage(stats: SpecStats | None) -> dict:
         "spec_verify_steps": stats.verify_steps,
         "spec_accept_length": stats.accept_length,
     }
+
+
+class SpeculationTotals:
+    """A generating node's speculation counters: the finished requests' totals (added once,
+    when a request's usage is reported), for its stats() and its periodic log line."""
+
+    def __init__(self) -> None:
+        self.finished = SpecStats()
+
+    def usage(self, req: Request) -> dict:
+        """`req`'s speculation figures for `usage`, also added to the totals."""
+        usage = speculation_usage(req.spec_stats)
+        if usage:
+            self.finished.add(req.spec_stats)
+        return usage
+
+    def stats(self) -> dict:
+        totals = self.finished
+        return {
+            "spec_verify_steps": totals.verify_steps,
+            "spec_accept_length": totals.accept_length if totals.verify_steps else None,
+            "spec_accepted_per_position": list(totals.accepted_per_position),
+        }
+
+    def with_running(self, running: list[Request]) -> tuple[int, int]:
+        """(verify steps, emitted tokens) of the finished requests and `running` so far."""
+        live = [r.spec_stats for r in running if r.spec_stats is not None]
+        return (
+            self.finished.verify_steps + sum(s.verify_steps for s in live),
+            self.finished.emitted_tokens + sum(s.emitted_tokens for s in live),
+        )
