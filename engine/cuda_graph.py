@@ -130,6 +130,9 @@ class CudaGraphs:
         device = kv_pool.device
         self.inputs = torch.zeros((7, self.capacity), dtype=torch.int64, device=device)
         self.host = torch.zeros((7, self.capacity), dtype=torch.int64, pin_memory=True)
+        # The same memory as an array: numpy converts a list of ints several times faster than
+        # torch.tensor, and this is filled from lists every step.
+        self._host_array = self.host.numpy()
         self.hidden: torch.Tensor | None = None
         if hidden_width is not None:
             self.hidden = torch.zeros(
@@ -238,7 +241,7 @@ class CudaGraphs:
 
     def _fill(self, size: int, spans: list[Span]) -> None:
         columns = padded_columns(size, spans, self.req_to_token_pool.padding_row)
-        self.host[:, :size] = torch.tensor(columns)
+        self._host_array[:, :size] = columns
 
     def _static_batch(self, size: int) -> ForwardBatch:
         """The batch captured for `size`: every column, its metadata over the static buffers."""

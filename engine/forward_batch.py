@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.prompt_embeds import InputEmbeds
 
@@ -71,5 +72,5 @@ class ForwardBatch:
         """Index in the flat token sequence of each request's last new token."""
         if self.is_decode:
             return torch.arange(self.batch_size, device=self.input_ids.device)
-        ends = torch.tensor(self.extend_lens, device=self.input_ids.device).cumsum(0)
+        ends = int_tensor(self.extend_lens, self.input_ids.device).cumsum(0)
         return ends - 1

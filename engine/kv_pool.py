@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from engine.allocator import SlotAllocator
+from engine.host_copy import int_tensor
 
 
 class KVPool:
@@ -94,7 +95,7 @@ class ReqToTokenPool:
         alternative draft chains)."""
         if not pairs or length <= 0:
             return
-        index = torch.tensor(pairs, dtype=torch.int64).T.to(self.req_to_token.device)
+        index = int_tensor(pairs, self.req_to_token.device).T
         self.req_to_token[index[1], :length] = self.req_to_token[index[0], :length]
 
     def write(self, row: int, start: int, slots: list[int]) -> None:
@@ -109,17 +110,15 @@ class ReqToTokenPool:
             return
         if len(entries) == 1:
             row, start, slots = entries[0]
-            self.req_to_token[row, start : start + len(slots)] = torch.tensor(
-                slots, dtype=torch.int64, device=self.req_to_token.device
-            )
+            values = int_tensor(slots, self.req_to_token.device)
+            self.req_to_token[row, start : start + len(slots)] = values
             return
         rows, cols, values = [], [], []
         for row, start, slots in entries:
             rows += [row] * len(slots)
             cols += range(start, start + len(slots))
             values += slots
-        index = torch.tensor([rows, cols, values], dtype=torch.int64)
-        index = index.to(self.req_to_token.device, non_blocking=True)
+        index = int_tensor([rows, cols, values], self.req_to_token.device)
         self.req_to_token[index[0], index[1]] = index[2]
 
 

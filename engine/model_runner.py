@@ -13,6 +13,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph import CudaGraphs, batch_size_buckets, token_buckets
 from engine.debug_dump import TARGET_ROLE, dump_pass, tensor_dumper
 from engine.forward_batch import ForwardBatch, Span
+from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.models import model_class
 from engine.models.cpu_linear import pack_linears, packed_linear_available
@@ -220,7 +221,7 @@ class ModelRunner:
             return self.model.compute_logits(hidden), draft_hidden
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return int_tensor(values, self.device)
 
 
 def run_target(

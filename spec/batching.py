@@ -7,6 +7,7 @@ import torch
 
 from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch, Span
+from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.prompt_embeds import concat_input_embeds
 
@@ -30,7 +31,7 @@ def extend_batch(
         slots.extend(span.slots)
 
     def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return int_tensor(values, device)
 
     input_embeds, input_embeds_mask = concat_input_embeds(
         [span.input_embeds for span in spans], [len(span.token_ids) for span in spans], device

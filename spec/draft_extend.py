@@ -51,43 +51,63 @@ class DraftExtend:
         self.prev_start = state.seqs[0].valid_len  # ... from this position on
 
     def input_for(self, depth: int) -> DraftInput:
+        """Depth `depth`'s input. The tokens it reads past x_m are this extend's drafts, which
+        are still on the device: they read 0 here, and `draft_columns` says which they are."""
         seq = self.state.seqs[depth]
         start = seq.valid_len
-        hidden = self.prev_output
+        hidden: tuple[torch.Tensor, ...] = (self.prev_output,)
         if self.prev_start > start:  # the position depth-1 did not recompute: its boundary
             assert depth > 0 and self.prev_start == start + 1
             boundary = self.old_boundary[depth - 1]
-            hidden = torch.cat([boundary[None].to(hidden.dtype), hidden])
-        first, end = start + depth + 1, self.m + depth + 1  # positions of the tokens read
-        tokens = (self.tokens + self.chain)[first:end]
+            hidden = (boundary[None].to(self.prev_output.dtype), self.prev_output)
+        first, end = self._read_range(depth)
+        committed = self.tokens[first : min(end, self.m + 1)]
+        tokens = committed + [0] * len(self.draft_columns(depth))
         embeds = None
         if self.input_embeds is not None:
             embeds = self.input_embeds.window(first - self.embeds_start, end - self.embeds_start)
         return DraftInput(seq, start, tokens, hidden, embeds)
 
-    def take(self, depth: int, output: torch.Tensor, token: int, prob: float) -> None:
-        """Depth `depth` produced `output` over [valid, m-1] and proposed `token`."""
+    def draft_columns(self, depth: int) -> range:
+        """The chain positions (0: the first draft) of the tokens that depth `depth` reads past
+        x_m: its input's last tokens, in order."""
+        first, end = self._read_range(depth)
+        return range(max(first, self.m + 1) - self.m - 1, end - self.m - 1)
+
+    def _read_range(self, depth: int) -> tuple[int, int]:
+        """The positions, in x_0 .. x_m followed by the chain, of the tokens depth `depth`
+        reads: [first, end)."""
+        start = self.state.seqs[depth].valid_len
+        return start + depth + 1, self.m + depth + 1
+
+    def take(self, depth: int, output: torch.Tensor) -> None:
+        """Depth `depth` produced `output` over [valid, m-1]."""
         seq = self.state.seqs[depth]
         last_depth = depth == len(self.state.seqs) - 1
         if not last_depth and self.m - depth - 1 >= 0:
-            self.state.boundary[depth] = output[self.m - depth - 1 - seq.valid_len].clone()
-        self.chain.append(token)
-        self.chain_probs.append(prob)
+            # A view: the depth's output is a tensor of its own (out of any graph buffer), kept
+            # alive by the views until the next extend replaces them.
+            self.state.boundary[depth] = output[self.m - depth - 1 - seq.valid_len]
         self.prev_start, self.prev_output = seq.valid_len, output
         seq.valid_len = max(0, self.m - depth)
 
-    def finish(self) -> None:
-        self.state.chain, self.state.chain_probs = self.chain, self.chain_probs
+    def finish(self, chain: list[int], chain_probs: list[float]) -> None:
+        """The drafts every depth proposed, once on the host; the forks' chains are set."""
+        self.state.chain, self.state.chain_probs = chain, chain_probs
         self.state.alt_chains = [fork.chain for fork in self.forks]
-        self.state.target_hidden = self.target_hidden[-1].clone()
+        self.state.target_hidden = self.target_hidden[-1]
 
 
 class ChainFork:
-    """One alternative chain of a request's draft extend, from depth 1 on."""
+    """One alternative chain of a request's draft extend, from depth 1 on. Its first token is
+    depth 0's `rank`-th most likely (0: the main chain's); `chain` is known once the extend
+    copies every depth's proposals to the host."""
 
-    def __init__(self, main: DraftExtend, first_token: int) -> None:
+    def __init__(self, main: DraftExtend, main_index: int, rank: int) -> None:
         self.main = main
-        self.chain = [first_token]
+        self.main_index = main_index  # the main extend's place in its batch
+        self.rank = rank
+        self.chain: list[int] = []
         self.seqs: list[DraftSeq] = []  # depth d's fork at index d - 1
         # The fork's output of the depth it ran last, d-1, at [max(0, m-d+1), m-1]: what depth
         # d reads after the boundary row.
@@ -98,17 +118,21 @@ class ChainFork:
         return max(0, self.main.m - depth)
 
     def input_for(self, depth: int) -> DraftInput:
-        assert depth >= 1 and len(self.seqs) == depth and len(self.chain) == depth
+        """Every token a fork reads is one of its drafts, still on the device: they read 0
+        here (`draft_columns`)."""
+        assert depth >= 1 and len(self.seqs) == depth
         m, start = self.main.m, self.shared_len(depth)
         rows = []
         if m - depth >= 0:
             rows.append(self.main.state.boundary[depth - 1][None])
         if self.prev_output is not None:
             rows.append(self.prev_output)
-        # Position i reads chain token i + depth - m (the token at index i + depth + 1).
-        tokens = self.chain[start + depth - m : depth]
-        return DraftInput(self.seqs[-1], start, tokens, torch.cat(rows))
+        tokens = [0] * len(self.draft_columns(depth))
+        return DraftInput(self.seqs[-1], start, tokens, tuple(rows))
 
-    def take(self, output: torch.Tensor, token: int) -> None:
+    def draft_columns(self, depth: int) -> range:
+        # Position i reads chain token i + depth - m (the token at index i + depth + 1).
+        return range(self.shared_len(depth) + depth - self.main.m, depth)
+
+    def take(self, output: torch.Tensor) -> None:
         self.prev_output = output
-        self.chain.append(token)

@@ -45,10 +45,22 @@ class DraftInput:
     seq: DraftSeq
     start: int  # first position to compute (the seq's valid_len)
     token_ids: list[int]  # the token each position reads
-    hidden: torch.Tensor  # [n, in_width] the hidden state each position reads
+    # The hidden state each position reads, [n, in_width] in all, as pieces in position order:
+    # the runner joins every input's pieces in one concatenation rather than one per input.
+    hidden: tuple[torch.Tensor, ...]
     # Rows that replace the embedding of some tokens read: the target's input embeddings where
     # the request gave a vector in place of a prompt token.
     input_embeds: InputEmbeds | None = None
+
+
+@dataclass
+class DraftTokenPatch:
+    """Token ids that are on the device when a forward is built (drafts proposed by the depths
+    before, in the same draft extend): `values[j]` is the id of the batch's token number
+    `positions[j]`, whose input gave a placeholder."""
+
+    positions: torch.Tensor
+    values: torch.Tensor
 
 
 class DraftRunner:
@@ -153,33 +165,51 @@ class DraftRunner:
         pool = self.req_to_token_pool
         return self.kv_pool.allocator.num_used == 0 and pool.num_free_rows == pool.max_reqs
 
-    @torch.inference_mode()
-    def forward(self, inputs: list[DraftInput]) -> list[torch.Tensor]:
+    def forward(
+        self, inputs: list[DraftInput], patch: DraftTokenPatch | None = None
+    ) -> list[torch.Tensor]:
         """This depth's output [n, hidden_size] at each input's positions, writing their KV."""
+        out, lens = self.forward_flat(inputs, patch)
+        return list(out.split(lens))
+
+    @torch.inference_mode()
+    def forward_flat(
+        self, inputs: list[DraftInput], patch: DraftTokenPatch | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """`forward`'s outputs side by side, [sum(lens), hidden_size], and each input's length:
+        a caller that reads a few rows of each indexes them all at once."""
         for item in inputs:
             assert item.start == item.seq.valid_len
-            assert item.hidden.shape[0] == len(item.token_ids)
+            assert sum(piece.shape[0] for piece in item.hidden) == len(item.token_ids)
         self.grow_many([(item.seq, item.start + len(item.token_ids)) for item in inputs])
         spans = []
         for item in inputs:
             end = item.start + len(item.token_ids)
             slots = item.seq.slots[item.start : end]
             spans.append(Span(item.seq.row, item.start, item.token_ids, slots, item.input_embeds))
-        hidden = torch.cat([item.hidden for item in inputs])
+        hidden = torch.cat([piece for item in inputs for piece in item.hidden])
+        lens = [len(item.token_ids) for item in inputs]
         if self.graphs is not None and self.graphs.fits(spans):
             batch = self.graphs.load(spans, hidden.to(self.kv_pool.dtype))
-            # Out of the graph's buffer: a boundary row is kept until the next extend.
-            out = self.graphs.replay(batch)[0].clone()
-            return list(out.split(batch.extend_lens))
+            _apply(patch, batch)
+            # Out of the graph's buffer: boundary rows are kept (as views) until the next
+            # extend, and the next replay overwrites the buffer.
+            return self.graphs.replay(batch)[0].clone(), lens
         batch = extend_batch(
             spans, self.kv_pool, self.req_to_token_pool, self.attention, self.device
         )
+        _apply(patch, batch)
         with dump_pass(self.dumper, batch, input_hidden=hidden):
-            out = self._forward_tokens(batch, hidden)[0]
-        return list(out.split(batch.extend_lens))
+            return self._forward_tokens(batch, hidden)[0], lens
 
     def _forward_tokens(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor]:
         """This depth's output [T, hidden_size] at the batch's tokens, reading `hidden`."""
         embeds = self.target.embed(batch)
         cos_sin = self.rotary.lookup(batch.positions, embeds.dtype)
         return (self.module(embeds, hidden, batch, cos_sin, self.attention),)
+
+
+def _apply(patch: DraftTokenPatch | None, batch: ForwardBatch) -> None:
+    if patch is not None:
+        # In place: in a graph's batch, input_ids is a view of the static buffer.
+        batch.input_ids.index_copy_(0, patch.positions, patch.values)

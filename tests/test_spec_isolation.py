@@ -78,17 +78,17 @@ def _run(llm: LLM, poison: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
     recorded: list[torch.Tensor] = []
 
     def wrap_depth(d: int):
-        original = worker.depths[d].forward
+        original = worker.depths[d].forward_flat
         others = [p for i, p in enumerate(depth_pools) if i != d] + [target_pools]
 
-        def forward(inputs):
+        def forward(inputs, patch=None):
             if poison:
                 with _Poison(others):
-                    outputs = original(inputs)
+                    outputs, lens = original(inputs, patch)
             else:
-                outputs = original(inputs)
-            recorded.extend(o.clone() for o in outputs)
-            return outputs
+                outputs, lens = original(inputs, patch)
+            recorded.extend(o.clone() for o in outputs.split(lens))
+            return outputs, lens
 
         return forward
 
@@ -101,7 +101,7 @@ def _run(llm: LLM, poison: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
             return original_verify(batch)
 
     for d, depth in enumerate(worker.depths):
-        depth.forward = wrap_depth(d)
+        depth.forward_flat = wrap_depth(d)
     runner.forward_every_token = verify_forward
     outputs = llm.generate(PROMPTS, PARAMS)
     return [o.token_ids for o in outputs], recorded

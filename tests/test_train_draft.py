@@ -125,7 +125,7 @@ def test_dense_forwards_match_the_engine_runners(speculating_llm: LLM) -> None:
     for d, depth_runner in enumerate(worker.depths):
         n = length - d - 1
         seq = DraftSeq()
-        (out,) = depth_runner.forward([DraftInput(seq, 0, ids[d + 1 : d + 1 + n], hidden[:n])])
+        (out,) = depth_runner.forward([DraftInput(seq, 0, ids[d + 1 : d + 1 + n], (hidden[:n],))])
         depth_runner.release(seq)
         assert out.shape == (n, runner.model_config.hidden_size)
         torch.testing.assert_close(dense_outputs[d][:n], out, atol=1e-5, rtol=1e-5)

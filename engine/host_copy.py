@@ -1,0 +1,27 @@
+"""Integer lists to the device without stalling it.
+
+A copy from pageable host memory to a GPU is staged by the driver synchronously: the host
+waits for every kernel already queued before the copy starts. A step that sends a few index
+lists to the device (row-table writes, slot lists, the tokens a draft reads) would wait for
+the device each time and lose all overlap of host and device work. Staged through pinned
+memory, the copy is queued like a kernel; PyTorch's pinned-memory cache keeps each staging
+block until the copy reading it has run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def int_tensor(
+    values: Sequence[int] | Sequence[Sequence[int]], device: torch.device
+) -> torch.Tensor:
+    """`values` (a list of ints, or equal-length lists of them) as an int64 tensor on `device`,
+    queued behind the work already on its stream. Through numpy: several times faster than
+    torch.tensor on Python ints."""
+    host = torch.from_numpy(np.array(values, dtype=np.int64))
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
