@@ -47,7 +47,7 @@ class EngineArgs:
     draft_model: str | None = None
     num_draft_steps: int | None = None
     # Chains drafted per greedy request, started with depth 0's most likely tokens (spec/worker.py);
-    # None: DEFAULT_DRAFT_CHAINS on a GPU, 1 elsewhere.
+    # None: DEFAULT_DRAFT_CHAINS.
     num_draft_chains: int | None = None
     # Debugging (engine/debug_dump.py): every module's output per forward pass, under
     # DIR/<node>/<target|draft-N>/rank0/. Give an absolute path to a cluster: each node resolves
@@ -116,7 +116,7 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
         attention_backend=backend,
         cuda_graph_max_bs=_cuda_graph_max_bs(args, device, backend),
         seed=args.seed,
-        num_draft_chains=_draft_chains(args, device),
+        num_draft_chains=_draft_chains(args),
         tensor_dump=tensor_dump_config(
             args.debug_tensor_dump_dir,
             args.debug_tensor_dump_layers,
@@ -127,19 +127,17 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
     return ModelSpec(path, model_config, engine_config, tokenizer)
 
 
-# Alternative chains cost a wider verify forward and draft extend. On a GPU, where a step's
-# cost is mostly the host's dispatch, four chains raised the held-out accept length from 2.29
-# to 2.53 and tokens/s with it; on a CPU, where a step costs its arithmetic, they cost more
-# than they gain (docs/BENCHMARKS.md).
-DEFAULT_DRAFT_CHAINS = 4
+# Alternative chains raise the held-out accept length (2.29 to 2.53 with four) but cost a
+# wider verify forward and, per chain, a fork in every draft depth. On a CPU the arithmetic
+# outweighs the gain; on a GPU with CUDA graphs the per-chain host work does: one chain was
+# the faster at batch 1, 16 and 48 (docs/BENCHMARKS.md, "Speculative decoding (CUDA)").
+DEFAULT_DRAFT_CHAINS = 1
 
 
-def _draft_chains(args: EngineArgs, device: str) -> int:
-    if args.speculative_algorithm is None:
-        return 1
-    if args.num_draft_chains is not None:
-        return args.num_draft_chains
-    return DEFAULT_DRAFT_CHAINS if torch.device(device).type == "cuda" else 1
+def _draft_chains(args: EngineArgs) -> int:
+    if args.speculative_algorithm is None or args.num_draft_chains is None:
+        return DEFAULT_DRAFT_CHAINS
+    return args.num_draft_chains
 
 
 def _cuda_graph_max_bs(args: EngineArgs, device: str, backend: str) -> int:

@@ -190,7 +190,7 @@ def test_the_request_table_has_a_row_per_chain(models) -> None:
     assert all(d.req_to_token_pool.max_reqs == 15 for d in llm.engine.speculator.depths)
 
 
-def test_chains_default_to_several_on_a_gpu_and_one_elsewhere(models) -> None:
+def test_chains_default_to_one_on_every_device(models) -> None:
     target, draft = models["random"]
     args = EngineArgs(
         model=str(target), kv_cache_tokens=256, speculative_algorithm=SPEC, draft_model=str(draft)
@@ -198,8 +198,8 @@ def test_chains_default_to_several_on_a_gpu_and_one_elsewhere(models) -> None:
     assert resolve(dataclasses.replace(args, device="cpu")).engine_config.num_draft_chains == 1
     # Resolving touches no device, so a GPU engine's settings can be checked without one.
     gpu = resolve(dataclasses.replace(args, device="cuda", dtype="bfloat16")).engine_config
-    assert gpu.num_draft_chains == DEFAULT_DRAFT_CHAINS > 1
-    assert gpu.num_request_rows == gpu.max_num_seqs * DEFAULT_DRAFT_CHAINS
+    assert gpu.num_draft_chains == DEFAULT_DRAFT_CHAINS == 1
+    assert gpu.num_request_rows == gpu.max_num_seqs
     plain = EngineArgs(model=str(target), kv_cache_tokens=256, device="cuda", dtype="bfloat16")
     assert resolve(plain).engine_config.num_draft_chains == 1
     explicit = dataclasses.replace(args, device="cuda", dtype="bfloat16", num_draft_chains=2)

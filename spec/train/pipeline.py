@@ -28,7 +28,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
-from engine.loader import DEFAULT_DRAFT_CHAINS, EngineArgs, ModelSpec, resolve
+from engine.loader import EngineArgs, ModelSpec, resolve
 from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.request import spec_totals
@@ -43,6 +43,9 @@ from spec.train.trainer import CHECKPOINT_FILE, DraftTrainer, Schedule
 # The training answers a run generates (heldout.pt is never trained on).
 ANSWER_FILES = ("answers.pt", "self_answers.pt", "followup_answers.pt")
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# The second held-out measurement verifies this many chains a step, to show what they add.
+HELDOUT_CHAINS = 4
 
 
 @dataclass
@@ -350,8 +353,8 @@ def train_draft(config: TrainDraftConfig) -> dict:
     }
     if config.evaluate:
         del trainer, target
-        # The chain alone, then as a GPU engine runs it by default: with alternative chains.
-        for key, chains in (("engine_heldout", 1), ("engine_heldout_chains", DEFAULT_DRAFT_CHAINS)):
+        # The chain alone, then with alternative chains (`--num-draft-chains`).
+        for key, chains in (("engine_heldout", 1), ("engine_heldout_chains", HELDOUT_CHAINS)):
             summary[key] = evaluate_draft(
                 config.model,
                 draft_dir,
