@@ -29,9 +29,10 @@ from engine.kv_pool import KVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
-# The static input buffer: three rows of per-token values, then four of per-request values.
+# The static input buffer: three rows of per-token values, then five of per-request values.
 _IDS, _POSITIONS, _SLOTS = range(3)
-_ROWS, _SEQ_LENS, _Q_STARTS, _Q_LENS = range(4)
+_ROWS, _SEQ_LENS, _Q_STARTS, _Q_LENS, _LAST = range(5)
+_NUM_ROWS = 8
 PADDING_SLOT = 0
 
 
@@ -63,10 +64,10 @@ def bucket_for(buckets: list[int], batch_size: int) -> int | None:
 
 
 def padded_columns(size: int, spans: list[Span], padding_row: int) -> list[list[int]]:
-    """A graph's seven input rows over `size` columns: per token its id, position and KV slot;
-    per request its row, length, first token and number of tokens. The spans come first, then
-    one padding request per remaining token (token 0 at position 0, writing the padding slot,
-    over the padding row), then requests of no token, which attention skips."""
+    """A graph's eight input rows over `size` columns: per token its id, position and KV slot;
+    per request its row, length, first token, number of tokens and last token. The spans come
+    first, then one padding request per remaining token (token 0 at position 0, writing the
+    padding slot, over the padding row), then requests of no token, which attention skips."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -93,7 +94,8 @@ def padded_columns(size: int, spans: list[Span], padding_row: int) -> list[list[
     seq_lens += [1] * empty
     starts += [0] * empty
     lens += [0] * empty
-    return [ids, positions, slots, rows, seq_lens, starts, lens]
+    lasts = [start + max(n, 1) - 1 for start, n in zip(starts, lens)]
+    return [ids, positions, slots, rows, seq_lens, starts, lens, lasts]
 
 
 GraphOutputs = tuple[torch.Tensor, ...]
@@ -102,9 +104,11 @@ GraphOutputs = tuple[torch.Tensor, ...]
 class CudaGraphs:
     """`load` a batch into the static buffers, then `replay` it. `run` is the eager forward
     that was captured: (ForwardBatch, per-token hidden input or None) -> tensors whose first
-    dimension is the batch's tokens. `buckets` are the token counts captured; a graph of T
-    tokens holds up to T requests of at most `max_span` tokens each. With `hidden_width`, each
-    token also brings a hidden state of that width (a draft depth's input)."""
+    dimension is the batch's tokens, then `request_outputs` tensors whose first dimension is
+    the batch's request columns (one row per request, read at `ForwardBatch.last_index`).
+    `buckets` are the token counts captured; a graph of T tokens holds up to T requests of at
+    most `max_span` tokens each. With `hidden_width`, each token also brings a hidden state of
+    that width (a draft depth's input)."""
 
     def __init__(
         self,
@@ -116,6 +120,7 @@ class CudaGraphs:
         buckets: list[int],
         max_span: int,
         hidden_width: int | None = None,
+        request_outputs: int = 0,
     ) -> None:
         if not attention.supports_cuda_graph:
             raise ValueError(f"{type(attention).__name__} cannot be captured in a CUDA graph")
@@ -126,10 +131,11 @@ class CudaGraphs:
         self.req_to_token_pool = req_to_token_pool
         self.buckets = buckets
         self.max_span = max_span
+        self.request_outputs = request_outputs
         self.capacity = max(buckets)
         device = kv_pool.device
-        self.inputs = torch.zeros((7, self.capacity), dtype=torch.int64, device=device)
-        self.host = torch.zeros((7, self.capacity), dtype=torch.int64, pin_memory=True)
+        self.inputs = torch.zeros((_NUM_ROWS, self.capacity), dtype=torch.int64, device=device)
+        self.host = torch.zeros((_NUM_ROWS, self.capacity), dtype=torch.int64, pin_memory=True)
         # The same memory as an array: numpy converts a list of ints several times faster than
         # torch.tensor, and this is filled from lists every step.
         self._host_array = self.host.numpy()
@@ -231,13 +237,17 @@ class CudaGraphs:
         )
 
     def replay(self, batch: ForwardBatch) -> GraphOutputs:
-        """The captured forward's outputs for `batch` (made by `load`), sliced to its tokens.
-        They are views of the graph's buffers: valid until the next replay."""
+        """The captured forward's outputs for `batch` (made by `load`), sliced to its tokens
+        (or its requests). They are views of the graph's buffers: valid until the next replay."""
         size = batch.graph_batch_size
         assert batch.graph is self and size in self.graphs
         self.graphs[size].replay()
         self.num_replays += 1
-        return tuple(out[: batch.num_tokens] for out in self._outputs)
+        per_token = len(self._outputs) - self.request_outputs
+        return tuple(
+            out[: batch.num_tokens if i < per_token else batch.batch_size]
+            for i, out in enumerate(self._outputs)
+        )
 
     def _fill(self, size: int, spans: list[Span]) -> None:
         columns = padded_columns(size, spans, self.req_to_token_pool.padding_row)
@@ -265,6 +275,7 @@ class CudaGraphs:
             extend_lens=extend_lens,
             kv_pool=self.kv_pool,
             req_to_token_pool=self.req_to_token_pool,
+            last_index=self.inputs[3 + _LAST, : len(seq_lens)],
             graph=self,
             graph_batch_size=size,
         )

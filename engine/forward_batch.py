@@ -47,6 +47,9 @@ class ForwardBatch:
     input_embeds: torch.Tensor | None = None
     input_embeds_mask: torch.Tensor | None = None
     attn_metadata: Any = field(default=None, repr=False)
+    # [B] each request's last new token in the flat sequence, on the device, when the batch's
+    # builder has it there already (a CUDA graph's static buffer); else computed on demand.
+    last_index: torch.Tensor | None = None
     # Set when the batch sits in a CUDA graph's static buffers: the graph set that holds it
     # (engine.cuda_graph.CudaGraphs) and the captured size it is padded to.
     graph: Any = field(default=None, repr=False)
@@ -70,6 +73,8 @@ class ForwardBatch:
 
     def last_token_indices(self) -> torch.Tensor:
         """Index in the flat token sequence of each request's last new token."""
+        if self.last_index is not None:
+            return self.last_index
         if self.is_decode:
             return torch.arange(self.batch_size, device=self.input_ids.device)
         ends = int_tensor(self.extend_lens, self.input_ids.device).cumsum(0)

@@ -27,6 +27,7 @@ from engine.models.rope import RotaryEmbedding
 from engine.prompt_embeds import InputEmbeds
 from spec.batching import Span, extend_batch
 from spec.draft_model import DraftDepth
+from spec.draft_vocab import DraftHead
 
 
 @dataclass
@@ -61,6 +62,15 @@ class DraftTokenPatch:
 
     positions: torch.Tensor
     values: torch.Tensor
+
+
+@dataclass
+class Proposal:
+    """A depth's proposal at each input's last position: the likeliest token ids [B, n] (most
+    likely first) and the first one's probability [B]."""
+
+    top: torch.Tensor
+    top_p: torch.Tensor
 
 
 class DraftRunner:
@@ -101,20 +111,28 @@ class DraftRunner:
         )
         self.dumper = tensor_dumper(config.tensor_dump, draft_role(depth), module)
         self.graphs: CudaGraphs | None = None
+        self.head: DraftHead | None = None  # in the graphs, when captured
+        self.num_proposed = 0
 
-    def capture_graphs(self, max_span: int, max_tokens: int) -> None:
+    def capture_graphs(
+        self, max_span: int, max_tokens: int, head: DraftHead, num_proposed: int
+    ) -> None:
         """Capture this depth's forward for batches of spans of at most `max_span` tokens, up
-        to `max_tokens` in all (draft extends after a verify step). The caller decides whether
-        this engine runs graphs."""
+        to `max_tokens` in all (draft extends after a verify step), with `head` proposing the
+        `num_proposed` likeliest tokens at each span's last position inside the graph: the
+        head's few small kernels would otherwise cost more host time than the whole replay.
+        The caller decides whether this engine runs graphs."""
+        self.head, self.num_proposed = head, num_proposed
         self.graphs = CudaGraphs(
             f"draft-{self.depth}",
-            self._forward_tokens,
+            self._forward_and_propose,
             self.attention,
             self.kv_pool,
             self.req_to_token_pool,
             token_buckets(max_tokens),
             max_span=max_span,
             hidden_width=self.module.hnorm.weight.shape[0],
+            request_outputs=2,
         )
         self.graphs.capture(progress=False)
 
@@ -169,15 +187,15 @@ class DraftRunner:
         self, inputs: list[DraftInput], patch: DraftTokenPatch | None = None
     ) -> list[torch.Tensor]:
         """This depth's output [n, hidden_size] at each input's positions, writing their KV."""
-        out, lens = self.forward_flat(inputs, patch)
+        out, lens, _ = self.forward_flat(inputs, patch)
         return list(out.split(lens))
 
     @torch.inference_mode()
     def forward_flat(
         self, inputs: list[DraftInput], patch: DraftTokenPatch | None = None
-    ) -> tuple[torch.Tensor, list[int]]:
-        """`forward`'s outputs side by side, [sum(lens), hidden_size], and each input's length:
-        a caller that reads a few rows of each indexes them all at once."""
+    ) -> tuple[torch.Tensor, list[int], Proposal | None]:
+        """`forward`'s outputs side by side, [sum(lens), hidden_size], each input's length, and
+        when a graph ran them, its head's proposal at each input's last position."""
         for item in inputs:
             assert item.start == item.seq.valid_len
             assert sum(piece.shape[0] for piece in item.hidden) == len(item.token_ids)
@@ -192,15 +210,27 @@ class DraftRunner:
         if self.graphs is not None and self.graphs.fits(spans):
             batch = self.graphs.load(spans, hidden.to(self.kv_pool.dtype))
             _apply(patch, batch)
+            out, top, top_p = self.graphs.replay(batch)
             # Out of the graph's buffer: boundary rows are kept (as views) until the next
-            # extend, and the next replay overwrites the buffer.
-            return self.graphs.replay(batch)[0].clone(), lens
+            # extend, and the next replay overwrites the buffer. The proposal is read before
+            # this depth replays again.
+            return out.clone(), lens, Proposal(top, top_p)
         batch = extend_batch(
             spans, self.kv_pool, self.req_to_token_pool, self.attention, self.device
         )
         _apply(patch, batch)
         with dump_pass(self.dumper, batch, input_hidden=hidden):
-            return self._forward_tokens(batch, hidden)[0], lens
+            return self._forward_tokens(batch, hidden)[0], lens, None
+
+    def _forward_and_propose(
+        self, batch: ForwardBatch, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a graph computes: the output at every token, then the head's proposal at each
+        request's last token (for every request column of the graph, padding included)."""
+        assert self.head is not None
+        (out,) = self._forward_tokens(batch, hidden)
+        top, top_p = self.head.propose_top(out[batch.last_token_indices()], self.num_proposed)
+        return out, top, top_p
 
     def _forward_tokens(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor]:
         """This depth's output [T, hidden_size] at the batch's tokens, reading `hidden`."""

@@ -67,8 +67,9 @@ class MultiLayerEagleWorker:
         k, chains = self.num_draft_steps, self.num_chains
         self.runner.capture_verify_graphs(k + 1, chains)
         max_tokens = self.runner.config.cuda_graph_max_bs * chains * 2 * k
-        for runner in self.depths:
-            runner.capture_graphs(2 * k, max_tokens)
+        for depth, runner in enumerate(self.depths):
+            # Depth 0 also ranks the first tokens of the alternative chains.
+            runner.capture_graphs(2 * k, max_tokens, self.head, chains if depth == 0 else 1)
 
     # --- after the target's prefill (prefill nodes, and the offline engine) ---
     @torch.inference_mode()
@@ -303,14 +304,18 @@ class MultiLayerEagleWorker:
                 inputs += [fork.input_for(depth) for fork in forks]
                 columns += [fork.draft_columns(depth) for fork in forks]
             patch = _draft_token_patch(inputs, columns, chains)
-            flat, lens = runner.forward_flat(inputs, patch)
+            flat, lens, proposal = runner.forward_flat(inputs, patch)
             outputs = flat.split(lens)
-            ends = list(itertools.accumulate(lens))
-            last = flat.index_select(0, int_tensor(ends, flat.device) - 1)
             # Depth 0 also ranks the first tokens of the alternatives.
             width = max(item.num_chains for item in items) if depth == 0 else 1
-            # A depth's output is hidden_size wide whatever the target's stream: norm + head only.
-            best, best_p = self.head.propose_top(last, width)
+            if proposal is not None:  # the graph ran the head, for at least `width` tokens
+                best, best_p = proposal.top[:, :width], proposal.top_p
+            else:
+                ends = list(itertools.accumulate(lens))
+                last = flat.index_select(0, int_tensor(ends, flat.device) - 1)
+                # A depth's output is hidden_size wide whatever the target's stream: norm and
+                # head only.
+                best, best_p = self.head.propose_top(last, width)
             chains[: best.shape[0], depth] = best[:, 0]
             probs[:, depth] = best_p[:num_items]
             for item, out in zip(items, outputs):

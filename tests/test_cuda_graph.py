@@ -52,12 +52,14 @@ def test_token_buckets_for_verify() -> None:
 
 def test_padding_columns_keep_every_real_token_and_send_padding_to_the_padding_slot() -> None:
     spans = [Span(3, 10, [7, 8, 9, 10], [41, 42, 43, 44]), Span(5, 2, [11, 12, 13], [51, 52, 53])]
-    ids, positions, slots, rows, seq_lens, starts, lens = padded_columns(12, spans, padding_row=9)
+    columns = padded_columns(12, spans, padding_row=9)
+    ids, positions, slots, rows, seq_lens, starts, lens, lasts = columns
     # The spans' tokens first, in order, each at its position and slot.
     assert ids[:7] == [7, 8, 9, 10, 11, 12, 13]
     assert positions[:7] == [10, 11, 12, 13, 2, 3, 4]
     assert slots[:7] == [41, 42, 43, 44, 51, 52, 53]
     assert (rows[:2], seq_lens[:2], starts[:2], lens[:2]) == ([3, 5], [14, 5], [0, 4], [4, 3])
+    assert lasts[:2] == [3, 6]  # each span's last token, where a draft reads its proposal
     # Five padding tokens, each one request of one token over the padding row and slot.
     assert ids[7:] == [0] * 5 and positions[7:] == [0] * 5 and slots[7:] == [PADDING_SLOT] * 5
     assert rows[2:7] == [9] * 5 and seq_lens[2:7] == [1] * 5 and lens[2:7] == [1] * 5

@@ -84,11 +84,11 @@ def _run(llm: LLM, poison: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
         def forward(inputs, patch=None):
             if poison:
                 with _Poison(others):
-                    outputs, lens = original(inputs, patch)
+                    outputs, lens, proposal = original(inputs, patch)
             else:
-                outputs, lens = original(inputs, patch)
+                outputs, lens, proposal = original(inputs, patch)
             recorded.extend(o.clone() for o in outputs.split(lens))
-            return outputs, lens
+            return outputs, lens, proposal
 
         return forward
 
