@@ -57,10 +57,22 @@ class OpenAIError(Exception):
         self.failure = failure if failure is not None or status != 400 else "rejected"
 
 
+# The statuses of a request refused for what it is (invalid, or too large): "rejected" failures.
+REJECTED_STATUSES = (400, 413)
+
+
+def count_failure(backend: GenerationBackend, kind: str) -> None:
+    """One failure of `kind` in the backend's metrics, when it keeps any."""
+    metrics = getattr(backend, "metrics", None)
+    if metrics is not None:
+        metrics.failure(kind)
+
+
 def install_error_handlers(app: FastAPI, backend: GenerationBackend) -> None:
     """Every 400 the HTTP layer answers counts as a "rejected" failure in the backend's metrics
-    (when it has any), as the requests its `validate` refuses do; a refusal at admission (429,
-    or 503 while draining) counts as "overloaded"."""
+    (when it has any), as the requests its `validate` refuses do, and so does the 413 of a body
+    over the size limit (counted by http_guards.BodySizeLimit, which answers before any route);
+    a refusal at admission (429, or 503 while draining) counts as "overloaded"."""
 
     def reply(
         request: Request, status: int, body: dict[str, Any], headers: dict | None = None
@@ -68,15 +80,10 @@ def install_error_handlers(app: FastAPI, backend: GenerationBackend) -> None:
         log.info("%s %d: %s", request.url.path, status, body["error"]["message"])
         return JSONResponse(body, status_code=status, headers=headers)
 
-    def count_failure(kind: str) -> None:
-        metrics = getattr(backend, "metrics", None)
-        if metrics is not None:
-            metrics.failure(kind)
-
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, err: OpenAIError) -> JSONResponse:
         if err.failure is not None:
-            count_failure(err.failure)
+            count_failure(backend, err.failure)
         body = error_body(err.message, err.type, err.param, err.code)
         return reply(request, err.status, body, err.headers)
 
@@ -91,12 +98,15 @@ def install_error_handlers(app: FastAPI, backend: GenerationBackend) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        count_failure("rejected")
+        count_failure(backend, "rejected")
         message, param = describe_validation_error(err.errors())
         return reply(request, 400, error_body(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own refusals: a body it cannot read (not UTF-8, say) is a 400.
+        if err.status_code in REJECTED_STATUSES:
+            count_failure(backend, "rejected")
         # Its headers are kept: the Allow of a 405, say.
         return reply(request, err.status_code, error_body(str(err.detail)), err.headers)
 

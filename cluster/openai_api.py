@@ -4,9 +4,10 @@ Routes: POST /v1/chat/completions, POST /v1/completions (both streaming over SSE
 GET /v1/models, GET /v1/models/{id}, GET /v1/traces/{request_id} (Chrome trace JSON, with
 --enable-tracing), GET /health, GET /metrics (Prometheus). Every error has the OpenAI body
 {"error": {"message", "type", "param", "code"}}: bad input is a 400 (never FastAPI's 422, never
-a 500) counted as a "rejected" failure in the backend's metrics, an unknown model a 404 with
-code "model_not_found" (what OpenAI answers), a missing or wrong API key a 401, a body over the
-size limit a 413, and a BackendError its own status with a message naming the node and stage.
+a 500), an unknown model a 404 with code "model_not_found" (what OpenAI answers), a missing or
+wrong API key a 401, a body over the size limit a 413 (400s and 413s count as "rejected"
+failures in the backend's metrics), and a BackendError its own status with a message naming
+the node and stage.
 Generation requests pass the admission gate (cluster.admission) first: a 503 with Retry-After
 while the server drains (and /health answers 503, status "draining"), a 429 with Retry-After
 when too many are in flight, and a 503 for one with no first token within the queue timeout.
@@ -29,7 +30,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cluster.admission import Admission, AdmittedRequest
-from cluster.api_errors import ERROR_RESPONSES, OpenAIError, install_error_handlers
+from cluster.api_errors import ERROR_RESPONSES, OpenAIError, count_failure, install_error_handlers
 from cluster.backend import GenerationBackend
 from cluster.config import DEFAULT_MAX_REQUEST_BYTES
 from cluster.http_guards import ApiKeyGuard, BodySizeLimit, TrailingSlashes
@@ -148,7 +149,11 @@ def create_app(
     app.include_router(v1)
     install_error_handlers(app, backend)
     # Added innermost first: a request meets TrailingSlashes, then ApiKeyGuard, then the limit.
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=max_request_bytes,
+        on_too_large=lambda: count_failure(backend, "rejected"),
+    )
     if api_key is not None:
         protected = ("/v1", "/metrics") if metrics_require_api_key else ("/v1",)
         app.add_middleware(ApiKeyGuard, api_key=api_key, protected=protected)

@@ -201,8 +201,27 @@ def test_every_400_counts_once_as_rejected(client):
     ]
     for body in bad:
         assert client.post("/v1/completions", json=body).status_code == 400
-    assert post_raw(client, "completions", b'{"prompt": "a\\ud800"}').status_code == 400
-    assert rejected_count(client) == before + len(bad) + 1
+    unreadable = [
+        b'{"prompt": "a\\ud800"}',  # a lone surrogate
+        b'{"prompt": ',  # not JSON
+        b'{"prompt": "\xff\xfe"}',  # not UTF-8: FastAPI's own 400
+        b"[1, 2]",  # not an object
+        b"",  # no body
+    ]
+    for raw in unreadable:
+        assert error_of(post_raw(client, "completions", raw)), raw
+    assert rejected_count(client) == before + len(bad) + len(unreadable)
+
+
+def test_a_body_over_the_limit_counts_as_rejected(backend):
+    with TestClient(create_app(backend, max_request_bytes=1000)) as client:
+        before = rejected_count(client)
+        declared = client.post("/v1/completions", json={"prompt": "x" * 2000})
+        headers = {"content-type": "application/json"}
+        chunked = client.post("/v1/completions", content=chunked_body(100), headers=headers)
+        assert declared.status_code == chunked.status_code == 413
+        assert "content-length" not in chunked.request.headers
+        assert rejected_count(client) == before + 2
 
 
 # ---- 2. nothing heavy on the event loop; a body size limit ---------------------------------
