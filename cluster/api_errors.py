@@ -19,17 +19,29 @@ from engine import RequestRejectedError
 
 log = logging.getLogger("cluster.openai_api")
 
-# "default" also keeps FastAPI from documenting a 422 for invalid bodies: this server answers
-# those with a 400.
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request (the message names the field)"},
-    401: {"model": ErrorResponse, "description": "Missing or incorrect API key"},
-    404: {"model": ErrorResponse, "description": "Unknown model, route or trace"},
-    413: {"model": ErrorResponse, "description": "Request body over the server's size limit"},
-    429: {"model": ErrorResponse, "description": "Too many requests in flight (Retry-After)"},
-    503: {"model": ErrorResponse, "description": "Draining, or no first token in time"},
-    "default": {"model": ErrorResponse, "description": "Any other error, in the same body"},
+_ERROR_DESCRIPTIONS: dict[int | str, str] = {
+    400: "Invalid request (the message names the field)",
+    401: "Missing or incorrect API key",
+    404: "Unknown model, route or trace",
+    413: "Request body over the server's size limit",
+    429: "Too many requests in flight (Retry-After)",
+    503: "Draining, or no first token in time",
+    "default": "Any other error, in the same body",
 }
+
+
+def error_responses(*statuses: int | str) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI `responses` of these error statuses, each with the OpenAI error body."""
+    return {
+        status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]}
+        for status in statuses
+    }
+
+
+# What any path may answer: a wrong key, a body too large (refused before routing), and, as
+# "default", anything else in the error body. A route with a body adds 400; "default" also
+# keeps FastAPI from documenting the 422 this server never sends.
+COMMON_ERRORS = (401, 413, "default")
 
 
 class OpenAIError(Exception):
@@ -107,8 +119,14 @@ def install_error_handlers(app: FastAPI, backend: GenerationBackend) -> None:
         # FastAPI's own refusals: a body it cannot read (not UTF-8, say) is a 400.
         if err.status_code in REJECTED_STATUSES:
             count_failure(backend, "rejected")
+        message = str(err.detail)
+        if err.status_code == 405 and err.headers and "Allow" in err.headers:
+            message = (
+                f"{request.method} is not allowed on {request.url.path} "
+                f"(allowed: {err.headers['Allow']})"
+            )
         # Its headers are kept: the Allow of a 405, say.
-        return reply(request, err.status_code, error_body(str(err.detail)), err.headers)
+        return reply(request, err.status_code, error_body(message), err.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, err: Exception) -> JSONResponse:

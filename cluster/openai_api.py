@@ -30,7 +30,13 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cluster.admission import Admission, AdmittedRequest
-from cluster.api_errors import ERROR_RESPONSES, OpenAIError, count_failure, install_error_handlers
+from cluster.api_errors import (
+    COMMON_ERRORS,
+    OpenAIError,
+    count_failure,
+    error_responses,
+    install_error_handlers,
+)
 from cluster.backend import GenerationBackend
 from cluster.config import DEFAULT_MAX_REQUEST_BYTES
 from cluster.http_guards import ApiKeyGuard, BodySizeLimit, TrailingSlashes
@@ -44,6 +50,15 @@ from cluster.request_preparation import (
     require_served_model,
 )
 from cluster.request_schema import ChatCompletionRequest, CompletionRequest
+from cluster.response_schema import (
+    HEALTH_RESPONSES,
+    METRICS_RESPONSES,
+    ChatCompletion,
+    Completion,
+    ModelCard,
+    ModelList,
+    generation_responses,
+)
 from cluster.streaming import (
     ClientGone,
     collect,
@@ -79,7 +94,9 @@ def create_app(
     gate = admission if admission is not None else Admission()
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None, redirect_slashes=False)
     started = now()
-    v1 = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
+    v1 = APIRouter(prefix="/v1", responses=error_responses(*COMMON_ERRORS))
+    # Unknown model (404), admission (429, or 503 while draining or past the queue timeout).
+    generation_errors = error_responses(400, 404, 429, 503)
 
     def model_card() -> dict[str, Any]:
         return {
@@ -90,16 +107,16 @@ def create_app(
             "max_model_len": backend.max_model_len,
         }
 
-    @v1.get("/models")
+    @v1.get("/models", response_model=ModelList)
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
-    @v1.get("/models/{model_id:path}")
+    @v1.get("/models/{model_id:path}", response_model=ModelCard, responses=error_responses(404))
     async def model(model_id: str) -> dict:
         require_served_model(model_id, backend)
         return model_card()
 
-    @v1.get("/traces/{request_id}")
+    @v1.get("/traces/{request_id}", responses=error_responses(404))
     async def trace(request_id: str) -> JSONResponse:
         # A backend that traces keeps a `traces` store (cluster.tracing.TraceStore).
         traces = getattr(backend, "traces", None)
@@ -110,7 +127,9 @@ def create_app(
             raise OpenAIError(404, message, param="request_id", code="trace_not_found")
         return JSONResponse(found)
 
-    @v1.post("/chat/completions")
+    @v1.post(
+        "/chat/completions", responses=generation_responses(ChatCompletion) | generation_errors
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         arrival_ns = clock_ns()
         check_request(body, backend, request.url.path)
@@ -119,7 +138,7 @@ def create_app(
         admitted, prepared = await _admit_and_prepare(gate, prepare_chat, body, backend)
         return await _generate(request, backend, body, "chat", prepared, arrival_ns, admitted)
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses=generation_responses(Completion) | generation_errors)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival_ns = clock_ns()
         check_request(body, backend, request.url.path)
@@ -130,7 +149,7 @@ def create_app(
         admitted, prepared = await _admit_and_prepare(gate, prepare_completion, body, backend)
         return await _generate(request, backend, body, "completion", prepared, arrival_ns, admitted)
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH_RESPONSES | error_responses(413))
     async def health() -> JSONResponse:
         report = await backend.health()
         if gate.draining:
@@ -138,7 +157,14 @@ def create_app(
             report = {**report, "status": "draining", "in_flight": gate.in_flight}
         return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
 
-    @app.get("/metrics", responses={404: ERROR_RESPONSES[404]})
+    metrics_errors = (401, 404, 413) if metrics_require_api_key else (404, 413)
+
+    # The Response class documents no JSON body of its own: the 200 is text (METRICS_RESPONSES).
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses=METRICS_RESPONSES | error_responses(*metrics_errors),
+    )
     async def metrics() -> Response:
         # A backend without metrics answers 404.
         render = getattr(backend, "metrics_text", None)

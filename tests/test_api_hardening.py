@@ -467,10 +467,22 @@ def test_serve_flags_reach_the_config_and_bad_ones_are_cli_errors(tmp_path, monk
 # ---- 5. smaller: 405, one model, the OpenAPI schema ----------------------------------------
 
 
-def test_a_405_names_the_allowed_methods(client):
-    response = client.get("/v1/completions")
-    assert response.status_code == 405 and response.headers["allow"] == "POST"
-    assert "message" in response.json()["error"]
+@pytest.mark.parametrize(
+    "method, path, allowed",
+    [
+        ("GET", "/v1/completions", "POST"),
+        ("PUT", "/v1/chat/completions", "POST"),
+        ("POST", "/v1/models", "GET"),
+        ("DELETE", f"/v1/models/{MODEL}", "GET"),
+        ("POST", "/health", "GET"),
+        ("POST", "/metrics", "GET"),
+    ],
+)
+def test_a_405_names_the_allowed_methods(client, method, path, allowed):
+    response = client.request(method, path)
+    error = error_of(response, 405)
+    assert response.headers["allow"] == allowed
+    assert method in error["message"] and allowed in error["message"]
 
 
 def test_one_model_by_id(client, backend):
@@ -481,11 +493,30 @@ def test_one_model_by_id(client, backend):
     assert error["code"] == "model_not_found" and "gpt-9" in error["message"]
 
 
+def json_schema_of(response: dict) -> dict:
+    return response["content"]["application/json"]["schema"]
+
+
 def test_the_openapi_schema_says_what_the_server_answers(client):
     spec = client.get("/openapi.json").json()
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    error_body = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, body in (
+        ("/v1/completions", "Completion"),
+        ("/v1/chat/completions", "ChatCompletion"),
+    ):
         responses = spec["paths"][path]["post"]["responses"]
-        assert "400" in responses and "422" not in responses
+        assert "422" not in responses
+        assert json_schema_of(responses["400"]) == error_body
+        assert json_schema_of(responses["200"]) == {"$ref": f"#/components/schemas/{body}"}
+        assert "text/event-stream" in responses["200"]["content"]  # stream: true
+    for path, operation in spec["paths"].items():
+        for method, details in operation.items():
+            assert "422" not in details["responses"], (method, path)
+    metrics = spec["paths"]["/metrics"]["get"]["responses"]
+    assert list(metrics["200"]["content"]) == ["text/plain"]
+    assert json_schema_of(metrics["404"]) == error_body
+    health = spec["paths"]["/health"]["get"]["responses"]
+    assert {"200", "503"} <= set(health)  # 503 while a node is down or the server drains
     schemas = spec["components"]["schemas"]
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
     prompt_forms = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
