@@ -5,60 +5,81 @@ server. Read from /proc, so Linux only."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
-import ray
 from listening_sockets import descendants, listening_sockets
 
+import cluster
 from cluster.cli import main
 from cluster.config import ClusterConfig
-from cluster.launcher import Cluster
-from cluster.openai_api import BackgroundServer, create_app
-from engine.loader import EngineArgs
 from metadata.loopback import is_loopback
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_healthy(server: subprocess.Popen, url: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"pdcluster serve exited with status {server.returncode}"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"pdcluster serve was not healthy within {timeout_s} s")
+
+
 @pytest.fixture(scope="module")
-def loopback_cluster(tiny_model_path):
-    # Launch starts (and shutdown stops) its own Ray instance only when none is running; the
-    # one other tests share listens on every interface.
-    if ray.is_initialized():
-        ray.shutdown()
-    engine = EngineArgs(model=str(tiny_model_path), device="cpu")
-    cluster = Cluster.launch(ClusterConfig(engine=engine, loopback_only=True))
-    assert cluster.started_ray
-    server = BackgroundServer(create_app(cluster.router), host="127.0.0.1").start()
+def served(tiny_model_path):
+    """`pdcluster serve` on loopback, as a user starts it: its own process, its own Ray."""
+    port = free_port()
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--model", str(tiny_model_path), "--device", "cpu"]
+    # The code under test, whatever the environment's installed copy of pdcluster is.
+    repo = str(Path(cluster.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
     try:
-        yield cluster, server
+        wait_until_healthy(server, url)
+        yield server, url, port
     finally:
-        server.stop()
-        cluster.shutdown()
+        server.send_signal(signal.SIGTERM)  # drains, then stops the cluster and Ray
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
-def node_pids(cluster: Cluster) -> set[int]:
-    actors = cluster.prefill_actors + cluster.decode_actors
-    return set(ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors]))
-
-
-def test_every_listening_socket_of_a_loopback_cluster_is_on_loopback(loopback_cluster):
-    cluster, server = loopback_cluster
+def test_every_listening_socket_of_a_loopback_cluster_is_on_loopback(served):
+    server, url, port = served
     # A request through every plane first, so that whatever listens lazily is listening.
     body = {"prompt": "Hello", "max_tokens": 4}
-    response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    response = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
 
-    # Ray starts its GCS, raylet and agents from this process, and workers from the raylet.
-    processes = descendants(os.getpid())
-    assert node_pids(cluster) <= processes
-    sockets = listening_sockets(processes)
+    # Ray's GCS, raylet and agents are started by the serve process, its workers (the nodes
+    # among them) by the raylet.
+    sockets = listening_sockets(descendants(server.pid))
     commands = " ".join(s.command for s in sockets)
     for component in ("gcs_server", "raylet", "RuntimeEnvAgent", "PrefillNode", "DecodeNode"):
         assert component in commands, f"no listening socket of {component} was found"
-    assert any(s.port == server.port and s.pid == os.getpid() for s in sockets)
+    assert any(s.pid == server.pid and s.port == port for s in sockets)  # the HTTP API
     # An IPv6 socket bound to 127.0.0.1 shows as ::ffff:127.0.0.1, which is_loopback takes.
     exposed = [s for s in sockets if not is_loopback(s.address)]
     assert not exposed, "listening beyond loopback:\n" + "\n".join(
