@@ -6,6 +6,7 @@ file or the environment, and the OpenAPI schema says what the server answers."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -352,6 +353,21 @@ def test_neutral_values_and_harmless_fields_are_accepted_quietly(client, path, c
     with caplog.at_level(logging.WARNING, logger="cluster.openai_api"):
         assert client.post(f"/v1/{path}", json=body).status_code == 200
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_the_schema_lists_the_values_of_unimplemented_fields_that_pass(client):
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    completion = schemas["CompletionRequest"]["properties"]
+    for field, refused in UNSUPPORTED:
+        for properties in (chat, completion):
+            # As JSON: true is not the 1 of best_of.
+            accepted = {json.dumps(value) for value in properties[field]["enum"]}
+            assert "null" in accepted and json.dumps(refused) not in accepted
+            if field in NEUTRAL:
+                assert json.dumps(NEUTRAL[field]) in accepted
+    assert chat["n"]["enum"] == [1] and chat["prompt_embeds"]["enum"] == [None]
+    assert completion["echo"]["enum"] == [False]
 
 
 def test_prompt_embeds_in_chat_points_to_completions(client):
