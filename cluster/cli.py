@@ -248,6 +248,7 @@ def _first_line(path: str) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     from cluster.config import DEFAULT_MAX_REQUEST_BYTES, ClusterConfig, ServeConfig
     from cluster.serve import serve
+    from metadata.loopback import is_loopback
 
     config = ServeConfig(
         cluster=ClusterConfig(
@@ -260,6 +261,9 @@ def run_serve(args: argparse.Namespace) -> int:
             prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy,
             ray_address=args.ray_address,
+            # Nothing of a local cluster behind a loopback-only API needs to be reachable
+            # from elsewhere.
+            loopback_only=args.ray_address is None and is_loopback(args.host),
             prefill_resource=args.prefill_resource,
             decode_resource=args.decode_resource,
             node_wait_s=args.wait_for_nodes,

@@ -28,6 +28,10 @@ class ClusterConfig:
     prefill_policy: str = "round_robin"
     decode_policy: str = "least_load"
     ray_address: str | None = None
+    # A local cluster (no ray_address) whose every socket, Ray's included, listens on loopback
+    # only: for an HTTP API served on loopback (cluster.ray_start). Hosts of a joined cluster
+    # must reach one another, so it cannot be asked with ray_address.
+    loopback_only: bool = False
     # Custom Ray resources that mark the hosts for each role. Where the Ray cluster declares one,
     # each node of that role asks for one unit of it; where it does not, a node goes anywhere
     # with a free GPU. An empty name never asks.
@@ -62,6 +66,8 @@ class ClusterConfig:
             )
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"unknown log level {self.log_level!r}")
+        if self.loopback_only and self.ray_address is not None:
+            raise ValueError("a cluster that joins a Ray cluster cannot listen on loopback only")
         if self.node_wait_s < 0:
             raise ValueError(f"node_wait_s must be >= 0, got {self.node_wait_s}")
         if self.trace_dir is not None and not self.enable_tracing:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
@@ -80,9 +81,14 @@ class ApiKeyGuard:
 
 
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    """`on_too_large` is called once for each body refused (the API counts it as rejected)."""
+
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, on_too_large: Callable[[], None] = lambda: None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_too_large = on_too_large
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -119,6 +125,7 @@ class BodySizeLimit:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.on_too_large()
         message = (
             f"the request body is larger than this server's limit of {self.max_bytes} bytes "
             f"(--max-request-bytes)"

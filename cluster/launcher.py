@@ -8,7 +8,6 @@ actor."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -18,6 +17,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig
+from cluster.ray_start import init_ray
 from cluster.router import NodeState, Router
 from cluster.tracing import clock_offset_ns
 from decode_node import AggregatedNode, DecodeNode
@@ -53,7 +53,7 @@ class Cluster:
     def launch(cls, config: ClusterConfig) -> Cluster:
         started_ray = not ray.is_initialized()
         if started_ray:
-            init_ray(config.ray_address)
+            init_ray(config.ray_address, loopback_only=config.loopback_only)
         placement = None
         prefill_actors: list = []
         decode_actors: list = []
@@ -201,18 +201,6 @@ def _pair_and_join(
     ]
     _get(joins, "node", config)
     return store
-
-
-def init_ray(address: str | None) -> None:
-    """Start a local Ray instance (address None) or join one; nodes inherit the settings they
-    need from this process's environment. With no address Ray would otherwise attach to any
-    cluster already running on this host, so "local" asks for a fresh one explicitly."""
-    ray.init(
-        address=address or "local",
-        include_dashboard=False,
-        log_to_driver=True,
-        runtime_env={"env_vars": _forwarded_env()},
-    )
 
 
 def cluster_device(requested: str | None) -> str:
@@ -410,12 +398,3 @@ def _get(refs: list, role: str, config: ClusterConfig) -> list:
         raise ClusterStartError(
             f"{role} nodes did not answer within {config.startup_timeout_s:.0f} s"
         ) from err
-
-
-def _forwarded_env() -> dict[str, str]:
-    """Environment the nodes need from the driver (model cache location, NCCL and gloo
-    settings)."""
-    prefixes = ("PDCLUSTER_", "NCCL_", "TORCH_", "NVSHMEM_", "GLOO_")
-    keys = [k for k in os.environ if k.startswith(prefixes)]
-    keys += [k for k in ("XDG_CACHE_HOME", "HF_HOME") if k in os.environ]
-    return {k: os.environ[k] for k in keys}

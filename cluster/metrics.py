@@ -115,8 +115,9 @@ class ClusterMetrics:
         )
         self.failures = Counter(
             "pdcluster_request_failures",
-            "Requests that failed, by kind: rejected (invalid, 400), overloaded (refused at "
-            "admission: too many in flight, 429, or draining, 503), node_down, transfer, "
+            "Requests that failed, by kind: rejected (invalid, 400, or too large, 413), "
+            "overloaded (refused at admission: too many in flight, 429, or draining, 503), "
+            "node_down, transfer, "
             "aborted (client gone, cancelled or past the queue timeout), error (anything else).",
             ["kind"],
             registry=registry,

@@ -4,9 +4,10 @@ Routes: POST /v1/chat/completions, POST /v1/completions (both streaming over SSE
 GET /v1/models, GET /v1/models/{id}, GET /v1/traces/{request_id} (Chrome trace JSON, with
 --enable-tracing), GET /health, GET /metrics (Prometheus). Every error has the OpenAI body
 {"error": {"message", "type", "param", "code"}}: bad input is a 400 (never FastAPI's 422, never
-a 500) counted as a "rejected" failure in the backend's metrics, an unknown model a 404 with
-code "model_not_found" (what OpenAI answers), a missing or wrong API key a 401, a body over the
-size limit a 413, and a BackendError its own status with a message naming the node and stage.
+a 500), an unknown model a 404 with code "model_not_found" (what OpenAI answers), a missing or
+wrong API key a 401, a body over the size limit a 413 (400s and 413s count as "rejected"
+failures in the backend's metrics), and a BackendError its own status with a message naming
+the node and stage.
 Generation requests pass the admission gate (cluster.admission) first: a 503 with Retry-After
 while the server drains (and /health answers 503, status "draining"), a 429 with Retry-After
 when too many are in flight, and a 503 for one with no first token within the queue timeout.
@@ -29,7 +30,13 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cluster.admission import Admission, AdmittedRequest
-from cluster.api_errors import ERROR_RESPONSES, OpenAIError, install_error_handlers
+from cluster.api_errors import (
+    COMMON_ERRORS,
+    OpenAIError,
+    count_failure,
+    error_responses,
+    install_error_handlers,
+)
 from cluster.backend import GenerationBackend
 from cluster.config import DEFAULT_MAX_REQUEST_BYTES
 from cluster.http_guards import ApiKeyGuard, BodySizeLimit, TrailingSlashes
@@ -43,6 +50,15 @@ from cluster.request_preparation import (
     require_served_model,
 )
 from cluster.request_schema import ChatCompletionRequest, CompletionRequest
+from cluster.response_schema import (
+    HEALTH_RESPONSES,
+    METRICS_RESPONSES,
+    ChatCompletion,
+    Completion,
+    ModelCard,
+    ModelList,
+    generation_responses,
+)
 from cluster.streaming import (
     ClientGone,
     collect,
@@ -78,7 +94,9 @@ def create_app(
     gate = admission if admission is not None else Admission()
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None, redirect_slashes=False)
     started = now()
-    v1 = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
+    v1 = APIRouter(prefix="/v1", responses=error_responses(*COMMON_ERRORS))
+    # Unknown model (404), admission (429, or 503 while draining or past the queue timeout).
+    generation_errors = error_responses(400, 404, 429, 503)
 
     def model_card() -> dict[str, Any]:
         return {
@@ -89,16 +107,16 @@ def create_app(
             "max_model_len": backend.max_model_len,
         }
 
-    @v1.get("/models")
+    @v1.get("/models", response_model=ModelList)
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
-    @v1.get("/models/{model_id:path}")
+    @v1.get("/models/{model_id:path}", response_model=ModelCard, responses=error_responses(404))
     async def model(model_id: str) -> dict:
         require_served_model(model_id, backend)
         return model_card()
 
-    @v1.get("/traces/{request_id}")
+    @v1.get("/traces/{request_id}", responses=error_responses(404))
     async def trace(request_id: str) -> JSONResponse:
         # A backend that traces keeps a `traces` store (cluster.tracing.TraceStore).
         traces = getattr(backend, "traces", None)
@@ -109,7 +127,9 @@ def create_app(
             raise OpenAIError(404, message, param="request_id", code="trace_not_found")
         return JSONResponse(found)
 
-    @v1.post("/chat/completions")
+    @v1.post(
+        "/chat/completions", responses=generation_responses(ChatCompletion) | generation_errors
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         arrival_ns = clock_ns()
         check_request(body, backend, request.url.path)
@@ -118,7 +138,7 @@ def create_app(
         admitted, prepared = await _admit_and_prepare(gate, prepare_chat, body, backend)
         return await _generate(request, backend, body, "chat", prepared, arrival_ns, admitted)
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses=generation_responses(Completion) | generation_errors)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival_ns = clock_ns()
         check_request(body, backend, request.url.path)
@@ -129,7 +149,7 @@ def create_app(
         admitted, prepared = await _admit_and_prepare(gate, prepare_completion, body, backend)
         return await _generate(request, backend, body, "completion", prepared, arrival_ns, admitted)
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH_RESPONSES | error_responses(413))
     async def health() -> JSONResponse:
         report = await backend.health()
         if gate.draining:
@@ -137,7 +157,14 @@ def create_app(
             report = {**report, "status": "draining", "in_flight": gate.in_flight}
         return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
 
-    @app.get("/metrics", responses={404: ERROR_RESPONSES[404]})
+    metrics_errors = (401, 404, 413) if metrics_require_api_key else (404, 413)
+
+    # The Response class documents no JSON body of its own: the 200 is text (METRICS_RESPONSES).
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses=METRICS_RESPONSES | error_responses(*metrics_errors),
+    )
     async def metrics() -> Response:
         # A backend without metrics answers 404.
         render = getattr(backend, "metrics_text", None)
@@ -148,7 +175,11 @@ def create_app(
     app.include_router(v1)
     install_error_handlers(app, backend)
     # Added innermost first: a request meets TrailingSlashes, then ApiKeyGuard, then the limit.
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=max_request_bytes,
+        on_too_large=lambda: count_failure(backend, "rejected"),
+    )
     if api_key is not None:
         protected = ("/v1", "/metrics") if metrics_require_api_key else ("/v1",)
         app.add_middleware(ApiKeyGuard, api_key=api_key, protected=protected)

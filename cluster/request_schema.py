@@ -45,6 +45,14 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
+def _neutral_only(name: str, description: str) -> Any:
+    """An unimplemented field: validated by `unsupported_field`, documented as null or one of
+    its neutral values."""
+    return Field(
+        None, description=description, json_schema_extra={"enum": [None, *NEUTRAL_VALUES[name]]}
+    )
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -85,7 +93,7 @@ class _SamplingFields(_Strict):
     )
     seed: WireInt | None = Field(None, description="a signed 64-bit integer")
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, json_schema_extra={"enum": [1]})
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -94,22 +102,25 @@ class _SamplingFields(_Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     # Accepted so that clients which always send them at their neutral value keep working;
-    # any other value is refused rather than silently ignored.
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    response_format: Any = Field(None, description='not supported: only {"type": "text"}')
-    tools: Any = Field(None, description="not supported: only an empty list")
-    tool_choice: Any = Field(None, description='not supported: only "none"')
-    parallel_tool_calls: Any = Field(None, description="not supported: only true (no tools)")
-    functions: Any = Field(None, description="not supported: only an empty list")
-    function_call: Any = Field(None, description='not supported: only "none"')
-    logit_bias: Any = Field(None, description="not supported: only an empty object")
-    best_of: Any = Field(None, description="not supported: only 1")
-    modalities: Any = Field(None, description='not supported: only ["text"]')
-    audio: Any = Field(None, description="not supported")
-    prediction: Any = Field(None, description="not supported")
-    web_search_options: Any = Field(None, description="not supported")
-    service_tier: Any = Field(None, description='only "auto" or "default"')
+    # any other value is refused rather than silently ignored. The schema lists the values
+    # accepted, so that a client (or a generated one) knows before it asks.
+    frequency_penalty: float | None = Field(None, json_schema_extra={"enum": [0, None]})
+    presence_penalty: float | None = Field(None, json_schema_extra={"enum": [0, None]})
+    response_format: Any = _neutral_only("response_format", 'not supported: only {"type": "text"}')
+    tools: Any = _neutral_only("tools", "not supported: only an empty list")
+    tool_choice: Any = _neutral_only("tool_choice", 'not supported: only "none"')
+    parallel_tool_calls: Any = _neutral_only(
+        "parallel_tool_calls", "not supported: only true (no tools)"
+    )
+    functions: Any = _neutral_only("functions", "not supported: only an empty list")
+    function_call: Any = _neutral_only("function_call", 'not supported: only "none"')
+    logit_bias: Any = _neutral_only("logit_bias", "not supported: only an empty object")
+    best_of: Any = _neutral_only("best_of", "not supported: only 1")
+    modalities: Any = _neutral_only("modalities", 'not supported: only ["text"]')
+    audio: Any = _neutral_only("audio", "not supported")
+    prediction: Any = _neutral_only("prediction", "not supported")
+    web_search_options: Any = _neutral_only("web_search_options", "not supported")
+    service_tier: Any = _neutral_only("service_tier", 'only "auto" or "default"')
 
     @property
     def include_usage(self) -> bool:
@@ -153,7 +164,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    prompt_embeds: Any = Field(None, description="only accepted by /v1/completions")
+    prompt_embeds: Any = Field(
+        None, description="only accepted by /v1/completions", json_schema_extra={"enum": [None]}
+    )
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -194,8 +207,8 @@ class CompletionRequest(_SamplingFields):
     )
     max_tokens: Count = 16
     logprobs: TopLogprobs | None = None
-    echo: bool = False
-    suffix: str | None = None
+    echo: bool = Field(False, json_schema_extra={"enum": [False]})
+    suffix: str | None = Field(None, json_schema_extra={"enum": ["", None]})
     prompt_embeds: list[PromptEmbedding] | None = None
 
     def texts(self) -> Iterator[tuple[str, str]]:

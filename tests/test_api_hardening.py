@@ -6,6 +6,7 @@ file or the environment, and the OpenAPI schema says what the server answers."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -201,8 +202,27 @@ def test_every_400_counts_once_as_rejected(client):
     ]
     for body in bad:
         assert client.post("/v1/completions", json=body).status_code == 400
-    assert post_raw(client, "completions", b'{"prompt": "a\\ud800"}').status_code == 400
-    assert rejected_count(client) == before + len(bad) + 1
+    unreadable = [
+        b'{"prompt": "a\\ud800"}',  # a lone surrogate
+        b'{"prompt": ',  # not JSON
+        b'{"prompt": "\xff\xfe"}',  # not UTF-8: FastAPI's own 400
+        b"[1, 2]",  # not an object
+        b"",  # no body
+    ]
+    for raw in unreadable:
+        assert error_of(post_raw(client, "completions", raw)), raw
+    assert rejected_count(client) == before + len(bad) + len(unreadable)
+
+
+def test_a_body_over_the_limit_counts_as_rejected(backend):
+    with TestClient(create_app(backend, max_request_bytes=1000)) as client:
+        before = rejected_count(client)
+        declared = client.post("/v1/completions", json={"prompt": "x" * 2000})
+        headers = {"content-type": "application/json"}
+        chunked = client.post("/v1/completions", content=chunked_body(100), headers=headers)
+        assert declared.status_code == chunked.status_code == 413
+        assert "content-length" not in chunked.request.headers
+        assert rejected_count(client) == before + 2
 
 
 # ---- 2. nothing heavy on the event loop; a body size limit ---------------------------------
@@ -335,6 +355,21 @@ def test_neutral_values_and_harmless_fields_are_accepted_quietly(client, path, c
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_the_schema_lists_the_values_of_unimplemented_fields_that_pass(client):
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    completion = schemas["CompletionRequest"]["properties"]
+    for field, refused in UNSUPPORTED:
+        for properties in (chat, completion):
+            # As JSON: true is not the 1 of best_of.
+            accepted = {json.dumps(value) for value in properties[field]["enum"]}
+            assert "null" in accepted and json.dumps(refused) not in accepted
+            if field in NEUTRAL:
+                assert json.dumps(NEUTRAL[field]) in accepted
+    assert chat["n"]["enum"] == [1] and chat["prompt_embeds"]["enum"] == [None]
+    assert completion["echo"]["enum"] == [False]
+
+
 def test_prompt_embeds_in_chat_points_to_completions(client):
     body = {"messages": CHAT, "prompt_embeds": [{"position": 0, "embedding": [0.0]}]}
     error = error_of(client.post("/v1/chat/completions", json=body))
@@ -448,10 +483,22 @@ def test_serve_flags_reach_the_config_and_bad_ones_are_cli_errors(tmp_path, monk
 # ---- 5. smaller: 405, one model, the OpenAPI schema ----------------------------------------
 
 
-def test_a_405_names_the_allowed_methods(client):
-    response = client.get("/v1/completions")
-    assert response.status_code == 405 and response.headers["allow"] == "POST"
-    assert "message" in response.json()["error"]
+@pytest.mark.parametrize(
+    "method, path, allowed",
+    [
+        ("GET", "/v1/completions", "POST"),
+        ("PUT", "/v1/chat/completions", "POST"),
+        ("POST", "/v1/models", "GET"),
+        ("DELETE", f"/v1/models/{MODEL}", "GET"),
+        ("POST", "/health", "GET"),
+        ("POST", "/metrics", "GET"),
+    ],
+)
+def test_a_405_names_the_allowed_methods(client, method, path, allowed):
+    response = client.request(method, path)
+    error = error_of(response, 405)
+    assert response.headers["allow"] == allowed
+    assert method in error["message"] and allowed in error["message"]
 
 
 def test_one_model_by_id(client, backend):
@@ -462,11 +509,30 @@ def test_one_model_by_id(client, backend):
     assert error["code"] == "model_not_found" and "gpt-9" in error["message"]
 
 
+def json_schema_of(response: dict) -> dict:
+    return response["content"]["application/json"]["schema"]
+
+
 def test_the_openapi_schema_says_what_the_server_answers(client):
     spec = client.get("/openapi.json").json()
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    error_body = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, body in (
+        ("/v1/completions", "Completion"),
+        ("/v1/chat/completions", "ChatCompletion"),
+    ):
         responses = spec["paths"][path]["post"]["responses"]
-        assert "400" in responses and "422" not in responses
+        assert "422" not in responses
+        assert json_schema_of(responses["400"]) == error_body
+        assert json_schema_of(responses["200"]) == {"$ref": f"#/components/schemas/{body}"}
+        assert "text/event-stream" in responses["200"]["content"]  # stream: true
+    for path, operation in spec["paths"].items():
+        for method, details in operation.items():
+            assert "422" not in details["responses"], (method, path)
+    metrics = spec["paths"]["/metrics"]["get"]["responses"]
+    assert list(metrics["200"]["content"]) == ["text/plain"]
+    assert json_schema_of(metrics["404"]) == error_body
+    health = spec["paths"]["/health"]["get"]["responses"]
+    assert {"200", "503"} <= set(health)  # 503 while a node is down or the server drains
     schemas = spec["components"]["schemas"]
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
     prompt_forms = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
