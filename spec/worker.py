@@ -24,6 +24,7 @@ from engine.sampler import TokenLogprob, compute_logprobs
 from spec.acceptance import Verdict, accept_greedy, accept_sampled
 from spec.alternatives import Alternative, release_alternatives, take_alternatives, take_slots
 from spec.batching import Span, extend_batch
+from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
 from spec.draft_extend import ChainFork, DraftExtend
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftInput, DraftRunner, DraftSeq, DraftTokenPatch
@@ -57,6 +58,11 @@ class MultiLayerEagleWorker:
         self.head = DraftHead(runner.model, draft.vocab)
         if runner.config.cuda_graph_max_bs:
             self._capture_graphs()
+        # The decode step's extend when every request verified a full chain: one fixed-shape
+        # forward of all depths (one graph per batch size where the engine runs graphs).
+        self.fixed_extend = FixedDecodeExtend(
+            self.depths, self.head, runner.config.cuda_graph_max_bs
+        )
 
     def _capture_graphs(self) -> None:
         """CUDA graphs for the forwards of every decode step. Verify: the newest token and a
@@ -233,7 +239,7 @@ class MultiLayerEagleWorker:
     def finish_round(self, requests: list[Request], verified: VerifyResult) -> None:
         """After the scheduler committed the verified tokens: statistics, then draft extend
         over the newly committed tokens for the requests that go on speculating."""
-        items = []
+        going_on = []  # (request, tokens committed this step, its verify span's hidden states)
         for i, req in enumerate(requests):
             committed = len(req.output_token_ids) - verified.num_outputs_before[i]
             if verified.num_drafts[i]:
@@ -241,10 +247,28 @@ class MultiLayerEagleWorker:
                 _count(req, drafts, proposed, verified.verdicts[i], committed)
             if req.finished or req.spec_state is None or not req.lookahead:
                 continue
-            hidden = verified.hidden[i][:committed]
-            chains = self._chains(req)
-            items.append(DraftExtend(req.spec_state, req.all_token_ids, hidden, None, chains))
-        self._extend(items)
+            going_on.append((req, committed, verified.hidden[i]))
+        if self.num_chains == 1:
+            fixed = [
+                FixedExtendItem(
+                    req.spec_state,
+                    req.num_tokens - 1 - committed,
+                    req.all_token_ids[-committed:],
+                    hidden,
+                )
+                for req, committed, hidden in going_on
+            ]
+            if self.fixed_extend.fits(fixed):
+                self.fixed_extend.run(fixed)
+                return
+        self._extend(
+            [
+                DraftExtend(
+                    req.spec_state, req.all_token_ids, hidden[:committed], None, self._chains(req)
+                )
+                for req, committed, hidden in going_on
+            ]
+        )
 
     def release(self, req: Request) -> None:
         state: SpecRequestState | None = req.spec_state

@@ -1,0 +1,296 @@
+"""The draft extend of a decode step as one forward of fixed shape through every depth, captured
+as a single CUDA graph per batch size where the engine runs graphs.
+
+After a verify step that accepted a drafts of a request whose newest position was m, depth d
+extends over positions [m-d, m+a] (spec/draft_extend.py): a+1+d positions, which vary with a.
+Here every request runs K+1+d positions from m-d whatever a is. Rows past m+a read padding and
+write KV past the depth's valid prefix, which the next extend recomputes, and no real row
+attends to them (they come later), so every request of a batch has one shape, and the whole
+extend (K depths, each proposing its draft) is one graph: one replay and one copy to the host
+per step, where the general path replays a graph, builds inputs and patches tokens per depth.
+
+Depth d's row j (position m-d+j) reads:
+- token x_{m+1+j}: the tokens the verify step committed for j <= a, draft t (from depth t-1 of
+  this extend) for j = a+t, padding after;
+- depth 0: the target's hidden state at position m+j (row j of the request's verify span);
+  depth d > 0: row 0 the boundary state depth d-1 kept at m-d last time, row j depth d-1's
+  output row j-1.
+Depth d keeps its output at row a as the new boundary (position m+a-d) and proposes draft d+1
+from row a+d (position m+a)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.cuda_graph import PADDING_SLOT, batch_size_buckets, bucket_for
+from engine.forward_batch import ForwardBatch
+from engine.host_copy import int_tensor
+from spec.draft_runner import DraftRunner
+from spec.draft_vocab import DraftHead
+from spec.state import SpecRequestState
+
+
+@dataclass
+class FixedExtendItem:
+    """One request going on speculating after a verify step: its state, the position of its
+    newest token before the step (m), the tokens the step committed (a accepted drafts and the
+    target's token) and the target's hidden states over its verify span [K+1, width]."""
+
+    state: SpecRequestState
+    m: int
+    committed: list[int]
+    verify_hidden: torch.Tensor
+
+    @property
+    def accepted(self) -> int:
+        return len(self.committed) - 1
+
+
+class _Buffers:
+    """The inputs one batch size reads, on the device: one int64 block filled by one copy
+    (per depth its tokens, positions and slots, then per request its row, cache length, first
+    token, token count; then every request's accepted count), the verify's hidden states and
+    the boundary states."""
+
+    def __init__(self, size: int, k: int, widths: list[int], in_width: int, hidden: int,
+                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+        self.size = size
+        self.layout: list[tuple[int, int]] = []  # per depth: (offset, tokens)
+        offset = 0
+        for width in widths:
+            tokens = size * width
+            self.layout.append((offset, tokens))
+            offset += 3 * tokens + 4 * size
+        self.accepted_offset = offset
+        self.length = offset + size
+        self.ints = torch.zeros(self.length, dtype=torch.int64, device=device)
+        self.verify_hidden = torch.zeros((size, k + 1, in_width), dtype=dtype, device=device)
+        self.boundary = torch.zeros((max(k - 1, 1), size, hidden), dtype=dtype, device=device)
+
+    def depth_views(self, d: int) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, slots, rows, seq_lens, q_starts, q_lens) of depth d."""
+        offset, tokens = self.layout[d]
+        token_rows = self.ints[offset : offset + 3 * tokens].view(3, tokens)
+        request_rows = self.ints[offset + 3 * tokens : offset + 3 * tokens + 4 * self.size]
+        request_rows = request_rows.view(4, self.size)
+        return (*token_rows, *request_rows)
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        return self.ints[self.accepted_offset : self.accepted_offset + self.size]
+
+
+class FixedDecodeExtend:
+    """Runs the decode step's draft extend for batches of `FixedExtendItem`s (see the module's
+    docstring), eagerly or, with `graph_max_bs`, replaying a graph per batch-size bucket."""
+
+    def __init__(self, depths: list[DraftRunner], head: DraftHead, graph_max_bs: int) -> None:
+        self.depths = depths
+        self.head = head
+        self.k = len(depths)
+        self.widths = [self.k + 1 + d for d in range(self.k)]
+        first = depths[0]
+        self.device = first.device
+        self.dtype = first.kv_pool.dtype
+        self.in_width = first.module.hnorm.weight.shape[0]
+        self.hidden_size = first.module.fc.weight.shape[0]
+        self.buckets = batch_size_buckets(graph_max_bs) if graph_max_bs else []
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, _Buffers, tuple]] = {}
+        if self.buckets:
+            self._capture()
+
+    def fits(self, items: list[FixedExtendItem]) -> bool:
+        """Whether this path runs `items`: every request verified a full chain and holds
+        every depth's KV up to where this extend starts (m-d >= 1, valid there); and no depth
+        dumps tensors (the general path records each depth's forward)."""
+        k = self.k
+        if any(runner.dumper is not None for runner in self.depths):
+            return False
+        return bool(items) and all(
+            len(item.verify_hidden) == k + 1
+            and 1 <= len(item.committed) <= k + 1
+            and item.m >= k
+            and all(seq.valid_len == item.m - d for d, seq in enumerate(item.state.seqs))
+            for item in items
+        )
+
+    @torch.inference_mode()
+    def run(self, items: list[FixedExtendItem]) -> None:
+        """Extend every depth over `items` and give each its next chain and boundary states."""
+        k = self.k
+        for d, runner in enumerate(self.depths):
+            # Slots up to position m+k: the padding rows write there too.
+            runner.grow_many([(item.state.seqs[d], item.m + k + 1) for item in items])
+        size = bucket_for(self.buckets, len(items)) if self.buckets else None
+        if size is not None:
+            graph, buffers, outputs = self.graphs[size]
+            self._fill(buffers, items)
+            graph.replay()
+            chains, probs, boundary = outputs
+        else:
+            buffers = self._buffers(len(items))
+            self._fill(buffers, items)
+            metadata = [
+                runner.attention.prepare(self._eager_batch(buffers, d, runner, items))
+                for d, runner in enumerate(self.depths)
+            ]
+            chains, probs, boundary = self._forward(buffers, metadata, eager_items=items)
+        n = len(items)
+        # Out of the graph's buffers: kept as views until the next extend.
+        boundary = boundary[:, :n].clone()
+        host = torch.cat([chains[:n].double(), probs[:n].double()], dim=1).tolist()
+        for i, (item, row) in enumerate(zip(items, host)):
+            state = item.state
+            m_next = item.m + len(item.committed)  # the newest position after the step
+            state.chain = [int(t) for t in row[:k]]
+            state.chain_probs = row[k:]
+            state.alt_chains = []
+            state.boundary = [boundary[d, i] for d in range(k - 1)]
+            state.target_hidden = item.verify_hidden[item.accepted]
+            for d, seq in enumerate(state.seqs):
+                seq.valid_len = max(0, m_next - d)
+
+    def _buffers(self, size: int) -> _Buffers:
+        return _Buffers(size, self.k, self.widths, self.in_width, self.hidden_size, self.dtype,
+                        self.device)  # fmt: skip
+
+    def _fill(self, buffers: _Buffers, items: list[FixedExtendItem]) -> None:
+        """Every input of the batch, padded to the buffers' size: one copy of the integers, one
+        of the verify's hidden states, one of the boundary states."""
+        n = len(items)
+        buffers.ints.copy_(int_tensor(self._int_values(buffers, items), self.device))
+        buffers.verify_hidden[:n].copy_(torch.stack([item.verify_hidden for item in items]))
+        if self.k > 1:
+            old = [
+                torch.stack([item.state.boundary[d] for item in items]) for d in range(self.k - 1)
+            ]
+            buffers.boundary[:, :n].copy_(torch.stack(old))
+
+    def _int_values(self, buffers: _Buffers, items: list[FixedExtendItem]) -> np.ndarray:
+        """The integer block: the items' rows first, padding requests after (token 0 from
+        position 0, over the padding row, writing the padding slot)."""
+        size, n, k = buffers.size, len(items), self.k
+        values = np.zeros(buffers.length, dtype=np.int64)
+        committed = np.zeros((n, k + 1), dtype=np.int64)
+        for i, item in enumerate(items):
+            committed[i, : len(item.committed)] = item.committed
+        newest = np.array([item.m for item in items], dtype=np.int64)
+        for d, (runner, width) in enumerate(zip(self.depths, self.widths)):
+            offset, tokens = buffers.layout[d]
+            ids = np.zeros((size, width), dtype=np.int64)
+            ids[:n, : k + 1] = committed
+            starts = np.zeros(size, dtype=np.int64)
+            starts[:n] = newest - d
+            positions = starts[:, None] + np.arange(width)
+            slots = np.full((size, width), PADDING_SLOT, dtype=np.int64)
+            rows = np.full(size, runner.req_to_token_pool.padding_row, dtype=np.int64)
+            if n:
+                seqs = [item.state.seqs[d] for item in items]
+                slots[:n] = [seq.slots[s : s + width] for seq, s in zip(seqs, starts[:n].tolist())]
+                rows[:n] = [seq.row for seq in seqs]
+            per_request = [rows, starts + width, np.arange(size) * width, np.full(size, width)]
+            block = values[offset : offset + 3 * tokens + 4 * size]
+            block[:tokens] = ids.ravel()
+            block[tokens : 2 * tokens] = positions.ravel()
+            block[2 * tokens : 3 * tokens] = slots.ravel()
+            block[3 * tokens :] = np.concatenate(per_request)
+        values[buffers.accepted_offset : buffers.accepted_offset + n] = [
+            item.accepted for item in items
+        ]
+        return values
+
+    def _forward(
+        self,
+        buffers: _Buffers,
+        metadata: list,
+        eager_items: list[FixedExtendItem] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every depth over the buffers: the chains [size, K], their probabilities [size, K]
+        and the new boundary states [K-1, size, hidden]. What a graph captures."""
+        size, k = buffers.size, self.k
+        accepted = buffers.accepted
+        every = torch.arange(size, device=self.device)
+        drafts: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        boundaries: list[torch.Tensor] = []
+        previous: torch.Tensor | None = None
+        for d, (runner, width) in enumerate(zip(self.depths, self.widths)):
+            ids, positions, slots, rows, *_ = buffers.depth_views(d)
+            ids = ids.view(size, width)
+            for t, draft in enumerate(drafts, start=1):
+                ids.scatter_(1, (accepted + t)[:, None], draft[:, None])
+            if d == 0:
+                hidden = buffers.verify_hidden
+            else:
+                assert previous is not None
+                boundary = buffers.boundary[d - 1][:, None]
+                hidden = torch.cat([boundary, previous[:, : width - 1]], dim=1)
+            batch = self._batch(buffers, d, runner, metadata[d], eager_items)
+            (out,) = runner._forward_tokens(batch, hidden.reshape(size * width, -1))
+            out = out.view(size, width, -1)
+            top, top_p = self.head.propose_top(out[every, accepted + d], 1)
+            drafts.append(top[:, 0])
+            probs.append(top_p)
+            if d < k - 1:
+                boundaries.append(out[every, accepted])
+            previous = out
+        boundary = torch.stack(boundaries) if boundaries else buffers.boundary[:0]
+        return torch.stack(drafts, dim=1), torch.stack(probs, dim=1), boundary
+
+    def _batch(self, buffers: _Buffers, d: int, runner: DraftRunner, metadata,
+               eager_items: list[FixedExtendItem] | None) -> ForwardBatch:  # fmt: skip
+        ids, positions, slots, rows, *_ = buffers.depth_views(d)
+        size, width = buffers.size, self.widths[d]
+        seq_lens = self._seq_lens(d, size, eager_items)
+        return ForwardBatch(
+            input_ids=ids,
+            positions=positions,
+            out_cache_loc=slots,
+            req_pool_indices=rows,
+            seq_lens=seq_lens,
+            extend_lens=[width] * size,
+            kv_pool=runner.kv_pool,
+            req_to_token_pool=runner.req_to_token_pool,
+            attn_metadata=metadata,
+        )
+
+    def _eager_batch(self, buffers: _Buffers, d: int, runner: DraftRunner,
+                     items: list[FixedExtendItem]) -> ForwardBatch:  # fmt: skip
+        return self._batch(buffers, d, runner, None, items)
+
+    def _seq_lens(self, d: int, size: int, items: list[FixedExtendItem] | None) -> list[int]:
+        width = self.widths[d]
+        if items is None:  # a graph's batch: its metadata reads the device buffers
+            return [width] * size
+        return [item.m - d + width for item in items] + [width] * (size - len(items))
+
+    def _capture(self) -> None:
+        """A graph per bucket, largest first, sharing one memory pool; the outputs stay in the
+        pool (each graph's own), read right after its replay."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        pool = None
+        for size in sorted(self.buckets, reverse=True):
+            buffers = self._buffers(size)
+            buffers.ints.copy_(int_tensor(self._int_values(buffers, []), self.device))
+            metadata = []
+            for d, runner in enumerate(self.depths):
+                _, _, _, rows, seq_lens, q_starts, q_lens = buffers.depth_views(d)
+                metadata.append(
+                    runner.attention.prepare_for_capture(
+                        rows, seq_lens, q_starts, q_lens, self.widths[d]
+                    )
+                )
+            with torch.cuda.stream(stream):
+                self._forward(buffers, metadata)  # compiles the kernels outside the capture
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs = self._forward(buffers, metadata)
+            pool = graph.pool()
+            self.graphs[size] = (graph, buffers, outputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)

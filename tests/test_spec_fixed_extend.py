@@ -1,0 +1,112 @@
+"""The decode step's fixed-shape draft extend (spec/decode_extend.py) is the general draft
+extend of spec/draft_extend.py padded: same chains, same boundary states, same acceptance,
+whatever the draft depth count, batch and prompt lengths; it leaves nothing behind, and it steps
+aside where it cannot run (alternative chains, short prompts, tensor dumps)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from tiny_drafts import make_good_draft, make_predictable_llama, make_random_draft
+from tiny_models import make_tiny_llama
+
+from engine import LLM, SamplingParams
+
+SPEC = "multi-layer-eagle"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("fixed_extend")
+    make_tiny_llama(root / "target", seed=0)
+    make_random_draft(root / "random", root / "target", 4, seed=1)
+    make_predictable_llama(root / "predictable", seed=0)
+    make_good_draft(root / "good", root / "predictable", 4, noise=0.05)
+    return {
+        "random": (root / "target", root / "random"),
+        "good": (root / "predictable", root / "good"),
+    }
+
+
+def _llm(models, kind: str, k: int, **kw) -> LLM:
+    target, draft = models[kind]
+    kw.setdefault("kv_cache_tokens", 8192)
+    kw.setdefault("max_num_seqs", 16)
+    return LLM(
+        str(target), device="cpu", speculative_algorithm=SPEC,
+        draft_model=str(draft), num_draft_steps=k, **kw,
+    )  # fmt: skip
+
+
+def _workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts of 1 to 50 tokens (some shorter than the draft depths, which start on the
+    general path) and answers of 1 to 40 tokens."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 50))] for _ in range(12)]
+    params = [
+        SamplingParams(max_tokens=rng.randint(1, 40), temperature=0, ignore_eos=True)
+        for _ in prompts
+    ]
+    return prompts, params
+
+
+def _run(llm: LLM, prompts, params, fixed: bool) -> tuple[list, int]:
+    worker = llm.engine.speculator
+    runs = {"n": 0}
+    if fixed:
+        original = worker.fixed_extend.run
+
+        def counted(items):
+            runs["n"] += 1
+            return original(items)
+
+        worker.fixed_extend.run = counted
+    else:
+        worker.fixed_extend.fits = lambda items: False
+    outputs = llm.generate(prompts, params)
+    assert not llm.engine.has_work()
+    assert llm.engine.kv_cache.is_empty() and worker.is_empty()
+    summary = [
+        (o.token_ids, o.usage.spec_verify_steps, o.usage.spec_accepted_per_position)
+        for o in outputs
+    ]
+    return summary, runs["n"]
+
+
+@pytest.mark.parametrize("kind", ["good", "random"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_the_fixed_extend_drafts_exactly_what_the_general_one_does(models, kind: str, k: int):
+    prompts, params = _workload(seed=k)
+    fixed, runs = _run(_llm(models, kind, k), prompts, params, fixed=True)
+    general, _ = _run(_llm(models, kind, k), prompts, params, fixed=False)
+    assert runs > 0
+    # Tokens, verify steps and the drafts accepted at each position: the same chains were
+    # proposed at every step.
+    assert fixed == general
+    if kind == "good":
+        assert sum(sum(per_position) for _, _, per_position in fixed) > 0
+
+
+def test_a_batch_mixes_requests_at_every_stage(models):
+    """Requests join while others decode, and some finish mid-batch: each step's extend takes
+    the fixed path when every request in it can, the general path otherwise."""
+    llm = _llm(models, "good", 3, max_num_seqs=4)
+    prompts, params = _workload(seed=11)
+    fixed, runs = _run(llm, prompts, params, fixed=True)
+    general, _ = _run(_llm(models, "good", 3, max_num_seqs=4), prompts, params, fixed=False)
+    assert runs > 0 and fixed == general
+
+
+def test_alternative_chains_take_the_general_path(models):
+    llm = _llm(models, "good", 3, num_draft_chains=3)
+    prompts, params = _workload(seed=5)
+    _, runs = _run(llm, prompts, params, fixed=True)
+    assert runs == 0
+
+
+def test_tensor_dumps_take_the_general_path(models, tmp_path):
+    llm = _llm(models, "good", 2, debug_tensor_dump_dir=tmp_path / "dump")
+    _, runs = _run(llm, [[5, 6, 7, 8, 9, 10]], [SamplingParams(max_tokens=6, temperature=0)], True)
+    assert runs == 0
