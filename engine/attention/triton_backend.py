@@ -17,6 +17,7 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
+from engine.host_copy import int_tensor
 from engine.kernels.attention import paged_attention
 from engine.kernels.elementwise import rope_and_store
 
@@ -44,9 +45,7 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> TritonMetadata:
         device = batch.input_ids.device
         starts = [0, *itertools.accumulate(batch.extend_lens)][:-1]
-        lengths = torch.tensor([batch.seq_lens, starts, batch.extend_lens], dtype=torch.int64).to(
-            device, non_blocking=True
-        )
+        lengths = int_tensor([batch.seq_lens, starts, batch.extend_lens], device)
         max_q_len = max(batch.extend_lens)
         return TritonMetadata(
             batch.req_pool_indices,
