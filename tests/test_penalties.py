@@ -217,3 +217,39 @@ def test_logit_bias_outside_the_vocabulary_is_refused(models):
     llm = _llm(models["random"][0])
     with pytest.raises(RequestRejectedError, match="logit_bias"):
         llm.generate(PROMPTS[:1], SamplingParams(logit_bias={320: 5}))
+
+
+def test_the_fields_cross_the_wire_and_older_senders_still_decode():
+    import msgpack
+
+    from cluster.router import _sampling_spec
+    from metadata.messages import PROTOCOL_VERSION, SamplingSpec, decode, encode
+
+    params = SamplingParams(
+        max_tokens=9,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.2,
+        logit_bias={7: 3.0, 9: -100},
+        min_tokens=2,
+        stop_token_ids=[4],
+    )
+    landed = SamplingParams(**decode(encode(_sampling_spec(params))).__dict__)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        assert getattr(landed, name) == getattr(params, name), name
+    assert list(landed.stop_token_ids) == [4]
+    assert landed.logit_bias_items == params.logit_bias_items
+    older = {
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "seed": None,
+        "stop": [],
+        "stop_token_ids": [],
+        "ignore_eos": False,
+        "logprobs": None,
+    }
+    raw = msgpack.packb({"type": "SamplingSpec", "version": PROTOCOL_VERSION, "body": older})
+    assert not SamplingParams(**decode(raw).__dict__).penalized
+    assert isinstance(decode(raw), SamplingSpec)
