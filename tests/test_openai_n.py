@@ -225,3 +225,13 @@ def test_the_cluster_gives_the_offline_engines_choices(remote, cluster_model):
     assert json.loads(answer.model_dump_json())["usage"]["completion_tokens"] == sum(
         len(o.token_ids) for o in expected
     )
+
+
+def test_the_python_client_sends_penalties_and_biases(backend, local_offline):
+    from cluster.client import Client
+
+    fields = dict(max_tokens=10, temperature=0.7, seed=13, **PENALTIES, **EXTENSIONS)
+    with BackgroundServer(create_app(backend)) as server, Client(server.url) as client:
+        out = client.generate(PROMPTS[2], logit_bias={77: 2.5, 101: -100}, **fields)
+    params = SamplingParams(logit_bias={77: 2.5, 101: -100}, **fields)
+    assert out.token_ids == local_offline.generate(PROMPTS[2], params)[0].token_ids
