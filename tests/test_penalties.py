@@ -253,3 +253,46 @@ def test_the_fields_cross_the_wire_and_older_senders_still_decode():
     raw = msgpack.packb({"type": "SamplingSpec", "version": PROTOCOL_VERSION, "body": older})
     assert not SamplingParams(**decode(raw).__dict__).penalized
     assert isinstance(decode(raw), SamplingSpec)
+
+
+def test_a_speculative_cluster_with_penalties_equals_plain_decoding(models):
+    """The prefill node samples the first token under the processors, the decode node verifies
+    each later position with them: greedy output is the offline engine's without speculation."""
+    import asyncio
+
+    pytest.importorskip("ray")
+    from cluster_helpers import launch
+
+    target, draft = models["good"]
+    engine = dict(max_model_len=128, kv_cache_tokens=1024, max_num_seqs=8)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logit_bias={9: 1.5}, **CASES["all"]
+    )
+    expected = [o.token_ids for o in _llm(target).generate(PROMPTS, params)]
+    cluster = launch(
+        str(target),
+        prefill=1,
+        decode=1,
+        speculative_algorithm=SPEC,
+        draft_model=str(draft),
+        num_draft_steps=K,
+        **engine,
+    )
+
+    async def one(i: int, prompt: list[int]) -> tuple[list[int], dict]:
+        tokens, usage = [], {}
+        async for delta in cluster.router.generate(f"p{i}", prompt, params):
+            tokens += delta.token_ids
+            usage = delta.usage or usage
+        return tokens, usage
+
+    async def every() -> list[tuple[list[int], dict]]:
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+
+    try:
+        answers = asyncio.run(every())
+    finally:
+        cluster.shutdown()
+    assert [tokens for tokens, _ in answers] == expected
+    accepted = sum(u["completion_tokens_details"]["accepted_prediction_tokens"] for _, u in answers)
+    assert accepted > 0
