@@ -102,7 +102,7 @@ def install_error_handlers(app: FastAPI, backend: GenerationBackend) -> None:
     @app.exception_handler(RequestRejectedError)
     async def rejected(request: Request, err: RequestRejectedError) -> JSONResponse:
         # Raised by backend.validate, which has counted it already.
-        return reply(request, 400, error_body(str(err)))
+        return reply(request, 400, error_body(str(err), param=err.param))
 
     @app.exception_handler(BackendError)
     async def backend_error(request: Request, err: BackendError) -> JSONResponse:

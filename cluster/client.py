@@ -29,6 +29,7 @@ from cluster.client_protocol import (
     completion_fields,
     error_from_response,
     transport_errors,
+    wire_logit_bias,
 )
 
 __all__ = [
@@ -70,9 +71,17 @@ class Client:
         stop: str | list[str] | None = None,
         logprobs: int | None = None,
         ignore_eos: bool | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        logit_bias: dict[int, float] | None = None,
+        min_tokens: int | None = None,
+        stop_token_ids: list[int] | None = None,
         stream: bool = False,
     ) -> Completion | Iterator[CompletionChunk]:
-        """Complete a prompt (text or token ids); `logprobs=n` also returns the top n."""
+        """Complete a prompt (text or token ids); `logprobs=n` also returns the top n. The
+        penalties, `logit_bias` ({token id: bias}) and `min_tokens` are the engine's
+        (engine.SamplingParams)."""
         fields = completion_fields(
             prompt,
             max_tokens,
@@ -83,6 +92,12 @@ class Client:
             seed=seed,
             stop=stop,
             ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=wire_logit_bias(logit_bias),
+            min_tokens=min_tokens,
+            stop_token_ids=stop_token_ids,
         )
         return self._post("/v1/completions", self._wire.body(stream, **fields), stream)
 
@@ -98,6 +113,12 @@ class Client:
         stop: str | list[str] | None = None,
         logprobs: int | None = None,
         ignore_eos: bool | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        logit_bias: dict[int, float] | None = None,
+        min_tokens: int | None = None,
+        stop_token_ids: list[int] | None = None,
         stream: bool = False,
     ) -> Completion | Iterator[CompletionChunk]:
         """Answer a conversation; max_tokens=None runs to the end of the context or a stop."""
@@ -111,6 +132,12 @@ class Client:
             seed=seed,
             stop=stop,
             ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=wire_logit_bias(logit_bias),
+            min_tokens=min_tokens,
+            stop_token_ids=stop_token_ids,
         )
         return self._post("/v1/chat/completions", self._wire.body(stream, **fields), stream)
 
@@ -197,6 +224,12 @@ class AsyncClient:
         stop: str | list[str] | None = None,
         logprobs: int | None = None,
         ignore_eos: bool | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        logit_bias: dict[int, float] | None = None,
+        min_tokens: int | None = None,
+        stop_token_ids: list[int] | None = None,
         stream: bool = False,
     ) -> Completion | AsyncIterator[CompletionChunk]:
         fields = completion_fields(
@@ -209,6 +242,12 @@ class AsyncClient:
             seed=seed,
             stop=stop,
             ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=wire_logit_bias(logit_bias),
+            min_tokens=min_tokens,
+            stop_token_ids=stop_token_ids,
         )
         return await self._post("/v1/completions", self._wire.body(stream, **fields), stream)
 
@@ -224,6 +263,12 @@ class AsyncClient:
         stop: str | list[str] | None = None,
         logprobs: int | None = None,
         ignore_eos: bool | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        logit_bias: dict[int, float] | None = None,
+        min_tokens: int | None = None,
+        stop_token_ids: list[int] | None = None,
         stream: bool = False,
     ) -> Completion | AsyncIterator[CompletionChunk]:
         fields = chat_fields(
@@ -236,6 +281,12 @@ class AsyncClient:
             seed=seed,
             stop=stop,
             ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=wire_logit_bias(logit_bias),
+            min_tokens=min_tokens,
+            stop_token_ids=stop_token_ids,
         )
         body = self._wire.body(stream, **fields)
         return await self._post("/v1/chat/completions", body, stream)

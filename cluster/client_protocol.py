@@ -178,6 +178,11 @@ def transport_errors() -> Iterator[None]:
         raise APIConnectionError(f"could not reach the server: {err!r}") from err
 
 
+def wire_logit_bias(logit_bias: dict[int, float] | None) -> dict[str, float] | None:
+    """JSON object keys are strings: the API takes token ids as such."""
+    return None if logit_bias is None else {str(k): v for k, v in logit_bias.items()}
+
+
 def completion_fields(
     prompt: str | list[int], max_tokens: int | None, logprobs: int | None, **common: Any
 ) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
@@ -37,7 +37,8 @@ from cluster.api_errors import (
     error_responses,
     install_error_handlers,
 )
-from cluster.backend import GenerationBackend
+from cluster.backend import GenerationBackend, TokenDelta
+from cluster.choices import ChoiceRequest, choice_requests, merge_choices, total_usage
 from cluster.config import DEFAULT_MAX_REQUEST_BYTES
 from cluster.http_guards import ApiKeyGuard, BodySizeLimit, TrailingSlashes
 from cluster.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -61,7 +62,7 @@ from cluster.response_schema import (
 )
 from cluster.streaming import (
     ClientGone,
-    collect,
+    collect_choices,
     event_stream,
     next_delta,
     unless_disconnected,
@@ -189,10 +190,10 @@ def create_app(
 
 async def _admit_and_prepare(
     gate: Admission,
-    prepare: Callable[[Any, GenerationBackend], PreparedRequest],
+    prepare: Callable[[Any, GenerationBackend], list[PreparedRequest]],
     body: ChatCompletionRequest | CompletionRequest,
     backend: GenerationBackend,
-) -> tuple[AdmittedRequest, PreparedRequest]:
+) -> tuple[AdmittedRequest, list[PreparedRequest]]:
     """Admit the request before any work on it, then prepare it on a worker thread: that grows
     with the prompt, and the event loop serves everyone."""
     admitted = gate.admit()
@@ -203,48 +204,75 @@ async def _admit_and_prepare(
         raise
 
 
+def _start_choices(
+    backend: GenerationBackend,
+    request_id: str,
+    choices: list[ChoiceRequest],
+    arrival_ns: int,
+) -> AsyncIterator[TokenDelta]:
+    """The backend requests of every choice, as one stream of deltas (tagged with their
+    choice's index when there are several). A lone choice keeps the response's id as its
+    request id, which its trace is found by."""
+
+    def start(choice: ChoiceRequest, choice_id: str) -> AsyncIterator[TokenDelta]:
+        # Passed only when given, so that a backend without the extension serves the rest.
+        extension: dict[str, Any] = {}
+        if choice.prompt_embeds is not None:
+            extension["prompt_embeds"] = choice.prompt_embeds
+        # Likewise the timeline so far, only to a backend that traces (cluster.tracing).
+        if getattr(backend, "traces", None) is not None:
+            extension["trace_events"] = [("arrival", arrival_ns), ("tokenized", clock_ns())]
+        return backend.generate(choice_id, choice.prompt, choice.params, **extension)
+
+    if len(choices) == 1:
+        return start(choices[0], request_id)
+    return merge_choices([start(c, f"{request_id}-{c.index}") for c in choices])
+
+
 async def _generate(
     request: Request,
     backend: GenerationBackend,
     body: ChatCompletionRequest | CompletionRequest,
     kind: str,
-    prepared: PreparedRequest,
+    prepared: list[PreparedRequest],
     arrival_ns: int,
     admitted: AdmittedRequest,
 ) -> Response:
-    prompt = prepared.prompt
-    # Passed only when given, so that a backend without the extension serves the rest.
-    extension: dict[str, Any] = {}
-    if prepared.prompt_embeds is not None:
-        extension["prompt_embeds"] = prepared.prompt_embeds
+    params = prepared[0].params
+    choices = choice_requests(
+        [p.prompt for p in prepared], params, [p.prompt_embeds for p in prepared]
+    )
+    prompt_tokens = sum(len(p.prompt) for p in prepared)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     formatter = ResponseFormatter(kind, request_id, backend, body.include_usage)
     started = time.perf_counter()
-    # Likewise the timeline so far, only to a backend that traces (cluster.tracing).
-    if getattr(backend, "traces", None) is not None:
-        extension["trace_events"] = [("arrival", arrival_ns), ("tokenized", clock_ns())]
     # Closing `deltas` also ends the request's admission.
-    deltas = admitted.watch(backend.generate(request_id, prompt, prepared.params, **extension))
+    deltas = admitted.watch(_start_choices(backend, request_id, choices, arrival_ns))
 
     def log_line(outcome: str, completion_tokens: int) -> None:
         log.info(
             "%s %s prompt=%d completion=%d %s %.3fs",
             request.url.path,
             request_id,
-            len(prompt),
+            prompt_tokens,
             completion_tokens,
             outcome,
             time.perf_counter() - started,
         )
+
+    def usage_of(usages: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+        return total_usage(usages, choices)
 
     # Every way out closes `deltas` (aborting an unfinished request), except a started stream,
     # which closes them when it ends.
     stream_started = False
     try:
         if not body.stream:
-            result = await unless_disconnected(request, collect(deltas))
-            log_line(f"finish={result.finish_reason}", len(result.token_ids))
-            return JSONResponse(formatter.complete(result))
+            results = await unless_disconnected(request, collect_choices(deltas, len(choices)))
+            reasons = ",".join(sorted({str(r.finish_reason) for r in results}))
+            log_line(f"finish={reasons}", sum(len(r.token_ids) for r in results))
+            usage = usage_of([r.usage for r in results])
+            return JSONResponse(formatter.complete(results, usage))
         first = await unless_disconnected(request, next_delta(deltas))
         stream_started = True
     except ClientGone:
@@ -253,7 +281,7 @@ async def _generate(
     finally:
         if not stream_started:
             await deltas.aclose()
-    return event_stream(first, deltas, formatter, log_line)
+    return event_stream(first, deltas, formatter, log_line, len(choices), usage_of)
 
 
 class BackgroundServer:

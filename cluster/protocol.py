@@ -51,9 +51,10 @@ def chat_completion(
     finish_reason: str | None,
     logprobs: dict | None = None,
     usage: dict | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "finish_reason": finish_reason}
+    choice = {"index": index, "message": message, "finish_reason": finish_reason}
     choice |= {"logprobs": logprobs, "token_ids": token_ids}
     return {
         "id": request_id,
@@ -75,6 +76,7 @@ def chat_chunk(
     finish_reason: str | None = None,
     logprobs: dict | None = None,
     usage: dict | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     """delta=None gives the usage-only chunk (no choices) that ends a stream with
     stream_options.include_usage."""
@@ -82,7 +84,7 @@ def chat_chunk(
     if delta is not None:
         choices.append(
             {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "finish_reason": finish_reason,
                 "logprobs": logprobs,
@@ -109,6 +111,7 @@ def text_completion(
     finish_reason: str | None = None,
     logprobs: dict | None = None,
     usage: dict | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     """One response or one stream chunk (OpenAI uses the same object for both); text=None gives
     a usage-only chunk with no choices."""
@@ -116,7 +119,7 @@ def text_completion(
     if text is not None:
         choices.append(
             {
-                "index": 0,
+                "index": index,
                 "text": text,
                 "finish_reason": finish_reason,
                 "logprobs": logprobs,
@@ -178,7 +181,8 @@ def completion_logprobs(
 
 
 class ResponseFormatter:
-    """Turns deltas into one endpoint's response objects and stream chunks."""
+    """Turns deltas into one endpoint's response objects and stream chunks. A delta's choice is
+    its `index` (cluster.choices.ChoiceDelta), 0 for a plain TokenDelta."""
 
     def __init__(self, kind: str, request_id: str, backend: Any, include_usage: bool) -> None:
         self.chat = kind == "chat"
@@ -187,30 +191,40 @@ class ResponseFormatter:
         self.tokenizer = backend.tokenizer
         self.include_usage = include_usage
         self.created = now()
-        self.chunks_sent = 0
-        self.text_offset = 0  # where the next chunk's text starts, for completion logprobs
+        self.chunks_sent: dict[int, int] = {}  # per choice
+        self.text_offset: dict[int, int] = {}  # per choice: where its next chunk's text starts
 
-    def complete(self, result: Any) -> dict[str, Any]:
-        """The whole response, from everything collected."""
+    def complete(self, results: list[Any], usage: dict[str, Any] | None) -> dict[str, Any]:
+        """The whole response, from everything collected for each choice (results[i]: choice
+        i's)."""
         build = chat_completion if self.chat else text_completion
-        return build(
-            self.request_id,
-            self.model,
-            self.created,
-            result.text,
-            token_ids=result.token_ids,
-            finish_reason=result.finish_reason,
-            logprobs=self._logprobs(result.logprobs, 0),
-            usage=result.usage,
-        )
+        bodies = [
+            build(
+                self.request_id,
+                self.model,
+                self.created,
+                result.text,
+                token_ids=result.token_ids,
+                finish_reason=result.finish_reason,
+                logprobs=self._logprobs(result.logprobs, 0),
+                usage=usage,
+                index=index,
+            )
+            for index, result in enumerate(results)
+        ]
+        response = bodies[0]
+        response["choices"] = [body["choices"][0] for body in bodies]
+        return response
 
     def chunk(self, delta: Any) -> dict[str, Any]:
-        """One stream chunk; the first chat chunk also carries the role."""
-        logprobs = self._logprobs(delta.logprobs, self.text_offset)
-        self.text_offset += len(delta.text)
-        self.chunks_sent += 1
+        """One stream chunk; the first chat chunk of each choice also carries the role."""
+        index = getattr(delta, "index", 0)
+        offset = self.text_offset.get(index, 0)
+        logprobs = self._logprobs(delta.logprobs, offset)
+        self.text_offset[index] = offset + len(delta.text)
+        self.chunks_sent[index] = self.chunks_sent.get(index, 0) + 1
         if self.chat:
-            content = {"role": "assistant"} if self.chunks_sent == 1 else {}
+            content = {"role": "assistant"} if self.chunks_sent[index] == 1 else {}
             content["content"] = delta.text
             build, payload = chat_chunk, content
         else:
@@ -223,6 +237,7 @@ class ResponseFormatter:
             token_ids=delta.token_ids,
             finish_reason=delta.finish_reason,
             logprobs=logprobs,
+            index=index,
         )
 
     def _logprobs(self, logprobs: list[TokenLogprob], text_offset: int) -> dict | None:

@@ -25,6 +25,7 @@ from cluster.backend import GenerationBackend
 from cluster.request_schema import ChatCompletionRequest, CompletionRequest
 from engine import RequestRejectedError, SamplingParams
 from engine.prompt_embeds import PromptEmbeds
+from engine.sampling_params import MAX_LOGIT_BIAS
 
 log = logging.getLogger("cluster.openai_api")
 
@@ -56,11 +57,6 @@ def check_request(
 ) -> None:
     if body.model is not None:
         require_served_model(body.model, backend)
-    if body.n != 1:
-        raise OpenAIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(body, name) not in (None, 0):
-            raise OpenAIError(400, f"{name} is not supported (only 0)", param=name)
     unsupported = body.unsupported_field()
     if unsupported is not None:
         name, reason = unsupported
@@ -74,20 +70,30 @@ def check_request(
         log.warning("%s: ignoring unknown fields %s", path, named)
 
 
-def prepare_chat(body: ChatCompletionRequest, backend: GenerationBackend) -> PreparedRequest:
+def prepare_chat(body: ChatCompletionRequest, backend: GenerationBackend) -> list[PreparedRequest]:
+    """The conversation's prompt, as a list of one (what `prepare_completion` gives)."""
     _require_valid_unicode(body)
     prompt = _chat_prompt(body, backend)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, body.requested_max_tokens, logprobs, len(prompt), backend)
-    return _validated(backend, PreparedRequest(prompt, params))
+    return [_validated(backend, PreparedRequest(prompt, params))]
 
 
-def prepare_completion(body: CompletionRequest, backend: GenerationBackend) -> PreparedRequest:
+def prepare_completion(
+    body: CompletionRequest, backend: GenerationBackend
+) -> list[PreparedRequest]:
+    """One PreparedRequest per prompt, in the order given (a batch of prompts is a list of
+    strings or of token-id lists), all with the same sampling parameters."""
     _require_valid_unicode(body)
-    prompt = _prompt_token_ids(body.prompt, backend.tokenizer)
+    prompts = _prompt_token_ids(body.prompt, backend.tokenizer)
     prompt_embeds = _prompt_embeds(body)
-    params = _sampling_params(body, body.max_tokens, body.logprobs, len(prompt), backend)
-    return _validated(backend, PreparedRequest(prompt, params, prompt_embeds))
+    if prompt_embeds is not None and len(prompts) > 1:
+        raise OpenAIError(
+            400, "prompt_embeds needs a single prompt, not a batch", param="prompt_embeds"
+        )
+    longest = max(len(prompt) for prompt in prompts)
+    params = _sampling_params(body, body.max_tokens, body.logprobs, longest, backend)
+    return [_validated(backend, PreparedRequest(p, params, prompt_embeds)) for p in prompts]
 
 
 @contextlib.contextmanager
@@ -137,18 +143,20 @@ def _chat_prompt(body: ChatCompletionRequest, backend: GenerationBackend) -> lis
             raise OpenAIError(400, message, param="messages") from err
 
 
-def _prompt_token_ids(prompt: Any, tokenizer: Any) -> list[int]:
-    if isinstance(prompt, list) and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise OpenAIError(
-                400, "batched prompts are not supported: send one prompt per request", "prompt"
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        with _refused_as_invalid("tokenizing the prompt", "prompt"):
-            # The same encoding as engine.LLM.generate, so both give the same tokens for a string.
-            return tokenizer.encode(prompt)
-    return list(prompt)
+def _prompt_token_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
+    """The token ids of each prompt: one string or token-id list, or a list of either."""
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        prompt = [prompt]
+    prompts = []
+    for index, item in enumerate(prompt):
+        if isinstance(item, str):
+            param = "prompt" if len(prompt) == 1 else f"prompt[{index}]"
+            with _refused_as_invalid("tokenizing the prompt", param):
+                # The same encoding as engine.LLM.generate, so both give the same tokens.
+                prompts.append(tokenizer.encode(item))
+        else:
+            prompts.append(list(item))
+    return prompts
 
 
 def _prompt_embeds(body: CompletionRequest) -> PromptEmbeds | None:
@@ -183,16 +191,47 @@ def _sampling_params(
         "temperature": body.temperature,
         "top_p": body.top_p,
         "top_k": body.top_k_or_disabled,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "min_tokens": body.min_tokens,
     }
+    if body.min_tokens is not None and body.min_tokens > max_tokens:
+        raise OpenAIError(
+            400,
+            f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
     with _refused_as_invalid("building the sampling parameters"):
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
                 stop=body.stop or (),
+                stop_token_ids=body.stop_token_ids or (),
                 seed=body.seed,
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                logit_bias=_logit_bias(body.logit_bias),
+                n=body.n,
                 **{name: value for name, value in optional.items() if value is not None},
             )
         except RequestRejectedError as err:
-            raise OpenAIError(400, str(err)) from err
+            raise OpenAIError(400, str(err), param=err.param) from err
+
+
+def _logit_bias(given: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids as JSON object keys (strings), biases in [-100, 100].
+    Token ids beyond the vocabulary are the backend's to refuse (`validate`)."""
+    bias: dict[int, float] = {}
+    for key, value in (given or {}).items():
+        if not key.isascii() or not key.isdigit():
+            message = f"logit_bias keys must be token ids (non-negative integers), got {key!r}"
+            raise OpenAIError(400, message, param="logit_bias")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            message = (
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                f"got {value} for token {key}"
+            )
+            raise OpenAIError(400, message, param="logit_bias")
+        bias[int(key)] = value
+    return bias

@@ -5,8 +5,9 @@ as in the OpenAI API, rather than silently coerced. Integers are bounded by what
 the control-plane messages carry, so that no value fails on its way to a node. OpenAI fields this
 server does not implement are accepted only at their neutral value and refused by name otherwise
 (`unsupported_field`); fields no one here knows are kept aside (`unknown_fields`) for a warning.
-Extensions: `top_k` and `ignore_eos` in requests, `prompt_embeds` in completion requests (vectors
-that replace the embeddings of some prompt tokens).
+Extensions: `top_k`, `ignore_eos`, `repetition_penalty` (transformers' semantics), `min_tokens` and
+`stop_token_ids` in requests, `prompt_embeds` in completion requests (vectors that replace the
+embeddings of some prompt tokens).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import MAX_TOP_LOGPROBS
+from engine.sampling_params import MAX_LOGIT_BIAS, MAX_SAMPLES, MAX_TOP_LOGPROBS
 from engine.validation import INT64_MAX, INT64_MIN
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
@@ -25,6 +26,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_
 WireInt = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 # The values of each unimplemented OpenAI field that ask for nothing this server lacks (null
 # and absent always do): anything else is refused by name rather than silently ignored.
@@ -35,7 +37,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (True,),
     "functions": ([],),
     "function_call": ("none",),
-    "logit_bias": ({},),
     "best_of": (1,),
     "modalities": (["text"],),
     "audio": (),
@@ -93,7 +94,9 @@ class _SamplingFields(_Strict):
     )
     seed: WireInt | None = Field(None, description="a signed 64-bit integer")
     stop: str | list[str] | None = None
-    n: int = Field(1, json_schema_extra={"enum": [1]})
+    n: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] = Field(
+        1, description="choices per prompt, each sampled with its own seed stream"
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -101,11 +104,21 @@ class _SamplingFields(_Strict):
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = Field(
+        None, description="over prompt and generated tokens, as in transformers; 1 disables it"
+    )
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = (
+        Field(None, description="token id (a string) -> bias in [-100, 100]")
+    )
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = Field(
+        None, description="end-of-sequence and stop_token_ids are masked until this many"
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     # Accepted so that clients which always send them at their neutral value keep working;
     # any other value is refused rather than silently ignored. The schema lists the values
     # accepted, so that a client (or a generated one) knows before it asks.
-    frequency_penalty: float | None = Field(None, json_schema_extra={"enum": [0, None]})
-    presence_penalty: float | None = Field(None, json_schema_extra={"enum": [0, None]})
     response_format: Any = _neutral_only("response_format", 'not supported: only {"type": "text"}')
     tools: Any = _neutral_only("tools", "not supported: only an empty list")
     tool_choice: Any = _neutral_only("tool_choice", 'not supported: only "none"')
@@ -114,7 +127,6 @@ class _SamplingFields(_Strict):
     )
     functions: Any = _neutral_only("functions", "not supported: only an empty list")
     function_call: Any = _neutral_only("function_call", 'not supported: only "none"')
-    logit_bias: Any = _neutral_only("logit_bias", "not supported: only an empty object")
     best_of: Any = _neutral_only("best_of", "not supported: only 1")
     modalities: Any = _neutral_only("modalities", 'not supported: only ["text"]')
     audio: Any = _neutral_only("audio", "not supported")

@@ -413,6 +413,11 @@ def _sampling_spec(params: SamplingParams) -> SamplingSpec:
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
+        presence_penalty=float(params.presence_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        repetition_penalty=float(params.repetition_penalty),
+        logit_bias=[[token, bias] for token, bias in params.logit_bias_items],
+        min_tokens=params.min_tokens,
     )
 
 

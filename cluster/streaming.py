@@ -56,20 +56,28 @@ def _ended_early() -> BackendError:
     return BackendError("the backend ended the stream without a finish reason", stage="stream")
 
 
-async def collect(deltas: AsyncIterator[TokenDelta]) -> Collected:
-    result = Collected()
-    pieces = []
+async def collect_choices(deltas: AsyncIterator[TokenDelta], num_choices: int) -> list[Collected]:
+    """Everything of each choice (deltas tagged with their choice's `index`, cluster.choices),
+    until each has finished."""
+    results = [Collected() for _ in range(num_choices)]
+    pieces: list[list[str]] = [[] for _ in range(num_choices)]
+    finished = 0
     async for delta in deltas:
-        pieces.append(delta.text)
+        index = getattr(delta, "index", 0)
+        result = results[index]
+        pieces[index].append(delta.text)
         result.token_ids.extend(delta.token_ids)
         result.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             result.finish_reason, result.usage = delta.finish_reason, delta.usage
-            break
+            finished += 1
+            if finished == num_choices:
+                break
     else:
         raise _ended_early()
-    result.text = "".join(pieces)
-    return result
+    for result, texts in zip(results, pieces):
+        result.text = "".join(texts)
+    return results
 
 
 async def next_delta(deltas: AsyncIterator[TokenDelta]) -> TokenDelta:
@@ -142,21 +150,30 @@ def event_stream(
     deltas: AsyncIterator[TokenDelta],
     formatter: ChunkFormatter,
     log_line: Callable[[str, int], None],
+    num_choices: int = 1,
+    total_usage: Callable[[list[dict[str, Any] | None]], dict[str, Any] | None] = lambda u: u[0],
 ) -> EventStreamResponse:
-    """The SSE response for a stream whose first delta has arrived. A failure after the first
-    byte becomes a final `data: {"error": ...}` event, then `data: [DONE]`."""
+    """The SSE response for a stream whose first delta has arrived. With several choices the
+    deltas carry their choice's `index` (cluster.choices), and the stream ends when each has
+    finished; `total_usage` adds up their usages (by index) for the usage chunk. A failure
+    after the first byte becomes a final `data: {"error": ...}` event, then `data: [DONE]`."""
 
     async def events() -> AsyncIterator[str]:
         delta, completion_tokens, outcome = first, 0, "client disconnected"
+        usages: list[dict[str, Any] | None] = [None] * num_choices
+        finished = 0
         try:
             while True:
                 completion_tokens += len(delta.token_ids)
                 yield sse(formatter.chunk(delta))
                 if delta.finish_reason is not None:
-                    break
+                    usages[getattr(delta, "index", 0)] = delta.usage
+                    finished += 1
+                    if finished == num_choices:
+                        break
                 delta = await next_delta(deltas)
             outcome = f"finish={delta.finish_reason}"
-            usage_chunk = formatter.usage_chunk(delta.usage)
+            usage_chunk = formatter.usage_chunk(total_usage(usages))
             if usage_chunk is not None:
                 yield sse(usage_chunk)
             yield DONE

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.kv_cache import KVCacheManager
+from engine.logits_processors import process_request_logits
 from engine.model_runner import ForwardOutput, ModelRunner
 from engine.prompt_embeds import InputEmbeds, PromptEmbeds
 from engine.request import Request, RequestOutput, SpecStats, Usage
@@ -113,6 +114,7 @@ class EngineCore:
             tokenizer, runner.model_config.eos_token_ids, config.max_model_len
         )
         self.default_generator = torch.Generator().manual_seed(config.seed)
+        self.eos_token_ids = tuple(runner.model_config.eos_token_ids)
 
     def make_request(
         self,
@@ -157,7 +159,8 @@ class EngineCore:
             logits = output.logits
             params = [req.params for req in batch.requests]
             generators = [step_generator(req) for req in batch.requests]
-            tokens = sample(logits, params, generators, self.default_generator)
+            processed = process_request_logits(logits, batch.requests, self.eos_token_ids)
+            tokens = sample(processed, params, generators, self.default_generator)
             logprobs = compute_logprobs(logits, tokens, params)
         except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
             stage = "prefill" if batch.is_prefill else "decode"

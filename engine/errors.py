@@ -14,4 +14,9 @@ class UnsupportedModelError(PdclusterError):
 
 
 class RequestRejectedError(PdclusterError, ValueError):
-    """A request can never be served (too long for the context or the KV pool, bad parameters)."""
+    """A request can never be served (too long for the context or the KV pool, bad parameters).
+    `param` names the request field at fault, where one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -110,7 +110,10 @@ class LLM:
         speculative: bool | Sequence[bool] = True,
         prompt_embeds: EmbedsArg | Sequence[EmbedsArg | None] | None = None,
     ) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists; outputs come back in the same order.
+        """Prompts are strings or token-id lists; outputs come back in the same order. With
+        `SamplingParams(n=N)` a prompt gives N outputs in a row (output i * N + s is sample s
+        of prompt i, the order of the OpenAI API's choices), sample s drawn with
+        `params.for_sample(s)`.
         `speculative` (one flag, or one per prompt) lets requests opt out of speculation.
         `prompt_embeds` ({position: vector} or PromptEmbeds, one or one per prompt, None for
         none) gives vectors that replace the embeddings of those prompt tokens."""
@@ -158,8 +161,11 @@ class LLM:
         # Validate everything before running anything, so one bad prompt costs no work.
         embeds = prompt_embeds or [None] * len(token_lists)
         requests = [
-            self.engine.make_request(str(next(self._ids)), tokens, params, flag, given)
+            self.engine.make_request(
+                str(next(self._ids)), tokens, params.for_sample(sample), flag, given
+            )
             for tokens, params, flag, given in zip(token_lists, params_list, flags, embeds)
+            for sample in range(params.n)
         ]
         for req in requests:
             self.engine.add_request(req)

@@ -32,6 +32,11 @@ def validate_request(
         raise RequestRejectedError(
             f"top_k must be at most the vocabulary size ({vocab_size}), got {params.top_k}"
         )
+    if any(token >= vocab_size for token, _ in params.logit_bias_items):
+        raise RequestRejectedError(
+            f"logit_bias keys must be token ids in [0, {vocab_size}), the model's vocabulary",
+            param="logit_bias",
+        )
     if params.seed is not None and not INT64_MIN <= params.seed <= INT64_MAX:
         raise RequestRejectedError(
             f"seed must be a signed 64-bit integer ({INT64_MIN} to {INT64_MAX}), got {params.seed}"

@@ -43,6 +43,13 @@ class SamplingSpec:
     stop_token_ids: list[int]
     ignore_eos: bool
     logprobs: int | None
+    # Logits processors (engine.logits_processors); the defaults ask for none, so a sender
+    # that predates them still decodes.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[list[Any]] = field(default_factory=list)  # [[token id, bias], ...]
+    min_tokens: int = 0
 
 
 @message

@@ -26,6 +26,7 @@ from engine.errors import RequestRejectedError
 from engine.kv_cache import KVCacheManager
 from engine.kv_pool import KVPool
 from engine.loader import EngineArgs
+from engine.logits_processors import process_request_logits
 from engine.prompt_embeds import InputEmbeds, PromptEmbeds
 from engine.request import Request
 from engine.sampler import compute_logprobs, sample
@@ -208,7 +209,9 @@ class PrefillNode(ServingNode):
             self._begin_transfers(batch)
             params = [r.params for r in requests]
             generators = [step_generator(r) for r in requests]
-            tokens = sample(output.logits, params, generators, self.default_generator)
+            eos_token_ids = self.runner.model_config.eos_token_ids
+            processed = process_request_logits(output.logits, requests, eos_token_ids)
+            tokens = sample(processed, params, generators, self.default_generator)
             logprobs = compute_logprobs(output.logits, tokens, params)
             for req, token in zip(requests, tokens.tolist()):
                 req.kv_len = req.num_tokens

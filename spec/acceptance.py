@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logits_processors import TokenHistory, process_logits
+from engine.request import Request
 from engine.sampler import filtered_probs_batch
 from engine.sampling_params import SamplingParams
 
@@ -21,6 +23,39 @@ from engine.sampling_params import SamplingParams
 class Verdict:
     tokens: list[int]  # the accepted draft tokens, then the target's bonus token
     num_accepted: int
+
+
+def processed_verify_logits(
+    logits: torch.Tensor,
+    requests: list[Request],
+    chains: list[list[int]],
+    alternative_chains: list[list[list[int]]],
+    eos_token_ids: tuple[int, ...],
+) -> torch.Tensor:
+    """The verify forward's logits [T, V] after each request's logits processors, in the
+    forward's row order: every request's span (the newest token, then its chain), then every
+    request's alternative spans (chains only). The position after draft token j sees the
+    penalty state after the chain's tokens up to j, those that must be accepted before it:
+    what plain decoding would see there, so acceptance stays lossless."""
+    if not any(req.params.penalized for req in requests):
+        return logits
+    params: list[SamplingParams] = []
+    histories: list[TokenHistory | None] = []
+
+    def add(req: Request, drafts: list[int], first: int) -> None:
+        for end in range(first, len(drafts) + 1):
+            params.append(req.params)
+            penalized = req.params.penalized
+            generated = req.output_token_ids + drafts[:end] if penalized else []
+            histories.append(TokenHistory(req.prompt_token_ids, generated) if penalized else None)
+
+    for req, chain in zip(requests, chains):
+        add(req, chain, 0)
+    for req, alternatives in zip(requests, alternative_chains):
+        for chain in alternatives:
+            add(req, chain, 1)  # an alternative's span starts at its first draft token
+    assert len(params) == logits.shape[0]
+    return process_logits(logits, params, histories, eos_token_ids)
 
 
 def accept_chain(

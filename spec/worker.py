@@ -21,7 +21,7 @@ from engine.model_runner import ModelRunner
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request, SpecStats
 from engine.sampler import TokenLogprob, compute_logprobs
-from spec.acceptance import Verdict, accept_greedy, accept_sampled
+from spec.acceptance import Verdict, accept_greedy, accept_sampled, processed_verify_logits
 from spec.alternatives import Alternative, release_alternatives, take_alternatives, take_slots
 from spec.batching import Span, extend_batch
 from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
@@ -196,12 +196,19 @@ class MultiLayerEagleWorker:
         batch = runner.graph_batch(all_spans) or extend_batch(
             all_spans, runner.kv_pool, runner.req_to_token_pool, runner.attention, runner.device
         )
-        logits, hidden = runner.forward_every_token(batch)
+        raw_logits, hidden = runner.forward_every_token(batch)
+        alternative_chains = [[alt.chain for alt in alts] for alts in alternatives]
+        eos_token_ids = runner.model_config.eos_token_ids
+        logits = processed_verify_logits(
+            raw_logits, requests, chains, alternative_chains, eos_token_ids
+        )
         lens = batch.extend_lens
         # One device-to-host copy for every greedy request's targets, not one per request.
         argmax = logits.argmax(dim=-1).tolist()
         starts = _starts(lens) + [sum(lens)]
         all_logits, all_hidden = logits.split(lens), hidden.split(lens)
+        # Log-probabilities are the model's own, before any penalty (as `sample`'s caller).
+        all_raw = raw_logits.split(lens)
         result = VerifyResult([], [], [], [], [], [], [])
         swaps = []  # row-table writes of requests that keep an alternative's drafts
         for i, (req, chain, alts) in enumerate(zip(requests, chains, alternatives)):
@@ -220,9 +227,9 @@ class MultiLayerEagleWorker:
                 verdict = accept_sampled(
                     all_logits[i], chain, req.params, generators, default_generator
                 )
-            kept_logits, kept_hidden = all_logits[i], all_hidden[i]
+            kept_logits, kept_hidden = all_raw[i], all_hidden[i]
             if kept is not None:
-                kept_logits = torch.cat([all_logits[i][:1], all_logits[kept.index]])
+                kept_logits = torch.cat([all_raw[i][:1], all_raw[kept.index]])
                 kept_hidden = torch.cat([all_hidden[i][:1], all_hidden[kept.index]])
                 swaps.append(take_slots(req, kept, verdict.num_accepted))
             result.tokens.append(verdict.tokens)

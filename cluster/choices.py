@@ -1,0 +1,116 @@
+"""Several choices in one response: `n` samples of each prompt and batched prompts.
+
+Choice `index` is prompt_index * n + sample_index, as in the OpenAI API, and sample s of a
+prompt is generated with `params.for_sample(s)` (its own seed stream), as `engine.LLM` does,
+so a seeded request gives the offline engine's choices. Each choice is a request of its own
+to the backend; their deltas are merged as they come, each tagged with its index."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.backend import BackendError, TokenDelta
+from engine import SamplingParams
+from engine.prompt_embeds import PromptEmbeds
+
+
+@dataclass(frozen=True)
+class ChoiceRequest:
+    """One choice: the backend request that generates sample `sample` of its prompt."""
+
+    index: int
+    sample: int
+    prompt: list[int]
+    params: SamplingParams
+    prompt_embeds: PromptEmbeds | None = None
+
+
+def choice_requests(
+    prompts: list[list[int]], params: SamplingParams, embeds: list[PromptEmbeds | None]
+) -> list[ChoiceRequest]:
+    """Prompt-major: every sample of prompt 0, then of prompt 1, ..."""
+    return [
+        ChoiceRequest(i * params.n + s, s, prompt, params.for_sample(s), given)
+        for i, (prompt, given) in enumerate(zip(prompts, embeds))
+        for s in range(params.n)
+    ]
+
+
+@dataclass(frozen=True)
+class ChoiceDelta(TokenDelta):
+    """A delta of the choice `index`."""
+
+    index: int = 0
+
+
+_END = object()
+
+
+async def merge_choices(
+    streams: list[AsyncIterator[TokenDelta]],
+) -> AsyncIterator[ChoiceDelta]:
+    """Every stream's deltas as they arrive, tagged with the stream's index, until every stream
+    gave its last delta (the one with a finish reason). A stream that fails ends the merge with
+    its error; closing the merge closes every stream, aborting the unfinished requests."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[TokenDelta]) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((index, delta))
+                if delta.finish_reason is not None:
+                    queue.put_nowait((index, _END))
+                    return
+            queue.put_nowait((index, _ended_early()))
+        except Exception as err:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, err))
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(streams)
+        while running:
+            index, item = await queue.get()
+            if item is _END:
+                running -= 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            yield ChoiceDelta(**vars(item), index=index)
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def total_usage(usages: list[dict[str, Any] | None], requests: list[ChoiceRequest]) -> dict:
+    """The response's usage: every choice's completion tokens, every prompt's tokens once,
+    and the speculative counts (completion_tokens_details) added up."""
+    if len(usages) == 1 and usages[0] is not None:
+        return usages[0]
+    # A prompt is read by each of its samples but counted once, as OpenAI does.
+    prompt = sum(u["prompt_tokens"] for u, r in zip(usages, requests) if u and r.sample == 0)
+    completion = sum(u["completion_tokens"] for u in usages if u)
+    total: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    details = [u.get("completion_tokens_details") for u in usages if u]
+    details = [d for d in details if d]
+    if details:
+        total["completion_tokens_details"] = {
+            key: sum(d.get(key) or 0 for d in details)
+            for key in ("accepted_prediction_tokens", "rejected_prediction_tokens")
+        }
+    return total
+
+
+def _ended_early() -> BackendError:
+    return BackendError("the backend ended the stream without a finish reason", stage="stream")
