@@ -37,6 +37,9 @@ class NodeOptions:
     enable_tracing: bool = False  # a timeline per request (engine.tracing), sent to the router
     log_level: str = "info"
     stats_log_interval_s: float = 5.0  # a busy node logs its load this often; <= 0: never
+    # How often the node audits its KV pools against its live requests (metadata.kv_audit);
+    # <= 0: never.
+    kv_audit_interval_s: float = 10.0
     # Transfers over gloo through host memory although the pools are on a GPU: for nodes that
     # share one GPU, which NCCL refuses to pair with itself.
     transfer_through_host: bool = False
