@@ -1,0 +1,187 @@
+"""Self-healing: a node that dies is replaced on its resources, re-paired with every live peer
+(a new pair group each) and routed to again once it serves; requests in flight on it fail fast
+naming it, requests elsewhere are not disturbed, what its peers held for it is freed, and a node
+that keeps dying is backed off and given up on. CPU clusters over gloo, tiny models."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+from cluster_helpers import ensure_ray, wait_for
+from healing_helpers import RequestStream, metric, one_request, wait_for_node
+from tiny_models import make_tiny_llama
+
+from cluster.config import ClusterConfig
+from cluster.launcher import Cluster
+from engine import SamplingParams
+from engine.loader import EngineArgs
+
+ENGINE = dict(max_model_len=512, kv_cache_tokens=8192, max_num_seqs=16)
+KILL_TO_ERROR_S = 10.0
+KILL_TO_SERVED_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("healing") / "model"
+    make_tiny_llama(path)
+    return str(path)
+
+
+def launch(model: str, **cluster: object) -> Cluster:
+    ensure_ray()
+    config = dict(transfer_timeout_s=30.0, node_restart_backoff_s=0.2, kv_audit_interval_s=1.0)
+    config.update(cluster)
+    return Cluster.launch(
+        ClusterConfig(engine=EngineArgs(model=model, device="cpu", **ENGINE), **config)
+    )
+
+
+def node_empty(cluster: Cluster, actor) -> bool:
+    return ray.get(actor.kv_is_empty.remote(), timeout=30)
+
+
+async def kill_under_load(cluster: Cluster, victim: str, prompt: list[int], busy) -> dict:
+    """Kill node `victim` while a stream of requests runs, once `busy()` says it is mid-work;
+    returns what the test checks."""
+    router = cluster.router
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    stream = RequestStream(router, prompt, params, workers=6)
+    stream.start()
+    deadline = time.monotonic() + 60
+    while not (len(stream.outcomes) >= 6 and busy()):
+        assert time.monotonic() < deadline, "the cluster never got busy"
+        await asyncio.sleep(0.01)
+    role, index = victim.split("-")
+    actor = (cluster.prefill_actors if role == "prefill" else cluster.decode_actors)[int(index)]
+    killed_at = time.monotonic()
+    ray.kill(actor)
+    await wait_for_node(router, victim, "ok", KILL_TO_SERVED_S, restarts=1)
+    after = await one_request(router, "after", prompt, params)
+    served_at = time.monotonic()
+    await stream.stop()
+    hit = stream.in_flight_at(killed_at)
+    return {
+        "hit": hit,
+        "after": after,
+        "kill_to_served_s": served_at - killed_at,
+        "served_before": [o for o in stream.outcomes if o.ended < killed_at and not o.error],
+        "metrics": (await router.metrics_text()).decode(),
+        "killed_at": killed_at,
+    }
+
+
+def check_killed(result: dict, victim: str, all_hit: bool) -> None:
+    """`all_hit`: every request in flight at the kill was on the victim (a decode node holds
+    each until it ends; a prefill node only until its KV has crossed: the others are served)."""
+    hit = result["hit"]
+    assert hit, "no request was in flight at the kill"
+    failed = [o for o in hit if o.error is not None]
+    assert failed and (len(failed) == len(hit) or not all_hit), hit
+    for outcome in hit:
+        if outcome.error is None:
+            assert outcome.tokens == 32, outcome
+            continue
+        assert f"{victim} died" in outcome.error, outcome
+        assert outcome.ended - result["killed_at"] < KILL_TO_ERROR_S, outcome
+    assert result["after"].error is None and result["after"].tokens == 32
+    assert result["kill_to_served_s"] < KILL_TO_SERVED_S
+    assert result["served_before"], "nothing was served before the kill"
+    role = victim.split("-")[0]
+    restarts = metric(result["metrics"], "pdcluster_node_restarts_total", node=victim, role=role)
+    assert restarts == 1.0
+
+
+def test_a_killed_decode_node_is_replaced_and_the_prefill_node_let_go(model):
+    cluster = launch(model)
+    try:
+        prefill = cluster.prefill_actors[0]
+
+        def busy() -> bool:
+            return ray.get(cluster.decode_actors[0].stats.remote())["running"] > 0
+
+        async def main():
+            try:
+                return await kill_under_load(cluster, "decode-0", list(range(3, 60)), busy)
+            finally:
+                await cluster.router.close()
+
+        result = asyncio.run(main())
+        check_killed(result, "decode-0", all_hit=True)
+        assert wait_for(lambda: node_empty(cluster, prefill), 30)
+        assert wait_for(cluster.kv_pools_empty, 30)
+        # The survivor kept its process: only the decode node was replaced.
+        assert cluster.prefill_actors[0] is prefill
+        assert ray.get(prefill.audit_kv.remote()) == []
+    finally:
+        cluster.shutdown()
+
+
+def test_a_prefill_node_killed_mid_prefill_leaves_no_slot_held_on_the_decode_node(model):
+    """The reported bug: decode slots preallocated for prompts being prefilled stayed held,
+    with transfers in flight, after their prefill node died."""
+    cluster = launch(model)
+    try:
+        decode = cluster.decode_actors[0]
+
+        def busy() -> bool:
+            stats = ray.get(decode.stats.remote())
+            return stats["transfers_in_flight"] > 0 and stats["kv_used"] > 0
+
+        async def main():
+            try:
+                return await kill_under_load(cluster, "prefill-0", list(range(3, 200)) * 2, busy)
+            finally:
+                await cluster.router.close()
+
+        result = asyncio.run(main())
+        check_killed(result, "prefill-0", all_hit=False)
+        assert wait_for(lambda: node_empty(cluster, decode), 30), ray.get(decode.stats.remote())
+        stats = ray.get(decode.stats.remote())
+        assert stats["transfers_in_flight"] == 0 and stats["kv_used"] == 0
+        assert cluster.decode_actors[0] is decode
+        assert ray.get(decode.audit_kv.remote()) == []
+    finally:
+        cluster.shutdown()
+
+
+def test_a_replica_that_keeps_dying_is_backed_off_then_given_up(model, monkeypatch):
+    """Each replacement serves one request and dies on the next (fault injection): the
+    supervisor waits 0.2 s, then 0.4 s, and after 2 restarts in a row reports it failed."""
+    monkeypatch.setenv("PDCLUSTER_FAULT_KILL_AFTER_REQUESTS", "1")
+    cluster = launch(model, aggregated=True, replicas=1, max_node_restarts=2)
+    try:
+        router = cluster.router
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+        async def main():
+            served = 0
+            try:
+                deadline = time.monotonic() + 120
+                while (await router.health())["nodes"][0]["status"] != "failed":
+                    assert time.monotonic() < deadline, await router.health()
+                    outcome = await one_request(router, "r", [5, 6, 7], params)
+                    served += outcome.error is None
+                    if outcome.error is not None:
+                        await asyncio.sleep(0.05)
+                return served, await router.health(), (await router.metrics_text()).decode()
+            finally:
+                await router.close()
+
+        served, health, text = asyncio.run(main())
+        node = health["nodes"][0]
+        assert node["status"] == "failed" and node["restarts"] == 2
+        assert "not restarted again" in node["error"] and "3 times in a row" in node["error"]
+        assert health["status"] == "down"
+        assert served == 3  # the first node and each of its 2 replacements served one
+        assert metric(text, "pdcluster_node_restarts_total", node="replica-0", role="replica") == 2
+        assert metric(text, "pdcluster_node_up", node="replica-0", role="replica") == 0
+        history = [what for _, what in cluster.supervisor.history(router.decode_nodes[0])]
+        waits = [what for what in history if what.startswith("down")]
+        assert waits == ["down; restart in 0.2 s", "down; restart in 0.4 s"]
+        assert history[-1] == "given up"
+    finally:
+        cluster.shutdown()
