@@ -25,6 +25,7 @@ from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tracing import set_time, set_time_batch
 from metadata.control import Inbox, Outbox
+from metadata.faults import DECODE_FAULT_PHASES, PREFILL_FAULT_PHASES
 from metadata.handshake import PairingError, TransferSpec, check_compatible
 from metadata.kv_audit import PoolCount, request_pools
 from metadata.messages import (
@@ -363,6 +364,13 @@ class DecodeNode(ServingNode):
             prefill = tracked.message.prefill_node
             if tracked.aborted:
                 self._forget(tracked)
+            elif handle.state == TransferState.FAILED and handle.left_posted:
+                # Timed out: no result is coming that would say more.
+                self._fail(
+                    tracked,
+                    f"KV transfer from prefill-{prefill} failed: {handle.error}",
+                    remove_from_receiving=False,
+                )
             elif tracked.result is None:
                 self._fail(
                     tracked,
@@ -376,7 +384,7 @@ class DecodeNode(ServingNode):
                     f"KV transfer from prefill-{prefill} failed: {handle.error}",
                     remove_from_receiving=False,
                 )
-            elif self.faults.transfer_fault(("after",)):
+            elif self.faults.transfer_fault(DECODE_FAULT_PHASES, earlier=PREFILL_FAULT_PHASES):
                 self._fail(
                     tracked,
                     f"KV transfer from prefill-{prefill} failed: injected fault after it landed",

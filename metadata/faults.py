@@ -12,6 +12,10 @@ import zlib
 from engine.env import FaultSettings, fault_settings
 
 log = logging.getLogger(__name__)
+# Where each side injects: the prefill node before, during or instead of (stall) the send; the
+# decode node after the transfer landed.
+PREFILL_FAULT_PHASES = ("before", "during", "stall")
+DECODE_FAULT_PHASES = ("after",)
 
 
 class FaultInjector:
@@ -25,24 +29,23 @@ class FaultInjector:
         if self.settings.any:
             log.warning("%s injects faults: %s", node_name, self.settings)
 
-    def transfer_fault(self, phases: tuple[str, ...]) -> str | None:
+    def transfer_fault(self, phases: tuple[str, ...], earlier: tuple[str, ...] = ()) -> str | None:
         """The phase at which this transfer fails, among the configured ones this side injects
-        (`phases`), or None. Drawn once per transfer on the side that injects it."""
+        (`phases`), or None. `earlier`: the phases injected before this side draws (on the
+        other node), which the transfers reaching this draw have survived: the draw is
+        conditioned on them so that, over both sides, the configured rate of transfers fail,
+        spread evenly over the configured phases."""
         settings = self.settings
-        if settings.transfer_fail_rate <= 0:
+        configured = settings.transfer_fail_phases
+        mine = [p for p in configured if p in phases]
+        if settings.transfer_fail_rate <= 0 or not mine:
             return None
-        mine = [p for p in settings.transfer_fail_phases if p in phases]
-        if not mine:
-            return None
-        # One draw for the rate over every configured phase, then one for the phase, so the
-        # share of failing transfers is the rate whichever side injects which phase.
-        if self._rng.random() >= settings.transfer_fail_rate:
-            return None
-        phase = self._rng.choice(settings.transfer_fail_phases)
-        if phase not in mine:
+        share = settings.transfer_fail_rate / len(configured)
+        survived = 1.0 - share * sum(1 for p in configured if p in earlier)
+        if self._rng.random() >= share * len(mine) / survived:
             return None
         self.transfers_failed += 1
-        return phase
+        return self._rng.choice(mine)
 
     def request_arrived(self) -> None:
         """Count a request; the process exits when one arrives past the configured number (a

@@ -62,9 +62,10 @@ class Quarantine:
         if not held:
             return None
         first = min(held, key=lambda h: h.since)
+        slots = sum(len(h.req.slots) for h in held)
         return (
-            f"{len(held)} transfer(s) stuck past their timeout hold KV slots until their peer "
-            f"is replaced (room {first.room}, rank {first.peer}: {first.reason})"
+            f"{len(held)} transfer(s) stuck past their timeout hold {slots} KV slots until "
+            f"their peer is replaced (room {first.room}, rank {first.peer}: {first.reason})"
         )
 
 

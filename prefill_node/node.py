@@ -32,6 +32,7 @@ from engine.sampler import compute_logprobs, sample
 from engine.sampling_params import SamplingParams
 from engine.tracing import RequestTrace, set_time, set_time_batch
 from metadata.control import Inbox, Outbox
+from metadata.faults import PREFILL_FAULT_PHASES
 from metadata.kv_audit import PoolCount, request_pools
 from metadata.messages import (
     AbortRequest,
@@ -309,7 +310,7 @@ class PrefillNode(ServingNode):
         req = pending.req
         room = int(req.request_id)
         prompt_len = req.kv_len
-        fault = self.faults.transfer_fault(("before", "during", "stall"))
+        fault = self.faults.transfer_fault(PREFILL_FAULT_PHASES)
         if fault == "before":
             self._send_void(pending, "transfer failed: injected fault before the KV send")
             return
