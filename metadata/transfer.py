@@ -32,9 +32,9 @@ Contract (the control plane keeps it; tests/test_transfer.py checks the data pla
 - a posted p2p operation cannot be cancelled (NCCL; and a gloo wait that times out closes every
   pair of the process group, so none is used). Hence: every announced transfer must be sent, a
   transfer that misses its deadline breaks the channel with that peer for good on both backends
-  (later ones fail at once; other peers are unaffected; recovery is a new group), and a handle
-  may be failed by the caller (`handle.fail`) only while it is still queued and only if the peer
-  will not send it either (TransferAbandoned);
+  (later ones fail at once; other peers are unaffected; recovery is a new pair group: `attach`),
+  and a handle may be failed by the caller (`handle.fail`) only while it is still queued and only
+  if the peer will not send it either (TransferAbandoned);
 - `connect(peer)` on both sides, before the first transfer, opens the channel (NCCL creates the
   pair's communicator then, blocking until both ranks join). On NCCL each pair has its own
   two-rank process group: a batch of p2p operations on a group runs on that group's
