@@ -73,20 +73,27 @@ async def time_kill(cluster: Cluster, victim: str) -> dict:
     while served_at is None:
         outcome = await one_request(router, "probe", PROMPT, params)
         if outcome.error is None and outcome.started > killed_at:
-            served_at = outcome.ended
+            served_at, served_took = outcome.ended, outcome.ended - outcome.started
         elif outcome.error is not None:
             await asyncio.sleep(0.25)
     await stream.stop()
     hit = stream.in_flight_at(killed_at)
     errors = [o for o in hit if o.error is not None]
     node = await wait_for_node(router, victim, "ok", 60, restarts=1)
+    state = next(n for n in router.prefill_nodes + router.decode_nodes if n.name == victim)
+    history = cluster.supervisor.history(state)
+    down_at = next(at for at, what in history if what.startswith("down"))
+    restarted = next(what for _, what in history if what.startswith("restarted"))
     return {
         "node": victim,
         "in_flight_at_kill": len(hit),
         "failed": len(errors),
         "failed_naming_node": sum(f"{victim} died" in o.error for o in errors),
         "kill_to_error_s": max((o.ended - killed_at for o in errors), default=None),
+        "kill_to_detected_s": down_at - killed_at,
+        "replacement": restarted,  # from its start to serving, backoff excluded
         "kill_to_served_s": served_at - killed_at,
+        "served_request_s": served_took,  # the served request's own time, under the stream
         "restarts": node["restarts"],
     }
 
