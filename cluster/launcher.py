@@ -19,8 +19,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 
 from cluster.config import ClusterConfig
 from cluster.node_factory import CPU_NODE_SHARE, NodeFactory
+from cluster.node_state import NodeState
 from cluster.pairing import NodeSlot, PairEpochs, pair_cluster, pair_replacement
-from cluster.router import NodeState, Router
+from cluster.router import Router
 from cluster.supervisor import NodeRestartPolicy, Supervisor, kill_for_good
 from cluster.tracing import clock_offset_ns
 from engine.errors import PdclusterError
@@ -220,7 +221,7 @@ def _supervise(
         refs = [peer.actor.peer_lost.remote(slot.index, slot.rank, reason) for peer in live]
         for ref in refs:
             try:
-                ray.get(ref, timeout=30)
+                ray.get(ref, timeout=90)  # the peer may finish a long step first
             except Exception as err:  # noqa: BLE001 - that peer is handled when found dead
                 log.warning("telling a peer that %s is gone failed: %s", slot.name, err)
 

@@ -23,6 +23,7 @@ import zmq.asyncio
 from cluster.backend import BackendError, TokenDelta, make_usage
 from cluster.detokenizer import IncrementalDetokenizer
 from cluster.metrics import ClusterMetrics, failure_kind
+from cluster.node_state import NodeState
 from cluster.policies import create_policy
 from cluster.tracing import NodeTimeline, RequestTimeline, TraceStore
 from engine.errors import RequestRejectedError
@@ -46,42 +47,6 @@ from metadata.serving_node import NodeHealth
 
 log = logging.getLogger(__name__)
 HEALTH_INTERVAL_S = 1.0
-
-
-@dataclass
-class NodeState:
-    """The router's view of one node; `ping` is an awaitable health probe and `stats` an
-    awaitable of the node's stats() for /metrics (Ray calls)."""
-
-    role: str
-    index: int
-    ping: Callable[[], Awaitable[Any]]
-    endpoint: str | None = None
-    alive: bool = True
-    in_flight: int = 0
-    error: str | None = None
-    stats: Callable[[], Awaitable[dict]] | None = None
-    # Add to the node's trace timestamps to get the router's (cluster.tracing.clock_offset_ns).
-    clock_offset_ns: int = 0
-    # Why the node serves with a fault (a transfer stuck past its timeout), from its probe.
-    degraded: str | None = None
-    # How many times the node was replaced (cluster.supervisor), and whether it is being
-    # replaced now or was given up on.
-    restarts: int = 0
-    restarting: bool = False
-    given_up: bool = False
-
-    @property
-    def name(self) -> str:
-        return f"{self.role}-{self.index}"
-
-    @property
-    def status(self) -> str:
-        if self.alive:
-            return "degraded" if self.degraded else "ok"
-        if self.given_up:
-            return "failed"
-        return "restarting" if self.restarting else "down"
 
 
 @dataclass
@@ -407,7 +372,7 @@ class Router:
         """A replacement of `node` serves at `endpoint`: route to it again. Call on the event
         loop (`call_in_loop`)."""
         node.ping, node.stats, node.endpoint = ping, stats, endpoint
-        if node in self.decode_nodes and self._tasks and not self._closed:
+        if any(n is node for n in self.decode_nodes) and self._tasks and not self._closed:
             old = self._outboxes.get(node.index)
             self._outboxes[node.index] = Outbox(endpoint, self._control_key, self._send_context)
             if old is not None:

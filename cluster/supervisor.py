@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 import ray
 
+from cluster.node_state import NodeState
 from cluster.pairing import NodeSlot
-from cluster.router import NodeState, Router
+from cluster.router import Router
 
 log = logging.getLogger(__name__)
 DEATH_CONFIRM_S = 15.0

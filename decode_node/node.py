@@ -16,6 +16,7 @@ import logging
 import time
 from collections import deque
 
+from decode_node.announcements import refusal, unreceivable
 from decode_node.token_updates import token_update
 from decode_node.tracked import RESULT_WAIT_S, Tracked
 from engine.engine_core import EngineCore
@@ -274,49 +275,19 @@ class DecodeNode(ServingNode):
         set_time(req, "receive_posted")
 
     def _unreceivable(self, announce: TransferAnnounce) -> str | None:
-        """Why no receive at all may be posted for `announce`, if none may: a rank that is not
-        one of this node's prefill peers sends it nothing, and a token count no prompt has
-        (outside 1..max_model_len) is no transfer of this cluster's, whose scratch would be
-        unbounded; the channel from that rank is then out of order for good."""
-        rank, room = announce.prefill_rank, announce.room
-        if rank not in self.prefill_ranks.values():
-            reason = f"room {room} was announced by rank {rank}, which is no prefill node's"
-            log.error("%s: the announcement is dropped", reason)
-            return reason
-        max_len = self.spec.engine_config.max_model_len
-        if not 1 <= announce.num_tokens <= max_len:
-            reason = (
-                f"room {room} was announced with {announce.num_tokens} tokens, not 1..{max_len}"
-            )
+        reason, breaks_channel = unreceivable(
+            announce, self.prefill_ranks, self.spec.engine_config.max_model_len
+        )
+        if breaks_channel:
+            rank = announce.prefill_rank
             log.error("%s: the channel from rank %d is out of order", reason, rank)
             self.receiver.break_channel(rank, reason)
-            return reason
-        return None
+        elif reason is not None:
+            log.error("%s: the announcement is dropped", reason)
+        return reason
 
     def _refusal(self, announce: TransferAnnounce, tracked: Tracked) -> str | None:
-        """Why `announce` is not the transfer `tracked`'s request expects, if it is not: from
-        another rank than its prefill node's, a second one, another token count than its
-        prompt's, or draft depths it does not receive (0 or all of this node's)."""
-        room, rank = announce.room, announce.prefill_rank
-        prefill = tracked.message.prefill_node
-        expected_rank = self.prefill_ranks.get(prefill)
-        if rank != expected_rank:
-            return (
-                f"room {room} was announced by rank {rank}, but its prefill went to "
-                f"prefill-{prefill} (rank {expected_rank})"
-            )
-        if tracked.announce is not None:
-            return f"room {room} was announced twice by prefill-{prefill}"
-        prompt_len = len(tracked.req.prompt_token_ids)
-        if announce.num_tokens != prompt_len:
-            return f"prefill announced {announce.num_tokens} tokens, expected {prompt_len}"
-        depths = tracked.req.num_draft_tokens
-        if announce.num_draft_tokens not in (0, depths):
-            return (
-                f"prefill-{prefill} announced {announce.num_draft_tokens} draft depths, this "
-                f"node receives {depths}"
-            )
-        return None
+        return refusal(announce, tracked, self.prefill_ranks)
 
     def _discard(self, announce: TransferAnnounce) -> None:
         """Receive an announced transfer that no request takes into scratch (see

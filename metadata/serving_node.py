@@ -25,6 +25,7 @@ from metadata.pair_group import PairLink, open_pair_channel
 from metadata.transfer import KVReceiver, KVSender
 
 log = logging.getLogger(__name__)
+PEER_LOST_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,20 @@ class ServingNode:
     def peer_lost(self, index: int, rank: int, reason: str) -> None:
         """(Ray call) The peer node `index` (data-plane rank `rank`) is dead: every request
         that involves it ends with `reason`, and every slot held for it is freed (a dead
-        process can neither write into nor read from them)."""
+        process can neither write into nor read from them). Returns once the serving thread
+        has done so, so that it happens before a replacement pairs (up to PEER_LOST_WAIT_S
+        while a long step runs)."""
         if self._channel is not None:
             self._channel.forget_peer(rank, reason)
-        self._events.put(lambda: self._drop_peer(index, rank, reason))
+        done = threading.Event()
+
+        def drop() -> None:
+            self._drop_peer(index, rank, reason)
+            done.set()
+
+        self._events.put(drop)
+        if self._thread is not None and self._thread.is_alive():
+            done.wait(PEER_LOST_WAIT_S)
 
     def _open_pair(self, link: PairLink):
         return open_pair_channel(

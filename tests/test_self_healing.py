@@ -85,7 +85,9 @@ def check_killed(result: dict, victim: str, all_hit: bool) -> None:
         if outcome.error is None:
             assert outcome.tokens == 32, outcome
             continue
-        assert f"{victim} died" in outcome.error, outcome
+        # "<victim> died: ..." from the router, or, when the peer saw it first, the transfer
+        # error naming it ("KV transfer from prefill-0 failed: ... connection closed").
+        assert victim in outcome.error, outcome
         assert outcome.ended - result["killed_at"] < KILL_TO_ERROR_S, outcome
     assert result["after"].error is None and result["after"].tokens == 32
     assert result["kill_to_served_s"] < KILL_TO_SERVED_S
