@@ -187,3 +187,33 @@ def test_a_replica_that_keeps_dying_is_backed_off_then_given_up(model, monkeypat
         assert history[-1] == "given up"
     finally:
         cluster.shutdown()
+
+
+def test_a_replica_whose_serving_loop_stopped_is_killed_and_replaced(model):
+    """An actor error, not a dead process: the probe fails, the old actor is killed for good
+    (it could still hold or send something) and a new one serves in its bundle."""
+    cluster = launch(model, aggregated=True, replicas=2)
+    try:
+        router = cluster.router
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        broken = cluster.decode_actors[0]
+        ray.get(broken.shutdown.remote(), timeout=30)  # its loop ends, its process lives on
+
+        async def main():
+            try:
+                node = await wait_for_node(router, "replica-0", "ok", 60, restarts=1)
+                served = [await one_request(router, f"r{i}", [5, 6, 7], params) for i in range(4)]
+                return node, served
+            finally:
+                await router.close()
+
+        node, served = asyncio.run(main())
+        assert node["restarts"] == 1
+        assert all(o.error is None and o.tokens == 4 for o in served)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(broken.ping.remote(), timeout=30)
+        assert cluster.decode_actors[0] is not broken
+        assert ray.get(cluster.decode_actors[0].ping.remote()) == "ok"
+        assert cluster.router.decode_nodes[1].restarts == 0
+    finally:
+        cluster.shutdown()
