@@ -2,13 +2,16 @@
 per node kind, and a soak with injected transfer failures and a node killed in the middle.
 
     python bench/reliability.py kill [--model M] [--roles prefill decode replica]
+    python bench/reliability.py mid-prefill [--model M]
     python bench/reliability.py soak [--model M] [--num-prompts 300] [--request-rate 2]
         [--fail-rate 0.05] [--kill decode-0] [--kill-after 60]
 
 `kill`: for each role, a cluster (1 prefill + 1 decode node, or one aggregated replica) under a
 stream of requests; the node is killed (ray.kill) while busy. kill-to-error: from the kill to
 the last error of the requests in flight on it; kill-to-served: from the kill to the first
-request served after it by the replacement. `soak`: 1P1D with PDCLUSTER_FAULT_TRANSFER_FAIL_RATE
+request served after it by the replacement. `mid-prefill`: eight 1,500-token prompts at once,
+the prefill node killed while the decode node holds their slots with transfers in flight; how
+long until the decode node holds nothing. `soak`: 1P1D with PDCLUSTER_FAULT_TRANSFER_FAIL_RATE
 set (phases before, during and after the send) behind the HTTP API, loaded by
 `pdcluster bench serving`; the node named by --kill is killed --kill-after seconds in. It
 reports the bench's completed, failed and lost requests (lost must be 0), the restarts, and
@@ -122,6 +125,57 @@ def run_kill(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def run_mid_prefill(args: argparse.Namespace) -> dict:
+    """8 prompts of 1,500 tokens sent at once; the prefill node is killed once the decode node
+    holds their preallocated slots with transfers in flight. How long until the decode node
+    holds nothing."""
+    cluster = launch(args, aggregated=False)
+    decode = cluster.decode_slots[0].actor
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = [[100 + (i * 31 + j) % 20000 for j in range(1500)] for i in range(8)]
+
+    async def main() -> dict:
+        router = cluster.router
+        try:
+            tasks = [
+                asyncio.create_task(one_request(router, f"p{i}", prompt, params))
+                for i, prompt in enumerate(prompts)
+            ]
+            while True:
+                stats = await decode.stats.remote()
+                if stats["transfers_in_flight"] > 0 and stats["kv_used"] > 0:
+                    break
+                await asyncio.sleep(0.05)
+            killed_at = time.monotonic()
+            ray.kill(cluster.prefill_slots[0].actor)
+            outcomes = await asyncio.gather(*tasks)
+            while True:
+                now = await decode.stats.remote()
+                if now["kv_used"] == 0 and now["transfers_in_flight"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            emptied_s = time.monotonic() - killed_at
+            await wait_for_node(router, "prefill-0", "ok", 120, restarts=1)
+            return {
+                "decode_kv_used_at_kill": stats["kv_used"],
+                "transfers_in_flight_at_kill": stats["transfers_in_flight"],
+                "failed": sum(o.error is not None for o in outcomes),
+                "failed_naming_prefill": sum("prefill-0" in (o.error or "") for o in outcomes),
+                "kill_to_last_error_s": max(o.ended for o in outcomes) - killed_at,
+                "kill_to_decode_empty_s": emptied_s,
+            }
+        finally:
+            await router.close()
+
+    try:
+        row = asyncio.run(main())
+        row["pools_empty"] = cluster.kv_pools_empty()
+    finally:
+        cluster.shutdown()
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def run_soak(args: argparse.Namespace) -> dict:
     os.environ["PDCLUSTER_FAULT_TRANSFER_FAIL_RATE"] = str(args.fail_rate)
     os.environ["PDCLUSTER_FAULT_TRANSFER_FAIL_PHASE"] = "before,during,after"
@@ -181,7 +235,7 @@ def run_soak(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["kill", "soak"])
+    parser.add_argument("mode", choices=["kill", "mid-prefill", "soak"])
     parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--kv-cache-tokens", type=int, default=32768)
     parser.add_argument("--roles", nargs="+", default=["prefill", "decode", "replica"])
@@ -201,6 +255,9 @@ def main() -> None:
     if args.mode == "kill":
         result = {"kill": run_kill(args)}
         path = RESULTS / "reliability_kill.json"
+    elif args.mode == "mid-prefill":
+        result = {"mid_prefill": run_mid_prefill(args)}
+        path = RESULTS / "reliability_mid_prefill.json"
     else:
         result = {"soak": run_soak(args)}
         path = RESULTS / "reliability_soak.json"
