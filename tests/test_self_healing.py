@@ -59,6 +59,9 @@ async def kill_under_load(cluster: Cluster, victim: str, prompt: list[int], busy
     actor = (cluster.prefill_actors if role == "prefill" else cluster.decode_actors)[int(index)]
     killed_at = time.monotonic()
     ray.kill(actor)
+    # Down (and being replaced) first, in /health and /metrics, then up again.
+    await wait_for_node(router, victim, "restarting", KILL_TO_ERROR_S)
+    while_down = (await router.metrics_text()).decode()
     await wait_for_node(router, victim, "ok", KILL_TO_SERVED_S, restarts=1)
     after = await one_request(router, "after", prompt, params)
     served_at = time.monotonic()
@@ -70,6 +73,7 @@ async def kill_under_load(cluster: Cluster, victim: str, prompt: list[int], busy
         "kill_to_served_s": served_at - killed_at,
         "served_before": [o for o in stream.outcomes if o.ended < killed_at and not o.error],
         "metrics": (await router.metrics_text()).decode(),
+        "metrics_while_down": while_down,
         "killed_at": killed_at,
     }
 
@@ -93,8 +97,11 @@ def check_killed(result: dict, victim: str, all_hit: bool) -> None:
     assert result["kill_to_served_s"] < KILL_TO_SERVED_S
     assert result["served_before"], "nothing was served before the kill"
     role = victim.split("-")[0]
-    restarts = metric(result["metrics"], "pdcluster_node_restarts_total", node=victim, role=role)
-    assert restarts == 1.0
+    labels = dict(node=victim, role=role)
+    assert metric(result["metrics_while_down"], "pdcluster_node_up", **labels) == 0
+    assert metric(result["metrics_while_down"], "pdcluster_node_restarts_total", **labels) == 0
+    assert metric(result["metrics"], "pdcluster_node_up", **labels) == 1
+    assert metric(result["metrics"], "pdcluster_node_restarts_total", **labels) == 1
 
 
 def test_a_killed_decode_node_is_replaced_and_the_prefill_node_let_go(model):
