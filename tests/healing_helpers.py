@@ -18,6 +18,7 @@ class Outcome:
     ended: float
     tokens: int = 0
     error: str | None = None
+    usage: dict | None = None  # the finished request's (it names its nodes)
 
 
 @dataclass
@@ -56,13 +57,14 @@ async def one_request(
     router: Router, name: str, prompt: list[int], params: SamplingParams
 ) -> Outcome:
     started = time.monotonic()
-    tokens = 0
+    tokens, usage = 0, None
     try:
         async for delta in router.generate(name, prompt, params):
             tokens += len(delta.token_ids)
+            usage = delta.usage or usage
     except BackendError as err:
         return Outcome(started, time.monotonic(), tokens, str(err))
-    return Outcome(started, time.monotonic(), tokens)
+    return Outcome(started, time.monotonic(), tokens, usage=usage)
 
 
 async def wait_for_node(

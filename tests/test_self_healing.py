@@ -224,3 +224,52 @@ def test_a_replica_whose_serving_loop_stopped_is_killed_and_replaced(model):
         assert cluster.router.decode_nodes[1].restarts == 0
     finally:
         cluster.shutdown()
+
+
+THROUGH_REPLACEMENT = {("prefill-1", "decode-0"), ("prefill-1", "decode-1")}
+
+
+def test_a_replacement_pairs_with_every_decode_node_and_the_others_go_on(model):
+    """2 prefill + 2 decode nodes: prefill-1 is killed under load. Only requests it held fail;
+    its replacement pairs with both decode nodes (a new pair group each, the other pairs'
+    untouched) and serves through both."""
+    cluster = launch(model, prefill_nodes=2, decode_nodes=2)
+    try:
+        router = cluster.router
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        survivors = [cluster.prefill_actors[0], *cluster.decode_actors]
+
+        async def main():
+            stream = RequestStream(router, list(range(3, 60)), params, workers=6)
+            stream.start()
+            try:
+                while len(stream.outcomes) < 12:
+                    await asyncio.sleep(0.05)
+                ray.kill(cluster.prefill_actors[1])
+                await wait_for_node(router, "prefill-1", "ok", KILL_TO_SERVED_S, restarts=1)
+                # Round robin over the prefill nodes, least load over the decode nodes: a few
+                # requests at a time until the replacement has served with each decode node.
+                after, pairs = [], set()
+                while len(after) < 60 and not THROUGH_REPLACEMENT <= pairs:
+                    batch = [
+                        one_request(router, f"a{len(after) + i}", [5, 6, 7], params)
+                        for i in range(3)
+                    ]
+                    for outcome in await asyncio.gather(*batch):
+                        after.append(outcome)
+                        if outcome.usage is not None:
+                            pairs.add((outcome.usage["prefill_node"], outcome.usage["decode_node"]))
+            finally:
+                await stream.stop()
+                await router.close()
+            return stream.outcomes, after, pairs
+
+        outcomes, after, pairs = asyncio.run(main())
+        errors = [o.error for o in outcomes if o.error is not None]
+        assert errors and all("prefill-1" in error for error in errors), set(errors)
+        assert all(o.error is None and o.tokens == 16 for o in after)
+        assert [cluster.prefill_actors[0], *cluster.decode_actors] == survivors
+        assert THROUGH_REPLACEMENT <= pairs
+        assert wait_for(cluster.kv_pools_empty, 30)
+    finally:
+        cluster.shutdown()
