@@ -44,8 +44,10 @@ Contract (the control plane keeps it; tests/test_transfer.py checks the data pla
   pair group that no other pair shares. Attaching a new channel for a peer (the peer was
   replaced) starts a new worker for it; what was queued for the old channel fails, and a job the
   old worker is still waiting on fails when the dead peer's sockets close (gloo) or its
-  communicator is aborted (NCCL). Without `attach`, channels are made on the process's default
-  group (`channel_to`), as two-process tests do.
+  communicator is aborted (NCCL). A peer reported dead (`forget_peer`) fails whatever is queued
+  for it and every later transfer with it at once, until a channel is attached again. Without
+  `attach`, channels are made on the process's default group (`channel_to`), as two-process
+  tests do.
 """
 
 from __future__ import annotations
