@@ -252,8 +252,16 @@ def _supervise(
     policy = NodeRestartPolicy(
         config.max_node_restarts, config.node_restart_backoff_s, config.node_restart_backoff_max_s
     )
+
+    def answers(slot: NodeSlot) -> bool:
+        try:
+            ray.get(slot.actor.ping.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - dead, dying or hung: the router's probe decides
+            return False
+        return True
+
     supervisor = Supervisor(
-        cluster.router, list(zip(slots, states)), heal, bury, policy, slot_of_rank
+        cluster.router, list(zip(slots, states)), heal, bury, policy, slot_of_rank, answers
     )
     supervisor.start()
     return supervisor

@@ -80,12 +80,14 @@ class Supervisor:
         bury: Bury,
         policy: NodeRestartPolicy,
         peer_slot: Callable[[int], NodeSlot | None],
+        answers: Callable[[NodeSlot], bool],
     ) -> None:
-        """`peer_slot`: the slot of a data-plane rank (for broken channels)."""
+        """`peer_slot`: the slot of a data-plane rank (for broken channels); `answers`: whether
+        a slot's actor answers a ping now."""
         self.router = router
         self.policy = policy
         self._watches = {id(state): _Watch(slot, state) for slot, state in watches}
-        self._heal, self._bury, self._peer_slot = heal, bury, peer_slot
+        self._heal, self._bury, self._peer_slot, self._answers = heal, bury, peer_slot, answers
         self._events: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._due: list[tuple[float, int, NodeState]] = []  # restarts waiting for their time
         self._stop = threading.Event()
@@ -138,6 +140,16 @@ class Supervisor:
             other = peer if prefill is watch.slot else watch.slot
             state = self._state_of(prefill)
             if state is None or not state.alive:
+                continue
+            if not self._answers(peer):
+                # The channel broke because the peer died (a post to a closed socket fails
+                # at once): the router's probe finds it, and its death frees the pair.
+                log.warning(
+                    "%s reports its channel with %s broken: %s is not answering",
+                    watch.slot.name,
+                    peer.name,
+                    peer.name,
+                )
                 continue
             reason = (
                 f"replaced: its channel with {other.name} broke (a transfer timed out and "

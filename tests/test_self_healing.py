@@ -16,6 +16,9 @@ from tiny_models import make_tiny_llama
 
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
+from cluster.node_state import NodeState
+from cluster.pairing import NodeSlot
+from cluster.supervisor import NodeRestartPolicy, Supervisor
 from engine import SamplingParams
 from engine.loader import EngineArgs
 
@@ -273,3 +276,39 @@ def test_a_replacement_pairs_with_every_decode_node_and_the_others_go_on(model):
         assert wait_for(cluster.kv_pools_empty, 30)
     finally:
         cluster.shutdown()
+
+
+class _RouterView:
+    """The part of the router the supervisor calls, without sockets: marks nodes down."""
+
+    on_node_down = on_channels_broken = None
+
+    def call_in_loop(self, fn, *args):
+        return fn(*args)
+
+    def node_down(self, node, reason: str) -> None:
+        node.alive, node.error = False, reason
+
+
+def test_a_channel_broken_by_a_dead_peer_replaces_only_a_live_prefill_end():
+    """A send to a decode node that just died fails at once and marks the channel broken; the
+    prefill node may report it before the router's probe finds the decode node dead. That must
+    not replace the (healthy) prefill node; a channel broken with a live peer does."""
+    slots = {0: NodeSlot("prefill", 0, 0, None, {}), 1: NodeSlot("decode", 0, 1, None, {})}
+    states = {rank: NodeState(slot.role, slot.index, None) for rank, slot in slots.items()}
+    dead: set[int] = {1}
+    buried: list[str] = []
+    supervisor = Supervisor(
+        _RouterView(),
+        [(slots[rank], states[rank]) for rank in slots],
+        heal=lambda slot: None,
+        bury=lambda slot, why: buried.append(slot.name),
+        policy=NodeRestartPolicy(backoff_s=60),
+        peer_slot=slots.get,
+        answers=lambda slot: slot.rank not in dead,
+    )
+    supervisor._broken(states[0], (1,))
+    assert buried == [] and states[0].alive
+    dead.clear()
+    supervisor._broken(states[1], (0,))  # the decode node's receive timed out: live prefill
+    assert buried == ["prefill-0"] and not states[0].alive and states[0].restarting
