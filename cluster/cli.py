@@ -163,6 +163,39 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
         help="torch threads per node when running on CPU (nodes share the host's cores)",
     )
     parser.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="how long one KV transfer may take once posted (default 120): past it the request "
+        "fails, the slots the transfer may still touch are held until its prefill node is "
+        "replaced, and /health reports the node degraded",
+    )
+    parser.add_argument(
+        "--max-node-restarts",
+        type=int,
+        default=5,
+        help="replace a node that dies at most this many times in a row (each replacement dying "
+        "within a minute of starting); then it is left down and reported failed. 0: never "
+        "replace (default 5)",
+    )
+    parser.add_argument(
+        "--node-restart-backoff",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="wait before replacing a dead node, doubled for each death in a row up to 60 s "
+        "(default 1)",
+    )
+    parser.add_argument(
+        "--kv-audit-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how often each node checks its KV pools against its live requests, logging and "
+        "counting any difference (default 10; 0: never)",
+    )
+    parser.add_argument(
         "--enable-tracing",
         action="store_true",
         help="record each request's timeline on the router and every node: served as Chrome "
@@ -272,6 +305,11 @@ def run_serve(args: argparse.Namespace) -> int:
             trace_dir=args.trace_dir,
             log_level=args.log_level,
             stats_log_interval_s=args.log_stats_interval,
+            transfer_timeout_s=args.transfer_timeout,
+            max_node_restarts=args.max_node_restarts,
+            node_restart_backoff_s=args.node_restart_backoff,
+            node_restart_backoff_max_s=max(60.0, args.node_restart_backoff),
+            kv_audit_interval_s=args.kv_audit_interval,
         ),
         host=args.host,
         port=args.port,

@@ -42,8 +42,20 @@ class ClusterConfig:
     node_wait_s: float = 0.0
     # Torch threads per node on CPU: several nodes share the host's cores.
     cpu_threads_per_node: int = 1
+    # How long one KV transfer may take once posted; past it the transfer fails, the slots it
+    # may still touch are held until its prefill node is replaced, and /health says degraded.
     transfer_timeout_s: float = 120.0
     startup_timeout_s: float = 600.0
+    # Self-healing (cluster.supervisor): a node that dies is replaced on its resources after
+    # node_restart_backoff_s, doubling for each death in a row (a replacement that dies within
+    # NodeRestartPolicy.stable_after_s of starting) up to node_restart_backoff_max_s; after
+    # max_node_restarts such restarts in a row it is reported failed and left down. 0: never
+    # replace a node.
+    max_node_restarts: int = 5
+    node_restart_backoff_s: float = 1.0
+    node_restart_backoff_max_s: float = 60.0
+    # How often each node audits its KV pools against its live requests; <= 0: never.
+    kv_audit_interval_s: float = 10.0
     # Per-request traces (cluster/tracing.py): kept for GET /v1/traces/{id}, summarized in
     # usage, and written as DIR/<request id>.json when trace_dir is set.
     enable_tracing: bool = False
@@ -70,6 +82,15 @@ class ClusterConfig:
             raise ValueError("a cluster that joins a Ray cluster cannot listen on loopback only")
         if self.node_wait_s < 0:
             raise ValueError(f"node_wait_s must be >= 0, got {self.node_wait_s}")
+        if self.max_node_restarts < 0:
+            raise ValueError(f"max_node_restarts must be >= 0, got {self.max_node_restarts}")
+        if not 0 <= self.node_restart_backoff_s <= self.node_restart_backoff_max_s:
+            raise ValueError(
+                "node restart backoff must satisfy 0 <= backoff <= max backoff, got "
+                f"{self.node_restart_backoff_s} and {self.node_restart_backoff_max_s}"
+            )
+        if not self.transfer_timeout_s > 0:
+            raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
         if self.trace_dir is not None and not self.enable_tracing:
             raise ValueError("a trace directory needs tracing on (--enable-tracing)")
         if self.prefill_resource and self.prefill_resource == self.decode_resource:

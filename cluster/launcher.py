@@ -1,9 +1,10 @@
 """Start a cluster on Ray: one actor per prefill and decode node, each in a placement-group
 bundle of its own (one GPU each on GPU, or a share of one; on hosts that carry the role's custom
-resource where the Ray cluster declares one), paired, joined into the data-plane process group
-and connected to the router. An aggregated cluster starts replicas instead (each an engine that
-prefills its own prompts), with no pairing and no process group. `Cluster.shutdown` stops every
-actor."""
+resource where the Ray cluster declares one), paired (a data-plane channel per prefill/decode
+pair: cluster.pairing) and connected to the router, and watched by a supervisor that replaces
+a node that dies (cluster.supervisor). An aggregated cluster starts replicas instead (each an
+engine that prefills its own prompts), with no pairing and no process group.
+`Cluster.shutdown` stops every actor."""
 
 from __future__ import annotations
 
@@ -14,22 +15,22 @@ from dataclasses import dataclass, field, replace
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig
-from cluster.ray_start import init_ray
-from cluster.router import NodeState, Router
+from cluster.node_factory import CPU_NODE_SHARE, NodeFactory
+from cluster.node_state import NodeState
+from cluster.pairing import NodeSlot, PairEpochs, pair_cluster, pair_replacement
+from cluster.ray_start import forwarded_env, init_ray
+from cluster.router import Router
+from cluster.supervisor import NodeRestartPolicy, Supervisor, kill_for_good
 from cluster.tracing import clock_offset_ns
-from decode_node import AggregatedNode, DecodeNode
 from engine.errors import PdclusterError
 from engine.loader import EngineArgs, ModelSpec, resolve
 from metadata.control_auth import new_control_key
-from metadata.node_common import AUTO_HOST, NodeOptions
+from metadata.node_common import AUTO_HOST
 from metadata.process_group import create_store_server
 
 log = logging.getLogger(__name__)
-# On CPU the nodes share the host's cores; each bundle asks for a sliver so any mix fits.
-CPU_NODE_SHARE = 0.01
 
 
 class ClusterStartError(PdclusterError, RuntimeError):
@@ -41,13 +42,24 @@ class Cluster:
     config: ClusterConfig
     spec: ModelSpec
     router: Router
-    prefill_actors: list  # none on an aggregated cluster
-    decode_actors: list  # the replicas on an aggregated cluster
+    prefill_slots: list[NodeSlot]  # none on an aggregated cluster
+    decode_slots: list[NodeSlot]  # the replicas on an aggregated cluster
     placement: object
     started_ray: bool
     store: object
+    supervisor: Supervisor | None
     # The cluster's control-plane key, drawn at launch (metadata.control_auth).
     control_key: bytes = field(repr=False)
+
+    @property
+    def prefill_actors(self) -> list:
+        """The prefill nodes' current actors (a replaced node's replacement)."""
+        return [slot.actor for slot in self.prefill_slots]
+
+    @property
+    def decode_actors(self) -> list:
+        """The decode nodes' (or replicas') current actors."""
+        return [slot.actor for slot in self.decode_slots]
 
     @classmethod
     def launch(cls, config: ClusterConfig) -> Cluster:
@@ -69,9 +81,15 @@ class Cluster:
             joined = config.ray_address is not None
             host = ray.util.get_node_ip_address() if joined else "127.0.0.1"
             placement = _place(config, on_gpu)
-            prefill_actors, decode_actors = _start_nodes(
-                config, placement, on_gpu, AUTO_HOST if joined else "127.0.0.1", control_key
+            factory = NodeFactory(
+                config,
+                placement,
+                on_gpu,
+                AUTO_HOST if joined else "127.0.0.1",
+                control_key,
+                forwarded_env(),
             )
+            prefill_actors, decode_actors = _start_nodes(config, factory)
             decode_role = "replica" if config.aggregated else "decode"
             prefill_info = _get([a.describe.remote() for a in prefill_actors], "prefill", config)
             decode_info = _get([a.describe.remote() for a in decode_actors], decode_role, config)
@@ -79,23 +97,19 @@ class Cluster:
                 _get([a.stats.remote() for a in decode_actors], decode_role, config),
                 key=lambda s: s["kv_capacity"],
             )["kv_capacity"]
-            prefill_states = [
-                NodeState("prefill", i, _pinger(a), info["endpoint"], stats=_stats_reader(a))
+            prefill_slots = [
+                NodeSlot("prefill", i, config.prefill_rank(i), a, info)
                 for i, (a, info) in enumerate(zip(prefill_actors, prefill_info))
             ]
-            decode_states = [
-                NodeState(decode_role, i, _pinger(a), info["endpoint"], stats=_stats_reader(a))
+            decode_slots = [
+                NodeSlot(decode_role, i, config.decode_rank(i), a, info)
                 for i, (a, info) in enumerate(zip(decode_actors, decode_info))
             ]
-            if config.enable_tracing:
-                for state, actor in zip(
-                    prefill_states + decode_states, prefill_actors + decode_actors
-                ):
-                    state.clock_offset_ns = clock_offset_ns(_clock_reader(actor))
+            states = [_node_state(slot, config) for slot in prefill_slots + decode_slots]
             router = Router(
                 spec,
-                prefill_states,
-                decode_states,
+                states[: len(prefill_slots)],
+                states[len(prefill_slots) :],
                 kv_cache_tokens=kv_tokens,
                 control_key=control_key,
                 prefill_policy=config.prefill_policy,
@@ -104,17 +118,31 @@ class Cluster:
                 tracing=config.enable_tracing,
                 trace_dir=config.trace_dir,
             )
+
+            def get(refs: list, role: str) -> list:
+                return _get(refs, role, config)
+
+            epochs = None
             if config.aggregated:
-                _get([a.connect.remote(router.endpoint) for a in decode_actors], "replica", config)
+                get([a.connect.remote(router.endpoint) for a in decode_actors], "replica")
             else:
-                store = _pair_and_join(
-                    config,
-                    host,
-                    router,
-                    (prefill_actors, prefill_info),
-                    (decode_actors, decode_info),
-                )
-            _get([a.start.remote() for a in prefill_actors + decode_actors], "node", config)
+                store, port = create_store_server(host)
+                epochs = PairEpochs(host, port)
+                pair_cluster(prefill_slots, decode_slots, epochs, router.endpoint, get)
+            get([a.start.remote() for a in prefill_actors + decode_actors], "node")
+            cluster = cls(
+                config,
+                spec,
+                router,
+                prefill_slots,
+                decode_slots,
+                placement,
+                started_ray,
+                store,
+                None,
+                control_key,
+            )
+            cluster.supervisor = _supervise(cluster, states, factory, epochs)
         except BaseException:
             if router is not None:
                 router.close_sockets()
@@ -126,17 +154,7 @@ class Cluster:
                 ray.shutdown()
             raise
         log.info("cluster up: %s on %s", describe_nodes(config), device)
-        return cls(
-            config,
-            spec,
-            router,
-            prefill_actors,
-            decode_actors,
-            placement,
-            started_ray,
-            store,
-            control_key,
-        )
+        return cluster
 
     def node_stats(self) -> list[dict]:
         refs = [a.stats.remote() for a in self.prefill_actors + self.decode_actors]
@@ -153,6 +171,8 @@ class Cluster:
         return all(ray.get(refs, timeout=30))
 
     def shutdown(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         self.router.close_sockets()
         for actor in self.prefill_actors + self.decode_actors:
             try:
@@ -165,42 +185,86 @@ class Cluster:
             ray.shutdown()
 
 
-def _pair_and_join(
-    config: ClusterConfig,
-    host: str,
-    router: Router,
-    prefill: tuple[list, list[dict]],
-    decode: tuple[list, list[dict]],
-):
-    """Pair every decode node with every prefill node and the router, then join all of them
-    into the data-plane process group (each prefill node opens a channel to every decode node
-    and vice versa). `prefill`, `decode`: the role's actors and their `describe()`. Returns the
-    group's store, which must live as long as the cluster."""
-    (prefill_actors, prefill_info), (decode_actors, decode_info) = prefill, decode
-    prefill_endpoints = {i: info["endpoint"] for i, info in enumerate(prefill_info)}
-    prefill_specs = {i: info["spec"] for i, info in enumerate(prefill_info)}
-    prefill_ranks = {i: config.prefill_rank(i) for i in range(len(prefill_info))}
-    decode_endpoints = {i: info["endpoint"] for i, info in enumerate(decode_info)}
-    _get(
-        [
-            a.connect.remote(prefill_endpoints, prefill_specs, prefill_ranks, router.endpoint)
-            for a in decode_actors
-        ],
-        "decode",
-        config,
+def _node_state(slot: NodeSlot, config: ClusterConfig) -> NodeState:
+    state = NodeState(
+        slot.role,
+        slot.index,
+        _pinger(slot.actor),
+        slot.info["endpoint"],
+        stats=_stats_reader(slot.actor),
     )
-    _get([a.connect.remote(decode_endpoints) for a in prefill_actors], "prefill", config)
-    store, port = create_store_server(host)
-    decode_ranks = [config.decode_rank(i) for i in range(config.decode_nodes)]
-    joins = [
-        a.join_group.remote(host, port, prefill_ranks[i], config.world_size, decode_ranks)
-        for i, a in enumerate(prefill_actors)
-    ] + [
-        a.join_group.remote(host, port, rank, config.world_size, list(prefill_ranks.values()))
-        for rank, a in zip(decode_ranks, decode_actors)
-    ]
-    _get(joins, "node", config)
-    return store
+    if config.enable_tracing:
+        state.clock_offset_ns = clock_offset_ns(_clock_reader(slot.actor))
+    return state
+
+
+def _supervise(
+    cluster: Cluster, states: list[NodeState], factory: NodeFactory, epochs: PairEpochs | None
+) -> Supervisor:
+    """Start the supervisor that replaces the cluster's nodes when they die."""
+    config = cluster.config
+    prefill, decode = cluster.prefill_slots, cluster.decode_slots
+    slots = prefill + decode
+
+    def get(refs: list, role: str) -> list:
+        return _get(refs, role, config)
+
+    def peers_of(slot: NodeSlot) -> list[NodeSlot]:
+        if slot.role == "replica":
+            return []
+        return decode if slot.role == "prefill" else prefill
+
+    def bury(slot: NodeSlot, reason: str) -> None:
+        slot.up = False
+        kill_for_good(slot.actor)
+        live = [peer for peer in peers_of(slot) if peer.up]
+        refs = [peer.actor.peer_lost.remote(slot.index, slot.rank, reason) for peer in live]
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=90)  # the peer may finish a long step first
+            except Exception as err:  # noqa: BLE001 - that peer is handled when found dead
+                log.warning("telling a peer that %s is gone failed: %s", slot.name, err)
+
+    def heal(slot: NodeSlot) -> tuple:
+        actor = factory.create(slot.role, slot.index)
+        try:
+            slot.info = get([actor.describe.remote()], slot.role)[0]
+            slot.actor = actor
+            if slot.role == "replica":
+                get([actor.connect.remote(cluster.router.endpoint)], "replica")
+            else:
+                every = peers_of(slot)
+                live = [peer for peer in every if peer.up]
+                pair_replacement(slot, live, every, epochs, cluster.router.endpoint, get)
+            get([actor.start.remote()], slot.role)
+        except BaseException:
+            kill_for_good(actor)
+            raise
+        slot.up = True
+        state = states[slots.index(slot)]
+        if config.enable_tracing:
+            state.clock_offset_ns = clock_offset_ns(_clock_reader(actor))
+        return slot.info["endpoint"], _pinger(actor), _stats_reader(actor)
+
+    def slot_of_rank(rank: int) -> NodeSlot | None:
+        return next((s for s in slots if s.role != "replica" and s.rank == rank), None)
+
+    policy = NodeRestartPolicy(
+        config.max_node_restarts, config.node_restart_backoff_s, config.node_restart_backoff_max_s
+    )
+
+    def answers(slot: NodeSlot) -> bool:
+        try:
+            ray.get(slot.actor.ping.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - dead, dying or hung: the router's probe decides
+            return False
+        return True
+
+    supervisor = Supervisor(
+        cluster.router, list(zip(slots, states)), heal, bury, policy, slot_of_rank, answers
+    )
+    supervisor.start()
+    return supervisor
 
 
 def cluster_device(requested: str | None) -> str:
@@ -309,55 +373,13 @@ def _place(config: ClusterConfig, on_gpu: bool) -> PlacementGroup:
     return placement
 
 
-def _start_nodes(
-    config: ClusterConfig,
-    placement: PlacementGroup,
-    on_gpu: bool,
-    node_host: str,
-    control_key: bytes,
-) -> tuple[list, list]:
-    """Create every node actor in its bundle, each given the cluster's `control_key`; returns
-    (prefill actors, decode actors), the latter the replicas on an aggregated cluster."""
-    # Each actor sees only its own GPU, as cuda:0.
-    engine_args = replace(config.engine, device="cuda:0" if on_gpu else "cpu")
-    shares_gpu = on_gpu and config.shares_gpus
-    if shares_gpu and engine_args.gpu_memory_utilization is None:
-        engine_args = replace(engine_args, gpu_memory_utilization=config.gpus_per_node)
-    threads = None if on_gpu else config.cpu_threads_per_node
-
-    def create(actor_cls, role: str, index: int, rank: int):
-        options = NodeOptions(
-            role,
-            index,
-            bind_host=node_host,
-            cpu_threads=threads,
-            transfer_timeout_s=config.transfer_timeout_s,
-            enable_tracing=config.enable_tracing,
-            log_level=config.log_level,
-            stats_log_interval_s=config.stats_log_interval_s,
-            transfer_through_host=shares_gpu,
-            control_key=control_key,
-        )
-        return actor_cls.options(
-            num_gpus=config.gpus_per_node if on_gpu else 0,
-            num_cpus=1 if on_gpu else CPU_NODE_SHARE,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement, placement_group_bundle_index=rank
-            ),
-        ).remote(engine_args, options)
-
+def _start_nodes(config: ClusterConfig, factory: NodeFactory) -> tuple[list, list]:
+    """Create every node actor in its bundle; returns (prefill actors, decode actors), the
+    latter the replicas on an aggregated cluster."""
     if config.aggregated:
-        replica_cls = ray.remote(AggregatedNode)
-        return [], [create(replica_cls, "replica", i, i) for i in range(config.replicas)]
-    prefill_cls = ray.remote(_prefill_class())
-    decode_cls = ray.remote(DecodeNode)
-    prefill = [
-        create(prefill_cls, "prefill", i, config.prefill_rank(i))
-        for i in range(config.prefill_nodes)
-    ]
-    decode = [
-        create(decode_cls, "decode", i, config.decode_rank(i)) for i in range(config.decode_nodes)
-    ]
+        return [], [factory.create("replica", i) for i in range(config.replicas)]
+    prefill = [factory.create("prefill", i) for i in range(config.prefill_nodes)]
+    decode = [factory.create("decode", i) for i in range(config.decode_nodes)]
     return prefill, decode
 
 
@@ -369,7 +391,7 @@ def _prefill_class():
 
 def _pinger(actor):
     async def ping():
-        return await actor.ping.remote()
+        return await actor.health.remote()
 
     return ping
 

@@ -233,11 +233,26 @@ class NodeCollector:
             "Requests the router has routed to the node and not yet seen end.",
             labels=labels,
         )
+        restarts = CounterMetricFamily(
+            "pdcluster_node_restarts",
+            "Times the node was replaced after it died (cluster.supervisor).",
+            labels=labels,
+        )
+        degraded = GaugeMetricFamily(
+            "pdcluster_node_degraded",
+            "1 while the node serves with a fault (a transfer stuck past its timeout).",
+            labels=labels,
+        )
         for node in self._nodes:
             up.add_metric([node.name, node.role], 1.0 if node.alive else 0.0)
             in_flight.add_metric([node.name, node.role], node.in_flight)
+            restarts.add_metric([node.name, node.role], getattr(node, "restarts", 0))
+            is_degraded = node.alive and bool(getattr(node, "degraded", None))
+            degraded.add_metric([node.name, node.role], 1.0 if is_degraded else 0.0)
         yield up
         yield in_flight
+        yield restarts
+        yield degraded
         families = _NodeFamilies()
         for node in self._nodes:
             stats = self._stats.get(node.name)
@@ -284,6 +299,26 @@ class _NodeFamilies:
         )
         self.prompt = CounterMetricFamily(
             "pdcluster_node_prompt_tokens", "Prompt tokens a prefill node ran.", labels=labels
+        )
+        self.kv_audit_mismatches = CounterMetricFamily(
+            "pdcluster_node_kv_audit_mismatches",
+            "Audits that found a pool whose used slots differ from what live requests hold.",
+            labels=labels,
+        )
+        self.kv_unaccounted = GaugeMetricFamily(
+            "pdcluster_node_kv_unaccounted_tokens",
+            "At the last audit: used slots no live request holds (negative: held, not used).",
+            labels=labels,
+        )
+        self.kv_quarantined = GaugeMetricFamily(
+            "pdcluster_node_kv_quarantined_tokens",
+            "KV slots held for transfers stuck past their timeout, until the peer is replaced.",
+            labels=labels,
+        )
+        self.transfers_stuck = GaugeMetricFamily(
+            "pdcluster_node_transfers_stuck",
+            "Transfers stuck past their timeout whose slots are held.",
+            labels=labels,
         )
         self.control_rejected = CounterMetricFamily(
             "pdcluster_control_messages_rejected",
@@ -347,6 +382,10 @@ class _NodeFamilies:
             (self.generated, "tokens_out"),
             (self.prompt, "prompt_tokens"),
             (self.control_rejected, "control_rejected"),
+            (self.kv_audit_mismatches, "kv_audit_mismatches"),
+            (self.kv_unaccounted, "kv_unaccounted"),
+            (self.kv_quarantined, "kv_quarantined"),
+            (self.transfers_stuck, "transfers_stuck"),
         ):
             if stats.get(key) is not None:
                 family.add_metric(labels, stats[key])

@@ -41,7 +41,7 @@ def init_ray(address: str | None, *, loopback_only: bool = False) -> None:
         "address": address or "local",
         "include_dashboard": False,
         "log_to_driver": True,
-        "runtime_env": {"env_vars": _forwarded_env()},
+        "runtime_env": {"env_vars": forwarded_env()},
     }
     if not loopback_only:
         ray.init(**options)
@@ -71,7 +71,7 @@ def _loopback_node_addresses_allowed() -> Iterator[None]:
             ray_constants.ENABLE_RAY_CLUSTER = before
 
 
-def _forwarded_env() -> dict[str, str]:
+def forwarded_env() -> dict[str, str]:
     """Environment the nodes need from the driver (model cache location, NCCL and gloo
     settings)."""
     prefixes = ("PDCLUSTER_", "NCCL_", "TORCH_", "NVSHMEM_", "GLOO_")

@@ -10,6 +10,7 @@ roles in usage, errors and traces."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,6 +23,7 @@ import zmq.asyncio
 from cluster.backend import BackendError, TokenDelta, make_usage
 from cluster.detokenizer import IncrementalDetokenizer
 from cluster.metrics import ClusterMetrics, failure_kind
+from cluster.node_state import NodeState
 from cluster.policies import create_policy
 from cluster.tracing import NodeTimeline, RequestTimeline, TraceStore
 from engine.errors import RequestRejectedError
@@ -41,30 +43,10 @@ from metadata.messages import (
     TokenUpdate,
     decode,
 )
+from metadata.serving_node import NodeHealth
 
 log = logging.getLogger(__name__)
 HEALTH_INTERVAL_S = 1.0
-
-
-@dataclass
-class NodeState:
-    """The router's view of one node; `ping` is an awaitable health probe and `stats` an
-    awaitable of the node's stats() for /metrics (Ray calls)."""
-
-    role: str
-    index: int
-    ping: Callable[[], Awaitable[Any]]
-    endpoint: str | None = None
-    alive: bool = True
-    in_flight: int = 0
-    error: str | None = None
-    stats: Callable[[], Awaitable[dict]] | None = None
-    # Add to the node's trace timestamps to get the router's (cluster.tracing.clock_offset_ns).
-    clock_offset_ns: int = 0
-
-    @property
-    def name(self) -> str:
-        return f"{self.role}-{self.index}"
 
 
 @dataclass
@@ -128,12 +110,18 @@ class Router:
         self._flights: dict[int, _Flight] = {}
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Told (on the event loop) when a node is found dead, or reports channels with peers
+        # broken (the ranks): the cluster's supervisor replaces it.
+        self.on_node_down: Callable[[NodeState], None] | None = None
+        self.on_channels_broken: Callable[[NodeState, tuple[int, ...]], None] | None = None
 
     async def start(self) -> None:
         """Connect to the decode nodes and start listening; idempotent, and run on first use
         by whichever event loop serves the router."""
         if self._tasks:
             return
+        self._loop = asyncio.get_running_loop()
         for node in self.decode_nodes:
             self._outboxes[node.index] = Outbox(
                 node.endpoint, self._control_key, self._send_context
@@ -202,15 +190,18 @@ class Router:
 
     async def health(self) -> dict[str, Any]:
         await self.start()
-        nodes = [
-            {
-                "name": n.name,
-                "status": "ok" if n.alive else "down",
-                "in_flight": n.in_flight,
-                **({"error": n.error} if n.error else {}),
-            }
-            for n in self.prefill_nodes + self.decode_nodes
-        ]
+        nodes = []
+        for n in self.prefill_nodes + self.decode_nodes:
+            error = n.degraded if n.alive else n.error
+            nodes.append(
+                {
+                    "name": n.name,
+                    "status": n.status,
+                    "in_flight": n.in_flight,
+                    "restarts": n.restarts,
+                    **({"error": error} if error else {}),
+                }
+            )
         alive_p = self.aggregated or any(n.alive for n in self.prefill_nodes)
         alive_d = any(n.alive for n in self.decode_nodes)
         all_alive = all(n["status"] == "ok" for n in nodes)
@@ -346,19 +337,82 @@ class Router:
                     await self._probe(node)
 
     async def _probe(self, node: NodeState) -> None:
+        ping = node.ping
         try:
-            await asyncio.wait_for(node.ping(), timeout=10 * HEALTH_INTERVAL_S)
+            health = await asyncio.wait_for(ping(), timeout=10 * HEALTH_INTERVAL_S)
         except Exception as err:  # noqa: BLE001 - any failed probe means the node is gone
-            node.alive = False
-            node.error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-            log.error("%s is down: %s", node.name, node.error)
-            for flight in list(self._flights.values()):
-                if flight.decode is node:
-                    before_first = self.aggregated and not flight.got_first_token
-                    stage = "prefill" if before_first else "decode"
-                    flight.queue.put_nowait(_NodeDied(node, stage))
-                elif flight.prefill is node and not flight.got_first_token:
-                    flight.queue.put_nowait(_NodeDied(node, "prefill"))
+            if node.ping is ping:  # not replaced meanwhile
+                self.node_down(node, f"{type(err).__name__}: {err}")
+            return
+        if isinstance(health, NodeHealth) and node.ping is ping:
+            node.degraded = health.degraded
+            if health.broken_peers and self.on_channels_broken is not None:
+                self.on_channels_broken(node, health.broken_peers)
+
+    def node_down(self, node: NodeState, reason: str) -> None:
+        """`node` is gone: its requests end with an error naming it, no new ones go there, and
+        the supervisor (`on_node_down`) is told. Call on the event loop (`call_in_loop`)."""
+        if not node.alive:
+            return
+        node.alive = False
+        node.degraded = None
+        node.error = reason.splitlines()[0][:300]
+        log.error("%s is down: %s", node.name, node.error)
+        self._fail_flights(node)
+        if self.on_node_down is not None:
+            self.on_node_down(node)
+
+    def revive(
+        self,
+        node: NodeState,
+        endpoint: str,
+        ping: Callable[[], Awaitable[Any]],
+        stats: Callable[[], Awaitable[dict]] | None,
+    ) -> None:
+        """A replacement of `node` serves at `endpoint`: route to it again. Call on the event
+        loop (`call_in_loop`)."""
+        node.ping, node.stats, node.endpoint = ping, stats, endpoint
+        if any(n is node for n in self.decode_nodes) and self._tasks and not self._closed:
+            old = self._outboxes.get(node.index)
+            self._outboxes[node.index] = Outbox(endpoint, self._control_key, self._send_context)
+            if old is not None:
+                old.close()
+        node.error = None
+        node.degraded = None
+        node.restarting = False
+        node.alive = True
+        log.info("%s is back (restart %d)", node.name, node.restarts)
+
+    def call_in_loop(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0) -> Any:
+        """Run `fn(*args)` on the router's event loop and return its result (from any thread;
+        directly when no loop serves the router, or when called on it)."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            return fn(*args)
+        try:
+            if asyncio.get_running_loop() is loop:
+                return fn(*args)
+        except RuntimeError:
+            pass  # no loop in this thread
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                future.set_exception(err)
+
+        loop.call_soon_threadsafe(run)
+        return future.result(timeout_s)
+
+    def _fail_flights(self, node: NodeState) -> None:
+        for flight in list(self._flights.values()):
+            if flight.decode is node:
+                before_first = self.aggregated and not flight.got_first_token
+                stage = "prefill" if before_first else "decode"
+                flight.queue.put_nowait(_NodeDied(node, stage))
+            elif flight.prefill is node and not flight.got_first_token:
+                flight.queue.put_nowait(_NodeDied(node, "prefill"))
 
     def _pick(self, nodes: list[NodeState], policy, role: str) -> NodeState:
         alive = [n for n in nodes if n.alive]

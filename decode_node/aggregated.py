@@ -22,6 +22,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.tracing import set_time
 from metadata.control import Inbox, Outbox
+from metadata.kv_audit import PoolCount, request_pools
 from metadata.messages import AbortRequest, GenerateRequest, TokenUpdate
 from metadata.node_common import NodeOptions, load_node_engine
 from metadata.node_metrics import Activity, ActivityLog, SpeculationTotals
@@ -73,6 +74,7 @@ class AggregatedNode(ServingNode):
             "prompt_tokens": self.prompt_tokens,
             **self.spec_totals.stats(),
             "control_rejected": self.inbox.rejected,
+            **self._health_stats(),
         }
 
     def kv_is_empty(self) -> bool:
@@ -82,6 +84,7 @@ class AggregatedNode(ServingNode):
     # --- the serving loop ---
     def _serve(self) -> None:
         while not self._stop.is_set():
+            self._housekeeping()
             busy = self.engine.has_work()
             for msg in self.inbox.receive(0 if busy else IDLE_POLL_MS):
                 self._handle(msg)
@@ -104,6 +107,7 @@ class AggregatedNode(ServingNode):
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, GenerateRequest):
+            self.faults.request_arrived()
             self._accept(msg)
         elif isinstance(msg, AbortRequest):
             self._abort(msg.room)
@@ -168,6 +172,15 @@ class AggregatedNode(ServingNode):
         served = self.rooms.pop(room, None)
         if served is not None:
             self.engine.scheduler.abort(served.req.request_id)
+
+    def _drop_peer(self, index: int, rank: int, reason: str) -> None:
+        """A replica has no peers: nothing is held for another node."""
+
+    def _pool_counts(self) -> list[PoolCount]:
+        requests = [served.req for served in self.rooms.values()]
+        return request_pools(
+            self.engine.runner.kv_pool.allocator.num_used, requests, self.speculator
+        )
 
     def _send(self, update: TokenUpdate) -> None:
         if self.router is not None:

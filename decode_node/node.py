@@ -16,6 +16,7 @@ import logging
 import time
 from collections import deque
 
+from decode_node.announcements import refusal, unreceivable
 from decode_node.token_updates import token_update
 from decode_node.tracked import RESULT_WAIT_S, Tracked
 from engine.engine_core import EngineCore
@@ -25,7 +26,9 @@ from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tracing import set_time, set_time_batch
 from metadata.control import Inbox, Outbox
+from metadata.faults import DECODE_FAULT_PHASES, PREFILL_FAULT_PHASES
 from metadata.handshake import PairingError, TransferSpec, check_compatible
+from metadata.kv_audit import PoolCount, request_pools
 from metadata.messages import (
     AbortRequest,
     GenerateRequest,
@@ -37,12 +40,12 @@ from metadata.messages import (
 )
 from metadata.node_common import (
     NodeOptions,
-    abandon_slots,
     load_node_engine,
     metadata_buffers,
     transfer_spec,
 )
 from metadata.node_metrics import Activity, ActivityLog, SpeculationTotals, TransferTotals
+from metadata.pair_group import PairLink
 from metadata.serving_node import ServingNode
 from metadata.transfer import KVReceiver, TransferState
 from metadata.wire import kv_nbytes
@@ -99,6 +102,22 @@ class DecodeNode(ServingNode):
         self.prefill_ranks = dict(prefill_ranks)
         self.router = Outbox(router_endpoint, key)
 
+    def peer_replaced(self, index: int, endpoint: str, spec: dict, link: PairLink) -> None:
+        """(Ray call) prefill-`index` was replaced by a node at `endpoint`: check that it can
+        pair, send its requests there, and open the new channel with it."""
+        mine = transfer_spec(self.spec, self.num_draft_steps)
+        try:
+            check_compatible(TransferSpec.from_dict(spec), mine)
+        except PairingError as err:
+            raise PairingError(f"prefill-{index} and {self.options.name}: {err}") from None
+        old = self.prefill_outboxes.get(index)
+        # Swapped here, before the router routes to the new node; the serving thread, which
+        # owns the sockets, closes the old one.
+        self.prefill_outboxes[index] = Outbox(endpoint, self.options.control_key)
+        if old is not None:
+            self._events.put(old.close)
+        self.repair(link)
+
     def stats(self) -> dict:
         allocator = self.engine.runner.kv_pool.allocator
         return {
@@ -113,6 +132,7 @@ class DecodeNode(ServingNode):
             "transfers_in_flight": self._transfers_in_flight(),
             "transfers": self.transfer_totals.as_dict(),
             "control_rejected": self.inbox.rejected,
+            **self._health_stats(),
         }
 
     def _transfers_in_flight(self) -> int:
@@ -123,12 +143,14 @@ class DecodeNode(ServingNode):
             self.spec.engine_config.device,
             timeout_s=self.options.transfer_timeout_s,
             host_staged=self.options.transfer_through_host,
+            rank=self.rank,
         )
         return self.receiver
 
     # --- the serving loop ---
     def _serve(self) -> None:
         while not self._stop.is_set():
+            self._housekeeping()
             for msg in self.inbox.receive(self._poll_timeout_ms()):
                 self._handle(msg)
             self._preallocate()
@@ -159,6 +181,7 @@ class DecodeNode(ServingNode):
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, GenerateRequest):
+            self.faults.request_arrived()
             self._accept(msg)
         elif isinstance(msg, TransferAnnounce):
             self._post_receive(msg)
@@ -252,49 +275,19 @@ class DecodeNode(ServingNode):
         set_time(req, "receive_posted")
 
     def _unreceivable(self, announce: TransferAnnounce) -> str | None:
-        """Why no receive at all may be posted for `announce`, if none may: a rank that is not
-        one of this node's prefill peers sends it nothing, and a token count no prompt has
-        (outside 1..max_model_len) is no transfer of this cluster's, whose scratch would be
-        unbounded; the channel from that rank is then out of order for good."""
-        rank, room = announce.prefill_rank, announce.room
-        if rank not in self.prefill_ranks.values():
-            reason = f"room {room} was announced by rank {rank}, which is no prefill node's"
-            log.error("%s: the announcement is dropped", reason)
-            return reason
-        max_len = self.spec.engine_config.max_model_len
-        if not 1 <= announce.num_tokens <= max_len:
-            reason = (
-                f"room {room} was announced with {announce.num_tokens} tokens, not 1..{max_len}"
-            )
+        reason, breaks_channel = unreceivable(
+            announce, self.prefill_ranks, self.spec.engine_config.max_model_len
+        )
+        if breaks_channel:
+            rank = announce.prefill_rank
             log.error("%s: the channel from rank %d is out of order", reason, rank)
             self.receiver.break_channel(rank, reason)
-            return reason
-        return None
+        elif reason is not None:
+            log.error("%s: the announcement is dropped", reason)
+        return reason
 
     def _refusal(self, announce: TransferAnnounce, tracked: Tracked) -> str | None:
-        """Why `announce` is not the transfer `tracked`'s request expects, if it is not: from
-        another rank than its prefill node's, a second one, another token count than its
-        prompt's, or draft depths it does not receive (0 or all of this node's)."""
-        room, rank = announce.room, announce.prefill_rank
-        prefill = tracked.message.prefill_node
-        expected_rank = self.prefill_ranks.get(prefill)
-        if rank != expected_rank:
-            return (
-                f"room {room} was announced by rank {rank}, but its prefill went to "
-                f"prefill-{prefill} (rank {expected_rank})"
-            )
-        if tracked.announce is not None:
-            return f"room {room} was announced twice by prefill-{prefill}"
-        prompt_len = len(tracked.req.prompt_token_ids)
-        if announce.num_tokens != prompt_len:
-            return f"prefill announced {announce.num_tokens} tokens, expected {prompt_len}"
-        depths = tracked.req.num_draft_tokens
-        if announce.num_draft_tokens not in (0, depths):
-            return (
-                f"prefill-{prefill} announced {announce.num_draft_tokens} draft depths, this "
-                f"node receives {depths}"
-            )
-        return None
+        return refusal(announce, tracked, self.prefill_ranks)
 
     def _discard(self, announce: TransferAnnounce) -> None:
         """Receive an announced transfer that no request takes into scratch (see
@@ -342,6 +335,13 @@ class DecodeNode(ServingNode):
             prefill = tracked.message.prefill_node
             if tracked.aborted:
                 self._forget(tracked)
+            elif handle.state == TransferState.FAILED and handle.left_posted:
+                # Timed out: no result is coming that would say more.
+                self._fail(
+                    tracked,
+                    f"KV transfer from prefill-{prefill} failed: {handle.error}",
+                    remove_from_receiving=False,
+                )
             elif tracked.result is None:
                 self._fail(
                     tracked,
@@ -353,6 +353,12 @@ class DecodeNode(ServingNode):
                 self._fail(
                     tracked,
                     f"KV transfer from prefill-{prefill} failed: {handle.error}",
+                    remove_from_receiving=False,
+                )
+            elif self.faults.transfer_fault(DECODE_FAULT_PHASES, earlier=PREFILL_FAULT_PHASES):
+                self._fail(
+                    tracked,
+                    f"KV transfer from prefill-{prefill} failed: injected fault after it landed",
                     remove_from_receiving=False,
                 )
             else:
@@ -464,22 +470,66 @@ class DecodeNode(ServingNode):
         self._forget(tracked)
 
     def _forget(self, tracked: Tracked) -> None:
+        self.rooms.pop(tracked.message.room, None)
         if tracked.handle is not None and tracked.handle.may_still_write:
             # Its receives stay posted (a timeout cannot cancel them) and land straight in the
-            # slots: they must never hold another request's KV. The metadata row is safe to
-            # reuse: receives land it in a staging tensor.
-            abandon_slots(
+            # slots: they must never hold another request's KV, so they are held until the
+            # prefill node is replaced. The metadata row is safe to reuse: receives land it in
+            # a staging tensor.
+            self.quarantine.hold(
                 tracked.req,
                 tracked.message.room,
-                "a receive of its transfer is still posted and may write into them",
+                tracked.handle.peer,
+                f"a receive of its transfer is still posted: {tracked.handle.error}",
             )
-        self.engine.kv_cache.release(tracked.req)
-        if self.speculator is not None:
-            self.speculator.release(tracked.req)
+            if tracked.meta_row is not None:
+                self.metadata.free(tracked.meta_row)
+                tracked.meta_row = None
+            return
+        self._release(tracked.req)
         if tracked.meta_row is not None:
             self.metadata.free(tracked.meta_row)
             tracked.meta_row = None
-        self.rooms.pop(tracked.message.room, None)
+
+    def _release(self, req) -> None:
+        self.engine.kv_cache.release(req)
+        if self.speculator is not None:
+            self.speculator.release(req)
+
+    def _drop_peer(self, index: int, rank: int, reason: str) -> None:
+        """prefill-`index` died: end every request it was to prefill (the router has ended
+        them already) and free their slots, receives still posted or not: nothing can come
+        from a dead process. Then free what a stuck transfer from it held."""
+        running = {id(req) for req in self.engine.scheduler.running}
+        for tracked in list(self.rooms.values()):
+            if tracked.message.prefill_node != index or id(tracked.req) in running:
+                continue
+            if tracked in self.prealloc:
+                self.prealloc.remove(tracked)
+            if tracked in self.receiving:
+                self.receiving.remove(tracked)
+            if not tracked.aborted:
+                self._send(TokenUpdate(tracked.message.room, [], error=reason))
+            self.rooms.pop(tracked.message.room, None)
+            self._release(tracked.req)
+            if tracked.meta_row is not None:
+                self.metadata.free(tracked.meta_row)
+                tracked.meta_row = None
+        for held in self.quarantine.release_peer(rank):
+            self._release(held.req)
+        log.warning("%s: requests and slots held for prefill-%d let go", reason, index)
+
+    def _pool_counts(self) -> list[PoolCount]:
+        requests = [t.req for t in self.rooms.values()]
+        requests += [h.req for h in self.quarantine.requests()]
+        rows_held = sum(1 for t in self.rooms.values() if t.meta_row is not None)
+        rows_used = self.metadata.num_rows - self.metadata.num_free
+        return request_pools(
+            self.engine.runner.kv_pool.allocator.num_used,
+            requests,
+            self.speculator,
+            (rows_used, rows_held),
+        )
 
     def _send(self, update: TokenUpdate) -> None:
         if self.router is not None:

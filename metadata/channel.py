@@ -14,9 +14,20 @@ class Channel:
     """How this process posts p2p operations to one peer: on which process group (None: the
     default one), one batch at a time."""
 
-    def __init__(self, group: dist.ProcessGroup | None, peer_in_group: int | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        peer_in_group: int | None = None,
+        coalesce: bool | None = None,
+    ) -> None:
+        """`coalesce`: post a batch as one coalesced NCCL group; None: when the group can (the
+        pair groups `dist.new_group` makes under NCCL). A gloo pair group posts plain sends and
+        receives, one per buffer."""
         self.group = group
         self.peer_in_group = peer_in_group
+        if coalesce is None:
+            coalesce = group is not None and hasattr(group, "_start_coalescing")
+        self.coalesce = coalesce
         # A group's batch state is per process: a sender and a receiver of one process that
         # share a peer take turns.
         self.lock = threading.Lock()
@@ -25,7 +36,7 @@ class Channel:
         """Post one batch of sends (receives) of `buffers` to (from) `peer`."""
         with self.lock:
             group = self.group
-            if group is not None and hasattr(group, "_start_coalescing"):
+            if group is not None and self.coalesce:
                 # The pair's own NCCL group: the coalesced batch batch_isend_irecv makes, built
                 # straight on the process group, without its Python checks per operation.
                 device = buffers[0].device
@@ -40,9 +51,25 @@ class Channel:
                     # Always closed: an open batch would hold back every later operation.
                     work = group._end_coalescing(device)
                 return [work]
+            if group is not None:
+                # A pair group of this process's own (metadata.pair_group), not registered
+                # with torch.distributed: posted on the group object itself.
+                post = group.send if sending else group.recv
+                return [post([buffer], self.peer_in_group, tag) for buffer in buffers]
             op = dist.isend if sending else dist.irecv
             ops = [dist.P2POp(op, buffer, peer, group, tag) for buffer in buffers]
             return dist.batch_isend_irecv(ops)
+
+    def close(self) -> None:
+        """Abort the pair's communicator where the backend can (NCCL: kernels still posted for
+        a dead peer would otherwise spin on the GPU forever); a gloo pair is left to close with
+        the peer's process, which fails whatever is still posted."""
+        group = self.group
+        if group is not None and self.coalesce and hasattr(group, "abort"):
+            try:
+                group.abort()
+            except Exception:  # noqa: BLE001 - best effort on a channel already given up
+                pass
 
 
 _process_channels: dict[tuple[object, int], Channel] = {}

@@ -1,5 +1,5 @@
 """What prefill and decode nodes share: loading their engine, describing it for pairing, and
-joining the data-plane process group."""
+opening the data-plane channels with their peers."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ from engine.cpu_tuning import keep_large_allocations_in_heap
 from engine.kv_pool import KVPool
 from engine.loader import EngineArgs, ModelSpec, load_runner, resolve
 from engine.model_runner import ModelRunner
-from engine.request import Request
 from metadata.buffers import MetadataBuffers
 from metadata.handshake import TransferSpec
-from metadata.process_group import init_transfer_group
 from metadata.transfer import KVReceiver, KVSender, TransferState
 
 log = logging.getLogger(__name__)
@@ -37,6 +35,9 @@ class NodeOptions:
     enable_tracing: bool = False  # a timeline per request (engine.tracing), sent to the router
     log_level: str = "info"
     stats_log_interval_s: float = 5.0  # a busy node logs its load this often; <= 0: never
+    # How often the node audits its KV pools against its live requests (metadata.kv_audit);
+    # <= 0: never.
+    kv_audit_interval_s: float = 10.0
     # Transfers over gloo through host memory although the pools are on a GPU: for nodes that
     # share one GPU, which NCCL refuses to pair with itself.
     transfer_through_host: bool = False
@@ -124,32 +125,3 @@ def open_channels(endpoint: KVSender | KVReceiver, peers: list[int], timeout_s: 
             raise RuntimeError(
                 f"could not open the channel with rank {handle.peer}: {handle.error or 'timed out'}"
             )
-
-
-def abandon_slots(req: Request, room: int, why: str, also: str = "") -> None:
-    """Let go of `req`'s KV slots, target and draft depths, without freeing them: releasing the
-    request afterwards frees its rows only, and the slots stay allocated for good. For slots that
-    a transfer left posted by a timeout may still read or write (`TransferHandle.may_still_write`,
-    `may_still_read`): handed to another request, they could carry or receive the wrong KV.
-    Logs a warning naming the room, how many slots the pools lose (`also`: what else stays
-    taken) and `why`."""
-    lost = len(req.slots)
-    req.slots = []
-    state = req.spec_state  # spec.SpecRequestState: one DraftSeq per depth
-    for seq in state.seqs if state is not None else []:
-        lost += len(seq.slots)
-        seq.slots = []
-    log.warning("room %s: %d KV slots%s stay allocated for good: %s", room, lost, also, why)
-
-
-def join_transfer_group(
-    spec: ModelSpec,
-    store_host: str,
-    store_port: int,
-    rank: int,
-    world_size: int,
-    through_host: bool = False,
-) -> None:
-    device = spec.engine_config.device
-    backend = "gloo" if through_host else None
-    init_transfer_group(store_host, store_port, rank, world_size, device, backend=backend)

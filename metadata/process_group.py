@@ -74,7 +74,7 @@ def init_transfer_group(
         # pair, on whatever device is current at the time, so set it before anything else.
         torch.cuda.set_device(torch_device)
     if is_loopback(store_host):
-        _keep_group_sockets_on_loopback()
+        keep_group_sockets_on_loopback()
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(store_host, store_port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group(
@@ -86,7 +86,7 @@ def init_transfer_group(
     )
 
 
-def _keep_group_sockets_on_loopback() -> None:
+def keep_group_sockets_on_loopback() -> None:
     """A store on loopback means every rank runs on this host: gloo's pairs and NCCL's
     bootstrap then listen on the loopback interface too, instead of the interface the host
     name resolves to (or, for NCCL, the first that is not loopback). An interface the operator

@@ -1,10 +1,16 @@
 """What every serving node shares, whatever its role: its identity, the one thread that owns its
-engine and sockets, the health and clock answers the router asks for, the data-plane channel it
-opens when it joins the group, and the check that all of its pools are empty."""
+engine and sockets, the health and clock answers the router asks for, the data-plane channels it
+opens with each peer (a pair group per peer: metadata.pair_group) and re-opens when a peer is
+replaced, its fault injection, and the checks that its pools are empty and accounted for."""
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from engine.kv_cache import KVCacheManager
@@ -12,13 +18,31 @@ from engine.loader import ModelSpec
 from engine.tracing import clock_ns
 from metadata.buffers import MetadataBuffers
 from metadata.control import Inbox
-from metadata.node_common import NodeOptions, join_transfer_group, open_channels, transfer_spec
+from metadata.faults import FaultInjector
+from metadata.kv_audit import KVAudit, PoolCount, Quarantine
+from metadata.node_common import NodeOptions, open_channels, transfer_spec
+from metadata.pair_group import PairLink, open_pair_channel
 from metadata.transfer import KVReceiver, KVSender
+
+log = logging.getLogger(__name__)
+PEER_LOST_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """A node's answer to the router's health probe (a Ray call). `degraded`: why the node
+    serves with a fault (a transfer stuck past its timeout), else None. `broken_peers`: the
+    ranks whose channel with this node is out of order (a timeout left operations posted): the
+    cluster replaces the prefill end of each such pair."""
+
+    degraded: str | None = None
+    broken_peers: tuple[int, ...] = ()
 
 
 class ServingNode:
     """Subclasses set `spec`, `kv_cache`, `metadata`, `inbox`, `speculator` and
-    `num_draft_steps` in their constructor and implement `_serve` and `_open_channel`."""
+    `num_draft_steps` in their constructor and implement `_serve`, `_open_channel`,
+    `_drop_peer` and `_pool_counts`; `_serve` calls `_housekeeping` once per iteration."""
 
     spec: ModelSpec
     kv_cache: KVCacheManager
@@ -33,25 +57,67 @@ class ServingNode:
         self._channel: KVSender | KVReceiver | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.faults = FaultInjector(options.name)
+        self.quarantine = Quarantine()
+        self.kv_audit = KVAudit(options.name, options.kv_audit_interval_s)
+        # Work that Ray calls hand to the serving thread, which owns the engine and sockets.
+        self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 
     def describe(self) -> dict:
         spec = transfer_spec(self.spec, self.num_draft_steps)
         return {"endpoint": self.inbox.endpoint, "spec": spec.to_dict()}
 
-    def join_group(
-        self, store_host: str, store_port: int, rank: int, world_size: int, peers: list[int]
-    ) -> None:
-        join_transfer_group(
-            self.spec,
-            store_host,
-            store_port,
-            rank,
-            world_size,
-            through_host=self.options.transfer_through_host,
-        )
+    def pair_with(self, rank: int, links: list[PairLink]) -> None:
+        """Take data-plane rank `rank` and open a channel with each peer of `links` (a pair
+        group each, made together with the peer, which calls `pair_with` or `repair`)."""
         self.rank = rank
         self._channel = self._open_channel()
-        open_channels(self._channel, peers, self.options.transfer_timeout_s)
+        if not links:
+            return
+        with ThreadPoolExecutor(len(links)) as pool:
+            # Concurrently: each group waits for its peer, and peers pair in any order.
+            channels = list(pool.map(self._open_pair, links))
+        for link, channel in zip(links, channels):
+            self._channel.attach(link.peer_rank, channel)
+        open_channels(self._channel, [link.peer_rank for link in links], self._timeout_s)
+
+    def repair(self, link: PairLink) -> None:
+        """The peer at `link.peer_rank` was replaced: open a new channel with it. Whatever was
+        in flight with its predecessor was dropped by `peer_lost`."""
+        channel = self._open_pair(link)
+        self._channel.attach(link.peer_rank, channel)
+        open_channels(self._channel, [link.peer_rank], self._timeout_s)
+
+    def peer_lost(self, index: int, rank: int, reason: str) -> None:
+        """(Ray call) The peer node `index` (data-plane rank `rank`) is dead: every request
+        that involves it ends with `reason`, and every slot held for it is freed (a dead
+        process can neither write into nor read from them). Returns once the serving thread
+        has done so, so that it happens before a replacement pairs (up to PEER_LOST_WAIT_S
+        while a long step runs)."""
+        if self._channel is not None:
+            self._channel.forget_peer(rank, reason)
+        done = threading.Event()
+
+        def drop() -> None:
+            self._drop_peer(index, rank, reason)
+            done.set()
+
+        self._events.put(drop)
+        if self._thread is not None and self._thread.is_alive():
+            done.wait(PEER_LOST_WAIT_S)
+
+    def _open_pair(self, link: PairLink):
+        return open_pair_channel(
+            link,
+            self.rank,
+            self.spec.engine_config.device,
+            through_host=self.options.transfer_through_host,
+            timeout_s=self._timeout_s,
+        )
+
+    @property
+    def _timeout_s(self) -> float:
+        return self.options.transfer_timeout_s
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._serve, name=self.options.name, daemon=True)
@@ -61,6 +127,16 @@ class ServingNode:
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError(f"{self.options.name}: its serving loop is not running")
         return "ok"
+
+    def health(self) -> NodeHealth:
+        """The router's probe: raises when the serving loop is gone, else says whether the node
+        is degraded and which channels are broken."""
+        self.ping()
+        broken = self._channel.broken_peers() if self._channel is not None else {}
+        reasons = [self.quarantine.degraded()]
+        reasons += [f"channel with rank {rank}: {why}" for rank, why in sorted(broken.items())]
+        degraded = "; ".join(r for r in reasons if r) or None
+        return NodeHealth(degraded, tuple(sorted(broken)))
 
     def clock_ns(self) -> int:
         """This process's trace clock, for the router to align this node's timelines."""
@@ -74,6 +150,32 @@ class ServingNode:
             and self.metadata.num_free == self.metadata.num_rows
         )
 
+    def audit_kv(self) -> list[dict]:
+        """(Ray call) Audit the pools now, on the serving thread; the pools that differ."""
+        done: queue.SimpleQueue[list[PoolCount]] = queue.SimpleQueue()
+        self._events.put(lambda: done.put(self.kv_audit.run(self._pool_counts())))
+        return [vars(count) for count in done.get(timeout=30)]
+
+    def _housekeeping(self) -> None:
+        """Once per serving iteration: apply what Ray calls handed over, and audit the pools
+        when due."""
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            event()
+        self.kv_audit.tick(self._pool_counts)
+
+    def _health_stats(self) -> dict:
+        """The fault-related figures every node's stats() carries."""
+        return {
+            **self.kv_audit.stats(),
+            "kv_quarantined": sum(len(h.req.slots) for h in self.quarantine.requests()),
+            "transfers_stuck": len(self.quarantine.requests()),
+            "faults_injected": self.faults.transfers_failed,
+        }
+
     def shutdown(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -85,4 +187,10 @@ class ServingNode:
         raise NotImplementedError
 
     def _serve(self) -> None:
+        raise NotImplementedError
+
+    def _drop_peer(self, index: int, rank: int, reason: str) -> None:
+        raise NotImplementedError
+
+    def _pool_counts(self) -> list[PoolCount]:
         raise NotImplementedError

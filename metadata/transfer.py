@@ -32,14 +32,22 @@ Contract (the control plane keeps it; tests/test_transfer.py checks the data pla
 - a posted p2p operation cannot be cancelled (NCCL; and a gloo wait that times out closes every
   pair of the process group, so none is used). Hence: every announced transfer must be sent, a
   transfer that misses its deadline breaks the channel with that peer for good on both backends
-  (later ones fail at once; other peers are unaffected; recovery is a new group), and a handle
-  may be failed by the caller (`handle.fail`) only while it is still queued and only if the peer
-  will not send it either (TransferAbandoned);
+  (later ones fail at once; other peers are unaffected; recovery is a new pair group: `attach`),
+  and a handle may be failed by the caller (`handle.fail`) only while it is still queued and only
+  if the peer will not send it either (TransferAbandoned);
 - `connect(peer)` on both sides, before the first transfer, opens the channel (NCCL creates the
   pair's communicator then, blocking until both ranks join). On NCCL each pair has its own
   two-rank process group: a batch of p2p operations on a group runs on that group's
   communicator, which for the whole world would need every rank to join, and a group's batch
-  state is not safe to share between the worker threads of several peers.
+  state is not safe to share between the worker threads of several peers;
+- the cluster's nodes give each peer a channel of its own (`attach`, metadata.pair_group): a
+  pair group that no other pair shares. Attaching a new channel for a peer (the peer was
+  replaced) starts a new worker for it; what was queued for the old channel fails, and a job the
+  old worker is still waiting on fails when the dead peer's sockets close (gloo) or its
+  communicator is aborted (NCCL). A peer reported dead (`forget_peer`) fails whatever is queued
+  for it and every later transfer with it at once, until a channel is attached again. Without
+  `attach`, channels are made on the process's default group (`channel_to`), as two-process
+  tests do.
 """
 
 from __future__ import annotations
@@ -83,8 +91,11 @@ class _PeerWorkers:
         timeout_s: float = 120.0,
         phase_events: bool = False,
         host_staged: bool = False,
+        rank: int | None = None,
     ) -> None:
-        """`phase_events`: also time each transfer's phases with CUDA events (`gpu_phases`), at
+        """`rank`: this process's rank among the cluster's nodes; None: its rank in the default
+        group (channels then made by `channel_to`).
+        `phase_events`: also time each transfer's phases with CUDA events (`gpu_phases`), at
         the cost of one event per phase and a wait for the last one: for benchmarks.
         `host_staged`: the group is gloo although the pools are on a GPU (the two nodes share
         one GPU, which NCCL refuses to pair with itself): every message crosses through host
@@ -104,6 +115,46 @@ class _PeerWorkers:
         # Peers whose channel a timeout left out of order, with the reason (see `_wait`).
         self._broken: dict[int, str] = {}
         self._channels: dict[int, Channel] = {}
+        self._rank = rank
+        # Peers reported dead (`forget_peer`): their channel is gone, not broken by a timeout.
+        self._lost: set[int] = set()
+        # Per peer, which worker serves it now: a peer's channel replaced (`attach`) leaves the
+        # old worker to fail what it still holds.
+        self._generation: dict[int, int] = {}
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if self._rank is None else self._rank
+
+    def attach(self, peer: int, channel: Channel) -> None:
+        """Use `channel` for `peer` from now on (a new pair group: the peer is new, or was
+        replaced). Transfers queued for the old channel fail; the peer's broken mark goes."""
+        with self._lock:
+            old = self._channels.get(peer)
+            self._channels[peer] = channel
+            self._broken.pop(peer, None)
+            self._lost.discard(peer)
+            jobs = self._queues.pop(peer, None)
+            self._generation[peer] = self._generation.get(peer, 0) + 1
+        if jobs is not None:
+            jobs.put(_CLOSE)
+        if old is not None and old is not channel:
+            old.close()
+
+    def forget_peer(self, peer: int, reason: str) -> None:
+        """The peer is gone: transfers with it fail at once (queued or new) until a new
+        channel is attached."""
+        with self._lock:
+            self._broken[peer] = reason
+            self._lost.add(peer)
+            jobs = self._queues.pop(peer, None)
+            self._generation[peer] = self._generation.get(peer, 0) + 1
+        if jobs is not None:
+            jobs.put(_CLOSE)
+
+    def broken_peers(self) -> dict[int, str]:
+        """Live peers whose channel a timeout (or a failed post) left out of order, with why."""
+        return {peer: why for peer, why in self._broken.items() if peer not in self._lost}
 
     def connect(self, peer: int) -> TransferHandle:
         """Open the channel with `peer` before its first transfer; both sides call it, first.
@@ -113,7 +164,7 @@ class _PeerWorkers:
         channel = self._channel(peer)
         handle = TransferHandle(room=0, peer=peer, timeout_s=self.timeout_s)
         sending = isinstance(self, KVSender)
-        token = torch.tensor([dist.get_rank() if sending else -1], device=self._wire_device)
+        token = torch.tensor([self.rank if sending else -1], device=self._wire_device)
 
         def exchange() -> str | None:
             self._wait(handle, channel.post(sending, peer, _CONNECT_TAG, [token]))
@@ -128,6 +179,8 @@ class _PeerWorkers:
         channel = self._channels.get(peer)
         if channel is not None:
             return channel
+        if self._rank is not None:
+            raise ValueError(f"rank {peer} is not a peer of rank {self._rank} (no channel)")
         # Checked first because gloo crashes the process (SIGSEGV) on a p2p op to a bad rank.
         world, own = dist.get_world_size(), dist.get_rank()
         if not 0 <= peer < world or peer == own:
@@ -147,8 +200,12 @@ class _PeerWorkers:
             jobs = self._queues.get(peer)
             if jobs is None:
                 jobs = self._queues[peer] = queue.SimpleQueue()
+                generation = self._generation.get(peer, 0)
                 thread = threading.Thread(
-                    target=self._serve, args=(peer, jobs), name=f"{self._role}-{peer}", daemon=True
+                    target=self._serve,
+                    args=(peer, jobs, generation),
+                    name=f"{self._role}-{peer}",
+                    daemon=True,
                 )
                 self._threads.append(thread)
                 thread.start()
@@ -179,7 +236,7 @@ class _PeerWorkers:
         """Mark the channel to `peer` out of order for good (later transfers fail at once)."""
         self._broken.setdefault(peer, f"channel to rank {peer} unusable: {reason}")
 
-    def _serve(self, peer: int, jobs: queue.SimpleQueue) -> None:
+    def _serve(self, peer: int, jobs: queue.SimpleQueue, generation: int = 0) -> None:
         if self._is_cuda:
             # The current device and stream are per thread: set once, they hold for every job
             # (a `torch.cuda.stream` context per job costs tens of microseconds of Python).
@@ -191,6 +248,13 @@ class _PeerWorkers:
                 continue  # failed by the caller while queued: nothing was posted for it
             if self._closed and handle.state != TransferState.TRANSFERRING:
                 handle.fail(f"room {handle.room}: {self._role} closed before the transfer ran")
+                continue
+            if self._generation.get(peer, 0) != generation:
+                # The peer was lost or replaced while this waited: its channel is gone.
+                reason = self._broken.get(peer, f"the channel with rank {peer} was replaced")
+                if handle.state == TransferState.TRANSFERRING:
+                    handle.left_posted = True
+                handle.fail(f"room {handle.room}, peer rank {peer}: {reason}")
                 continue
             posted = handle.state == TransferState.TRANSFERRING  # by the caller (a sender)
             handle.advance(TransferState.TRANSFERRING)
@@ -265,6 +329,9 @@ class _PeerWorkers:
             jobs.put(_CLOSE)
         for thread in self._threads:
             thread.join(join_timeout_s)
+        if self._rank is not None:  # the pair groups are this object's (`attach`)
+            for channel in list(self._channels.values()):
+                channel.close()
 
 
 class KVSender(_PeerWorkers):

@@ -33,6 +33,8 @@ from engine.sampler import compute_logprobs, sample
 from engine.sampling_params import SamplingParams
 from engine.tracing import RequestTrace, set_time, set_time_batch
 from metadata.control import Inbox, Outbox
+from metadata.faults import PREFILL_FAULT_PHASES
+from metadata.kv_audit import PoolCount, request_pools
 from metadata.messages import (
     AbortRequest,
     PrefillRequest,
@@ -42,11 +44,11 @@ from metadata.messages import (
 )
 from metadata.node_common import (
     NodeOptions,
-    abandon_slots,
     load_node_engine,
     metadata_buffers,
 )
 from metadata.node_metrics import Activity, ActivityLog, TransferTotals
+from metadata.pair_group import PairLink
 from metadata.serving_node import ServingNode
 from metadata.transfer import KVSender, TransferHandle, TransferState
 from metadata.wire import PoolMessages
@@ -91,6 +93,8 @@ class PrefillNode(ServingNode):
         self.sender: KVSender | None = None
         self.waiting: deque[_Pending] = deque()
         self.sending: list[_Pending] = []
+        # Transfers an injected "stall" fault keeps from ever being sent (engine.env).
+        self.stalled: list[_Pending] = []
         # Unseeded sampling differs per node on purpose; seeded requests use step_generator.
         self.default_generator = torch.Generator().manual_seed(config.seed + 7919 * options.index)
         self.prompts_done = 0
@@ -103,6 +107,16 @@ class PrefillNode(ServingNode):
         key = self.options.control_key
         self.outboxes = {i: Outbox(e, key) for i, e in decode_endpoints.items()}
 
+    def peer_replaced(self, index: int, endpoint: str, link: PairLink) -> None:
+        """(Ray call) decode-`index` was replaced by a node at `endpoint`: send there, and open
+        the new channel with it."""
+        old = self.outboxes.get(index)
+        # The serving thread owns the sockets: it closes the old one.
+        self.outboxes[index] = Outbox(endpoint, self.options.control_key)
+        if old is not None:
+            self._events.put(old.close)
+        self.repair(link)
+
     def stats(self) -> dict:
         allocator = self.runner.kv_pool.allocator
         return {
@@ -113,9 +127,10 @@ class PrefillNode(ServingNode):
             "kv_capacity": allocator.capacity,
             "prompts_done": self.prompts_done,
             "prompt_tokens": self.prompt_tokens,
-            "transfers_in_flight": len(self.sending),
+            "transfers_in_flight": len(self.sending) + len(self.stalled),
             "transfers": self.transfer_totals.as_dict(),
             "control_rejected": self.inbox.rejected,
+            **self._health_stats(),
         }
 
     def _open_channel(self) -> KVSender:
@@ -123,12 +138,14 @@ class PrefillNode(ServingNode):
             self.spec.engine_config.device,
             timeout_s=self.options.transfer_timeout_s,
             host_staged=self.options.transfer_through_host,
+            rank=self.rank,
         )
         return self.sender
 
     # --- the serving loop (one thread owns the engine and the sockets) ---
     def _serve(self) -> None:
         while not self._stop.is_set():
+            self._housekeeping()
             # Only transfers in flight: block briefly rather than spin, so the sender threads
             # get the interpreter.
             timeout = 0 if self.waiting else (WAITING_POLL_MS if self.sending else IDLE_POLL_MS)
@@ -153,6 +170,7 @@ class PrefillNode(ServingNode):
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, PrefillRequest):
+            self.faults.request_arrived()
             params = SamplingParams(**msg.sampling.__dict__)
             req = Request(str(msg.room), list(msg.prompt_token_ids), params)
             if self.options.enable_tracing:
@@ -295,6 +313,14 @@ class PrefillNode(ServingNode):
         req = pending.req
         room = int(req.request_id)
         prompt_len = req.kv_len
+        fault = self.faults.transfer_fault(PREFILL_FAULT_PHASES)
+        if fault == "before":
+            self._send_void(pending, "transfer failed: injected fault before the KV send")
+            return
+        if fault == "stall":
+            log.warning("room %s: injected fault: its transfer is never sent", room)
+            self.stalled.append(pending)
+            return
         try:
             pools = [(self.runner.kv_pool, req.slots[:prompt_len])]
             draft_fields = {}
@@ -315,6 +341,10 @@ class PrefillNode(ServingNode):
                 hidden_state=last_hidden,
                 **draft_fields,
             )
+            if fault == "during":
+                # The KV goes out, but the row's room tag does not match: the decode node
+                # fails the transfer when it lands.
+                self.metadata.void(pending.meta_row)
         except Exception as err:  # noqa: BLE001 - fails this request only
             log.exception("room %s: preparing its transfer failed", room)
             self._send_void(pending, f"preparing the transfer failed: {type(err).__name__}: {err}")
@@ -394,20 +424,55 @@ class PrefillNode(ServingNode):
         if pending.handle is not None and pending.handle.may_still_read:
             # Its sends stay posted (a timeout cannot cancel them) and read the slots and the
             # row in place whenever the peer receives: reused, they would send another
-            # request's KV under this room's tag.
-            abandon_slots(
+            # request's KV under this room's tag. Held until the decode node is replaced (or
+            # this node is: a broken channel replaces its prefill end).
+            self.quarantine.hold(
                 pending.req,
                 int(pending.req.request_id),
-                "a send of its transfer is still posted and may read them",
-                also=f" and metadata row {pending.meta_row}",
+                pending.decode_rank,
+                f"a send of its transfer is still posted: {pending.handle.error}",
+                meta_row=pending.meta_row,
             )
             pending.meta_row = None
-        self.kv_cache.release(pending.req)
+            return
+        self._free(pending.req, pending.meta_row)
+        pending.meta_row = None
+
+    def _free(self, req: Request, meta_row: int | None) -> None:
+        self.kv_cache.release(req)
         if self.speculator is not None:
-            self.speculator.release(pending.req)
-        if pending.meta_row is not None:
-            self.metadata.free(pending.meta_row)
-            pending.meta_row = None
+            self.speculator.release(req)
+        if meta_row is not None:
+            self.metadata.free(meta_row)
+
+    def _drop_peer(self, index: int, rank: int, reason: str) -> None:
+        """decode-`index` died: drop every request bound for it and free their slots and rows,
+        sends still posted or not: a dead process reads nothing more."""
+        for pending in list(self.waiting):
+            if pending.decode_node == index:
+                self.waiting.remove(pending)
+                self._free(pending.req, pending.meta_row)
+        for group in (self.sending, self.stalled):
+            for pending in [p for p in group if p.decode_node == index]:
+                group.remove(pending)
+                self._free(pending.req, pending.meta_row)
+                pending.meta_row = None
+        for held in self.quarantine.release_peer(rank):
+            self._free(held.req, held.meta_row)
+        log.warning("%s: requests and slots bound for decode-%d let go", reason, index)
+
+    def _pool_counts(self) -> list[PoolCount]:
+        pendings = [*self.waiting, *self.sending, *self.stalled]
+        held = self.quarantine.requests()
+        requests = [p.req for p in pendings] + [h.req for h in held]
+        rows_held = sum(1 for p in pendings if p.meta_row is not None)
+        rows_held += sum(1 for h in held if h.meta_row is not None)
+        return request_pools(
+            self.runner.kv_pool.allocator.num_used,
+            requests,
+            self.speculator,
+            (self.metadata.num_rows - self.metadata.num_free, rows_held),
+        )
 
 
 def _drafts_after_first_token(req: Request) -> bool:

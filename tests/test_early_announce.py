@@ -17,12 +17,15 @@ import torch
 import decode_node.tracked as tracked_module
 from decode_node.node import DecodeNode
 from decode_node.tracked import Tracked
+from engine.env import FaultSettings
 from engine.kv_cache import KVCacheManager
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from metadata.buffers import MetadataBuffers
 from metadata.control_auth import new_control_key
+from metadata.faults import FaultInjector
+from metadata.kv_audit import Quarantine
 from metadata.messages import (
     MessageError,
     PrefillResult,
@@ -141,6 +144,9 @@ def prefill_node(recorder: Recorder, fail: bool = False, speculator=None) -> Pre
     node.default_generator = torch.Generator().manual_seed(0)
     node.prompts_done = node.prompt_tokens = 0
     node.transfer_totals = TransferTotals("send")
+    node.faults = FaultInjector("prefill-0", FaultSettings())
+    node.quarantine = Quarantine()
+    node.stalled = []
     return node
 
 
@@ -326,6 +332,8 @@ def decode_node(state: TransferState, error: str | None = None):
     node.prefill_outboxes = {}
     node.prefill_ranks = {0: PREFILL_RANK}
     node.transfer_totals = TransferTotals("receive")
+    node.faults = FaultInjector("decode-0", FaultSettings())
+    node.quarantine = Quarantine()
     req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
     cache.grow(req, len(PROMPT) + 4)
     message = SimpleNamespace(room=ROOM, prefill_node=0)

@@ -1,13 +1,14 @@
 """What the nodes do with a request's KV slots and metadata row once its transfer ends: free
 them, unless the transfer timed out with its operations still posted. Receives land straight
 in the decode node's slots and sends read the prefill node's slots and row in place, so those
-stay allocated for good (with a warning naming the room); the decode node's row is received
-through a staging tensor and is freed. Nodes are built bare here (no model, no group): only
-the bookkeeping runs."""
+are held (with a warning naming the room) until the peer is gone, then freed; the decode node's
+row is received through a staging tensor and is freed at once. Nodes are built bare here (no
+model, no group): only the bookkeeping runs."""
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -15,11 +16,14 @@ import torch
 
 from decode_node.node import DecodeNode
 from decode_node.tracked import Tracked
+from engine.env import FaultSettings
 from engine.kv_cache import KVCacheManager
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from metadata.buffers import MetadataBuffers
+from metadata.faults import FaultInjector
+from metadata.kv_audit import Quarantine
 from metadata.messages import PrefillResult
 from metadata.node_metrics import TransferTotals
 from metadata.transfer import TransferHandle, TransferState
@@ -46,8 +50,11 @@ def handle(state: TransferState, left_posted: bool) -> TransferHandle:
 def decode_node(left_posted: bool, state: TransferState):
     node = DecodeNode.__new__(DecodeNode)
     cache = kv_cache()
-    node.engine = SimpleNamespace(kv_cache=cache)
+    node.engine = SimpleNamespace(kv_cache=cache, scheduler=SimpleNamespace(running=[]))
     node.kv_cache = cache
+    node.faults = FaultInjector("decode-0", FaultSettings())
+    node.quarantine = Quarantine()
+    node.prealloc = deque()
     node.speculator = None
     node.metadata = MetadataBuffers(2, 8, 0, 1, torch.float32, "cpu")
     node.router = None
@@ -71,7 +78,7 @@ def test_decode_node_frees_the_slots_of_a_transfer_that_ended(state: TransferSta
     assert cache.is_empty() and node.metadata.num_free == 2 and not node.rooms
 
 
-def test_decode_node_keeps_the_slots_a_posted_receive_may_still_write(caplog) -> None:
+def test_decode_node_holds_the_slots_a_posted_receive_may_still_write(caplog) -> None:
     node, cache = decode_node(left_posted=True, state=TransferState.FAILED)
     slots = list(node.rooms[ROOM].req.slots)
     with caplog.at_level(logging.WARNING, logger="decode_node.node"):
@@ -81,8 +88,12 @@ def test_decode_node_keeps_the_slots_a_posted_receive_may_still_write(caplog) ->
     allocator.check_integrity()
     # The request is gone, its req_to_token row and its staged metadata row are free again.
     assert not node.rooms and not node.receiving
-    assert cache.req_to_token_pool.num_free_rows == 4 and node.metadata.num_free == 2
-    assert f"room {ROOM}: {len(slots)} KV slots stay allocated for good" in caplog.text
+    assert cache.req_to_token_pool.num_free_rows == 3 and node.metadata.num_free == 2
+    assert f"room {ROOM}: {len(slots)} KV slots held until rank 1 is replaced" in caplog.text
+    assert "hold 14 KV slots" in node.quarantine.degraded()
+    # Its prefill node (rank 1 here) is gone: nothing can write into them any more.
+    node._drop_peer(0, 1, "prefill-0 died")
+    assert cache.is_empty() and node.quarantine.degraded() is None
 
 
 def prefill_node(left_posted: bool):
@@ -91,6 +102,9 @@ def prefill_node(left_posted: bool):
     node.speculator = None
     node.metadata = MetadataBuffers(2, 8, 0, 1, torch.float32, "cpu")
     node.transfer_totals = TransferTotals("send")
+    node.quarantine = Quarantine()
+    node.waiting = deque()
+    node.stalled = []
     req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
     node.kv_cache.grow(req, len(PROMPT))
     pending = _Pending(req, decode_node=0, decode_rank=1, meta_row=node.metadata.allocate())
@@ -105,11 +119,13 @@ def test_prefill_node_frees_after_a_failure_that_left_nothing_posted() -> None:
     assert node.kv_cache.is_empty() and node.metadata.num_free == 2 and not node.sending
 
 
-def test_prefill_node_keeps_the_slots_and_row_a_posted_send_may_still_read(caplog) -> None:
+def test_prefill_node_holds_the_slots_and_row_a_posted_send_may_still_read(caplog) -> None:
     node = prefill_node(left_posted=True)
     with caplog.at_level(logging.WARNING, logger="prefill_node.node"):
         node._finish_transfers()
     assert node.kv_cache.kv_pool.allocator.num_used == len(PROMPT)
     assert node.metadata.num_free == 1  # the row the send reads in place
-    assert node.kv_cache.req_to_token_pool.num_free_rows == 4 and not node.sending
-    assert f"room {ROOM}: {len(PROMPT)} KV slots and metadata row 0 stay allocated" in caplog.text
+    assert node.kv_cache.req_to_token_pool.num_free_rows == 3 and not node.sending
+    assert f"room {ROOM}: {len(PROMPT)} KV slots held until rank 1 is replaced" in caplog.text
+    node._drop_peer(0, 1, "decode-0 died")
+    assert node.kv_cache.is_empty() and node.metadata.num_free == 2
