@@ -91,6 +91,8 @@ class FakeRunner:
         self.kv_pool = kv_pool
         self.recorder = recorder
         self.fail = fail
+        # Sampling masks EOS while a request is under its min_tokens.
+        self.model_config = SimpleNamespace(eos_token_ids=[2])
 
     def build_batch(self, requests: list[Request]):
         self.recorder.events.append(("forward",))
