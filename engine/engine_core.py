@@ -8,6 +8,7 @@ draft over them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -17,7 +18,7 @@ from engine.logits_processors import process_request_logits
 from engine.model_runner import ForwardOutput, ModelRunner
 from engine.prompt_embeds import InputEmbeds, PromptEmbeds
 from engine.request import Request, RequestOutput, SpecStats, Usage
-from engine.sampler import compute_logprobs, sample
+from engine.sampler import TokenLogprob, compute_logprobs, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stopping import StopChecker
@@ -37,6 +38,22 @@ def step_generator(req: Request) -> torch.Generator | None:
     if req.params.seed is None:
         return None
     return position_generator(req.params.seed, len(req.output_token_ids))
+
+
+def sample_next_tokens(
+    logits: torch.Tensor,
+    requests: list[Request],
+    eos_token_ids: Sequence[int],
+    default_generator: torch.Generator,
+) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
+    """Each request's next token from its last-position logits [B, vocab] (penalties, biases
+    and min_tokens first, then its sampling settings), and its logprob entry. The one sampling
+    step of every node that samples after a forward."""
+    params = [req.params for req in requests]
+    generators = [step_generator(req) for req in requests]
+    processed = process_request_logits(logits, requests, eos_token_ids)
+    tokens = sample(processed, params, generators, default_generator)
+    return tokens, compute_logprobs(logits, tokens, params)
 
 
 # Trace events (engine.tracing) of the steps that are not speculative decode steps.
@@ -156,12 +173,9 @@ class EngineCore:
             forward_batch = self.runner.build_batch(batch.requests)
             keep_hidden = batch.is_prefill and any(r.num_draft_tokens for r in batch.requests)
             output = self.runner.forward(forward_batch, keep_hidden=keep_hidden)
-            logits = output.logits
-            params = [req.params for req in batch.requests]
-            generators = [step_generator(req) for req in batch.requests]
-            processed = process_request_logits(logits, batch.requests, self.eos_token_ids)
-            tokens = sample(processed, params, generators, self.default_generator)
-            logprobs = compute_logprobs(logits, tokens, params)
+            tokens, logprobs = sample_next_tokens(
+                output.logits, batch.requests, self.eos_token_ids, self.default_generator
+            )
         except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
             stage = "prefill" if batch.is_prefill else "decode"
             return self._fail(batch.requests, stage, err)

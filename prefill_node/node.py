@@ -21,15 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.engine_core import step_generator
+from engine.engine_core import sample_next_tokens
 from engine.errors import RequestRejectedError
 from engine.kv_cache import KVCacheManager
 from engine.kv_pool import KVPool
 from engine.loader import EngineArgs
-from engine.logits_processors import process_request_logits
 from engine.prompt_embeds import InputEmbeds, PromptEmbeds
 from engine.request import Request
-from engine.sampler import compute_logprobs, sample
 from engine.sampling_params import SamplingParams
 from engine.tracing import RequestTrace, set_time, set_time_batch
 from metadata.control import Inbox, Outbox
@@ -225,12 +223,12 @@ class PrefillNode(ServingNode):
             forward_batch = self.runner.build_batch(requests)
             output = self.runner.forward(forward_batch, keep_hidden=self.speculator is not None)
             self._begin_transfers(batch)
-            params = [r.params for r in requests]
-            generators = [step_generator(r) for r in requests]
-            eos_token_ids = self.runner.model_config.eos_token_ids
-            processed = process_request_logits(output.logits, requests, eos_token_ids)
-            tokens = sample(processed, params, generators, self.default_generator)
-            logprobs = compute_logprobs(output.logits, tokens, params)
+            tokens, logprobs = sample_next_tokens(
+                output.logits,
+                requests,
+                self.runner.model_config.eos_token_ids,
+                self.default_generator,
+            )
             for req, token in zip(requests, tokens.tolist()):
                 req.kv_len = req.num_tokens
                 req.output_token_ids.append(token)

@@ -133,11 +133,7 @@ class FixedDecodeExtend:
         else:
             buffers = self._buffers(len(items))
             self._fill(buffers, items)
-            metadata = [
-                runner.attention.prepare(self._eager_batch(buffers, d, runner, items))
-                for d, runner in enumerate(self.depths)
-            ]
-            chains, probs, boundary = self._forward(buffers, metadata, eager_items=items)
+            chains, probs, boundary = self._forward(buffers, eager_items=items)
         n = len(items)
         # Out of the graph's buffers: kept as views until the next extend.
         boundary = boundary[:, :n].clone()
@@ -205,7 +201,7 @@ class FixedDecodeExtend:
     def _forward(
         self,
         buffers: _Buffers,
-        metadata: list,
+        metadata: list | None = None,
         eager_items: list[FixedExtendItem] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every depth over the buffers: the chains [size, K], their probabilities [size, K]
@@ -218,8 +214,7 @@ class FixedDecodeExtend:
         boundaries: list[torch.Tensor] = []
         previous: torch.Tensor | None = None
         for d, (runner, width) in enumerate(zip(self.depths, self.widths)):
-            ids, positions, slots, rows, *_ = buffers.depth_views(d)
-            ids = ids.view(size, width)
+            ids = buffers.depth_views(d)[0].view(size, width)
             for t, draft in enumerate(drafts, start=1):
                 ids.scatter_(1, (accepted + t)[:, None], draft[:, None])
             if d == 0:
@@ -228,7 +223,11 @@ class FixedDecodeExtend:
                 assert previous is not None
                 boundary = buffers.boundary[d - 1][:, None]
                 hidden = torch.cat([boundary, previous[:, : width - 1]], dim=1)
-            batch = self._batch(buffers, d, runner, metadata[d], eager_items)
+            batch = self._batch(buffers, d, runner, eager_items)
+            # A graph's metadata points at the buffers; an eager forward prepares its own.
+            batch.attn_metadata = (
+                metadata[d] if metadata is not None else runner.attention.prepare(batch)
+            )
             (out,) = runner._forward_tokens(batch, hidden.reshape(size * width, -1))
             out = out.view(size, width, -1)
             top, top_p = self.head.propose_top(out[every, accepted + d], 1)
@@ -240,26 +239,20 @@ class FixedDecodeExtend:
         boundary = torch.stack(boundaries) if boundaries else buffers.boundary[:0]
         return torch.stack(drafts, dim=1), torch.stack(probs, dim=1), boundary
 
-    def _batch(self, buffers: _Buffers, d: int, runner: DraftRunner, metadata,
+    def _batch(self, buffers: _Buffers, d: int, runner: DraftRunner,
                eager_items: list[FixedExtendItem] | None) -> ForwardBatch:  # fmt: skip
         ids, positions, slots, rows, *_ = buffers.depth_views(d)
         size, width = buffers.size, self.widths[d]
-        seq_lens = self._seq_lens(d, size, eager_items)
         return ForwardBatch(
             input_ids=ids,
             positions=positions,
             out_cache_loc=slots,
             req_pool_indices=rows,
-            seq_lens=seq_lens,
+            seq_lens=self._seq_lens(d, size, eager_items),
             extend_lens=[width] * size,
             kv_pool=runner.kv_pool,
             req_to_token_pool=runner.req_to_token_pool,
-            attn_metadata=metadata,
         )
-
-    def _eager_batch(self, buffers: _Buffers, d: int, runner: DraftRunner,
-                     items: list[FixedExtendItem]) -> ForwardBatch:  # fmt: skip
-        return self._batch(buffers, d, runner, None, items)
 
     def _seq_lens(self, d: int, size: int, items: list[FixedExtendItem] | None) -> list[int]:
         width = self.widths[d]

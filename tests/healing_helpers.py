@@ -7,9 +7,14 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from cluster_helpers import ensure_ray
+
 from cluster.backend import BackendError
+from cluster.config import ClusterConfig
+from cluster.launcher import Cluster
 from cluster.router import Router
 from engine import SamplingParams
+from engine.loader import EngineArgs
 
 
 @dataclass
@@ -91,3 +96,14 @@ def metric(text: str, name: str, **labels: str) -> float | None:
         if line.startswith(prefix):
             return float(line[len(prefix) :])
     return None
+
+
+def launch_healing_cluster(model: str, engine: dict, **cluster: object) -> Cluster:
+    """A CPU cluster that heals fast: short transfer timeout, restart backoff and audit
+    interval (any of them overridden by `cluster`)."""
+    ensure_ray()
+    config = dict(transfer_timeout_s=30.0, node_restart_backoff_s=0.2, kv_audit_interval_s=1.0)
+    config.update(cluster)
+    return Cluster.launch(
+        ClusterConfig(engine=EngineArgs(model=model, device="cpu", **engine), **config)
+    )

@@ -10,17 +10,21 @@ import time
 
 import pytest
 import ray
-from cluster_helpers import ensure_ray, wait_for
-from healing_helpers import RequestStream, metric, one_request, wait_for_node
+from cluster_helpers import wait_for
+from healing_helpers import (
+    RequestStream,
+    launch_healing_cluster,
+    metric,
+    one_request,
+    wait_for_node,
+)
 from tiny_models import make_tiny_llama
 
-from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 from cluster.node_state import NodeState
 from cluster.pairing import NodeSlot
 from cluster.supervisor import NodeRestartPolicy, Supervisor
 from engine import SamplingParams
-from engine.loader import EngineArgs
 
 ENGINE = dict(max_model_len=512, kv_cache_tokens=8192, max_num_seqs=16)
 KILL_TO_ERROR_S = 10.0
@@ -35,12 +39,7 @@ def model(tmp_path_factory) -> str:
 
 
 def launch(model: str, **cluster: object) -> Cluster:
-    ensure_ray()
-    config = dict(transfer_timeout_s=30.0, node_restart_backoff_s=0.2, kv_audit_interval_s=1.0)
-    config.update(cluster)
-    return Cluster.launch(
-        ClusterConfig(engine=EngineArgs(model=model, device="cpu", **ENGINE), **config)
-    )
+    return launch_healing_cluster(model, ENGINE, **cluster)
 
 
 def node_empty(cluster: Cluster, actor) -> bool:

@@ -12,15 +12,13 @@ from collections import Counter
 
 import pytest
 import ray
-from cluster_helpers import ensure_ray, wait_for
-from healing_helpers import metric, one_request, wait_for_node
+from cluster_helpers import wait_for
+from healing_helpers import launch_healing_cluster, metric, one_request, wait_for_node
 from tiny_models import make_tiny_llama
 
-from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 from engine import SamplingParams
 from engine.env import FaultSettings, fault_settings
-from engine.loader import EngineArgs
 from metadata.faults import DECODE_FAULT_PHASES, PREFILL_FAULT_PHASES, FaultInjector
 from metadata.kv_audit import KVAudit, PoolCount
 
@@ -37,12 +35,7 @@ def model(tmp_path_factory) -> str:
 
 
 def launch(model: str, **cluster: object) -> Cluster:
-    ensure_ray()
-    config = dict(transfer_timeout_s=30.0, node_restart_backoff_s=0.2, kv_audit_interval_s=1.0)
-    config.update(cluster)
-    return Cluster.launch(
-        ClusterConfig(engine=EngineArgs(model=model, device="cpu", **ENGINE), **config)
-    )
+    return launch_healing_cluster(model, ENGINE, **cluster)
 
 
 def test_injected_transfer_failures_lose_no_request_and_strand_no_slot(model, monkeypatch):
