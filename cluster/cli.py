@@ -34,6 +34,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV slots per node (default: 2 GiB worth on CPU, 80%% of free memory on GPU)",
     )
     parser.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=8192,
+        help="prompt tokens one prefill step may run (default 8192)",
+    )
+    parser.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="prefill prompts longer than this many tokens in chunks of it, between other work; "
+        "an abort takes effect at the next chunk; 0: no chunks (default 2048 on a CPU, 4096 on "
+        "a GPU)",
+    )
+    parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=None,
@@ -221,6 +235,8 @@ def engine_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
         disable_cuda_graph=args.disable_cuda_graph,

@@ -148,6 +148,9 @@ class EngineConfig:
     max_model_len: int = 4096
     kv_cache_tokens: int = 16384
     max_prefill_tokens: int = 8192
+    # Prompts longer than this are prefilled over several steps (engine/scheduler.py); None:
+    # every prompt in one step.
+    chunked_prefill_size: int | None = None
     attention_backend: str = "torch"
     # Decode batches up to this size replay CUDA graphs (engine/cuda_graph.py); 0: none.
     cuda_graph_max_bs: int = 0
@@ -164,6 +167,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_model_len", "kv_cache_tokens", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
+            raise ValueError(
+                f"chunked_prefill_size must be positive, got {self.chunked_prefill_size}"
+            )
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         refuse_cuda_graphs(self.tensor_dump is not None, self.cuda_graph_max_bs > 0)

@@ -16,6 +16,7 @@ import torch
 from engine.kv_cache import KVCacheManager
 from engine.logits_processors import process_request_logits
 from engine.model_runner import ForwardOutput, ModelRunner
+from engine.prefill_chunks import HeldChunks
 from engine.prompt_embeds import InputEmbeds, PromptEmbeds
 from engine.request import Request, RequestOutput, SpecStats, Usage
 from engine.sampler import TokenLogprob, compute_logprobs, sample
@@ -54,11 +55,6 @@ def sample_next_tokens(
     processed = process_request_logits(logits, requests, eos_token_ids)
     tokens = sample(processed, params, generators, default_generator)
     return tokens, compute_logprobs(logits, tokens, params)
-
-
-# Trace events (engine.tracing) of the steps that are not speculative decode steps.
-_PREFILL_SPAN = ("prefill_start", "prefill_end")
-_DECODE_SPAN = ("decode_start", "decode_end")
 
 
 def _drafts(req: Request) -> bool:
@@ -103,6 +99,30 @@ class Speculator(Protocol):
         """Free the request's draft KV (called whenever its target KV is freed)."""
 
 
+class PrefillHandoff(Protocol):
+    """The owner of a prefill-only engine (a prefill node): it hears of each prompt's prefill
+    and takes the request over once the prompt is done, its KV still held."""
+
+    def prefill_starting(self, starting: list[Request], completing: list[Request]) -> None:
+        """Before a prefill forward: `starting` begin their prompt in it (its first chunk or
+        all of it), `completing` end it."""
+
+    def forward_enqueued(self, completing: list[Request]) -> None:
+        """The forward that ends these prompts is enqueued (their KV exists once it runs)."""
+
+    def prefilled(
+        self,
+        requests: list[Request],
+        logprobs: list[TokenLogprob | None],
+        last_hidden: torch.Tensor,
+    ) -> None:
+        """These prompts are done: first token appended, draft extended where they draft;
+        `last_hidden[i]`: the target's draft input at request i's last prompt position."""
+
+    def failed(self, requests: list[Request], error: str) -> None:
+        """These requests failed in the engine (their KV still held)."""
+
+
 class EngineCore:
     def __init__(
         self,
@@ -110,27 +130,41 @@ class EngineCore:
         tokenizer: Any,
         speculator: Speculator | None = None,
         tracing: bool = False,
+        handoff: PrefillHandoff | None = None,
+        seed: int | None = None,
     ) -> None:
-        """`tracing`: give every request a timeline (engine.tracing)."""
+        """`tracing`: give every request a timeline (engine.tracing). `handoff`: prefill only,
+        each prompt handed to it once prefilled. `seed`: of unseeded sampling (default: the
+        engine config's)."""
         config = runner.config
         self.runner = runner
         self.tokenizer = tokenizer
         self.speculator = speculator
         self.tracing = tracing
-        # A decode node admits by free rows: the cap keeps the alternatives' rows free.
+        self.handoff = handoff
+        # A decode node admits by free rows: the cap keeps the alternatives' rows free. A
+        # prefill node's rows are also held by prompts whose KV is being sent: all of them.
         self.kv_cache = KVCacheManager(
-            runner.kv_pool, runner.req_to_token_pool, max_requests=config.max_num_seqs
+            runner.kv_pool,
+            runner.req_to_token_pool,
+            max_requests=None if handoff is not None else config.max_num_seqs,
         )
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_seqs,
             config.max_prefill_tokens,
             on_release=speculator.release if speculator is not None else None,
+            chunk_size=config.chunked_prefill_size,
+            prefill_only=handoff is not None,
         )
-        self.stop_checker = StopChecker(
-            tokenizer, runner.model_config.eos_token_ids, config.max_model_len
+        self.stop_checker = None
+        if handoff is None:
+            self.stop_checker = StopChecker(
+                tokenizer, runner.model_config.eos_token_ids, config.max_model_len
+            )
+        self.default_generator = torch.Generator().manual_seed(
+            config.seed if seed is None else seed
         )
-        self.default_generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = tuple(runner.model_config.eos_token_ids)
 
     def make_request(
@@ -154,8 +188,10 @@ class EngineCore:
         return req
 
     def add_request(self, req: Request) -> None:
-        set_time(req, "queued")
         self.scheduler.add(req)
+        if self.handoff is not None:
+            return  # a prefill node stamps its own queue's event ("prefill_queued")
+        set_time(req, "queued")
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -165,40 +201,103 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        if not batch.is_prefill and any(req.num_draft_tokens for req in batch.requests):
+        if batch.is_prefill:
+            return self._prefill(batch)
+        if any(req.num_draft_tokens for req in batch.requests):
             return self._speculative_decode(batch)
-        started, ended = _PREFILL_SPAN if batch.is_prefill else _DECODE_SPAN
-        set_time_batch(batch.requests, started)
+        set_time_batch(batch.requests, "decode_start")
         try:
             forward_batch = self.runner.build_batch(batch.requests)
-            keep_hidden = batch.is_prefill and any(r.num_draft_tokens for r in batch.requests)
-            output = self.runner.forward(forward_batch, keep_hidden=keep_hidden)
+            output = self.runner.forward(forward_batch)
             tokens, logprobs = sample_next_tokens(
                 output.logits, batch.requests, self.eos_token_ids, self.default_generator
             )
         except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
-            stage = "prefill" if batch.is_prefill else "decode"
-            return self._fail(batch.requests, stage, err)
+            return self._fail(batch.requests, "decode", err)
         finished = self.scheduler.process_result(
             batch, tokens.tolist(), logprobs, self.stop_checker
         )
-        set_time_batch(batch.requests, ended)
-        if keep_hidden:
-            finished += self._draft_extend_prefill(batch, forward_batch.extend_lens, output)
+        set_time_batch(batch.requests, "decode_end")
         return finished
 
-    def _draft_extend_prefill(
+    def _prefill(self, batch: ScheduledBatch) -> list[Request]:
+        """A prefill step: each request's prompt or its next chunk. The requests whose prompt
+        completes sample their first token, and those that speculate draft over the prompt."""
+        completes = batch.completes()
+        completing = batch.completing
+        # A request begins its prefill where it has no KV yet (a preempted one begins again).
+        starting = [req for req in batch.requests if req.kv_len == 0]
+        if self.handoff is not None:
+            self.handoff.prefill_starting(starting, completing)
+        set_time_batch(starting, "prefill_start")
+        keep_hidden = any(r.num_draft_tokens for r in batch.requests)
+        try:
+            forward_batch = self.runner.build_batch(batch.requests, batch.ends)
+            output = self.runner.forward(forward_batch, keep_hidden=keep_hidden)
+            if self.handoff is not None:
+                self.handoff.forward_enqueued(completing)
+            rows = [i for i, done in enumerate(completes) if done]
+            last = output.logits if len(rows) == len(completes) else output.logits[rows]
+            tokens, logprobs = sample_next_tokens(
+                last, completing, self.eos_token_ids, self.default_generator
+            )
+        except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
+            return self._fail(batch.requests, "prefill", err)
+        drafting = []
+        if keep_hidden:
+            drafting = self._prompt_rows_for_draft(batch, forward_batch.extend_lens, output)
+        finished = self.scheduler.process_prefill(
+            batch, tokens.tolist(), logprobs, self.stop_checker
+        )
+        set_time_batch(completing, "prefill_end")
+        failed = self._draft_extend_prefill(drafting) if drafting else []
+        if self.handoff is not None:
+            gone = {id(req) for req in failed}
+            sent = [i for i, req in enumerate(completing) if id(req) not in gone]
+            self.handoff.prefilled(
+                [completing[i] for i in sent],
+                [logprobs[i] for i in sent],
+                output.last_hidden[[rows[i] for i in sent]],
+            )
+        return finished + failed
+
+    def _prompt_rows_for_draft(
         self, batch: ScheduledBatch, extend_lens: list[int], output: ForwardOutput
-    ) -> list[Request]:
-        assert self.speculator is not None and output.hidden is not None
+    ) -> list[tuple[Request, torch.Tensor, InputEmbeds | None]]:
+        """For each request that speculates: holds a chunk's hidden states and input rows until
+        its prompt completes; returns, for those whose prompt completes now, the whole
+        prompt's (the draft extend for prefill reads them)."""
+        assert output.hidden is not None
         embeds = output.input_embeds
         per_request = embeds.split(extend_lens) if embeds else [None] * len(extend_lens)
+        hidden = output.hidden.split(extend_lens)
+        complete = []
+        for req, done, h, e in zip(batch.requests, batch.completes(), hidden, per_request):
+            if not req.num_draft_tokens:
+                continue
+            if not done:
+                req.held_chunks = req.held_chunks or HeldChunks()
+                req.held_chunks.add(h, e)
+                continue
+            if req.held_chunks is not None:
+                h, e = req.held_chunks.join(h, e)
+                req.held_chunks = None
+            complete.append((req, h, e))
+        return complete
+
+    def _draft_extend_prefill(
+        self, prompts: list[tuple[Request, torch.Tensor, InputEmbeds | None]]
+    ) -> list[Request]:
+        """Returns the requests it failed."""
+        assert self.speculator is not None
         items = [
             (req, h, e)
-            for req, h, e in zip(batch.requests, output.hidden.split(extend_lens), per_request)
+            for req, h, e in prompts
             # No chain is worth drafting for a request that has one token left to emit.
-            if req.num_draft_tokens and not req.finished and req.lookahead
+            if not req.finished and req.lookahead
         ]
+        if not items:
+            return []
         requests = [req for req, _, _ in items]
         set_time_batch(requests, "draft_extend_start")
         try:
@@ -236,8 +335,16 @@ class EngineCore:
         return finished
 
     def _fail(self, requests: list[Request], stage: str, err: Exception) -> list[Request]:
+        error = f"{stage} forward failed: {type(err).__name__}: {err}"
+        if self.handoff is not None:
+            # The handoff's owner frees them: their KV may still be read by a begun transfer.
+            for req in requests:
+                self.scheduler.detach(req)
+                req.held_chunks = None
+            self.handoff.failed(requests, error)
+            return requests
         for req in requests:
-            self.scheduler.fail(req, f"{stage} forward failed: {type(err).__name__}: {err}")
+            self.scheduler.fail(req, error)
         return requests
 
     def output(self, req: Request) -> RequestOutput:

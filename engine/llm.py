@@ -34,6 +34,7 @@ class LLM:
         max_model_len: int | None = None,
         kv_cache_tokens: int | None = None,
         max_prefill_tokens: int = 8192,
+        chunked_prefill_size: int | None = None,
         gpu_memory_utilization: float | None = None,
         attention_backend: str = "auto",
         disable_cuda_graph: bool = False,
@@ -56,6 +57,9 @@ class LLM:
         on a GPU and 1 elsewhere.
         `debug_tensor_dump_dir` dumps every forward pass (engine/debug_dump.py) under
         DIR/offline/<target|draft-N>/rank0/, keeping only `debug_tensor_dump_layers` if given.
+        Prompts longer than `chunked_prefill_size` tokens are prefilled in chunks of it, between
+        decode steps of the running requests (0: in one step; default 2048 on a CPU, 4096 on
+        a GPU).
         `attention_backend`: "triton" (GPU), "torch" (anywhere) or "auto" (triton on a GPU).
         On a GPU, decode steps of up to `cuda_graph_max_bs` requests (default max_num_seqs)
         replay CUDA graphs captured here, unless `disable_cuda_graph` or a tensor dump.
@@ -72,6 +76,7 @@ class LLM:
             max_model_len=max_model_len,
             kv_cache_tokens=kv_cache_tokens,
             max_prefill_tokens=max_prefill_tokens,
+            chunked_prefill_size=chunked_prefill_size,
             gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend,
             disable_cuda_graph=disable_cuda_graph,

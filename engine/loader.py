@@ -18,6 +18,10 @@ from engine.weights import iter_safetensors, load_hf_config, load_tokenizer, res
 
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 DEFAULT_GPU_KV_FRACTION = 0.8
+# docs/BENCHMARKS.md, "Chunked prefill": the TTFT of a short request behind a long prompt
+# against the long prompt's own. A GPU prefills a chunk in a few milliseconds of which the
+# eager forward's launches are a fixed part, so small chunks cost it more than a CPU.
+DEFAULT_CHUNKED_PREFILL_SIZE = {"cpu": 2048, "cuda": 4096}
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,9 @@ class EngineArgs:
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
     max_prefill_tokens: int = 8192
+    # Prompts longer than this many tokens are prefilled in chunks of it, interleaved with
+    # other work; 0 turns chunking off; None: DEFAULT_CHUNKED_PREFILL_SIZE for the device.
+    chunked_prefill_size: int | None = None
     # The fraction of the GPU's total memory this engine may take (weights, KV and activations),
     # for engines that share a GPU; None: the KV pool sizes itself from the memory free at
     # start-up. Unused on CPU and when kv_cache_tokens is given.
@@ -67,6 +74,10 @@ class EngineArgs:
                 raise ValueError("num_draft_chains needs a speculative_algorithm")
         if self.debug_tensor_dump_layers is not None and self.debug_tensor_dump_dir is None:
             raise ValueError("debug_tensor_dump_layers needs debug_tensor_dump_dir")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
+            raise ValueError(
+                f"chunked_prefill_size must be >= 0 (0: no chunks), got {self.chunked_prefill_size}"
+            )
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         utilization = self.gpu_memory_utilization
@@ -113,6 +124,7 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
         # More slots than every sequence at full length could use are never needed.
         kv_cache_tokens=min(kv_tokens, args.max_num_seqs * max_model_len),
         max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=_chunked_prefill_size(args, device),
         attention_backend=backend,
         cuda_graph_max_bs=_cuda_graph_max_bs(args, device, backend),
         seed=args.seed,
@@ -125,6 +137,13 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
         ),
     )
     return ModelSpec(path, model_config, engine_config, tokenizer)
+
+
+def _chunked_prefill_size(args: EngineArgs, device: str) -> int | None:
+    size = args.chunked_prefill_size
+    if size is None:
+        size = DEFAULT_CHUNKED_PREFILL_SIZE.get(torch.device(device).type, 2048)
+    return size or None
 
 
 # Alternative chains raise the held-out accept length (2.29 to 2.53 with four) but cost a

@@ -111,19 +111,21 @@ class ModelRunner:
             return None
         return self.verify_graphs.load(spans)
 
-    def build_batch(self, requests: list[Request]) -> ForwardBatch:
-        """Each request extends its cached prefix (`kv_len`) to all of its tokens. A decode
-        batch that a CUDA graph holds goes into the graph's static buffers."""
-        graph_batch = self._decode_graph_batch(requests)
-        if graph_batch is not None:
-            return graph_batch
+    def build_batch(self, requests: list[Request], ends: list[int] | None = None) -> ForwardBatch:
+        """Each request extends its cached prefix (`kv_len`) to all of its tokens, or to
+        `ends[i]` (a prompt's chunk). A decode batch that a CUDA graph holds goes into the
+        graph's static buffers."""
+        if ends is None:
+            graph_batch = self._decode_graph_batch(requests)
+            if graph_batch is not None:
+                return graph_batch
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens, extend_lens = [], []
         embeds: list[InputEmbeds | None] = []
-        for req in requests:
-            start, end = req.kv_len, req.num_tokens
+        for i, req in enumerate(requests):
+            start, end = req.kv_len, req.num_tokens if ends is None else ends[i]
             embeds.append(req.prompt_embeds.rows(start, end) if req.prompt_embeds else None)
             ids.extend(req.token_ids(start, end))
             positions.extend(range(start, end))

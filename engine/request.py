@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.prefill_chunks import HeldChunks
 from engine.prompt_embeds import PromptEmbeds
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -72,6 +73,9 @@ class Request:
     spec_stats: SpecStats | None = None
     # The request's timeline in this process; None unless the process traces (engine.tracing).
     trace: RequestTrace | None = None
+    # Between the chunks of a prompt prefilled in chunks: what the draft's prefill will read
+    # kept only for requests that speculate.
+    held_chunks: HeldChunks | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

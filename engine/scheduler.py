@@ -8,7 +8,17 @@ its slots are freed and it waits to be prefilled again over prompt + output so f
 Speculating requests (`req.num_draft_tokens > 0`) decode several tokens per step: each step
 reserves slots for the draft tokens it verifies (`req.lookahead`) beyond the newest token, and
 `process_tokens` commits a list of tokens per request. `on_release` lets the speculator free a
-request's draft KV whenever its target KV is freed (finish, preemption, abort, failure)."""
+request's draft KV whenever its target KV is freed (finish, preemption, abort, failure).
+
+With `chunk_size`, a prompt longer than that is prefilled over several steps, one chunk each
+(at most one prompt in chunks at a time; it keeps the head of the queue, and holds its chunks'
+KV, between them). Whole prompts behind it join its steps while the step's token budget
+allows, so a short request is not kept waiting for a long one. While a prompt is in chunks,
+prefill steps and decode steps alternate, so that running requests keep generating.
+
+`prefill_only` (a prefill node): prompts are prefilled and sample their first token, then
+leave the scheduler without being released; their owner frees them (`KVCacheManager.release`)
+once their KV has been sent."""
 
 from __future__ import annotations
 
@@ -26,6 +36,19 @@ from engine.stopping import StopChecker
 class ScheduledBatch:
     requests: list[Request]
     is_prefill: bool
+    # Prefill only: the position each request's forward extends its KV to in this step. A
+    # request whose end is its num_tokens completes its prompt (and samples); the others
+    # prefill a chunk of it.
+    ends: list[int] | None = None
+
+    def completes(self) -> list[bool]:
+        if self.ends is None:
+            return [True] * len(self.requests)
+        return [end == req.num_tokens for req, end in zip(self.requests, self.ends)]
+
+    @property
+    def completing(self) -> list[Request]:
+        return [req for req, done in zip(self.requests, self.completes()) if done]
 
 
 class Scheduler:
@@ -35,13 +58,22 @@ class Scheduler:
         max_num_seqs: int,
         max_prefill_tokens: int,
         on_release: Callable[[Request], None] | None = None,
+        chunk_size: int | None = None,
+        prefill_only: bool = False,
     ) -> None:
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.kv_cache = kv_cache
         self.on_release = on_release
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunk_size = chunk_size
+        self.prefill_only = prefill_only
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Set by a prefill step that left a prompt in chunks: the next step decodes, if any
+        # request is running.
+        self._decode_turn = False
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -50,9 +82,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        prefill = self._admit_waiting()
-        if prefill:
-            return ScheduledBatch(prefill, is_prefill=True)
+        if not (self._decode_turn and self.running):
+            prefill = self._admit_waiting()
+            if prefill is not None:
+                self._decode_turn = not all(prefill.completes())
+                return prefill
+        self._decode_turn = False
         if not self.running:
             return None
         while not self.kv_cache.can_grow(self._slots_for_next_token()):
@@ -71,34 +106,76 @@ class Scheduler:
         assert req.kv_len == req.num_tokens - 1 and len(req.slots) >= req.num_tokens - 1
         self.running.append(req)
 
-    def _admit_waiting(self) -> list[Request]:
-        batch: list[Request] = []
+    def _admit_waiting(self) -> ScheduledBatch | None:
+        """The waiting requests that the next prefill step runs, in queue order, stopping at
+        the first that does not fit; None when none does."""
+        admitted: list[Request] = []
+        ends: list[int] = []
         tokens = 0
         # One decode step's slots per running or admitted request stay free, so admitting this
         # prompt cannot force a preemption on the very next decode step.
-        reserve = sum(1 + r.lookahead for r in self.running)
-        while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
-            req = self.waiting[0]
+        reserve = 0 if self.prefill_only else sum(1 + r.lookahead for r in self.running)
+        partial: Request | None = None
+        for req in self.waiting:
+            if len(self.running) + len(admitted) >= self.max_num_seqs:
+                break
             need = req.num_tokens - req.kv_len
-            if batch and tokens + need > self.max_prefill_tokens:
+            take = need
+            if self.chunk_size is not None:
+                take = min(need, self.chunk_size, self.max_prefill_tokens - tokens)
+                if take < need and partial is not None:
+                    break  # one prompt in chunks at a time
+            if take <= 0 or (admitted and tokens + take > self.max_prefill_tokens):
                 break
-            if not self.kv_cache.can_grow(need + reserve + 1 + req.lookahead, 1):
+            decodes_next = not self.prefill_only and take == need
+            after = 1 + req.lookahead if decodes_next else 0
+            if not self.kv_cache.can_grow(take + reserve + after, 0 if req.row is not None else 1):
                 break
-            self.kv_cache.grow(req, need)
-            batch.append(self.waiting.popleft())
-            tokens += need
-            reserve += 1 + req.lookahead
-        return batch
+            self.kv_cache.grow(req, take)
+            admitted.append(req)
+            ends.append(req.kv_len + take)
+            tokens += take
+            reserve += after
+            if take < need:
+                partial = req
+        if not admitted:
+            return None
+        # The admitted requests are the queue's head; a prompt left in chunks stays at its front.
+        for _ in admitted:
+            self.waiting.popleft()
+        if partial is not None:
+            self.waiting.appendleft(partial)
+        return ScheduledBatch(admitted, is_prefill=True, ends=ends)
 
     def _release(self, req: Request) -> None:
         self.kv_cache.release(req)
+        req.held_chunks = None
         if self.on_release is not None:
             self.on_release(req)
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
         req.num_preemptions += 1
-        self.waiting.appendleft(req)
+        # Behind a prompt in chunks, which holds KV and must finish first.
+        in_chunks = bool(self.waiting) and self.waiting[0].kv_len > 0
+        self.waiting.insert(1 if in_chunks else 0, req)
+
+    def process_prefill(
+        self,
+        batch: ScheduledBatch,
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+        stop_checker: StopChecker | None,
+    ) -> list[Request]:
+        """After a prefill step: requests that prefilled a chunk advance their cached prefix;
+        the others (`batch.completing`, whose sampled tokens and logprobs these are, in order)
+        commit their first token."""
+        assert batch.ends is not None
+        for req, end, done in zip(batch.requests, batch.ends, batch.completes()):
+            if not done:
+                req.kv_len = end
+        completing = ScheduledBatch(batch.completing, is_prefill=True)
+        return self.process_result(completing, tokens, logprobs, stop_checker)
 
     def process_result(
         self,
@@ -116,12 +193,18 @@ class Scheduler:
         batch: ScheduledBatch,
         tokens: list[list[int]],
         logprobs: list[list[TokenLogprob | None]],
-        stop_checker: StopChecker,
+        stop_checker: StopChecker | None,
     ) -> list[Request]:
         """Commit each request's new tokens in order, stopping at the first that finishes it
-        (a verify step may commit several; those after a stop are dropped)."""
+        (a verify step may commit several; those after a stop are dropped). Prefill-only: the
+        first token is committed unchecked (the decode node checks it) and the request leaves."""
         finished = []
         for req, new_tokens, new_logprobs in zip(batch.requests, tokens, logprobs):
+            if self.prefill_only:
+                req.output_token_ids += new_tokens
+                req.logprobs += [lp for lp in new_logprobs if lp is not None]
+                req.kv_len = req.num_tokens - 1
+                continue
             for token, logprob in zip(new_tokens, new_logprobs):
                 req.output_token_ids.append(token)
                 if logprob is not None:
@@ -142,12 +225,16 @@ class Scheduler:
                 self._release(req)
         return finished
 
-    def fail(self, req: Request, error: str) -> None:
-        """End a request that hit an error: it leaves every queue and gives back its slots."""
+    def detach(self, req: Request) -> None:
+        """Take a request out of the queues, its slots still held: its owner frees them."""
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+
+    def fail(self, req: Request, error: str) -> None:
+        """End a request that hit an error: it leaves every queue and gives back its slots."""
+        self.detach(req)
         self._release(req)
         req.error = error
         req.finish_reason = "error"

@@ -1,5 +1,8 @@
 """The prefill node: runs prompts, samples each request's first token, and sends the prompt's KV
-and the metadata row to the decode node that reserved room for it.
+and the metadata row to the decode node that reserved room for it. Its prompts run through the
+engine's EngineCore, prefill only (admission, chunks, forward, sampling and the draft extend
+for prefill are the engine's); what is its own is announcing and sending the transfers
+(`engine_core.PrefillHandoff`).
 
 A request arrives only after its decode node has preallocated (decode-driven handshake), so the
 prefill node announces each transfer on the control plane as soon as the request's batch is
@@ -8,9 +11,10 @@ send finds them posted. After the forward it sends a PrefillResult (what the row
 or the error), then hands the transfer to the per-peer sender; slots are freed when it ends.
 
 An announced transfer is always sent: the decode node's receives are posted and cannot be
-cancelled. When the prefill fails after the announcement, the same messages go out under a void
-row (room tag 0, `MetadataBuffers.void`), which the decode node never takes for a landed one, and
-the PrefillResult carries the error, naming this node."""
+cancelled. When the prefill fails after the announcement (or the request is aborted between two
+chunks of its prompt), the same messages go out under a void row (room tag 0,
+`MetadataBuffers.void`), which the decode node never takes for a landed one, and the
+PrefillResult carries the error, naming this node."""
 
 from __future__ import annotations
 
@@ -21,15 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.engine_core import sample_next_tokens
+from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
-from engine.kv_cache import KVCacheManager
 from engine.kv_pool import KVPool
 from engine.loader import EngineArgs
-from engine.prompt_embeds import InputEmbeds, PromptEmbeds
+from engine.prompt_embeds import PromptEmbeds
 from engine.request import Request
+from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.tracing import RequestTrace, set_time, set_time_batch
+from engine.tracing import RequestTrace, set_time
 from metadata.control import Inbox, Outbox
 from metadata.faults import PREFILL_FAULT_PHASES
 from metadata.kv_audit import PoolCount, request_pools
@@ -64,6 +68,7 @@ class _Pending:
     decode_rank: int
     meta_row: int | None = None
     handle: TransferHandle | None = None
+    announced: bool = False
     # Decided when the transfer is announced: the draft depths' KV follows the target's.
     drafted: bool = False
     # The target's KV as messages, for a request alone for its decode node in its batch: its
@@ -82,19 +87,27 @@ class PrefillNode(ServingNode):
         args = dataclasses.replace(args, disable_cuda_graph=True)
         self.spec, self.runner = load_node_engine(args, options)
         config = self.spec.engine_config
-        self.kv_cache = KVCacheManager(self.runner.kv_pool, self.runner.req_to_token_pool)
         self.speculator = speculator_from_args(args, self.runner)
         self.num_draft_steps = self.speculator.num_draft_steps if self.speculator else 0
+        # Unseeded sampling differs per node on purpose; seeded requests use step_generator.
+        self.engine = EngineCore(
+            self.runner,
+            self.spec.tokenizer,
+            self.speculator,
+            handoff=self,
+            seed=config.seed + 7919 * options.index,
+        )
+        self.kv_cache = self.engine.kv_cache
         self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
         self.inbox = Inbox(options.host, options.control_key)
         self.outboxes: dict[int, Outbox] = {}
         self.sender: KVSender | None = None
+        # Requests waiting for a metadata row, then those in the engine (rows held), by room.
         self.waiting: deque[_Pending] = deque()
+        self.prefilling: dict[str, _Pending] = {}
         self.sending: list[_Pending] = []
         # Transfers an injected "stall" fault keeps from ever being sent (engine.env).
         self.stalled: list[_Pending] = []
-        # Unseeded sampling differs per node on purpose; seeded requests use step_generator.
-        self.default_generator = torch.Generator().manual_seed(config.seed + 7919 * options.index)
         self.prompts_done = 0
         self.prompt_tokens = 0
         self.transfer_totals = TransferTotals("send")
@@ -119,7 +132,7 @@ class PrefillNode(ServingNode):
         allocator = self.runner.kv_pool.allocator
         return {
             "node": self.options.name,
-            "queued": len(self.waiting),
+            "queued": len(self.waiting) + len(self.prefilling),
             "sending": len(self.sending),
             "kv_used": allocator.num_used,
             "kv_capacity": allocator.capacity,
@@ -146,20 +159,21 @@ class PrefillNode(ServingNode):
             self._housekeeping()
             # Only transfers in flight: block briefly rather than spin, so the sender threads
             # get the interpreter.
-            timeout = 0 if self.waiting else (WAITING_POLL_MS if self.sending else IDLE_POLL_MS)
+            busy = self.waiting or self.prefilling
+            timeout = 0 if busy else (WAITING_POLL_MS if self.sending else IDLE_POLL_MS)
             for msg in self.inbox.receive(timeout):
                 self._handle(msg)
             self._finish_transfers()
-            batch = self._admit()
-            if batch:
-                self._prefill(batch)
+            self._feed()
+            if self.engine.has_work():
+                self.engine.step()
             self.activity_log.tick(self._activity)
 
     def _activity(self) -> Activity:
         allocator = self.runner.kv_pool.allocator
         return Activity(
             None,
-            len(self.waiting),
+            len(self.waiting) + len(self.prefilling),
             len(self.sending),
             allocator.num_used,
             allocator.capacity,
@@ -189,65 +203,73 @@ class PrefillNode(ServingNode):
                 req.num_draft_tokens = self.num_draft_steps
             self.waiting.append(pending)
         elif isinstance(msg, AbortRequest):
-            for pending in list(self.waiting):
-                if pending.req.request_id == str(msg.room):
-                    self.waiting.remove(pending)
-                    self._abandon(pending, "aborted before prefill")
+            self._abort(str(msg.room))
         else:
             log.warning("unexpected message %s", type(msg).__name__)
 
-    def _admit(self) -> list[_Pending]:
-        batch: list[_Pending] = []
-        tokens = 0
-        config = self.spec.engine_config
-        while self.waiting and len(batch) < config.max_num_seqs:
-            pending = self.waiting[0]
-            need = pending.req.num_tokens
-            if batch and tokens + need > config.max_prefill_tokens:
-                break
-            if self.metadata.num_free == 0 or not self.kv_cache.can_grow(need, 1):
-                break
-            self.kv_cache.grow(pending.req, need)
-            pending.meta_row = self.metadata.allocate()
-            batch.append(self.waiting.popleft())
-            tokens += need
-        return batch
-
-    def _prefill(self, batch: list[_Pending]) -> None:
-        for pending in batch:
-            self._announce(pending)
-        requests = [p.req for p in batch]
-        set_time_batch(requests, "prefill_start")
-        try:
-            self._prepare_early_kv(batch)
-            forward_batch = self.runner.build_batch(requests)
-            output = self.runner.forward(forward_batch, keep_hidden=self.speculator is not None)
-            self._begin_transfers(batch)
-            tokens, logprobs = sample_next_tokens(
-                output.logits,
-                requests,
-                self.runner.model_config.eos_token_ids,
-                self.default_generator,
-            )
-            for req, token in zip(requests, tokens.tolist()):
-                req.kv_len = req.num_tokens
-                req.output_token_ids.append(token)
-            set_time_batch(requests, "prefill_end")
-            self._draft_extend(batch, forward_batch.extend_lens, output.hidden, output.input_embeds)
-        except Exception as err:  # noqa: BLE001 - a failed batch fails its requests, not the node
-            log.exception("prefill failed")
-            for pending in batch:
-                self._send_void(pending, f"prefill failed: {type(err).__name__}: {err}")
+    def _abort(self, room: str) -> None:
+        """Drop a request not yet prefilled; one whose transfer is announced (a prompt between
+        two of its chunks) frees its KV now and completes its transfer void."""
+        for pending in list(self.waiting):
+            if pending.req.request_id == room:
+                self.waiting.remove(pending)
+                self._abandon(pending, "aborted before prefill")
+        pending = self.prefilling.pop(room, None)
+        if pending is None:
             return
+        self.engine.scheduler.abort(room)
+        if pending.announced:
+            self._send_void(pending, "aborted during prefill")
+        else:
+            self._abandon(pending, "aborted before prefill")
+
+    def _feed(self) -> None:
+        """Hand the engine the requests that can take a metadata row (their transfer's)."""
+        while self.waiting and self.metadata.num_free:
+            pending = self.waiting.popleft()
+            pending.meta_row = self.metadata.allocate()
+            self.prefilling[pending.req.request_id] = pending
+            self.engine.add_request(pending.req)
+
+    # --- engine_core.PrefillHandoff: the engine's prefill steps ---
+    def prefill_starting(self, starting: list[Request], completing: list[Request]) -> None:
+        for req in starting:
+            pending = self.prefilling[req.request_id]
+            if not pending.announced:
+                self._announce(pending)
+        self._prepare_early_kv([self.prefilling[req.request_id] for req in completing])
+
+    def forward_enqueued(self, completing: list[Request]) -> None:
+        self._begin_transfers([self.prefilling[req.request_id] for req in completing])
+
+    def prefilled(
+        self,
+        requests: list[Request],
+        logprobs: list[TokenLogprob | None],
+        last_hidden: torch.Tensor,
+    ) -> None:
+        batch = [self.prefilling.pop(req.request_id) for req in requests]
+        # The announcement decided before the first token existed; the rule is the engine's.
+        assert all(p.drafted == (p.req.lookahead > 0) for p in batch), "drafting changed"
         self.prompts_done += len(batch)
         self.prompt_tokens += sum(len(r.prompt_token_ids) for r in requests)
         for i, pending in enumerate(batch):
-            self._send(pending, logprobs[i], output.last_hidden[i])
+            self._send(pending, logprobs[i], last_hidden[i])
+
+    def failed(self, requests: list[Request], error: str) -> None:
+        log.error("prefill of rooms %s failed: %s", [r.request_id for r in requests], error)
+        for req in requests:
+            pending = self.prefilling.pop(req.request_id)
+            if pending.announced:
+                self._send_void(pending, error)
+            else:
+                self._abandon(pending, error)
 
     def _announce(self, pending: _Pending) -> None:
         """Tell the decode node what to receive, before the forward: whether the request drafts
         is known now (it depends on max_tokens alone), so the number of pools never changes."""
         req = pending.req
+        pending.announced = True
         pending.drafted = self.speculator is not None and _drafts_after_first_token(req)
         self.outboxes[pending.decode_node].send(
             TransferAnnounce(
@@ -280,32 +302,6 @@ class PrefillNode(ServingNode):
             if pending.target_kv is not None:
                 room = int(pending.req.request_id)
                 pending.handle = self.sender.begin(pending.decode_rank, room, pending.target_kv)
-
-    def _draft_extend(
-        self,
-        batch: list[_Pending],
-        extend_lens: list[int],
-        hidden: torch.Tensor | None,
-        input_embeds: InputEmbeds | None,
-    ) -> None:
-        """Draft extend for prefill: every depth over the prompt, and the first chain, for the
-        requests announced as drafting (a request with a single token left to emit drafts
-        nothing: it will never verify). Where the prompt gave embeddings, the depths read the
-        rows the target's forward used."""
-        if self.speculator is None:
-            return
-        requests = [p.req for p in batch]
-        # The announcement decided before the first token existed; the rule is the engine's.
-        assert all(p.drafted == (p.req.lookahead > 0) for p in batch), "drafting changed"
-        embeds = input_embeds.split(extend_lens) if input_embeds else [None] * len(requests)
-        items = [
-            (p.req, h, e) for p, h, e in zip(batch, hidden.split(extend_lens), embeds) if p.drafted
-        ]
-        if items:
-            drafting = [r for r, _, _ in items]
-            set_time_batch(drafting, "draft_extend_start")
-            self.speculator.draft_extend_prefill(*(list(column) for column in zip(*items)))
-            set_time_batch(drafting, "draft_extend_end")
 
     def _send(self, pending: _Pending, logprob, last_hidden: torch.Tensor) -> None:
         req = pending.req
@@ -450,6 +446,11 @@ class PrefillNode(ServingNode):
             if pending.decode_node == index:
                 self.waiting.remove(pending)
                 self._free(pending.req, pending.meta_row)
+        for room, pending in list(self.prefilling.items()):
+            if pending.decode_node == index:
+                del self.prefilling[room]
+                self.engine.scheduler.abort(room)
+                self._free(pending.req, pending.meta_row)
         for group in (self.sending, self.stalled):
             for pending in [p for p in group if p.decode_node == index]:
                 group.remove(pending)
@@ -460,7 +461,7 @@ class PrefillNode(ServingNode):
         log.warning("%s: requests and slots bound for decode-%d let go", reason, index)
 
     def _pool_counts(self) -> list[PoolCount]:
-        pendings = [*self.waiting, *self.sending, *self.stalled]
+        pendings = [*self.waiting, *self.prefilling.values(), *self.sending, *self.stalled]
         held = self.quarantine.requests()
         requests = [p.req for p in pendings] + [h.req for h in held]
         rows_held = sum(1 for p in pendings if p.meta_row is not None)

@@ -40,10 +40,10 @@ def failing_prefill_class():
             super().__init__(args, options)
             build_batch = self.runner.build_batch
 
-            def failing_build_batch(requests):
+            def failing_build_batch(requests, ends=None):
                 if any(marked(r, FORWARD_FAILS) for r in requests):
                     raise RuntimeError("injected forward failure")
-                return build_batch(requests)
+                return build_batch(requests, ends)
 
             self.runner.build_batch = failing_build_batch
             if self.speculator is not None:
@@ -111,7 +111,7 @@ def test_failures_after_the_announcement_fail_their_requests_only(tmp_path, fail
 
         alone, together, after = asyncio.run(main())
         assert isinstance(alone, str), alone
-        assert "prefill-0: prefill failed: RuntimeError: injected forward failure" in alone
+        assert "prefill-0: prefill forward failed: RuntimeError: injected forward failure" in alone
         served, failed = together[: len(prompts)], together[len(prompts) :]
         # Announced before the forward, the first token's top logprobs still reach the client.
         assert [tokens for tokens, _ in served] == expected
@@ -159,7 +159,8 @@ def test_a_draft_extend_that_fails_sends_every_announced_depth(tmp_path, failing
 
         alone, served = asyncio.run(main())
         assert isinstance(alone, str), alone
-        assert "prefill-0: prefill failed: RuntimeError: injected draft extend failure" in alone
+        error = "prefill-0: draft extend (prefill) forward failed: RuntimeError: injected draft"
+        assert error in alone
         assert [tokens for tokens, _ in served] == expected
         assert wait_for(cluster.kv_pools_empty, 30)
     finally:

@@ -17,6 +17,8 @@ import torch
 import decode_node.tracked as tracked_module
 from decode_node.node import DecodeNode
 from decode_node.tracked import Tracked
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
 from engine.env import FaultSettings
 from engine.kv_cache import KVCacheManager
 from engine.kv_pool import KVPool, ReqToTokenPool
@@ -87,18 +89,22 @@ class Recorder:
 class FakeRunner:
     """build_batch and forward of a model with no weights: uniform-ish random logits."""
 
-    def __init__(self, kv_pool: KVPool, recorder: Recorder, fail: bool = False) -> None:
-        self.kv_pool = kv_pool
+    def __init__(self, recorder: Recorder, fail: bool = False, chunk: int | None = None) -> None:
+        self.kv_pool = KVPool(CAPACITY, 1, 1, 4, torch.float32, "cpu")
+        self.req_to_token_pool = ReqToTokenPool(8, CAPACITY, "cpu")
         self.recorder = recorder
         self.fail = fail
+        self.config = EngineConfig(
+            device="cpu", max_num_seqs=8, max_prefill_tokens=512, chunked_prefill_size=chunk
+        )
         # Sampling masks EOS while a request is under its min_tokens.
         self.model_config = SimpleNamespace(eos_token_ids=[2])
 
-    def build_batch(self, requests: list[Request]):
+    def build_batch(self, requests: list[Request], ends: list[int]):
         self.recorder.events.append(("forward",))
         if self.fail:
             raise RuntimeError("injected forward failure")
-        return SimpleNamespace(extend_lens=[r.num_tokens for r in requests])
+        return SimpleNamespace(extend_lens=[end - r.kv_len for r, end in zip(requests, ends)])
 
     def forward(self, batch, keep_hidden: bool):
         n, total = len(batch.extend_lens), sum(batch.extend_lens)
@@ -127,23 +133,23 @@ class FakeSpeculator:
         req.spec_state = None
 
 
-def prefill_node(recorder: Recorder, fail: bool = False, speculator=None) -> PrefillNode:
+def prefill_node(
+    recorder: Recorder, fail: bool = False, speculator=None, chunk: int | None = None
+) -> PrefillNode:
     node = PrefillNode.__new__(PrefillNode)
     node.options = NodeOptions("prefill", 0, control_key=new_control_key())
     node.rank = 0
-    node.kv_cache = kv_cache()
-    node.runner = FakeRunner(node.kv_cache.kv_pool, recorder, fail)
+    node.runner = FakeRunner(recorder, fail, chunk)
     node.speculator = speculator
+    node.engine = EngineCore(node.runner, None, speculator, handoff=node)
+    node.kv_cache = node.engine.kv_cache
     node.num_draft_steps = speculator.num_draft_steps if speculator else 0
     node.metadata = MetadataBuffers(4, HIDDEN, node.num_draft_steps, 1, torch.float32, "cpu")
-    node.spec = SimpleNamespace(
-        engine_config=SimpleNamespace(max_num_seqs=8, max_prefill_tokens=512)
-    )
     node.outboxes = {0: recorder}
     node.sender = SimpleNamespace(send=recorder.send_kv, begin=recorder.begin_kv)
     node.waiting = deque()
+    node.prefilling = {}
     node.sending = []
-    node.default_generator = torch.Generator().manual_seed(0)
     node.prompts_done = node.prompt_tokens = 0
     node.transfer_totals = TransferTotals("send")
     node.faults = FaultInjector("prefill-0", FaultSettings())
@@ -165,9 +171,9 @@ def run_batch(
             req.num_draft_tokens = node.num_draft_steps
         rank = (ranks or {}).get(room, 1)
         node.waiting.append(_Pending(req, decode_node=0, decode_rank=rank))
-    batch = node._admit()
-    assert len(batch) == len(prompts)
-    node._prefill(batch)
+    node._feed()
+    assert len(node.prefilling) == len(prompts)
+    node.engine.step()
 
 
 def finish_sends(node: PrefillNode, recorder: Recorder) -> None:
@@ -204,7 +210,7 @@ def test_a_forward_that_fails_after_the_announcement_still_sends_each_transfer_v
     run_batch(node, PROMPTS)
     assert recorder.kinds() == ANNOUNCED_THEN_SENT
     for result in recorder.messages(PrefillResult):
-        assert result.error.startswith("prefill-0: prefill failed: RuntimeError")
+        assert result.error.startswith("prefill-0: prefill forward failed: RuntimeError")
         assert "injected forward failure" in result.error
     sends = [e for e in recorder.events if e[0] == "kv"]
     # What was announced, under a row whose room tag matches no room.
@@ -239,7 +245,8 @@ def test_a_request_whose_transfer_cannot_be_prepared_is_void_in_its_place() -> N
 
 def test_the_pools_of_a_void_transfer_are_the_announced_ones() -> None:
     """Whether a request drafts is decided at the announcement (max_tokens 2 leaves one token
-    after the first: no draft); a failed draft extend still sends one pool per depth."""
+    after the first: no draft); a failed draft extend still sends one pool per depth, and fails
+    only the requests that draft."""
     recorder = Recorder()
     node = prefill_node(recorder, speculator=FakeSpeculator(num_draft_steps=2))
     run_batch(node, {21: ([3, 4, 5], 8), 22: ([6, 7], 2)})
@@ -248,8 +255,9 @@ def test_the_pools_of_a_void_transfer_are_the_announced_ones() -> None:
     sends = [
         (room, counts, tag) for _, room, counts, tag in (e for e in recorder.events if e[0] == "kv")
     ]
-    assert sends == [(21, [3, 3, 3], 0), (22, [2], 0)]
-    assert all("draft extend failure" in r.error for r in recorder.messages(PrefillResult))
+    assert sends == [(21, [3, 3, 3], 0), (22, [2], 22)]
+    errors = {r.room: r.error for r in recorder.messages(PrefillResult)}
+    assert "draft extend failure" in errors[21] and errors[22] is None
     finish_sends(node, recorder)
     assert node.kv_cache.is_empty() and node.metadata.num_free == 4
 
@@ -350,7 +358,7 @@ def decode_node(state: TransferState, error: str | None = None):
     return node, cache
 
 
-PREFILL_ERROR = "prefill-0: prefill failed: RuntimeError: injected forward failure"
+PREFILL_ERROR = "prefill-0: prefill forward failed: RuntimeError: injected forward failure"
 MISMATCH = f"room tag mismatch: expected {ROOM} got 0 (from rank 0)"
 
 

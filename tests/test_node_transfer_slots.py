@@ -104,6 +104,7 @@ def prefill_node(left_posted: bool):
     node.transfer_totals = TransferTotals("send")
     node.quarantine = Quarantine()
     node.waiting = deque()
+    node.prefilling = {}
     node.stalled = []
     req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
     node.kv_cache.grow(req, len(PROMPT))
