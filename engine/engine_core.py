@@ -103,9 +103,9 @@ class PrefillHandoff(Protocol):
     """The owner of a prefill-only engine (a prefill node): it hears of each prompt's prefill
     and takes the request over once the prompt is done, its KV still held."""
 
-    def prefill_starting(self, starting: list[Request], completing: list[Request]) -> None:
-        """Before a prefill forward: `starting` begin their prompt in it (its first chunk or
-        all of it), `completing` end it."""
+    def prefill_completing(self, completing: list[Request]) -> None:
+        """Before a prefill forward: these requests' prompts end in it (all of a prompt, or
+        its last chunk)."""
 
     def forward_enqueued(self, completing: list[Request]) -> None:
         """The forward that ends these prompts is enqueued (their KV exists once it runs)."""
@@ -227,11 +227,11 @@ class EngineCore:
         completing = batch.completing
         # A request begins its prefill where it has no KV yet (a preempted one begins again).
         starting = [req for req in batch.requests if req.kv_len == 0]
-        if self.handoff is not None:
-            self.handoff.prefill_starting(starting, completing)
         set_time_batch(starting, "prefill_start")
         keep_hidden = any(r.num_draft_tokens for r in batch.requests)
         try:
+            if self.handoff is not None:
+                self.handoff.prefill_completing(completing)
             forward_batch = self.runner.build_batch(batch.requests, batch.ends)
             output = self.runner.forward(forward_batch, keep_hidden=keep_hidden)
             if self.handoff is not None:

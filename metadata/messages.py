@@ -118,8 +118,8 @@ class PrefillResult:
 
 @message
 class TransferAbandoned:
-    """Prefill node -> decode node: this room will not be sent nor announced (refused or
-    aborted before its prefill batch was admitted)."""
+    """Prefill node -> decode node: this room will not be sent nor announced (refused, or
+    aborted or failed before the step that completes its prompt)."""
 
     room: int
     reason: str

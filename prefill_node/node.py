@@ -11,10 +11,11 @@ send finds them posted. After the forward it sends a PrefillResult (what the row
 or the error), then hands the transfer to the per-peer sender; slots are freed when it ends.
 
 An announced transfer is always sent: the decode node's receives are posted and cannot be
-cancelled. When the prefill fails after the announcement (or the request is aborted between two
-chunks of its prompt), the same messages go out under a void row (room tag 0,
-`MetadataBuffers.void`), which the decode node never takes for a landed one, and the
-PrefillResult carries the error, naming this node."""
+cancelled. When the prefill fails after the announcement, the same messages go out under a void
+row (room tag 0, `MetadataBuffers.void`), which the decode node never takes for a landed one,
+and the PrefillResult carries the error, naming this node. A prompt in chunks is announced
+before its last chunk: a request aborted or failed before then is abandoned (TransferAbandoned),
+and its slots are freed at once."""
 
 from __future__ import annotations
 
@@ -208,19 +209,15 @@ class PrefillNode(ServingNode):
             log.warning("unexpected message %s", type(msg).__name__)
 
     def _abort(self, room: str) -> None:
-        """Drop a request not yet prefilled; one whose transfer is announced (a prompt between
-        two of its chunks) frees its KV now and completes its transfer void."""
+        """Drop a request whose prompt is not done (between two chunks of it, its slots are
+        freed now); an announced transfer is always sent."""
         for pending in list(self.waiting):
             if pending.req.request_id == room:
                 self.waiting.remove(pending)
                 self._abandon(pending, "aborted before prefill")
         pending = self.prefilling.pop(room, None)
-        if pending is None:
-            return
-        self.engine.scheduler.abort(room)
-        if pending.announced:
-            self._send_void(pending, "aborted during prefill")
-        else:
+        if pending is not None:
+            self.engine.scheduler.abort(room)
             self._abandon(pending, "aborted before prefill")
 
     def _feed(self) -> None:
@@ -232,12 +229,14 @@ class PrefillNode(ServingNode):
             self.engine.add_request(pending.req)
 
     # --- engine_core.PrefillHandoff: the engine's prefill steps ---
-    def prefill_starting(self, starting: list[Request], completing: list[Request]) -> None:
-        for req in starting:
-            pending = self.prefilling[req.request_id]
-            if not pending.announced:
-                self._announce(pending)
-        self._prepare_early_kv([self.prefilling[req.request_id] for req in completing])
+    def prefill_completing(self, completing: list[Request]) -> None:
+        """Announce before the forward that ends their prompts (a prompt in chunks, before its
+        last chunk): every transfer announced is sent in the same step, so the order of the
+        announcements to a decode node is the order of its sends, which NCCL matches by."""
+        batch = [self.prefilling[req.request_id] for req in completing]
+        for pending in batch:
+            self._announce(pending)
+        self._prepare_early_kv(batch)
 
     def forward_enqueued(self, completing: list[Request]) -> None:
         self._begin_transfers([self.prefilling[req.request_id] for req in completing])

@@ -19,7 +19,7 @@ from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
 from engine.request import Request
-from metadata.messages import AbortRequest, PrefillResult, TransferAnnounce
+from metadata.messages import AbortRequest, TransferAbandoned, TransferAnnounce
 from prefill_node.node import _Pending
 
 SPEC = "multi-layer-eagle"
@@ -160,7 +160,9 @@ def _queue(node, room: int, prompt: list[int]) -> None:
     node.waiting.append(_Pending(req, decode_node=0, decode_rank=1))
 
 
-def test_a_prefill_node_announces_before_the_first_chunk_and_sends_after_the_last():
+def test_a_prefill_node_announces_before_the_last_chunk_and_sends_after_it():
+    """Announced and sent in one step, a transfer keeps the order of announcements to a decode
+    node the order of its sends (NCCL matches by order), whatever runs between the chunks."""
     recorder = Recorder()
     node = prefill_node(recorder, chunk=3)
     _queue(node, 31, list(range(3, 11)))
@@ -168,7 +170,7 @@ def test_a_prefill_node_announces_before_the_first_chunk_and_sends_after_the_las
     for _ in range(3):
         node.engine.step()
     # Alone for its decode node, its KV is posted once the last chunk's forward is enqueued.
-    assert recorder.kinds() == ["TransferAnnounce"] + ["forward"] * 3 + [
+    assert recorder.kinds() == ["forward"] * 2 + ["TransferAnnounce", "forward"] + [
         "kv-begin",
         "PrefillResult",
         "kv",
@@ -180,7 +182,7 @@ def test_a_prefill_node_announces_before_the_first_chunk_and_sends_after_the_las
     assert node.kv_cache.is_empty() and node.metadata.num_free == 4
 
 
-def test_an_abort_between_a_prefill_nodes_chunks_frees_the_slots_and_sends_void():
+def test_an_abort_between_a_prefill_nodes_chunks_frees_the_slots_and_abandons_it():
     recorder = Recorder()
     node = prefill_node(recorder, chunk=3)
     _queue(node, 41, list(range(3, 11)))
@@ -189,11 +191,12 @@ def test_an_abort_between_a_prefill_nodes_chunks_frees_the_slots_and_sends_void(
     node.engine.step()  # room 41's first chunk, room 42 whole
     assert node.kv_cache.kv_pool.allocator.num_used == 3 + 2
     node._handle(AbortRequest(41))
-    # Room 41's slots are free at once; its announced transfer completes void.
+    # Room 41's slots are free at once; it was never announced, so nothing is sent for it.
     assert node.kv_cache.kv_pool.allocator.num_used == 2
-    errors = {r.room: r.error for r in recorder.messages(PrefillResult)}
-    assert errors[41] == "prefill-0: aborted during prefill" and errors[42] is None
-    assert [e[1:] for e in recorder.events if e[0] == "kv"] == [(42, [2], 42), (41, [8], 0)]
+    assert [a.room for a in recorder.messages(TransferAnnounce)] == [42]
+    assert [e[1:] for e in recorder.events if e[0] == "kv"] == [(42, [2], 42)]
+    abandoned = recorder.messages(TransferAbandoned)
+    assert [(a.room, a.reason) for a in abandoned] == [(41, "prefill-0: aborted before prefill")]
     assert not node.engine.has_work() and not node.prefilling
     finish_sends(node, recorder)
     assert node.kv_cache.is_empty() and node.metadata.num_free == 4
