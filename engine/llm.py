@@ -32,6 +32,7 @@ class LLM:
         device: str | None = None,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        max_tokens_cap: int | None = None,
         kv_cache_tokens: int | None = None,
         max_prefill_tokens: int = 8192,
         gpu_memory_utilization: float | None = None,
@@ -56,6 +57,7 @@ class LLM:
         on a GPU and 1 elsewhere.
         `debug_tensor_dump_dir` dumps every forward pass (engine/debug_dump.py) under
         DIR/offline/<target|draft-N>/rank0/, keeping only `debug_tensor_dump_layers` if given.
+        `max_tokens_cap`: refuse (RequestRejectedError) a request asking for more max_tokens.
         `attention_backend`: "triton" (GPU), "torch" (anywhere) or "auto" (triton on a GPU).
         On a GPU, decode steps of up to `cuda_graph_max_bs` requests (default max_num_seqs)
         replay CUDA graphs captured here, unless `disable_cuda_graph` or a tensor dump.
@@ -70,6 +72,7 @@ class LLM:
             device=device,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
+            max_tokens_cap=max_tokens_cap,
             kv_cache_tokens=kv_cache_tokens,
             max_prefill_tokens=max_prefill_tokens,
             gpu_memory_utilization=gpu_memory_utilization,

@@ -29,6 +29,8 @@ class EngineArgs:
     device: str | None = None
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    # The most max_tokens one request may ask for; None: only the context bounds it.
+    max_tokens_cap: int | None = None
     kv_cache_tokens: int | None = None
     max_prefill_tokens: int = 8192
     # The fraction of the GPU's total memory this engine may take (weights, KV and activations),
@@ -67,6 +69,8 @@ class EngineArgs:
                 raise ValueError("num_draft_chains needs a speculative_algorithm")
         if self.debug_tensor_dump_layers is not None and self.debug_tensor_dump_dir is None:
             raise ValueError("debug_tensor_dump_layers needs debug_tensor_dump_dir")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         utilization = self.gpu_memory_utilization
@@ -110,6 +114,7 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
         dtype=dtype,
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
+        max_tokens_cap=args.max_tokens_cap,
         # More slots than every sequence at full length could use are never needed.
         kv_cache_tokens=min(kv_tokens, args.max_num_seqs * max_model_len),
         max_prefill_tokens=args.max_prefill_tokens,
