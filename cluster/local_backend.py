@@ -310,6 +310,7 @@ class _LocalNode:
         return {
             "running": len(engine.scheduler.running),
             "queued": len(engine.scheduler.waiting),
+            "retractions": engine.scheduler.num_retractions,
             "kv_used": kv_cache.capacity - kv_cache.num_free_slots,
             "kv_capacity": kv_cache.capacity,
         }
