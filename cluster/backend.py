@@ -64,6 +64,10 @@ def make_usage(prompt_tokens: int, completion_tokens: int, **extra: Any) -> dict
 class GenerationBackend(Protocol):
     model_name: str
     max_model_len: int  # the longest prompt + max_tokens one request may have
+    # Optional (read with getattr, default None): the most max_tokens one request may ask for
+    # (--max-tokens-cap); a request that leaves max_tokens out gets it, as far as the context
+    # allows.
+    # max_tokens_cap: int | None
     tokenizer: Any  # a Hugging Face tokenizer: encode(), decode(), used by the HTTP layer
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:

@@ -28,6 +28,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
     parser.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=None,
+        metavar="N",
+        help="refuse a request asking for more than N max_tokens with a 400; a chat request "
+        "without max_tokens gets N, as far as the context allows (default: no cap)",
+    )
+    parser.add_argument(
         "--kv-cache-tokens",
         type=int,
         default=None,
@@ -234,6 +242,7 @@ def engine_args(args: argparse.Namespace):
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        max_tokens_cap=args.max_tokens_cap,
         kv_cache_tokens=args.kv_cache_tokens,
         max_prefill_tokens=args.max_prefill_tokens,
         chunked_prefill_size=args.chunked_prefill_size,

@@ -64,6 +64,7 @@ class LocalBackend:
         self.model_name = model_name or llm.model_path.name
         # The engine refuses anything longer than either limit; report the tighter one.
         self.max_model_len = min(llm.config.max_model_len, llm.config.kv_cache_tokens)
+        self.max_tokens_cap = llm.config.max_tokens_cap
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
         self._closed = False
@@ -309,6 +310,7 @@ class _LocalNode:
         return {
             "running": len(engine.scheduler.running),
             "queued": len(engine.scheduler.waiting),
+            "retractions": engine.scheduler.num_retractions,
             "kv_used": kv_cache.capacity - kv_cache.num_free_slots,
             "kv_capacity": kv_cache.capacity,
         }

@@ -277,7 +277,8 @@ class _NodeFamilies:
         )
         self.queued = GaugeMetricFamily(
             "pdcluster_node_queued_requests",
-            "Requests waiting for KV (decode: preallocation; prefill: admission).",
+            "Requests waiting for KV (decode: preallocation, or retracted and waiting to run "
+            "again; prefill: admission).",
             labels=labels,
         )
         self.kv_used = GaugeMetricFamily(
@@ -296,6 +297,12 @@ class _NodeFamilies:
         )
         self.generated = CounterMetricFamily(
             "pdcluster_node_generation_tokens", "Tokens a decode node produced.", labels=labels
+        )
+        self.retractions = CounterMetricFamily(
+            "pdcluster_node_retractions",
+            "Running requests retracted because the KV pool ran short: their slots freed, they "
+            "ran again later as a prefill of prompt + output so far.",
+            labels=labels,
         )
         self.prompt = CounterMetricFamily(
             "pdcluster_node_prompt_tokens", "Prompt tokens a prefill node ran.", labels=labels
@@ -380,6 +387,7 @@ class _NodeFamilies:
             (self.kv_used, "kv_used"),
             (self.kv_capacity, "kv_capacity"),
             (self.generated, "tokens_out"),
+            (self.retractions, "retractions"),
             (self.prompt, "prompt_tokens"),
             (self.control_rejected, "control_rejected"),
             (self.kv_audit_mismatches, "kv_audit_mismatches"),

@@ -92,7 +92,12 @@ def prepare_completion(
             400, "prompt_embeds needs a single prompt, not a batch", param="prompt_embeds"
         )
     longest = max(len(prompt) for prompt in prompts)
-    params = _sampling_params(body, body.max_tokens, body.logprobs, longest, backend)
+    max_tokens = body.max_tokens
+    cap = getattr(backend, "max_tokens_cap", None)
+    if "max_tokens" not in body.model_fields_set and cap is not None:
+        # The API's default of 16 must not be refused for a cap the client never asked past.
+        max_tokens = min(max_tokens, cap)
+    params = _sampling_params(body, max_tokens, body.logprobs, longest, backend)
     return [_validated(backend, PreparedRequest(p, params, prompt_embeds)) for p in prompts]
 
 
@@ -178,15 +183,7 @@ def _sampling_params(
     backend: GenerationBackend,
 ) -> SamplingParams:
     if max_tokens is None:
-        # Unset in chat means "until the context is full", as in the OpenAI API.
-        max_tokens = backend.max_model_len - prompt_len
-        if max_tokens < 1:
-            raise OpenAIError(
-                400,
-                f"the prompt ({prompt_len} tokens) fills the context of "
-                f"{backend.max_model_len} tokens",
-                param="messages",
-            )
+        max_tokens = _default_max_tokens(prompt_len, backend)
     optional = {
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -217,6 +214,21 @@ def _sampling_params(
             )
         except RequestRejectedError as err:
             raise OpenAIError(400, str(err), param=err.param) from err
+
+
+def _default_max_tokens(prompt_len: int, backend: GenerationBackend) -> int:
+    """Unset max_tokens (chat) means "until the context is full", as in the OpenAI API, and no
+    more than the server's cap, as vLLM clamps it to what fits: a request that gives no
+    max_tokens is never refused for the cap."""
+    room = backend.max_model_len - prompt_len
+    if room < 1:
+        raise OpenAIError(
+            400,
+            f"the prompt ({prompt_len} tokens) fills the context of {backend.max_model_len} tokens",
+            param="messages",
+        )
+    cap = getattr(backend, "max_tokens_cap", None)
+    return room if cap is None else min(room, cap)
 
 
 def _logit_bias(given: dict[str, float] | None) -> dict[int, float]:

@@ -86,6 +86,7 @@ class Router:
         self.tokenizer = spec.tokenizer
         self.model_name = model_name or spec.path.name
         self.max_model_len = spec.engine_config.max_model_len
+        self.max_tokens_cap = spec.engine_config.max_tokens_cap
         self.kv_cache_tokens = kv_cache_tokens
         self.prefill_nodes = prefill_nodes
         self.decode_nodes = decode_nodes
@@ -180,6 +181,7 @@ class Router:
                 params,
                 vocab_size=self.spec.model_config.vocab_size,
                 max_model_len=self.max_model_len,
+                max_tokens_cap=self.max_tokens_cap,
                 kv_cache_tokens=self.kv_cache_tokens,
                 hidden_size=self.spec.model_config.hidden_size,
                 prompt_embeds=prompt_embeds,

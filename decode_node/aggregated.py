@@ -68,6 +68,7 @@ class AggregatedNode(ServingNode):
             "node": self.options.name,
             "running": len(self.engine.scheduler.running),
             "queued": len(self.engine.scheduler.waiting),
+            "retractions": self.engine.scheduler.num_retractions,
             "kv_used": allocator.num_used,
             "kv_capacity": allocator.capacity,
             "tokens_out": self.tokens_out,

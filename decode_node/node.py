@@ -2,13 +2,21 @@
 prompt's KV and metadata row, then generates and streams tokens to the router.
 
 Life of a request here: GenerateRequest -> prealloc queue (waits while KV or metadata rows are
-short: backpressure) -> PrefillRequest sent -> TransferAnnounce (sent when the prefill batch is
-admitted) -> receive posted in announcement order, while the prefill runs -> PrefillResult (the
-first token's top logprobs and the prefill timeline, or the prefill's error) -> landed (room tag
-checked) -> first token streamed, request joins the running batch -> decode steps -> finished,
-slots freed. A transfer is settled once it ended and its PrefillResult came (both normally come
-together: the result is sent before the KV); a result that reports an error fails the request at
-once, and its slots are freed when the (void) transfer ends."""
+short: backpressure) -> slots for the prompt and the first decode step taken (`first_step_slots`)
+-> PrefillRequest sent -> TransferAnnounce (sent when the prefill batch is admitted) -> receive
+posted in announcement order, while the prefill runs -> PrefillResult (the first token's top
+logprobs and the prefill timeline, or the prefill's error) -> landed (room tag checked) -> first
+token streamed, request joins the running batch -> decode steps, its KV (the target's and each
+draft depth's) growing step by step -> finished, slots freed. A transfer is settled once it
+ended and its PrefillResult came (both normally come together: the result is sent before the
+KV); a result that reports an error fails the request at once, and its slots are freed when the
+(void) transfer ends.
+
+When the pool runs short mid-decode, the engine's scheduler retracts running requests (the rule
+is engine.scheduler.retraction_victim's): a retracted request waits in the engine's queue, ahead
+of new preallocations, and runs again here as a prefill of prompt + output so far (this node
+holds the full model), its draft state rebuilt by the draft extend for prefill, its output
+unchanged."""
 
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ from decode_node.tracked import RESULT_WAIT_S, Tracked
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
+from engine.prompt_embeds import PromptEmbeds
+from engine.request import Request
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tracing import set_time, set_time_batch
@@ -123,7 +133,8 @@ class DecodeNode(ServingNode):
         return {
             "node": self.options.name,
             "running": len(self.engine.scheduler.running),
-            "queued": len(self.prealloc),
+            "queued": self._num_waiting_for_kv(),
+            "retractions": self.engine.scheduler.num_retractions,
             "receiving": len(self.receiving),
             "kv_used": allocator.num_used,
             "kv_capacity": allocator.capacity,
@@ -134,6 +145,10 @@ class DecodeNode(ServingNode):
             "control_rejected": self.inbox.rejected,
             **self._health_stats(),
         }
+
+    def _num_waiting_for_kv(self) -> int:
+        """New requests waiting to preallocate, and retracted ones waiting to run again."""
+        return len(self.prealloc) + len(self.engine.scheduler.waiting)
 
     def _transfers_in_flight(self) -> int:
         return sum(1 for tracked in list(self.receiving) if tracked.handle is not None)
@@ -155,8 +170,8 @@ class DecodeNode(ServingNode):
                 self._handle(msg)
             self._preallocate()
             self._land_transfers()
-            if self.engine.scheduler.running:
-                self._decode_step()
+            if self.engine.has_work():
+                self._step()
             self.activity_log.tick(self._activity)
 
     def _activity(self) -> Activity:
@@ -164,7 +179,7 @@ class DecodeNode(ServingNode):
         running = self.engine.scheduler.running
         return Activity(
             len(running),
-            len(self.prealloc),
+            self._num_waiting_for_kv(),
             self._transfers_in_flight(),
             allocator.num_used,
             allocator.capacity,
@@ -177,7 +192,8 @@ class DecodeNode(ServingNode):
             return 0
         # Waiting on transfers only: block briefly rather than spin, so the receiver threads
         # get the interpreter.
-        return WAITING_POLL_MS if (self.receiving or self.prealloc) else IDLE_POLL_MS
+        waiting = self.receiving or self.prealloc or self.engine.scheduler.waiting
+        return WAITING_POLL_MS if waiting else IDLE_POLL_MS
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, GenerateRequest):
@@ -199,8 +215,15 @@ class DecodeNode(ServingNode):
     def _accept(self, msg: GenerateRequest) -> None:
         try:
             params = SamplingParams(**msg.sampling.__dict__)
-            req = self.engine.make_request(str(msg.room), list(msg.prompt_token_ids), params)
-        except RequestRejectedError as err:
+            embeds = None
+            if msg.prompt_embeds is not None:
+                # Kept with the request: a retracted request's re-prefill here reads them.
+                given = msg.prompt_embeds
+                embeds = PromptEmbeds.from_bytes(given.positions, given.width, given.data)
+            req = self.engine.make_request(
+                str(msg.room), list(msg.prompt_token_ids), params, prompt_embeds=embeds
+            )
+        except (RequestRejectedError, ValueError) as err:
             self._send(TokenUpdate(msg.room, [], error=f"{self.options.name}: {err}"))
             return
         set_time(req, "decode_received")
@@ -209,13 +232,16 @@ class DecodeNode(ServingNode):
         self.prealloc.append(tracked)
 
     def _preallocate(self) -> None:
-        kv_cache = self.engine.kv_cache
+        kv_cache, scheduler = self.engine.kv_cache, self.engine.scheduler
         while self.prealloc:
+            if scheduler.waiting:
+                # Retracted requests run again first: new ones must not keep them out.
+                return
             tracked = self.prealloc[0]
             req = tracked.req
-            # The whole generation's slots up front: decode never waits for KV mid-request.
-            need = req.num_tokens + req.params.max_tokens
-            if self.metadata.num_free == 0 or not kv_cache.can_grow(need, 1):
+            need = first_step_slots(req)
+            room = need + scheduler.step_reserve()
+            if self.metadata.num_free == 0 or not kv_cache.can_grow(room, 1):
                 return
             self.prealloc.popleft()
             kv_cache.grow(req, need)
@@ -401,14 +427,20 @@ class DecodeNode(ServingNode):
             meta.boundary_hidden[row].clone(),
         )
 
-    def _decode_step(self) -> None:
-        stepped = list(self.engine.scheduler.running)
+    def _step(self) -> None:
+        """One engine step: a decode step of the running batch, or the re-prefill of retracted
+        requests (the engine's policy: waiting prompts first)."""
+        scheduler = self.engine.scheduler
+        stepped = [*scheduler.running, *scheduler.waiting]
         finished = self.engine.step()
         set_time_batch(finished, "finish")
         done = {id(r) for r in finished}
         for req in stepped:
             tracked = self.rooms.get(int(req.request_id))
-            if tracked is None:
+            # Nothing new for a request that was retracted, or waited, this step.
+            if tracked is None or (
+                len(req.output_token_ids) == tracked.sent_tokens and not req.finished
+            ):
                 continue
             self._report(tracked)
             if id(req) in done:
@@ -500,9 +532,11 @@ class DecodeNode(ServingNode):
         """prefill-`index` died: end every request it was to prefill (the router has ended
         them already) and free their slots, receives still posted or not: nothing can come
         from a dead process. Then free what a stuck transfer from it held."""
-        running = {id(req) for req in self.engine.scheduler.running}
+        scheduler = self.engine.scheduler
+        # Requests the engine holds (running, or retracted and waiting) need no prefill node.
+        in_engine = {id(req) for req in [*scheduler.running, *scheduler.waiting]}
         for tracked in list(self.rooms.values()):
-            if tracked.message.prefill_node != index or id(tracked.req) in running:
+            if tracked.message.prefill_node != index or id(tracked.req) in in_engine:
                 continue
             if tracked in self.prealloc:
                 self.prealloc.remove(tracked)
@@ -534,3 +568,12 @@ class DecodeNode(ServingNode):
     def _send(self, update: TokenUpdate) -> None:
         if self.router is not None:
             self.router.send(update)
+
+
+def first_step_slots(req: Request) -> int:
+    """Target slots a request takes before its prefill: its prompt (what the transfer fills)
+    and its first decode step (the first token, which comes with the transfer, and the
+    look-ahead the step verifies); the draft depths take as many (`reserve`), which their first
+    draft extend fills. Later steps grow through the scheduler, and never past prompt +
+    max_tokens, which admission checked against the context and the pool."""
+    return req.num_tokens + 1 + req.lookahead

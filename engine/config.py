@@ -146,6 +146,8 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     max_num_seqs: int = 64
     max_model_len: int = 4096
+    # The most max_tokens one request may ask for (--max-tokens-cap); None: no cap of its own.
+    max_tokens_cap: int | None = None
     kv_cache_tokens: int = 16384
     max_prefill_tokens: int = 8192
     # Prompts longer than this are prefilled over several steps (engine/scheduler.py); None:
@@ -171,6 +173,8 @@ class EngineConfig:
             raise ValueError(
                 f"chunked_prefill_size must be positive, got {self.chunked_prefill_size}"
             )
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError(f"max_tokens_cap must be positive, got {self.max_tokens_cap}")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         refuse_cuda_graphs(self.tensor_dump is not None, self.cuda_graph_max_bs > 0)

@@ -368,6 +368,7 @@ class EngineCore:
             params,
             vocab_size=self.runner.model_config.vocab_size,
             max_model_len=config.max_model_len,
+            max_tokens_cap=config.max_tokens_cap,
             kv_cache_tokens=config.kv_cache_tokens,
             hidden_size=self.runner.model_config.hidden_size,
             prompt_embeds=prompt_embeds,

@@ -32,6 +32,7 @@ class LLM:
         device: str | None = None,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        max_tokens_cap: int | None = None,
         kv_cache_tokens: int | None = None,
         max_prefill_tokens: int = 8192,
         chunked_prefill_size: int | None = None,
@@ -60,6 +61,7 @@ class LLM:
         Prompts longer than `chunked_prefill_size` tokens are prefilled in chunks of it, between
         decode steps of the running requests (0: in one step; default 2048 on a CPU, 4096 on
         a GPU).
+        `max_tokens_cap`: refuse (RequestRejectedError) a request asking for more max_tokens.
         `attention_backend`: "triton" (GPU), "torch" (anywhere) or "auto" (triton on a GPU).
         On a GPU, decode steps of up to `cuda_graph_max_bs` requests (default max_num_seqs)
         replay CUDA graphs captured here, unless `disable_cuda_graph` or a tensor dump.
@@ -74,6 +76,7 @@ class LLM:
             device=device,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
+            max_tokens_cap=max_tokens_cap,
             kv_cache_tokens=kv_cache_tokens,
             max_prefill_tokens=max_prefill_tokens,
             chunked_prefill_size=chunked_prefill_size,

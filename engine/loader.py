@@ -33,6 +33,8 @@ class EngineArgs:
     device: str | None = None
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    # The most max_tokens one request may ask for; None: only the context bounds it.
+    max_tokens_cap: int | None = None
     kv_cache_tokens: int | None = None
     max_prefill_tokens: int = 8192
     # Prompts longer than this many tokens are prefilled in chunks of it, interleaved with
@@ -78,6 +80,8 @@ class EngineArgs:
             raise ValueError(
                 f"chunked_prefill_size must be >= 0 (0: no chunks), got {self.chunked_prefill_size}"
             )
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         utilization = self.gpu_memory_utilization
@@ -121,6 +125,7 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
         dtype=dtype,
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
+        max_tokens_cap=args.max_tokens_cap,
         # More slots than every sequence at full length could use are never needed.
         kv_cache_tokens=min(kv_tokens, args.max_num_seqs * max_model_len),
         max_prefill_tokens=args.max_prefill_tokens,

@@ -2,13 +2,20 @@
 its KV slots; `process_result()` takes the sampled tokens and retires finished requests.
 
 Prefill goes first whenever waiting requests fit in free KV; otherwise every running request
-decodes one token. When the pool runs dry mid-decode the newest running request is preempted:
-its slots are freed and it waits to be prefilled again over prompt + output so far.
+decodes one token. KV grows with each step: a request holds slots for what it has computed plus
+its next step, never for its whole max_tokens up front. When the pool runs short mid-decode,
+running requests are retracted (`retraction_victim` picks which) until the step fits: a retracted
+request's slots are freed and it waits, first in line, to be prefilled again over prompt +
+output so far, which gives the same tokens as if it had never left (greedy, or seeded by
+position). A decode node's requests join through `add_running` and retract the same way.
 
 Speculating requests (`req.num_draft_tokens > 0`) decode several tokens per step: each step
 reserves slots for the draft tokens it verifies (`req.lookahead`) beyond the newest token, and
 `process_tokens` commits a list of tokens per request. `on_release` lets the speculator free a
-request's draft KV whenever its target KV is freed (finish, preemption, abort, failure).
+request's draft KV whenever its target KV is freed (finish, retraction, abort, failure). Draft
+KV grows inside the speculator's draft extends, never past the slots the same request holds in
+the target, in pools as large as the target's: a step that fits the target fits every depth, so
+only the target's pool is checked here.
 
 With `chunk_size`, a prompt longer than that is prefilled over several steps, one chunk each
 (at most one prompt in chunks at a time; it keeps the head of the queue, and holds its chunks'
@@ -23,7 +30,7 @@ once their KV has been sent."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.kv_cache import KVCacheManager
@@ -74,6 +81,7 @@ class Scheduler:
         # Set by a prefill step that left a prompt in chunks: the next step decodes, if any
         # request is running.
         self._decode_turn = False
+        self.num_retractions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -88,18 +96,27 @@ class Scheduler:
                 self._decode_turn = not all(prefill.completes())
                 return prefill
         self._decode_turn = False
+        # Alone, a request always fits where nothing else holds slots (admission checked prompt +
+        # max_tokens against the pool); on a decode node, slots held for transfers still on
+        # their way may leave even the last running request short: it waits like the others.
+        while self.running and not self.kv_cache.can_grow(self._slots_for_next_token()):
+            victim = retraction_victim(self.running)
+            self.running.remove(victim)
+            self._retract(victim)
         if not self.running:
             return None
-        while not self.kv_cache.can_grow(self._slots_for_next_token()):
-            victim = self.running.pop()
-            assert self.running, "a lone request outgrew the pool; admission should refuse it"
-            self._preempt(victim)
         grants = [(req, _missing_slots(req)) for req in self.running]
         self.kv_cache.grow_many([(req, n) for req, n in grants if n])
         return ScheduledBatch(list(self.running), is_prefill=False)
 
     def _slots_for_next_token(self) -> int:
         return sum(_missing_slots(req) for req in self.running)
+
+    def step_reserve(self) -> int:
+        """Slots to keep free when admitting more work: one decode step (newest token and
+        look-ahead) of every running request, so that admitting cannot force a retraction on
+        the very next step."""
+        return sum(1 + req.lookahead for req in self.running)
 
     def add_running(self, req: Request) -> None:
         """Join a request whose prompt KV is already cached (computed elsewhere) to decoding."""
@@ -112,9 +129,8 @@ class Scheduler:
         admitted: list[Request] = []
         ends: list[int] = []
         tokens = 0
-        # One decode step's slots per running or admitted request stay free, so admitting this
-        # prompt cannot force a preemption on the very next decode step.
-        reserve = 0 if self.prefill_only else sum(1 + r.lookahead for r in self.running)
+        # One decode step's slots per running or admitted request stay free (`step_reserve`).
+        reserve = 0 if self.prefill_only else self.step_reserve()
         partial: Request | None = None
         for req in self.waiting:
             if len(self.running) + len(admitted) >= self.max_num_seqs:
@@ -153,9 +169,10 @@ class Scheduler:
         if self.on_release is not None:
             self.on_release(req)
 
-    def _preempt(self, req: Request) -> None:
+    def _retract(self, req: Request) -> None:
         self._release(req)
         req.num_preemptions += 1
+        self.num_retractions += 1
         # Behind a prompt in chunks, which holds KV and must finish first.
         in_chunks = bool(self.waiting) and self.waiting[0].kv_len > 0
         self.waiting.insert(1 if in_chunks else 0, req)
@@ -250,7 +267,18 @@ class Scheduler:
         return None
 
 
+def retraction_victim(running: Sequence[Request]) -> Request:
+    """The running request to retract when the pool runs short: the one that costs least to
+    redo. That is the one with the fewest decoded tokens, the longest prompt among those, the
+    newest among equals (SGLang's order). Its output is kept, so redoing it is one prefill over
+    prompt + output; the fewest decoded tokens means the least progress set back and the
+    smallest re-prefill, so a request that was retracted once (and keeps its output) is not
+    the next victim on its return; among equals the longest prompt frees the most slots."""
+    newest_first = reversed(running)
+    return min(newest_first, key=lambda r: (len(r.output_token_ids), -len(r.prompt_token_ids)))
+
+
 def _missing_slots(req: Request) -> int:
-    """Slots the request lacks for its next decode step: its newest token and the look-ahead.
-    Requests with preallocated slots (decode nodes reserve prompt + max_tokens) lack none."""
+    """Slots the request lacks for its next decode step: its newest token and the look-ahead
+    (a request that just joined from a transfer was given them with its prompt's)."""
     return max(0, req.num_tokens + req.lookahead - len(req.slots))

@@ -23,6 +23,7 @@ def validate_request(
     kv_cache_tokens: int,
     hidden_size: int,
     prompt_embeds: PromptEmbeds | None = None,
+    max_tokens_cap: int | None = None,
 ) -> None:
     if not prompt:
         raise RequestRejectedError("the prompt is empty")
@@ -40,6 +41,12 @@ def validate_request(
     if params.seed is not None and not INT64_MIN <= params.seed <= INT64_MAX:
         raise RequestRejectedError(
             f"seed must be a signed 64-bit integer ({INT64_MIN} to {INT64_MAX}), got {params.seed}"
+        )
+    if max_tokens_cap is not None and params.max_tokens > max_tokens_cap:
+        raise RequestRejectedError(
+            f"max_tokens ({params.max_tokens}) exceeds this server's cap of {max_tokens_cap} "
+            f"tokens per request (--max-tokens-cap)",
+            param="max_tokens",
         )
     total = len(prompt) + params.max_tokens
     if total > max_model_len:

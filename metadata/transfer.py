@@ -4,8 +4,9 @@ moved from a prefill rank to a decode rank with torch.distributed p2p (NCCL on G
 Contract (the control plane keeps it; tests/test_transfer.py checks the data plane's side):
 - the prefill node announces each transfer (room, number of tokens) before `KVSender.send`
   (right before the forward that completes the request's prompt, so that the receives are
-  posted by the time the forward is done), and sends it in the same step; the decode node calls `KVReceiver.expect` in announcement order per
-  source rank, with slot lists of the announced length. A receive's deadline hence covers the
+  posted by the time the forward is done), and sends it in the same step; the decode node
+  calls `KVReceiver.expect` in announcement order per source rank, with slot lists of the
+  announced length. A receive's deadline hence covers the
   prefill's forward too. NCCL matches p2p operations by order alone, so both sides must post one
   order per pair (gloo also matches the tag, derived from the room; NCCL ignores it);
 - the sender posts on the caller's thread and stream (the serving thread: one thread, so one

@@ -135,8 +135,9 @@ class MultiLayerEagleWorker:
 
     # --- on a decode node, before and after receiving ---
     def reserve(self, req: Request, num_positions: int) -> None:
-        """Take slots for positions [0, num_positions) in every depth (decode nodes reserve
-        prompt + max_tokens up front, as they do for the target)."""
+        """Take slots for positions [0, num_positions) in every depth: a decode node reserves
+        the prompt (what the transfer fills) and the first step's draft extend, as many as it
+        takes in the target; later extends grow each depth themselves."""
         if req.spec_state is None:
             req.spec_state = self._new_state()
         for runner, seq in zip(self.depths, req.spec_state.seqs):

@@ -50,7 +50,8 @@ def handle(state: TransferState, left_posted: bool) -> TransferHandle:
 def decode_node(left_posted: bool, state: TransferState):
     node = DecodeNode.__new__(DecodeNode)
     cache = kv_cache()
-    node.engine = SimpleNamespace(kv_cache=cache, scheduler=SimpleNamespace(running=[]))
+    scheduler = SimpleNamespace(running=[], waiting=deque())  # nothing retracted
+    node.engine = SimpleNamespace(kv_cache=cache, scheduler=scheduler)
     node.kv_cache = cache
     node.faults = FaultInjector("decode-0", FaultSettings())
     node.quarantine = Quarantine()

@@ -120,8 +120,8 @@ def test_a_transfer_stuck_past_its_timeout_frees_its_slots_and_degrades_health(m
         assert f"did not complete the transfer within {timeout_s:g} s" in outcome.error
         assert timeout_s <= ended < timeout_s + 5
         # The cluster's status is "down" meanwhile: its only prefill node is being replaced.
-        # The request's slots (prompt + max_tokens) are held meanwhile.
-        assert "stuck past their timeout hold 45 KV slots" in seen["degraded"]["error"]
+        # The request's slots (its 37-token prompt and its first decode step) are held meanwhile.
+        assert "stuck past their timeout hold 38 KV slots" in seen["degraded"]["error"]
         assert wait_for(cluster.kv_pools_empty, 30), cluster.node_stats()
         stats = ray.get(decode.stats.remote())
         assert stats["kv_used"] == 0 and stats["kv_quarantined"] == 0
