@@ -4,7 +4,7 @@ per node kind, and a soak with injected transfer failures and a node killed in t
     python bench/reliability.py kill [--model M] [--roles prefill decode replica]
     python bench/reliability.py mid-prefill [--model M]
     python bench/reliability.py soak [--model M] [--num-prompts 300] [--request-rate 2]
-        [--fail-rate 0.05] [--kill decode-0] [--kill-after 60]
+        [--max-concurrency N] [--fail-rate 0.05] [--kill decode-0] [--kill-after 60]
 
 `kill`: for each role, a cluster (1 prefill + 1 decode node, or one aggregated replica) under a
 stream of requests; the node is killed (ray.kill) while busy. kill-to-error: from the kill to
@@ -200,6 +200,8 @@ def run_soak(args: argparse.Namespace) -> dict:
         bench += ["--num-prompts", str(args.num_prompts), "--seed", "0"]
         bench += ["--request-rate", str(args.request_rate), "--tokenizer", args.model]
         bench += ["--output-dir", str(out), "--disable-tqdm", "--timeout", "300"]
+        if args.max_concurrency is not None:
+            bench += ["--max-concurrency", str(args.max_concurrency)]
         subprocess.run(bench, check=True, cwd=ROOT)
         duration = time.monotonic() - started
         summary = json.loads((out / "results.jsonl").read_text().splitlines()[-1])
@@ -210,6 +212,7 @@ def run_soak(args: argparse.Namespace) -> dict:
         row = {
             "num_prompts": args.num_prompts,
             "request_rate": args.request_rate,
+            "max_concurrency": args.max_concurrency,
             "fail_rate": args.fail_rate,
             "killed": args.kill,
             "killed_at_s": killed.get("at_s"),
@@ -244,6 +247,13 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--fail-rate", type=float, default=0.05)
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="soak: at most this many requests in flight (a closed loop, which a CPU can keep up "
+        "with; with --request-rate inf it sends as fast as they finish)",
+    )
     parser.add_argument("--kill", default="decode-0")
     parser.add_argument("--kill-after", type=float, default=60.0)
     args = parser.parse_args()
