@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import ray
 from ray._private import ray_constants
 
+from engine.env import FAULT_ENV_VARS
 from metadata.loopback import is_loopback
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,10 @@ def _loopback_node_addresses_allowed() -> Iterator[None]:
 
 def forwarded_env() -> dict[str, str]:
     """Environment the nodes need from the driver (model cache location, NCCL and gloo
-    settings)."""
+    settings). Every fault variable is set, empty when the driver has none: Ray merges an
+    actor's variables into those its job started with, so a node would otherwise inherit the
+    faults of whatever environment the Ray instance was started in."""
     prefixes = ("PDCLUSTER_", "NCCL_", "TORCH_", "NVSHMEM_", "GLOO_")
     keys = [k for k in os.environ if k.startswith(prefixes)]
     keys += [k for k in ("XDG_CACHE_HOME", "HF_HOME") if k in os.environ]
-    return {k: os.environ[k] for k in keys}
+    return {**dict.fromkeys(FAULT_ENV_VARS, ""), **{k: os.environ[k] for k in keys}}

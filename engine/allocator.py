@@ -47,6 +47,9 @@ class SlotAllocator:
         self._ends: dict[int, int] = {PADDING_SLOT + 1: capacity + 1}
         self._num_free = capacity
         self._used: set[int] = set()
+        # Slots with more than one holder (parallel samples sharing their prompt's KV): how
+        # many. A slot not here has one holder while used.
+        self._holders: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -94,8 +97,20 @@ class SlotAllocator:
         self._used.update(slots)
         return slots
 
+    def share(self, slots: Iterable[int]) -> None:
+        """One more holder for each of these used slots: a `free` by one holder keeps them
+        used until the last holder frees them."""
+        slots = list(slots)
+        if not set(slots) <= self._used:
+            stray = next(slot for slot in slots if slot not in self._used)
+            raise ValueError(f"slot {stray} shared but not allocated")
+        for slot in slots:
+            self._holders[slot] = self._holders.get(slot, 1) + 1
+
     def free(self, slots: Iterable[int]) -> None:
         slots = list(slots)
+        if self._holders:
+            slots = self._drop_holders(slots)
         if not slots:
             return
         distinct = set(slots)
@@ -108,6 +123,19 @@ class SlotAllocator:
         self._num_free += len(slots)
         for start, end in _runs(distinct):
             self._add_run(start, end)
+
+    def _drop_holders(self, slots: list[int]) -> list[int]:
+        """One holder fewer for each shared slot; returns the slots this free releases."""
+        released = []
+        for slot in slots:
+            holders = self._holders.get(slot)
+            if holders is None:
+                released.append(slot)
+            elif holders == 2:
+                del self._holders[slot]
+            else:
+                self._holders[slot] = holders - 1
+        return released
 
     def _add_run(self, start: int, end: int) -> None:
         """Give back [start, end), merging it with the free runs it touches."""
@@ -140,6 +168,8 @@ class SlotAllocator:
             free.update(range(start, end))
         if free & self._used:
             problems.append(f"slots both free and used: {sorted(free & self._used)[:8]}")
+        if not self._holders.keys() <= self._used:
+            problems.append("shared slots that are not used")
         if PADDING_SLOT in free or PADDING_SLOT in self._used:
             problems.append("the padding slot was handed out")
         if max(free | self._used, default=0) > self.capacity:

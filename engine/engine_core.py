@@ -193,6 +193,20 @@ class EngineCore:
             return  # a prefill node stamps its own queue's event ("prefill_queued")
         set_time(req, "queued")
 
+    def add_samples(self, samples: list[Request]) -> None:
+        """Parallel samples of one prompt (the same prompt tokens and vectors, their own
+        sampling): the first prefills the prompt, the others take its prompt KV and sample
+        their first token from its logits (Request.forks)."""
+        first, *forks = samples
+        assert all(
+            f.prompt_token_ids == first.prompt_token_ids and f.prompt_embeds is first.prompt_embeds
+            for f in forks
+        ), "samples of one prompt"
+        first.forks = list(forks)
+        for req in forks:
+            set_time(req, "queued")
+        self.add_request(first)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
@@ -225,6 +239,7 @@ class EngineCore:
         completes sample their first token, and those that speculate draft over the prompt."""
         completes = batch.completes()
         completing = batch.completing
+        forks = [fork for fork, _ in batch.forks]
         # A request begins its prefill where it has no KV yet (a preempted one begins again).
         starting = [req for req in batch.requests if req.kv_len == 0]
         set_time_batch(starting, "prefill_start")
@@ -236,20 +251,29 @@ class EngineCore:
             output = self.runner.forward(forward_batch, keep_hidden=keep_hidden)
             if self.handoff is not None:
                 self.handoff.forward_enqueued(completing)
+            # Each fork samples its first token from its source's last logits.
             rows = [i for i, done in enumerate(completes) if done]
-            last = output.logits if len(rows) == len(completes) else output.logits[rows]
+            index = {id(req): i for i, req in enumerate(batch.requests)}
+            rows += [index[id(source)] for _, source in batch.forks]
+            last = output.logits if rows == list(range(len(completes))) else output.logits[rows]
             tokens, logprobs = sample_next_tokens(
-                last, completing, self.eos_token_ids, self.default_generator
+                last, completing + forks, self.eos_token_ids, self.default_generator
             )
         except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
-            return self._fail(batch.requests, "prefill", err)
+            return self._fail(batch.requests + forks, "prefill", err)
         drafting = []
         if keep_hidden:
             drafting = self._prompt_rows_for_draft(batch, forward_batch.extend_lens, output)
+            prompt_rows = {id(req): (h, e) for req, h, e in drafting}
+            drafting += [
+                (fork, *prompt_rows[id(source)])
+                for fork, source in batch.forks
+                if id(source) in prompt_rows
+            ]
         finished = self.scheduler.process_prefill(
-            batch, tokens.tolist(), logprobs, self.stop_checker
+            batch, tokens.tolist(), logprobs, self.stop_checker, forks
         )
-        set_time_batch(completing, "prefill_end")
+        set_time_batch(completing + forks, "prefill_end")
         failed = self._draft_extend_prefill(drafting) if drafting else []
         if self.handoff is not None:
             gone = {id(req) for req in failed}
@@ -343,9 +367,10 @@ class EngineCore:
                 req.held_chunks = None
             self.handoff.failed(requests, error)
             return requests
+        ended = []
         for req in requests:
-            self.scheduler.fail(req, error)
-        return requests
+            ended += self.scheduler.fail(req, error)
+        return ended
 
     def output(self, req: Request) -> RequestOutput:
         return RequestOutput(

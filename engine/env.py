@@ -18,6 +18,12 @@ def cache_dir() -> Path:
 
 
 FAULT_PHASES = ("before", "during", "after", "stall")
+FAULT_ENV_VARS = (
+    "PDCLUSTER_FAULT_TRANSFER_FAIL_RATE",
+    "PDCLUSTER_FAULT_TRANSFER_FAIL_PHASE",
+    "PDCLUSTER_FAULT_KILL_AFTER_REQUESTS",
+    "PDCLUSTER_FAULT_SEED",
+)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,20 @@ class KVCacheManager:
         """`grow` for several requests, with one write to the row table."""
         grow_holders(self.kv_pool, self.req_to_token_pool, grants)
 
+    def fork(self, source: Request, forks: list[Request], length: int) -> None:
+        """Give each of `forks` (requests holding nothing) the first `length` slots of `source`,
+        shared (`SlotAllocator.share`), in a row of its own: parallel samples of one prompt read
+        its KV from one copy, and each appends its own tokens after it."""
+        shared = source.slots[:length]
+        writes = []
+        for req in forks:
+            assert req.row is None and not req.slots, "a fork holds nothing of its own"
+            self.kv_pool.allocator.share(shared)
+            req.row = self.req_to_token_pool.allocate_row()
+            req.slots = list(shared)
+            writes.append((req.row, 0, req.slots))
+        self.req_to_token_pool.write_many(writes)
+
     def release(self, req: Request) -> None:
         if req.slots:
             self.kv_pool.allocator.free(req.slots)

@@ -168,15 +168,19 @@ class LLM:
             raise ValueError(f"{len(flags)} speculative flags for {len(token_lists)} prompts")
         # Validate everything before running anything, so one bad prompt costs no work.
         embeds = prompt_embeds or [None] * len(token_lists)
-        requests = [
-            self.engine.make_request(
-                str(next(self._ids)), tokens, params.for_sample(sample), flag, given
-            )
+        groups = [
+            [
+                self.engine.make_request(
+                    str(next(self._ids)), tokens, params.for_sample(sample), flag, given
+                )
+                for sample in range(params.n)
+            ]
             for tokens, params, flag, given in zip(token_lists, params_list, flags, embeds)
-            for sample in range(params.n)
         ]
-        for req in requests:
-            self.engine.add_request(req)
+        # A prompt's n samples share one prefill of it (EngineCore.add_samples).
+        for samples in groups:
+            self.engine.add_samples(samples)
+        requests = [req for samples in groups for req in samples]
         while self.engine.has_work():
             set_time_batch(self.engine.step(), "finish")
         failed = [req for req in requests if req.error is not None]

@@ -76,6 +76,10 @@ class Request:
     # Between the chunks of a prompt prefilled in chunks: what the draft's prefill will read
     # kept only for requests that speculate.
     held_chunks: HeldChunks | None = None
+    # Parallel samples of this request's prompt that wait for its prefill: they take its prompt
+    # KV (shared slots, engine.kv_cache.KVCacheManager.fork) and sample their own first token
+    # from its last logits instead of prefilling the prompt again.
+    forks: list[Request] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

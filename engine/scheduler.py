@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
@@ -47,6 +47,9 @@ class ScheduledBatch:
     # request whose end is its num_tokens completes its prompt (and samples); the others
     # prefill a chunk of it.
     ends: list[int] | None = None
+    # Prefill only: (fork, the request whose prompt KV it took) for parallel samples that join
+    # with a prompt completed in this step (Request.forks).
+    forks: list[tuple[Request, Request]] = field(default_factory=list)
 
     def completes(self) -> list[bool]:
         if self.ends is None:
@@ -132,8 +135,10 @@ class Scheduler:
         # One decode step's slots per running or admitted request stay free (`step_reserve`).
         reserve = 0 if self.prefill_only else self.step_reserve()
         partial: Request | None = None
+        joining = 0  # forks that join the running set with the admitted requests
+        forks: list[tuple[Request, Request]] = []
         for req in self.waiting:
-            if len(self.running) + len(admitted) >= self.max_num_seqs:
+            if len(self.running) + len(admitted) + joining + 1 + len(req.forks) > self.max_num_seqs:
                 break
             need = req.num_tokens - req.kv_len
             take = need
@@ -144,11 +149,18 @@ class Scheduler:
             if take <= 0 or (admitted and tokens + take > self.max_prefill_tokens):
                 break
             decodes_next = not self.prefill_only and take == need
-            after = 1 + req.lookahead if decodes_next else 0
-            if not self.kv_cache.can_grow(take + reserve + after, 0 if req.row is not None else 1):
+            # Forks join once the prompt is done, each decoding its own step after it.
+            after = (1 + req.lookahead) * (1 + len(req.forks)) if decodes_next else 0
+            rows = (0 if req.row is not None else 1) + (len(req.forks) if take == need else 0)
+            if not self.kv_cache.can_grow(take + reserve + after, rows):
                 break
             self.kv_cache.grow(req, take)
             admitted.append(req)
+            joining += len(req.forks)
+            if take == need and req.forks:
+                self.kv_cache.fork(req, req.forks, req.num_tokens)
+                forks += [(fork, req) for fork in req.forks]
+                req.forks = []
             ends.append(req.kv_len + take)
             tokens += take
             reserve += after
@@ -161,7 +173,7 @@ class Scheduler:
             self.waiting.popleft()
         if partial is not None:
             self.waiting.appendleft(partial)
-        return ScheduledBatch(admitted, is_prefill=True, ends=ends)
+        return ScheduledBatch(admitted, is_prefill=True, ends=ends, forks=forks)
 
     def _release(self, req: Request) -> None:
         self.kv_cache.release(req)
@@ -183,15 +195,16 @@ class Scheduler:
         tokens: list[int],
         logprobs: list[TokenLogprob | None],
         stop_checker: StopChecker | None,
+        forks: Sequence[Request] = (),
     ) -> list[Request]:
         """After a prefill step: requests that prefilled a chunk advance their cached prefix;
-        the others (`batch.completing`, whose sampled tokens and logprobs these are, in order)
-        commit their first token."""
+        the others (`batch.completing`, then the `forks` that took their prompt KV, whose
+        sampled tokens and logprobs these are, in order) commit their first token."""
         assert batch.ends is not None
         for req, end, done in zip(batch.requests, batch.ends, batch.completes()):
             if not done:
                 req.kv_len = end
-        completing = ScheduledBatch(batch.completing, is_prefill=True)
+        completing = ScheduledBatch(batch.completing + list(forks), is_prefill=True)
         return self.process_result(completing, tokens, logprobs, stop_checker)
 
     def process_result(
@@ -249,21 +262,37 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
 
-    def fail(self, req: Request, error: str) -> None:
-        """End a request that hit an error: it leaves every queue and gives back its slots."""
+    def fail(self, req: Request, error: str) -> list[Request]:
+        """End a request that hit an error: it leaves every queue and gives back its slots; the
+        forks waiting for its prompt end with it. Returns the requests ended."""
         self.detach(req)
         self._release(req)
         req.error = error
         req.finish_reason = "error"
+        forks, req.forks = req.forks, []
+        for fork in forks:
+            fork.error = error
+            fork.finish_reason = "error"
+        return [req, *forks]
 
     def abort(self, request_id: str) -> Request | None:
         for queue in (self.waiting, self.running):
             for req in list(queue):
                 if req.request_id == request_id:
+                    if req.forks and queue is self.waiting:
+                        # Its forks still wait for a prompt: the first one prefills it.
+                        heir, *rest = req.forks
+                        heir.forks, req.forks = rest, []
+                        self.waiting.insert(self.waiting.index(req), heir)
                     queue.remove(req)
                     self._release(req)
                     req.finish_reason = "abort"
                     return req
+                for fork in req.forks:
+                    if fork.request_id == request_id:
+                        req.forks.remove(fork)
+                        fork.finish_reason = "abort"
+                        return fork
         return None
 
 

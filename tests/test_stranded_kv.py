@@ -174,3 +174,19 @@ def test_each_side_injects_its_share_of_the_rate():
         phases[phase] += 1
     assert abs((draws - phases[None]) / draws - 0.3) < 0.015
     assert abs(phases["before"] - phases["after"]) / draws < 0.015
+
+
+def test_a_node_launched_without_faults_clears_those_its_ray_instance_started_with(monkeypatch):
+    """Ray merges an actor's environment into the one its job started with: the launcher
+    sets every fault variable, empty where the driver has none, so a cluster launched after a
+    faulty one in the same process (and Ray instance) injects nothing."""
+    from cluster.ray_start import forwarded_env
+    from engine.env import FAULT_ENV_VARS
+
+    for name in FAULT_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    env = forwarded_env()
+    assert {name: env[name] for name in FAULT_ENV_VARS} == dict.fromkeys(FAULT_ENV_VARS, "")
+    assert not fault_settings(env).any
+    monkeypatch.setenv("PDCLUSTER_FAULT_TRANSFER_FAIL_RATE", "0.25")
+    assert fault_settings(forwarded_env()).transfer_fail_rate == 0.25
