@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.grammar import GrammarCompiler
+from engine.grammar_mask import mask_request_logits
 from engine.kv_cache import KVCacheManager
 from engine.logits_processors import process_request_logits
 from engine.model_runner import ForwardOutput, ModelRunner
@@ -47,14 +49,24 @@ def sample_next_tokens(
     default_generator: torch.Generator,
 ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
     """Each request's next token from its last-position logits [B, vocab] (penalties, biases
-    and min_tokens first, then its sampling settings), and its logprob entry. The one sampling
-    step of every node that samples after a forward."""
+    and min_tokens first, then the grammar's mask, then its sampling settings), and its logprob
+    entry. The one sampling step of every node that samples after a forward."""
     params = [req.params for req in requests]
     generators = [step_generator(req) for req in requests]
     processed = process_request_logits(logits, requests, eos_token_ids)
+    processed = mask_request_logits(processed, requests)
     tokens = sample(processed, params, generators, default_generator)
     return tokens, compute_logprobs(logits, tokens, params)
 
+
+def grammar_compiler(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
+    """A compiler for a node's grammars, built on the first request that has one (without the
+    grammar library, that request is rejected naming the field)."""
+    return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+
+
+# How long a step with nothing to run waits for a grammar still compiling.
+GRAMMAR_WAIT_S = 0.01
 
 # Trace events (engine.tracing) of the steps that are not speculative decode steps.
 _PREFILL_SPAN = ("prefill_start", "prefill_end")
@@ -132,6 +144,10 @@ class EngineCore:
         )
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = tuple(runner.model_config.eos_token_ids)
+        self.grammars: GrammarCompiler | None = None
+        # Requests whose grammar is still compiling: they join the scheduler once it is done,
+        # so that compiling a new schema never holds up the running batch.
+        self.compiling: list[Request] = []
 
     def make_request(
         self,
@@ -146,6 +162,8 @@ class EngineCore:
         `prompt_embeds` gives vectors for some prompt positions in place of their tokens'."""
         self._validate(prompt_token_ids, params, prompt_embeds)
         req = Request(request_id, list(prompt_token_ids), params, prompt_embeds=prompt_embeds)
+        if params.grammar is not None:
+            req.grammar = self._grammar_compiler().start(params.grammar)
         if self.tracing:
             req.trace = RequestTrace()
         if self.speculator is not None and speculative:
@@ -153,18 +171,56 @@ class EngineCore:
             req.spec_stats = SpecStats(accepted_per_position=[0] * req.num_draft_tokens)
         return req
 
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            vocab = self.runner.model_config.vocab_size
+            self.grammars = grammar_compiler(self.tokenizer, vocab, self.eos_token_ids)
+        return self.grammars
+
     def add_request(self, req: Request) -> None:
         set_time(req, "queued")
-        self.scheduler.add(req)
+        if req.grammar is not None and not req.grammar.ready:
+            self.compiling.append(req)
+        else:
+            self.scheduler.add(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return bool(self.compiling) or self.scheduler.has_work()
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is; None if this engine does not hold it."""
+        for req in self.compiling:
+            if req.request_id == request_id:
+                self.compiling.remove(req)
+                req.finish_reason = "abort"
+                return req
+        return self.scheduler.abort(request_id)
 
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that finished in it."""
+        failed = self._admit_compiled()
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            if self.compiling and not failed:
+                self.compiling[0].grammar.wait(GRAMMAR_WAIT_S)  # type: ignore[union-attr]
+            return failed
+        return failed + self._run(batch)
+
+    def _admit_compiled(self) -> list[Request]:
+        """Hand the requests whose grammar compiled to the scheduler; end those whose grammar
+        failed to compile, returning them."""
+        failed = []
+        for req in [r for r in self.compiling if r.grammar.ready]:  # type: ignore[union-attr]
+            self.compiling.remove(req)
+            error = req.grammar.error  # type: ignore[union-attr]
+            if error is None:
+                self.scheduler.add(req)
+            else:
+                self.scheduler.fail(req, error)
+                failed.append(req)
+        return failed
+
+    def _run(self, batch: ScheduledBatch) -> list[Request]:
         if not batch.is_prefill and any(req.num_draft_tokens for req in batch.requests):
             return self._speculative_decode(batch)
         started, ended = _PREFILL_SPAN if batch.is_prefill else _DECODE_SPAN

@@ -123,7 +123,7 @@ class Scheduler:
         finished = []
         for req, new_tokens, new_logprobs in zip(batch.requests, tokens, logprobs):
             for token, logprob in zip(new_tokens, new_logprobs):
-                req.output_token_ids.append(token)
+                req.commit(token)
                 if logprob is not None:
                     req.logprobs.append(logprob)
                 req.finish_reason = stop_checker.check(req)

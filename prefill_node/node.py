@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.engine_core import sample_next_tokens
+from engine.engine_core import grammar_compiler, sample_next_tokens
 from engine.errors import RequestRejectedError
+from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCacheManager
 from engine.kv_pool import KVPool
 from engine.loader import EngineArgs
@@ -96,6 +97,7 @@ class PrefillNode(ServingNode):
         # Unseeded sampling differs per node on purpose; seeded requests use step_generator.
         self.default_generator = torch.Generator().manual_seed(config.seed + 7919 * options.index)
         self.prompts_done = 0
+        self.grammars: GrammarCompiler | None = None  # built for the first grammar request
         self.prompt_tokens = 0
         self.transfer_totals = TransferTotals("send")
         self.activity_log = ActivityLog(options.stats_log_interval_s, log)
@@ -146,7 +148,8 @@ class PrefillNode(ServingNode):
             self._housekeeping()
             # Only transfers in flight: block briefly rather than spin, so the sender threads
             # get the interpreter.
-            timeout = 0 if self.waiting else (WAITING_POLL_MS if self.sending else IDLE_POLL_MS)
+            ready = any(_grammar_ready(p.req) for p in self.waiting)
+            timeout = 0 if ready else (WAITING_POLL_MS if self.sending else IDLE_POLL_MS)
             for msg in self.inbox.receive(timeout):
                 self._handle(msg)
             self._finish_transfers()
@@ -185,6 +188,12 @@ class PrefillNode(ServingNode):
                 except RequestRejectedError as err:
                     self._abandon(pending, str(err))
                     return
+            if params.grammar is not None:
+                try:
+                    req.grammar = self._grammar_compiler().start(params.grammar)
+                except RequestRejectedError as err:
+                    self._abandon(pending, str(err))
+                    return
             if self.speculator is not None:
                 req.num_draft_tokens = self.num_draft_steps
             self.waiting.append(pending)
@@ -200,8 +209,16 @@ class PrefillNode(ServingNode):
         batch: list[_Pending] = []
         tokens = 0
         config = self.spec.engine_config
-        while self.waiting and len(batch) < config.max_num_seqs:
-            pending = self.waiting[0]
+        while len(batch) < config.max_num_seqs:
+            # A request whose grammar still compiles waits; those behind it go ahead.
+            pending = next((p for p in self.waiting if _grammar_ready(p.req)), None)
+            if pending is None:
+                break
+            grammar_error = pending.req.grammar.error if pending.req.grammar else None
+            if grammar_error is not None:
+                self.waiting.remove(pending)
+                self._abandon(pending, grammar_error)
+                continue
             need = pending.req.num_tokens
             if batch and tokens + need > config.max_prefill_tokens:
                 break
@@ -209,7 +226,8 @@ class PrefillNode(ServingNode):
                 break
             self.kv_cache.grow(pending.req, need)
             pending.meta_row = self.metadata.allocate()
-            batch.append(self.waiting.popleft())
+            self.waiting.remove(pending)
+            batch.append(pending)
             tokens += need
         return batch
 
@@ -231,7 +249,7 @@ class PrefillNode(ServingNode):
             )
             for req, token in zip(requests, tokens.tolist()):
                 req.kv_len = req.num_tokens
-                req.output_token_ids.append(token)
+                req.commit(token)
             set_time_batch(requests, "prefill_end")
             self._draft_extend(batch, forward_batch.extend_lens, output.hidden, output.input_embeds)
         except Exception as err:  # noqa: BLE001 - a failed batch fails its requests, not the node
@@ -410,6 +428,14 @@ class PrefillNode(ServingNode):
                 still.append(pending)
         self.sending = still
 
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            config = self.spec.model_config
+            self.grammars = grammar_compiler(
+                self.spec.tokenizer, config.vocab_size, config.eos_token_ids
+            )
+        return self.grammars
+
     def _abandon(self, pending: _Pending, reason: str) -> None:
         """Drop a request that was not announced: the decode node posts nothing for it."""
         room = int(pending.req.request_id)
@@ -478,3 +504,7 @@ def _drafts_after_first_token(req: Request) -> bool:
     with a single token left to emit after the first never verifies, so it drafts nothing."""
     remaining = req.params.max_tokens - len(req.output_token_ids) - 2
     return min(req.num_draft_tokens, remaining) > 0
+
+
+def _grammar_ready(req: Request) -> bool:
+    return req.grammar is None or req.grammar.ready
