@@ -59,12 +59,6 @@ def sample_next_tokens(
     return tokens, compute_logprobs(logits, tokens, params)
 
 
-def grammar_compiler(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
-    """A compiler for a node's grammars, built on the first request that has one (without the
-    grammar library, that request is rejected naming the field)."""
-    return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
-
-
 # How long a step with nothing to run waits for a grammar still compiling.
 GRAMMAR_WAIT_S = 0.01
 
@@ -174,12 +168,15 @@ class EngineCore:
     def _grammar_compiler(self) -> GrammarCompiler:
         if self.grammars is None:
             vocab = self.runner.model_config.vocab_size
-            self.grammars = grammar_compiler(self.tokenizer, vocab, self.eos_token_ids)
+            # Built for the first request with a grammar: without the grammar library, that
+            # request is rejected, naming the field, and every other request is served.
+            self.grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
         return self.grammars
 
     def add_request(self, req: Request) -> None:
         set_time(req, "queued")
-        if req.grammar is not None and not req.grammar.ready:
+        if req.grammar is not None:
+            # Even a cached grammar passes through: the next step checks that it compiled.
             self.compiling.append(req)
         else:
             self.scheduler.add(req)

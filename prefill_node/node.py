@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.engine_core import grammar_compiler, sample_next_tokens
+from engine.engine_core import sample_next_tokens
 from engine.errors import RequestRejectedError
 from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCacheManager
@@ -431,7 +431,7 @@ class PrefillNode(ServingNode):
     def _grammar_compiler(self) -> GrammarCompiler:
         if self.grammars is None:
             config = self.spec.model_config
-            self.grammars = grammar_compiler(
+            self.grammars = GrammarCompiler(
                 self.spec.tokenizer, config.vocab_size, config.eos_token_ids
             )
         return self.grammars
