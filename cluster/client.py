@@ -7,6 +7,11 @@
 
 Non-streaming calls return a `Completion`; streaming calls return an iterator (an async iterator
 for `AsyncClient`) of `CompletionChunk`, the last of which carries finish_reason and usage.
+With `n` > 1, or several prompts given to `generate`, `Completion.choices` holds every choice
+(index prompt_index * n + sample_index) and each chunk names its choice's `index`.
+`response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema": {...}})
+and, for chat, `tools` and `tool_choice` take OpenAI's values; tool calls come back in
+`Completion.tool_calls` / `Choice.tool_calls`.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from cluster.client_protocol import (
     APIConnectionError,
     APIError,
     APITimeoutError,
+    Choice,
     Completion,
     CompletionChunk,
     CompletionUsage,
+    Prompt,
     StreamParser,
     WireFormat,
     chat_fields,
@@ -37,6 +44,7 @@ __all__ = [
     "APIError",
     "APITimeoutError",
     "AsyncClient",
+    "Choice",
     "Client",
     "Completion",
     "CompletionChunk",
@@ -61,7 +69,7 @@ class Client:
 
     def generate(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         *,
         max_tokens: int | None = 16,
         temperature: float | None = None,
@@ -77,9 +85,12 @@ class Client:
         logit_bias: dict[int, float] | None = None,
         min_tokens: int | None = None,
         stop_token_ids: list[int] | None = None,
+        n: int | None = None,
+        response_format: dict[str, Any] | None = None,
         stream: bool = False,
     ) -> Completion | Iterator[CompletionChunk]:
-        """Complete a prompt (text or token ids); `logprobs=n` also returns the top n. The
+        """Complete a prompt (text or token ids, or a list of either for several prompts);
+        `logprobs=n` also returns the top n. The
         penalties, `logit_bias` ({token id: bias}) and `min_tokens` are the engine's
         (engine.SamplingParams)."""
         fields = completion_fields(
@@ -98,6 +109,8 @@ class Client:
             logit_bias=wire_logit_bias(logit_bias),
             min_tokens=min_tokens,
             stop_token_ids=stop_token_ids,
+            n=n,
+            response_format=response_format,
         )
         return self._post("/v1/completions", self._wire.body(stream, **fields), stream)
 
@@ -119,6 +132,10 @@ class Client:
         logit_bias: dict[int, float] | None = None,
         min_tokens: int | None = None,
         stop_token_ids: list[int] | None = None,
+        n: int | None = None,
+        response_format: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
         stream: bool = False,
     ) -> Completion | Iterator[CompletionChunk]:
         """Answer a conversation; max_tokens=None runs to the end of the context or a stop."""
@@ -138,6 +155,10 @@ class Client:
             logit_bias=wire_logit_bias(logit_bias),
             min_tokens=min_tokens,
             stop_token_ids=stop_token_ids,
+            n=n,
+            response_format=response_format,
+            tools=tools,
+            tool_choice=tool_choice,
         )
         return self._post("/v1/chat/completions", self._wire.body(stream, **fields), stream)
 
@@ -214,7 +235,7 @@ class AsyncClient:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         *,
         max_tokens: int | None = 16,
         temperature: float | None = None,
@@ -230,6 +251,8 @@ class AsyncClient:
         logit_bias: dict[int, float] | None = None,
         min_tokens: int | None = None,
         stop_token_ids: list[int] | None = None,
+        n: int | None = None,
+        response_format: dict[str, Any] | None = None,
         stream: bool = False,
     ) -> Completion | AsyncIterator[CompletionChunk]:
         fields = completion_fields(
@@ -248,6 +271,8 @@ class AsyncClient:
             logit_bias=wire_logit_bias(logit_bias),
             min_tokens=min_tokens,
             stop_token_ids=stop_token_ids,
+            n=n,
+            response_format=response_format,
         )
         return await self._post("/v1/completions", self._wire.body(stream, **fields), stream)
 
@@ -269,6 +294,10 @@ class AsyncClient:
         logit_bias: dict[int, float] | None = None,
         min_tokens: int | None = None,
         stop_token_ids: list[int] | None = None,
+        n: int | None = None,
+        response_format: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
         stream: bool = False,
     ) -> Completion | AsyncIterator[CompletionChunk]:
         fields = chat_fields(
@@ -287,6 +316,10 @@ class AsyncClient:
             logit_bias=wire_logit_bias(logit_bias),
             min_tokens=min_tokens,
             stop_token_ids=stop_token_ids,
+            n=n,
+            response_format=response_format,
+            tools=tools,
+            tool_choice=tool_choice,
         )
         body = self._wire.body(stream, **fields)
         return await self._post("/v1/chat/completions", body, stream)

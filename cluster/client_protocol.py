@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,7 +47,37 @@ class CompletionUsage:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """One choice of a response: choice `index` is prompt_index * n + sample_index."""
+
+    index: int
+    text: str
+    token_ids: list[int] | None  # when the server provides them (pdcluster does)
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None  # as the server sent it (chat or completions format)
+    # OpenAI's [{"id", "type": "function", "function": {"name", "arguments"}}] when the
+    # answer is tool calls (finish_reason "tool_calls"; text is then empty).
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @classmethod
+    def parse(cls, choice: dict[str, Any]) -> Choice:
+        message = choice.get("message") or {}
+        text = message.get("content") if "message" in choice else choice.get("text")
+        return cls(
+            int(choice.get("index") or 0),
+            text or "",
+            choice.get("token_ids"),
+            choice.get("finish_reason"),
+            choice.get("logprobs"),
+            message.get("tool_calls"),
+        )
+
+
+@dataclass(frozen=True)
 class Completion:
+    """A response. Its text, token ids, finish reason, logprobs and tool calls are choice 0's;
+    `choices` holds every choice (n > 1, or several prompts), in index order."""
+
     id: str
     model: str
     text: str
@@ -54,15 +85,22 @@ class Completion:
     finish_reason: str | None
     usage: CompletionUsage | None
     logprobs: dict[str, Any] | None = None  # as the server sent it (chat or completions format)
+    tool_calls: list[dict[str, Any]] | None = None
+    choices: list[Choice] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class CompletionChunk:
+    """A piece of choice `index`'s answer. Tool calls come whole, in the choice's last chunk,
+    as OpenAI streams them ([{"index", "id", "type", "function"}])."""
+
     text: str
     token_ids: list[int] | None
     finish_reason: str | None = None
     usage: CompletionUsage | None = None
     logprobs: dict[str, Any] | None = None
+    index: int = 0
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class WireFormat:
@@ -84,16 +122,18 @@ class WireFormat:
 
     @staticmethod
     def completion(payload: dict[str, Any]) -> Completion:
-        choice = payload["choices"][0]
-        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        choices = sorted((Choice.parse(c) for c in payload["choices"]), key=lambda c: c.index)
+        first = choices[0]
         return Completion(
             id=payload.get("id", ""),
             model=payload.get("model", ""),
-            text=text or "",
-            token_ids=choice.get("token_ids"),
-            finish_reason=choice.get("finish_reason"),
+            text=first.text,
+            token_ids=first.token_ids,
+            finish_reason=first.finish_reason,
             usage=CompletionUsage.parse(payload.get("usage")),
-            logprobs=choice.get("logprobs"),
+            logprobs=first.logprobs,
+            tool_calls=first.tool_calls,
+            choices=choices,
         )
 
     @staticmethod
@@ -102,19 +142,24 @@ class WireFormat:
         if not payload.get("choices"):
             return CompletionChunk("", [], None, usage)
         choice = payload["choices"][0]
-        text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+        delta = choice.get("delta") or {}
+        text = delta.get("content") if "delta" in choice else choice.get("text")
         return CompletionChunk(
             text or "",
             choice.get("token_ids"),
             choice.get("finish_reason"),
             usage,
             choice.get("logprobs"),
+            int(choice.get("index") or 0),
+            delta.get("tool_calls"),
         )
 
 
 class StreamParser:
     """SSE lines -> chunks for one stream. Holds the finishing chunk back until the usage-only
-    chunk after it arrives, so that the last chunk a caller sees has finish_reason and usage."""
+    chunk after it arrives, so that the last chunk a caller sees has finish_reason and usage
+    (with several choices, each choice's last chunk has its finish_reason, and the last of
+    those the usage of the whole response)."""
 
     def __init__(self) -> None:
         self.held: CompletionChunk | None = None
@@ -134,10 +179,7 @@ class StreamParser:
         held = self.held
         if held is not None and not chunk.text and not chunk.token_ids and chunk.usage:
             self.held = None
-            merged = CompletionChunk(
-                held.text, held.token_ids, held.finish_reason, chunk.usage, held.logprobs
-            )
-            return [merged]
+            return [dataclasses.replace(held, usage=chunk.usage)]
         ready = self.flush()
         if chunk.finish_reason is not None:
             self.held = chunk
@@ -183,8 +225,11 @@ def wire_logit_bias(logit_bias: dict[int, float] | None) -> dict[str, float] | N
     return None if logit_bias is None else {str(k): v for k, v in logit_bias.items()}
 
 
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
 def completion_fields(
-    prompt: str | list[int], max_tokens: int | None, logprobs: int | None, **common: Any
+    prompt: Prompt, max_tokens: int | None, logprobs: int | None, **common: Any
 ) -> dict[str, Any]:
     return {"prompt": prompt, "max_tokens": max_tokens, "logprobs": logprobs, **common}
 

@@ -215,7 +215,7 @@ class LocalBackend:
 
     def _abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
-            self.engine.scheduler.abort(request_id)
+            self.engine.abort(request_id)
             self._stats["aborted"] += 1
 
     def _step(self) -> None:
@@ -232,7 +232,7 @@ class LocalBackend:
             if not self._publish(stream) or request.finished:
                 del self._streams[request_id]
                 if not request.finished:  # the loop that would read it is gone
-                    self.engine.scheduler.abort(request_id)
+                    self.engine.abort(request_id)
                 self._stats["finished" if request.finished else "aborted"] += 1
         self._stats["running"] = len(self.engine.scheduler.running)
         self._stats["waiting"] = len(self.engine.scheduler.waiting)
@@ -258,7 +258,7 @@ class LocalBackend:
         # terminal error, rather than let any wait forever.
         for request_id, stream in list(self._streams.items()):
             with contextlib.suppress(Exception):
-                self.engine.scheduler.abort(request_id)
+                self.engine.abort(request_id)
             stream.put(BackendError(message, stage="engine step", node=NODE_NAME))
             self._stats["failed"] += 1
         self._streams.clear()
@@ -266,7 +266,7 @@ class LocalBackend:
     def _end_all(self) -> None:
         """On shutdown: abort what runs, and answer anything still queued."""
         for request_id, stream in list(self._streams.items()):
-            self.engine.scheduler.abort(request_id)
+            self.engine.abort(request_id)
             self._publish(stream, finish_reason="abort")
             self._stats["aborted"] += 1
         self._streams.clear()

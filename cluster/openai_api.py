@@ -244,7 +244,9 @@ async def _generate(
     )
     prompt_tokens = sum(len(p.prompt) for p in prepared)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    formatter = ResponseFormatter(kind, request_id, backend, body.include_usage)
+    formatter = ResponseFormatter(
+        kind, request_id, backend, body.include_usage, tools=prepared[0].tools
+    )
     started = time.perf_counter()
     # Closing `deltas` also ends the request's admission.
     deltas = admitted.watch(_start_choices(backend, request_id, choices, arrival_ns))

@@ -10,9 +10,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from cluster.structured_output import ToolUse
 from engine import TokenLogprob
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ErrorDetail(BaseModel):
@@ -52,8 +53,13 @@ def chat_completion(
     logprobs: dict | None = None,
     usage: dict | None = None,
     index: int = 0,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        # OpenAI's shape: no content beside the calls, and the reason the answer ended.
+        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+        finish_reason = "tool_calls"
     choice = {"index": index, "message": message, "finish_reason": finish_reason}
     choice |= {"logprobs": logprobs, "token_ids": token_ids}
     return {
@@ -184,8 +190,20 @@ class ResponseFormatter:
     """Turns deltas into one endpoint's response objects and stream chunks. A delta's choice is
     its `index` (cluster.choices.ChoiceDelta), 0 for a plain TokenDelta."""
 
-    def __init__(self, kind: str, request_id: str, backend: Any, include_usage: bool) -> None:
+    def __init__(
+        self,
+        kind: str,
+        request_id: str,
+        backend: Any,
+        include_usage: bool,
+        tools: ToolUse | None = None,
+    ) -> None:
+        """`tools`: a chat request's tools, whose calls are read back from each answer; its
+        stream then holds each choice's text back until it finishes, since only the whole
+        answer tells whether it is a call."""
         self.chat = kind == "chat"
+        self.tools = tools if self.chat else None
+        self.held_text: dict[int, list[str]] = {}  # per choice, while `tools` holds text back
         self.request_id = request_id
         self.model = backend.model_name
         self.tokenizer = backend.tokenizer
@@ -209,6 +227,7 @@ class ResponseFormatter:
                 logprobs=self._logprobs(result.logprobs, 0),
                 usage=usage,
                 index=index,
+                **self._tool_calls(result.text),
             )
             for index, result in enumerate(results)
         ]
@@ -223,9 +242,12 @@ class ResponseFormatter:
         logprobs = self._logprobs(delta.logprobs, offset)
         self.text_offset[index] = offset + len(delta.text)
         self.chunks_sent[index] = self.chunks_sent.get(index, 0) + 1
+        finish_reason = delta.finish_reason
         if self.chat:
             content = {"role": "assistant"} if self.chunks_sent[index] == 1 else {}
             content["content"] = delta.text
+            if self.tools is not None:
+                content, finish_reason = self._held_back(index, content, finish_reason)
             build, payload = chat_chunk, content
         else:
             build, payload = text_completion, delta.text
@@ -235,10 +257,32 @@ class ResponseFormatter:
             self.created,
             payload,
             token_ids=delta.token_ids,
-            finish_reason=delta.finish_reason,
+            finish_reason=finish_reason,
             logprobs=logprobs,
             index=index,
         )
+
+    def _tool_calls(self, text: str) -> dict[str, Any]:
+        calls = self.tools.tool_calls(text) if self.tools is not None else None
+        return {"tool_calls": calls} if calls else {}
+
+    def _held_back(
+        self, index: int, content: dict[str, Any], finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """A chunk's delta while tools hold the text back: empty until the choice finishes,
+        then its tool calls (each with its index, as OpenAI streams them) or its whole text."""
+        held = self.held_text.setdefault(index, [])
+        held.append(content["content"])
+        if finish_reason is None:
+            return {**content, "content": ""}, None
+        text = "".join(held)
+        calls = self._tool_calls(text).get("tool_calls")
+        if not calls:
+            return {**content, "content": text}, finish_reason
+        streamed = [{"index": i, **call} for i, call in enumerate(calls)]
+        return {k: v for k, v in content.items() if k == "role"} | {
+            "tool_calls": streamed
+        }, "tool_calls"
 
     def _logprobs(self, logprobs: list[TokenLogprob], text_offset: int) -> dict | None:
         if not logprobs:

@@ -23,6 +23,7 @@ from jinja2 import TemplateError
 from cluster.api_errors import OpenAIError
 from cluster.backend import GenerationBackend
 from cluster.request_schema import ChatCompletionRequest, CompletionRequest
+from cluster.structured_output import ToolUse, response_format_grammar, with_tools_prompt
 from engine import RequestRejectedError, SamplingParams
 from engine.prompt_embeds import PromptEmbeds
 from engine.sampling_params import MAX_LOGIT_BIAS
@@ -40,6 +41,8 @@ class PreparedRequest:
     prompt: list[int]
     params: SamplingParams
     prompt_embeds: PromptEmbeds | None = None
+    # A chat request's tools: the answer is read back as tool calls (cluster.structured_output).
+    tools: ToolUse | None = None
 
 
 def require_served_model(name: str, backend: GenerationBackend) -> None:
@@ -73,10 +76,35 @@ def check_request(
 def prepare_chat(body: ChatCompletionRequest, backend: GenerationBackend) -> list[PreparedRequest]:
     """The conversation's prompt, as a list of one (what `prepare_completion` gives)."""
     _require_valid_unicode(body)
-    prompt = _chat_prompt(body, backend)
+    with _refused_as_invalid("reading tools", "tools"), _rejected_as_400():
+        tools = ToolUse(body.tools or [], body.tool_choice)
+    prompt = _chat_prompt(body, backend, tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling_params(body, body.requested_max_tokens, logprobs, len(prompt), backend)
-    return [_validated(backend, PreparedRequest(prompt, params))]
+    grammar = _grammar(body, tools)
+    params = _sampling_params(
+        body, body.requested_max_tokens, logprobs, len(prompt), backend, grammar
+    )
+    prepared = PreparedRequest(prompt, params, tools=tools if tools.active else None)
+    return [_validated(backend, prepared)]
+
+
+@contextlib.contextmanager
+def _rejected_as_400() -> Iterator[None]:
+    try:
+        yield
+    except RequestRejectedError as err:
+        raise OpenAIError(400, str(err), param=err.param) from err
+
+
+def _grammar(body: ChatCompletionRequest | CompletionRequest, tools: ToolUse | None) -> str | None:
+    """The grammar of the answer: a forced tool call's, or response_format's."""
+    with _rejected_as_400():
+        tool_grammar = tools.grammar() if tools is not None else None
+        format_grammar = response_format_grammar(body.response_format)
+    if tool_grammar is not None and format_grammar is not None:
+        message = "response_format cannot constrain an answer that tool_choice forces to a call"
+        raise OpenAIError(400, message, param="response_format")
+    return tool_grammar or format_grammar
 
 
 def prepare_completion(
@@ -97,7 +125,8 @@ def prepare_completion(
     if "max_tokens" not in body.model_fields_set and cap is not None:
         # The API's default of 16 must not be refused for a cap the client never asked past.
         max_tokens = min(max_tokens, cap)
-    params = _sampling_params(body, max_tokens, body.logprobs, longest, backend)
+    grammar = _grammar(body, None)
+    params = _sampling_params(body, max_tokens, body.logprobs, longest, backend, grammar)
     return [_validated(backend, PreparedRequest(p, params, prompt_embeds)) for p in prompts]
 
 
@@ -138,8 +167,11 @@ def _require_valid_unicode(body: ChatCompletionRequest | CompletionRequest) -> N
             ) from err
 
 
-def _chat_prompt(body: ChatCompletionRequest, backend: GenerationBackend) -> list[int]:
+def _chat_prompt(
+    body: ChatCompletionRequest, backend: GenerationBackend, tools: ToolUse
+) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = with_tools_prompt(messages, tools)
     with _refused_as_invalid("applying the chat template", "messages"):
         try:
             return backend.apply_chat_template(messages)
@@ -181,6 +213,7 @@ def _sampling_params(
     logprobs: int | None,
     prompt_len: int,
     backend: GenerationBackend,
+    grammar: str | None = None,
 ) -> SamplingParams:
     if max_tokens is None:
         max_tokens = _default_max_tokens(prompt_len, backend)
@@ -210,6 +243,7 @@ def _sampling_params(
                 logprobs=logprobs,
                 logit_bias=_logit_bias(body.logit_bias),
                 n=body.n,
+                grammar=grammar,
                 **{name: value for name, value in optional.items() if value is not None},
             )
         except RequestRejectedError as err:

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.structured_output import ResponseFormat, Tool, ToolChoice
 from engine.sampling_params import MAX_LOGIT_BIAS, MAX_SAMPLES, MAX_TOP_LOGPROBS
 from engine.validation import INT64_MAX, INT64_MIN
 
@@ -31,10 +32,6 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 # The values of each unimplemented OpenAI field that ask for nothing this server lacks (null
 # and absent always do): anything else is refused by name rather than silently ignored.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True,),
     "functions": ([],),
     "function_call": ("none",),
     "best_of": (1,),
@@ -44,14 +41,19 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "web_search_options": (),
     "service_tier": ("auto", "default"),
 }
+# Tools are a chat feature: the completions endpoint takes them at their neutral value only.
+COMPLETION_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True,),
+}
 
 
 def _neutral_only(name: str, description: str) -> Any:
     """An unimplemented field: validated by `unsupported_field`, documented as null or one of
     its neutral values."""
-    return Field(
-        None, description=description, json_schema_extra={"enum": [None, *NEUTRAL_VALUES[name]]}
-    )
+    neutral = {**NEUTRAL_VALUES, **COMPLETION_NEUTRAL_VALUES}[name]
+    return Field(None, description=description, json_schema_extra={"enum": [None, *neutral]})
 
 
 class _Strict(BaseModel):
@@ -67,13 +69,28 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # An assistant's earlier calls, and the id of the call a tool message answers.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
+        """The content as the template reads it; earlier tool calls in the JSON envelope the
+        model was asked to answer with (cluster.structured_output)."""
+        calls = [_call_text(call) for call in self.tool_calls or []]
         if self.content is None:
-            return ""
+            return "\n".join(calls)
         if isinstance(self.content, str):
-            return self.content
+            return "\n".join([self.content, *calls]) if calls else self.content
         return "".join(part.text for part in self.content)
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    function = call.get("function") or {}
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except (TypeError, ValueError):
+        arguments = function.get("arguments")
+    return json.dumps({"name": function.get("name"), "arguments": arguments})
 
 
 class StreamOptions(_Strict):
@@ -119,11 +136,8 @@ class _SamplingFields(_Strict):
     # Accepted so that clients which always send them at their neutral value keep working;
     # any other value is refused rather than silently ignored. The schema lists the values
     # accepted, so that a client (or a generated one) knows before it asks.
-    response_format: Any = _neutral_only("response_format", 'not supported: only {"type": "text"}')
-    tools: Any = _neutral_only("tools", "not supported: only an empty list")
-    tool_choice: Any = _neutral_only("tool_choice", 'not supported: only "none"')
-    parallel_tool_calls: Any = _neutral_only(
-        "parallel_tool_calls", "not supported: only true (no tools)"
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object, or json_schema (the answer follows the schema)"
     )
     functions: Any = _neutral_only("functions", "not supported: only an empty list")
     function_call: Any = _neutral_only("function_call", 'not supported: only "none"')
@@ -145,7 +159,7 @@ class _SamplingFields(_Strict):
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """(field, reason) for the first field set to something this server does not do."""
-        for name, neutral in NEUTRAL_VALUES.items():
+        for name, neutral in self._neutral_values().items():
             value = getattr(self, name)
             if value is not None and not _is_one_of(value, neutral):
                 reason = f"{name} is not supported by this server"
@@ -153,6 +167,9 @@ class _SamplingFields(_Strict):
                     reason += f" (only {' or '.join(json.dumps(v) for v in neutral)})"
                 return name, reason
         return None
+
+    def _neutral_values(self) -> dict[str, tuple[Any, ...]]:
+        return NEUTRAL_VALUES
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
@@ -179,6 +196,11 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_embeds: Any = Field(
         None, description="only accepted by /v1/completions", json_schema_extra={"enum": [None]}
     )
+    tools: list[Tool] | None = Field(None, description="functions the model may call")
+    tool_choice: ToolChoice | None = Field(
+        None, description='"none", "auto" (the default with tools), "required", or a function'
+    )
+    parallel_tool_calls: bool | None = Field(None, description="the answer holds one call")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -220,8 +242,14 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Count = 16
     logprobs: TopLogprobs | None = None
     echo: bool = Field(False, json_schema_extra={"enum": [False]})
+    tools: Any = _neutral_only("tools", "chat only: only an empty list")
+    tool_choice: Any = _neutral_only("tool_choice", 'chat only: only "none"')
+    parallel_tool_calls: Any = _neutral_only("parallel_tool_calls", "chat only: only true")
     suffix: str | None = Field(None, json_schema_extra={"enum": ["", None]})
     prompt_embeds: list[PromptEmbedding] | None = None
+
+    def _neutral_values(self) -> dict[str, tuple[Any, ...]]:
+        return NEUTRAL_VALUES | COMPLETION_NEUTRAL_VALUES
 
     def texts(self) -> Iterator[tuple[str, str]]:
         if isinstance(self.prompt, str):

@@ -31,9 +31,21 @@ class _Choice(BaseModel):
     token_ids: list[int] = Field(description="extension: the ids of the generated tokens")
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the answer is tool calls
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Choice):

@@ -474,6 +474,7 @@ def _sampling_spec(params: SamplingParams) -> SamplingSpec:
         repetition_penalty=float(params.repetition_penalty),
         logit_bias=[[token, bias] for token, bias in params.logit_bias_items],
         min_tokens=params.min_tokens,
+        grammar=params.grammar,
     )
 
 

@@ -172,7 +172,7 @@ class AggregatedNode(ServingNode):
     def _abort(self, room: int) -> None:
         served = self.rooms.pop(room, None)
         if served is not None:
-            self.engine.scheduler.abort(served.req.request_id)
+            self.engine.abort(served.req.request_id)
 
     def _drop_peer(self, index: int, rank: int, reason: str) -> None:
         """A replica has no peers: nothing is held for another node."""

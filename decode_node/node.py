@@ -402,7 +402,7 @@ class DecodeNode(ServingNode):
             top = [(int(t), float(lp)) for t, lp in tracked.result.first_token_top_logprobs]
             req.logprobs.append(TokenLogprob(first, float(self.metadata.output_logprob[row]), top))
         req.kv_len = len(req.prompt_token_ids)
-        req.output_token_ids.append(first)
+        req.commit(first)
         if tracked.announce.num_draft_tokens:
             self.speculator.adopt(req, self._draft_state(row, req.kv_len))
         self.metadata.free(row)
@@ -484,7 +484,7 @@ class DecodeNode(ServingNode):
             tracked.aborted = True
             self.prefill_outboxes[tracked.message.prefill_node].send(AbortRequest(room))
         else:
-            self.engine.scheduler.abort(tracked.req.request_id)
+            self.engine.abort(tracked.req.request_id)
             self._forget(tracked)
 
     def _fail(self, tracked: Tracked, reason: str, remove_from_receiving: bool = True) -> None:

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.grammar import GrammarCompiler
+from engine.grammar_mask import mask_request_logits
 from engine.kv_cache import KVCacheManager
 from engine.logits_processors import process_request_logits
 from engine.model_runner import ForwardOutput, ModelRunner
@@ -48,13 +50,18 @@ def sample_next_tokens(
     default_generator: torch.Generator,
 ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
     """Each request's next token from its last-position logits [B, vocab] (penalties, biases
-    and min_tokens first, then its sampling settings), and its logprob entry. The one sampling
-    step of every node that samples after a forward."""
+    and min_tokens first, then the grammar's mask, then its sampling settings), and its logprob
+    entry. The one sampling step of every node that samples after a forward."""
     params = [req.params for req in requests]
     generators = [step_generator(req) for req in requests]
     processed = process_request_logits(logits, requests, eos_token_ids)
+    processed = mask_request_logits(processed, requests)
     tokens = sample(processed, params, generators, default_generator)
     return tokens, compute_logprobs(logits, tokens, params)
+
+
+# How long a step with nothing to run waits for a grammar still compiling.
+GRAMMAR_WAIT_S = 0.01
 
 
 def _drafts(req: Request) -> bool:
@@ -166,6 +173,10 @@ class EngineCore:
             config.seed if seed is None else seed
         )
         self.eos_token_ids = tuple(runner.model_config.eos_token_ids)
+        self.grammars: GrammarCompiler | None = None
+        # Requests whose grammar is still compiling: they join the scheduler once it is done,
+        # so that compiling a new schema never holds up the running batch.
+        self.compiling: list[Request] = []
 
     def make_request(
         self,
@@ -180,6 +191,8 @@ class EngineCore:
         `prompt_embeds` gives vectors for some prompt positions in place of their tokens'."""
         self._validate(prompt_token_ids, params, prompt_embeds)
         req = Request(request_id, list(prompt_token_ids), params, prompt_embeds=prompt_embeds)
+        if params.grammar is not None:
+            self.start_grammar(req)
         if self.tracing:
             req.trace = RequestTrace()
         if self.speculator is not None and speculative:
@@ -187,34 +200,87 @@ class EngineCore:
             req.spec_stats = SpecStats(accepted_per_position=[0] * req.num_draft_tokens)
         return req
 
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            vocab = self.runner.model_config.vocab_size
+            # Built for the first request with a grammar: without the grammar library, that
+            # request is rejected, naming the field, and every other request is served.
+            self.grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+        return self.grammars
+
     def add_request(self, req: Request) -> None:
-        self.scheduler.add(req)
+        if req.grammar is not None:
+            # Even a cached grammar passes through: the next step checks that it compiled.
+            self.compiling.append(req)
+        else:
+            self.scheduler.add(req)
         if self.handoff is not None:
             return  # a prefill node stamps its own queue's event ("prefill_queued")
         set_time(req, "queued")
 
+    def start_grammar(self, req: Request) -> None:
+        """Begin compiling the grammar of `req`'s params (cached per grammar text); raises
+        RequestRejectedError where the grammar library is missing."""
+        req.grammar = self._grammar_compiler().start(req.params.grammar)
+
     def add_samples(self, samples: list[Request]) -> None:
         """Parallel samples of one prompt (the same prompt tokens and vectors, their own
         sampling): the first prefills the prompt, the others take its prompt KV and sample
-        their first token from its logits (Request.forks)."""
+        their first token from its logits (Request.forks). Samples under a grammar each
+        prefill their own: each joins when its own grammar has compiled."""
         first, *forks = samples
         assert all(
             f.prompt_token_ids == first.prompt_token_ids and f.prompt_embeds is first.prompt_embeds
             for f in forks
         ), "samples of one prompt"
+        if any(req.grammar is not None for req in samples):
+            for req in samples:
+                self.add_request(req)
+            return
         first.forks = list(forks)
         for req in forks:
             set_time(req, "queued")
         self.add_request(first)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return bool(self.compiling) or self.scheduler.has_work()
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is; None if this engine does not hold it."""
+        for req in self.compiling:
+            if req.request_id == request_id:
+                self.compiling.remove(req)
+                req.finish_reason = "abort"
+                return req
+        return self.scheduler.abort(request_id)
 
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that finished in it."""
+        failed = self._admit_compiled()
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            if self.compiling and not failed:
+                self.compiling[0].grammar.wait(GRAMMAR_WAIT_S)  # type: ignore[union-attr]
+            return failed
+        return failed + self._run(batch)
+
+    def _admit_compiled(self) -> list[Request]:
+        """Hand the requests whose grammar compiled to the scheduler; end those whose grammar
+        failed to compile, returning them."""
+        failed = []
+        for req in [r for r in self.compiling if r.grammar.ready]:  # type: ignore[union-attr]
+            self.compiling.remove(req)
+            error = req.grammar.error  # type: ignore[union-attr]
+            if error is None:
+                self.scheduler.add(req)
+            elif self.handoff is not None:
+                self.handoff.failed([req], error)
+                failed.append(req)
+            else:
+                failed += self.scheduler.fail(req, error)
+        return failed
+
+    def _run(self, batch: ScheduledBatch) -> list[Request]:
         if batch.is_prefill:
             return self._prefill(batch)
         if any(req.num_draft_tokens for req in batch.requests):

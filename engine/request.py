@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.prefill_chunks import HeldChunks
 from engine.prompt_embeds import PromptEmbeds
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tracing import RequestTrace
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarMatcher
 
 
 @dataclass
@@ -80,6 +83,15 @@ class Request:
     # KV (shared slots, engine.kv_cache.KVCacheManager.fork) and sample their own first token
     # from its last logits instead of prefilling the prompt again.
     forks: list[Request] = field(default_factory=list)
+    # The grammar state of a request whose params carry a grammar (engine.grammar).
+    grammar: GrammarMatcher | None = None
+
+    def commit(self, token: int) -> None:
+        """Append a generated token; the grammar, if any, advances over it. Every place that
+        commits a token goes through here, so the grammar never falls behind the output."""
+        self.output_token_ids.append(token)
+        if self.grammar is not None:
+            self.grammar.advance(token)
 
     @property
     def all_token_ids(self) -> list[int]:

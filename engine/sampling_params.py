@@ -25,7 +25,9 @@ class SamplingParams:
     `repetition_penalty` (transformers': over prompt and generated tokens, 1 disables it),
     `logit_bias` ({token id: bias in [-100, 100]}, or (id, bias) pairs), and `min_tokens`
     (end-of-sequence and stop tokens masked until that many tokens were generated).
-    `n` samples are generated for each prompt; sample i draws from `for_sample(i)`."""
+    `n` samples are generated for each prompt; sample i draws from `for_sample(i)`.
+    `grammar`: llguidance grammar text (engine.grammar) that every generated token must
+    follow: structured output. Plain text, so that it crosses to the nodes as it is."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -42,6 +44,7 @@ class SamplingParams:
     logit_bias: LogitBias = ()
     min_tokens: int = 0
     n: int = 1
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -62,6 +65,8 @@ class SamplingParams:
         problems += self._processor_problems()
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLES:
             problems.append(f"n must be in [1, {MAX_SAMPLES}], got {self.n!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            problems.append("grammar must be a non-empty string (engine.grammar)")
         if problems:
             raise RequestRejectedError("; ".join(problems))
 

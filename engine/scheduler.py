@@ -231,12 +231,13 @@ class Scheduler:
         finished = []
         for req, new_tokens, new_logprobs in zip(batch.requests, tokens, logprobs):
             if self.prefill_only:
-                req.output_token_ids += new_tokens
+                for token in new_tokens:
+                    req.commit(token)
                 req.logprobs += [lp for lp in new_logprobs if lp is not None]
                 req.kv_len = req.num_tokens - 1
                 continue
             for token, logprob in zip(new_tokens, new_logprobs):
-                req.output_token_ids.append(token)
+                req.commit(token)
                 if logprob is not None:
                     req.logprobs.append(logprob)
                 req.finish_reason = stop_checker.check(req)

@@ -50,6 +50,8 @@ class SamplingSpec:
     repetition_penalty: float = 1.0
     logit_bias: list[list[Any]] = field(default_factory=list)  # [[token id, bias], ...]
     min_tokens: int = 0
+    # Structured output: llguidance grammar text (engine.grammar), compiled by each node.
+    grammar: str | None = None
 
 
 @message

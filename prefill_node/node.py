@@ -200,6 +200,12 @@ class PrefillNode(ServingNode):
                 except RequestRejectedError as err:
                     self._abandon(pending, str(err))
                     return
+            if params.grammar is not None:
+                try:
+                    self.engine.start_grammar(req)
+                except RequestRejectedError as err:
+                    self._abandon(pending, str(err))
+                    return
             if self.speculator is not None:
                 req.num_draft_tokens = self.num_draft_steps
             self.waiting.append(pending)
@@ -217,7 +223,7 @@ class PrefillNode(ServingNode):
                 self._abandon(pending, "aborted before prefill")
         pending = self.prefilling.pop(room, None)
         if pending is not None:
-            self.engine.scheduler.abort(room)
+            self.engine.abort(room)
             self._abandon(pending, "aborted before prefill")
 
     def _feed(self) -> None:
@@ -448,7 +454,7 @@ class PrefillNode(ServingNode):
         for room, pending in list(self.prefilling.items()):
             if pending.decode_node == index:
                 del self.prefilling[room]
-                self.engine.scheduler.abort(room)
+                self.engine.abort(room)
                 self._free(pending.req, pending.meta_row)
         for group in (self.sending, self.stalled):
             for pending in [p for p in group if p.decode_node == index]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar_mask import mask_verify_logits
 from engine.logits_processors import TokenHistory, process_logits
 from engine.request import Request
 from engine.sampler import filtered_probs_batch
@@ -56,6 +57,27 @@ def processed_verify_logits(
             add(req, chain, 1)  # an alternative's span starts at its first draft token
     assert len(params) == logits.shape[0]
     return process_logits(logits, params, histories, eos_token_ids)
+
+
+def grammar_masked_verify_logits(
+    logits: torch.Tensor,
+    requests: list[Request],
+    chains: list[list[int]],
+    alternative_chains: list[list[list[int]]],
+) -> torch.Tensor:
+    """The verify logits [T, V] (rows as in `processed_verify_logits`) with each position
+    masked by its request's grammar in the state after the drafts before it: a draft token the
+    grammar forbids has probability 0 where it is checked, so it is rejected, never emitted,
+    and the bonus token is one the grammar allows."""
+    if all(req.grammar is None for req in requests):
+        return logits
+    matchers = [req.grammar for req in requests]
+    spans: list[tuple[list[int], int]] = [(chain, 0) for chain in chains]
+    for req, alternatives in zip(requests, alternative_chains):
+        for chain in alternatives:
+            matchers.append(req.grammar)
+            spans.append((chain, 1))  # an alternative's span starts at its first draft token
+    return mask_verify_logits(logits, matchers, spans)
 
 
 def accept_chain(

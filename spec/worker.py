@@ -21,7 +21,13 @@ from engine.model_runner import ModelRunner
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request, SpecStats
 from engine.sampler import TokenLogprob, compute_logprobs
-from spec.acceptance import Verdict, accept_greedy, accept_sampled, processed_verify_logits
+from spec.acceptance import (
+    Verdict,
+    accept_greedy,
+    accept_sampled,
+    grammar_masked_verify_logits,
+    processed_verify_logits,
+)
 from spec.alternatives import Alternative, release_alternatives, take_alternatives, take_slots
 from spec.batching import Span, extend_batch
 from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
@@ -203,6 +209,7 @@ class MultiLayerEagleWorker:
         logits = processed_verify_logits(
             raw_logits, requests, chains, alternative_chains, eos_token_ids
         )
+        logits = grammar_masked_verify_logits(logits, requests, chains, alternative_chains)
         lens = batch.extend_lens
         # One device-to-host copy for every greedy request's targets, not one per request.
         argmax = logits.argmax(dim=-1).tolist()

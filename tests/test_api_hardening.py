@@ -300,12 +300,14 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(backend, monkeypatch):
 
 # ---- 3. refuse what is not built -----------------------------------------------------------
 
-UNSUPPORTED = [
-    ("response_format", {"type": "json_object"}),
+# Chat serves these (tests/test_structured_http.py); completions refuse them by name.
+CHAT_ONLY = [
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"),
     ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("parallel_tool_calls", False),
+]
+UNSUPPORTED = [
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
     ("best_of", 3),
@@ -345,6 +347,12 @@ def test_an_unimplemented_field_is_refused_by_name(client, path, field, value):
     assert error["param"] == field and field in error["message"]
 
 
+@pytest.mark.parametrize("field, value", CHAT_ONLY)
+def test_tools_are_refused_by_name_on_completions(client, field, value):
+    error = error_of(client.post("/v1/completions", json={"prompt": "Hi", field: value}))
+    assert error["param"] == field and field in error["message"]
+
+
 @pytest.mark.parametrize("path", ["completions", "chat/completions"])
 def test_neutral_values_and_harmless_fields_are_accepted_quietly(client, path, caplog):
     body = {"max_tokens": 2, "model": MODEL} | NEUTRAL
@@ -365,6 +373,9 @@ def test_the_schema_lists_the_values_of_unimplemented_fields_that_pass(client):
             assert "null" in accepted and json.dumps(refused) not in accepted
             if field in NEUTRAL:
                 assert json.dumps(NEUTRAL[field]) in accepted
+    for field, refused in CHAT_ONLY:
+        accepted = {json.dumps(value) for value in completion[field]["enum"]}
+        assert "null" in accepted and json.dumps(refused) not in accepted
     assert chat["prompt_embeds"]["enum"] == [None]
     assert completion["echo"]["enum"] == [False]
 

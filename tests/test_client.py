@@ -179,3 +179,58 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, ti
     answers = asyncio.run(run())
     references = tiny_llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0))
     assert [a.token_ids for a in answers] == [r.token_ids for r in references]
+
+
+def test_n_choices_match_the_offline_engine_streamed_or_not(client, tiny_llm):
+    ask = dict(max_tokens=8, temperature=1.0, seed=5, n=3)
+    whole = client.generate("Hello world", **ask)
+    expected = tiny_llm.generate("Hello world", SamplingParams(**ask))
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.token_ids for c in whole.choices] == [o.token_ids for o in expected]
+    assert whole.text == whole.choices[0].text and whole.token_ids == expected[0].token_ids
+    assert whole.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
+    chunks = list(client.generate("Hello world", stream=True, **ask))
+    for index, output in enumerate(expected):
+        mine = [c for c in chunks if c.index == index]
+        assert sum((c.token_ids for c in mine), []) == output.token_ids
+        assert "".join(c.text for c in mine) == whole.choices[index].text
+        assert mine[-1].finish_reason == "length"
+    assert chunks[-1].usage == whole.usage
+
+
+def test_batched_prompts_give_prompt_major_choices(client, tiny_llm):
+    prompts = ["Alpha", "Bravo charlie"]
+    whole = client.generate(prompts, max_tokens=6, temperature=0, n=2)
+    expected = tiny_llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, n=2))
+    assert [c.token_ids for c in whole.choices] == [o.token_ids for o in expected]
+    token_prompts = client.generate([[5, 6, 7], [8, 9]], max_tokens=4, temperature=0)
+    assert len(token_prompts.choices) == 2
+
+
+def test_chat_n_choices_async(server):
+    async def run() -> None:
+        async with AsyncClient(server.url) as client:
+            whole = await client.chat(CHAT, max_tokens=6, temperature=0.9, seed=1, n=2)
+            assert len(whole.choices) == 2
+            stream = await client.chat(
+                CHAT, max_tokens=6, temperature=0.9, seed=1, n=2, stream=True
+            )
+            chunks = [chunk async for chunk in stream]
+            for choice in whole.choices:
+                mine = [c for c in chunks if c.index == choice.index]
+                assert "".join(c.text for c in mine) == choice.text
+
+    asyncio.run(run())
+
+
+def test_structured_output_fields_reach_the_server(client):
+    pytest.importorskip("llguidance")
+    schema = {"enum": ["yes", "no"]}
+    answer = client.chat(
+        CHAT,
+        max_tokens=8,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
+    assert answer.text in ('"yes"', '"no"')
+    # Tool calls through this client: tests/test_structured_http.py (the default model).

@@ -166,8 +166,8 @@ def test_logit_bias_forces_a_token_through_the_api(local):
     assert _ids(answer.choices[0]) == [88] * 5
 
 
-def test_structured_output_is_still_refused_by_name(local):
-    for field, value in (("response_format", {"type": "json_object"}), ("tools", [{"x": 1}])):
+def test_tools_are_refused_by_name_on_completions(local):
+    for field, value in (("tools", [{"x": 1}]), ("tool_choice", "auto")):
         with pytest.raises(openai.BadRequestError) as refused:
             local.completions.create(
                 model=TINY_BACKEND_MODEL, prompt="x", max_tokens=2, extra_body={field: value}

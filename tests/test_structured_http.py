@@ -1,0 +1,334 @@
+"""Structured output through the HTTP API (the official `openai` client), on the default model:
+response_format json_object and json_schema, tools with tool_choice required, a named function
+and auto, tool calls in OpenAI's shape (streamed too); the fields' refusals; and the same over
+a disaggregated cluster with speculation, whose prefill node samples the first token under the
+grammar and whose decode node goes on from there."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from cluster.openai_api import BackgroundServer, create_app
+from engine import LLM
+
+pytest.importorskip("llguidance")
+
+MODEL = "default"
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The current time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 20}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+def _schema_format(schema: dict) -> dict:
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": schema, "strict": True},
+    }
+
+
+def _check_call(call, tool: dict) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == tool["function"]["name"]
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, tool["function"]["parameters"])
+    return arguments
+
+
+@pytest.fixture(scope="module")
+def server():
+    from cluster.local_backend import LocalBackend
+
+    backend = LocalBackend(LLM(device="cpu", max_model_len=512), model_name=MODEL)
+    with BackgroundServer(create_app(backend)) as server:
+        yield server
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+
+
+def test_the_python_client_returns_tool_calls_streamed_or_not(server):
+    from cluster.client import Client
+
+    ask = dict(max_tokens=48, temperature=0, tools=[WEATHER], tool_choice="required")
+    with Client(server.url) as sdk:
+        called = sdk.chat(ASK_WEATHER, **ask)
+        assert called.finish_reason == "tool_calls" and called.text == ""
+        [call] = called.tool_calls
+        assert call["function"]["name"] == "get_weather"
+        jsonschema.validate(
+            json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"]
+        )
+        chunks = list(sdk.chat(ASK_WEATHER, stream=True, **ask))
+        assert chunks[-1].finish_reason == "tool_calls"
+        assert chunks[-1].tool_calls[0]["function"] == call["function"]
+        person = sdk.chat(
+            ASK_PERSON,
+            max_tokens=48,
+            temperature=0,
+            n=2,
+            seed=2,
+            response_format=_schema_format(PERSON),
+        )
+        for choice in person.choices:
+            jsonschema.validate(json.loads(choice.text), PERSON)
+
+
+def test_json_schema_answers_validate(client):
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK_PERSON,
+        max_tokens=48,
+        temperature=0.7,
+        seed=3,
+        n=3,
+        response_format=_schema_format(PERSON),
+    )
+    assert len(answer.choices) == 3
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_json_object_answer_is_an_object(client):
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK_PERSON,
+        max_tokens=48,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    # Any object is allowed, so a long one may run out of tokens: then it is one cut short.
+    choice = answer.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:
+        assert choice.finish_reason == "length" and choice.message.content.startswith("{")
+
+
+def test_completions_take_response_format(client):
+    answer = client.completions.create(
+        model=MODEL,
+        prompt="A person, as JSON:",
+        max_tokens=48,
+        temperature=0,
+        extra_body={"response_format": _schema_format(PERSON)},
+    )
+    jsonschema.validate(json.loads(answer.choices[0].text), PERSON)
+
+
+def test_required_tool_call_parses_into_the_declared_functions_arguments(client):
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK_WEATHER,
+        max_tokens=48,
+        temperature=0,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+    )
+    [choice] = answer.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    _check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
+
+
+def test_named_tool_call_and_its_stream(client):
+    ask = dict(
+        model=MODEL,
+        messages=ASK_WEATHER,
+        max_tokens=48,
+        temperature=0,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
+    answer = client.chat.completions.create(**ask)
+    [call] = answer.choices[0].message.tool_calls
+    arguments = _check_call(call, TIME)
+    chunks = list(client.chat.completions.create(stream=True, **ask))
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishing[-1].choices[0].finish_reason == "tool_calls"
+    [streamed] = finishing[-1].choices[0].delta.tool_calls
+    assert streamed.index == 0 and streamed.function.name == "get_time"
+    assert json.loads(streamed.function.arguments) == arguments
+    assert all(not (c.choices and c.choices[0].delta.content) for c in chunks)
+
+
+def test_auto_answers_text_or_a_call(client):
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=16,
+        temperature=0,
+        tools=[WEATHER],
+    )
+    choice = answer.choices[0]
+    if choice.message.tool_calls:
+        _check_call(choice.message.tool_calls[0], WEATHER)
+    else:
+        assert choice.finish_reason in ("stop", "length") and choice.message.content
+
+
+def test_tool_history_reaches_the_prompt(client):
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+    }
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            *ASK_WEATHER,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+        ],
+        max_tokens=8,
+        temperature=0,
+        tools=[WEATHER],
+        tool_choice="none",
+    )
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"response_format": _schema_format({"type": "object", "minProperties": "x"})},
+            "response_format.json_schema",
+        ),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ],
+)
+def test_refusals_name_the_field(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=4, **fields)
+    assert caught.value.body["param"] == param
+
+
+def test_completions_refuse_tools(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=4, extra_body={"tools": [WEATHER]}
+        )
+    assert caught.value.body["param"] == "tools"
+
+
+def test_without_the_grammar_library_a_grammar_request_is_a_400(client, monkeypatch):
+    import engine.grammar
+
+    monkeypatch.setattr(engine.grammar, "llguidance", None)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=ASK_PERSON, max_tokens=4, response_format={"type": "json_object"}
+        )
+    assert caught.value.body["param"] == "response_format"
+    assert "llguidance" in caught.value.body["message"]
+    # Everything else is served as before.
+    plain = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=4)
+    assert plain.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_disaggregated_cluster_with_speculation(tmp_path):
+    """The prefill node masks the first token; the decode node's grammar goes on after it and
+    masks each verified position: answers validate, and the accept length is reported."""
+    pytest.importorskip("ray")
+    from cluster_helpers import launch, serve
+
+    from engine.default_model import default_model_path
+    from spec.default_draft import default_draft_path
+
+    cluster = launch(
+        str(default_model_path()),
+        prefill=1,
+        decode=1,
+        speculative_algorithm="multi-layer-eagle",
+        draft_model=str(default_draft_path()),
+        max_model_len=512,
+        kv_cache_tokens=4096,
+    )
+    server = serve(cluster)
+    try:
+        remote = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        model = remote.models.list().data[0].id
+        answer = remote.chat.completions.create(
+            model=model,
+            messages=ASK_PERSON,
+            max_tokens=48,
+            temperature=0,
+            response_format=_schema_format(PERSON),
+        )
+        for choice in answer.choices:
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+        usage = answer.usage.model_extra
+        assert usage["spec_verify_steps"] >= 1
+        print(f"cluster structured output: accept length {usage['spec_accept_length']}")
+        tool = remote.chat.completions.create(
+            model=model,
+            messages=ASK_WEATHER,
+            max_tokens=48,
+            temperature=0,
+            tools=[WEATHER],
+            tool_choice="required",
+        )
+        [call] = tool.choices[0].message.tool_calls
+        _check_call(call, WEATHER)
+    finally:
+        server.stop()
+        cluster.shutdown()
