@@ -2,13 +2,15 @@
 
     python bench/structured.py [--device cpu] [--max-tokens 64] [--batch-sizes 1 16]
 
-Prints a table and rewrites the "Structured output (CPU)" section of docs/BENCHMARKS.md (raw
-figures in docs/bench/structured.json). Both runs generate exactly --max-tokens tokens per
-request, greedy, from the same chat prompts: without a grammar EOS is ignored, and the schema
-(an array of at least 500 integers) cannot end sooner, so every step of both runs samples a
-token and the difference is the grammar's: the host filling each row's bitmask (llguidance),
-the copy, and the mask applied on the device. Each run is warmed up once (the grammar then
-comes from the compile cache), then timed --repeats times, alternating; medians reported."""
+Prints a table and rewrites the "Structured output (CPU)" (or "(CUDA)") section of
+docs/BENCHMARKS.md (raw figures in docs/bench/structured[_cuda].json). Both runs generate
+exactly --max-tokens tokens per request, greedy, from the same chat prompts: without a grammar
+EOS is ignored, and the schema (an array of at least 500 integers) cannot end sooner, so every
+step of both runs samples a token and the difference is the grammar's: the host filling each
+row's bitmask (llguidance), the copy, and the mask applied on the device. Each run is warmed up
+once (the grammar then comes from the compile cache), then timed --repeats times, alternating;
+medians reported.
+"""
 
 from __future__ import annotations
 
@@ -75,12 +77,13 @@ def time_masks(llm: LLM, grammar: str, batch: int, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default=None, help="default: the embedded default model")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     keep_large_allocations_in_heap()
-    llm = LLM(device=args.device, max_num_seqs=max(args.batch_sizes))
+    llm = LLM(args.model, device=args.device, max_num_seqs=max(args.batch_sizes))
     chats = [[{"role": "user", "content": c + " Answer as JSON."}] for c in CHATS]
     grammar = json_schema_grammar(SCHEMA, "response_format")
     plain = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -125,8 +128,9 @@ def main() -> None:
     )
     print(table)
     body = (
-        f"Command: `python bench/structured.py --max-tokens {args.max_tokens} --batch-sizes "
-        f"{' '.join(map(str, args.batch_sizes))}` ({device_description(args.device)}, "
+        f"Command: `python bench/structured.py --device {args.device} --max-tokens "
+        f"{args.max_tokens} --batch-sizes {' '.join(map(str, args.batch_sizes))}` "
+        f"({device_description(args.device)}, "
         f"SmolLM2-135M-Instruct, vocabulary 49,152, greedy, {args.max_tokens} tokens per "
         f"request, median of {args.repeats}). The schema is an array of at least 500 integers, "
         "so neither run ends early; the difference between them is the grammar's cost. "
@@ -136,7 +140,9 @@ def main() -> None:
         "other work the end-to-end difference is within the run-to-run noise; the mask timing "
         "is the figure to read.\n\n" + table + "\n"
     )
-    write_section("Structured output (CPU)", body, raw, "structured.json")
+    kind = "CPU" if args.device == "cpu" else "CUDA"
+    name = "structured.json" if kind == "CPU" else "structured_cuda.json"
+    write_section(f"Structured output ({kind})", body, raw, name)
 
 
 if __name__ == "__main__":
