@@ -319,8 +319,9 @@ class EngineCore:
                 self.handoff.forward_enqueued(completing)
             # Each fork samples its first token from its source's last logits.
             rows = [i for i, done in enumerate(completes) if done]
-            index = {id(req): i for i, req in enumerate(batch.requests)}
-            rows += [index[id(source)] for _, source in batch.forks]
+            if batch.forks:
+                index = {id(req): i for i, req in enumerate(batch.requests)}
+                rows += [index[id(source)] for _, source in batch.forks]
             last = output.logits if rows == list(range(len(completes))) else output.logits[rows]
             tokens, logprobs = sample_next_tokens(
                 last, completing + forks, self.eos_token_ids, self.default_generator
