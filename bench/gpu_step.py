@@ -1,4 +1,5 @@
-"""GPU decode step: engine.LLM with and without CUDA graphs against transformers, ms per step.
+"""GPU decode step: engine.LLM with and without CUDA graphs and overlap scheduling against
+transformers, ms per step.
 
     python bench/gpu_step.py [--models smollm2 llama8b] [--batch-sizes 1 16 64] [--steps 128]
         [--repeats 3] [--model PATH|default [--spec]] [--skip-hf | --hf-models M ...] [--no-write]
@@ -6,7 +7,8 @@
 One process, one CUDA GPU, bfloat16. A step costs (t(16 + STEPS new tokens) - t(16)) / STEPS,
 greedy, EOS ignored, the same pseudo-random --prompt-len token ids in every row, median of
 --repeats after a warm-up with every length timed, for: the engine with CUDA graphs
-(disable_cuda_graph=False; "n/a" where LLM lacks the keyword) and without; transformers' generate,
+(disable_cuda_graph=False; "n/a" where LLM lacks the keyword) with and without overlap
+scheduling (overlap_schedule), and without graphs; transformers' generate,
 eager, and with a static cache and CompileConfig(fullgraph=True, dynamic=False,
 mode="reduce-overhead"), which transformers 5 uses to compile the decode forward itself (the
 cache's size is part of the compiled shape: hence the warm-up with every length). HBM floor =
@@ -44,7 +46,20 @@ from engine import LLM, SamplingParams  # noqa: E402
 
 BATCHES = {"smollm2": [1, 16, 64], "llama8b": [1, 32], "tiny": [1, 4]}
 SHORT, MAX_MODEL_LEN, SPEC_MAX_TOKENS, STARTUP_TARGET_S = 16, 1024, 128, 30.0
-COLUMNS = ["engine_graphs", "engine_eager", "hf_eager", "hf_compiled", "hbm_floor"]
+COLUMNS = [
+    "engine_graphs",
+    "engine_graphs_no_overlap",
+    "engine_eager",
+    "hf_eager",
+    "hf_compiled",
+    "hbm_floor",
+]
+# The engine's variants: (column, CUDA graphs, overlap scheduling).
+ENGINE_VARIANTS = [
+    ("engine_graphs", True, True),
+    ("engine_graphs_no_overlap", True, False),
+    ("engine_eager", False, True),
+]
 TARGETS: dict[tuple[str, int], tuple[str, Callable[[dict], bool]]] = {
     ("smollm2", 1): (
         "<= 1.5 ms, >= 2x faster than HF compiled",
@@ -214,10 +229,11 @@ def bench_model(
     torch._dynamo.reset()  # lets go of the compiled graphs and their memory pools
     free()
     startup: dict[str, Any] = {"model": name}
-    for column in ("engine_graphs", "engine_eager"):
+    for column, graphs, overlap in ENGINE_VARIANTS:
         startup[column], llm = build(
-            engine_model, args, column == "engine_graphs", max(batches), f"{name} {column}",
+            engine_model, args, graphs, max(batches), f"{name} {column}",
             max_model_len=MAX_MODEL_LEN, kv_cache_tokens=max(batches) * MAX_MODEL_LEN,
+            overlap_schedule=overlap,
         )  # fmt: skip
         for r in rows:
             if llm is None:
@@ -348,7 +364,8 @@ def main() -> None:
         log("--spec needs --model (a real SmolLM2 folder, or 'default') and smollm2: skipped")
 
     main_text, main_md = table(
-        ["model", "batch", "engine graphs", "engine eager", "HF eager", "HF compiled"]
+        ["model", "batch", "engine graphs", "graphs, no overlap", "engine eager", "HF eager"]
+        + ["HF compiled"]
         + ["HBM floor", "target", "target met?"],
         [[r["model"], r["batch"], *(r.get(c, "?") for c in COLUMNS), r["target"], r["met"]]
          for r in rows],
@@ -377,6 +394,8 @@ def main() -> None:
         'mode="reduce-overhead"). HBM floor: bf16 bytes of the decoder layers, final norm and '
         "LM head over the device-to-device copy bandwidth counted as bytes read + written "
         f"({bandwidth / 1e9:.1f} GB/s here); the KV cache and input embedding are left out.\n\n"
+        "Engine graphs: CUDA graphs and overlap scheduling (the defaults on a GPU); no "
+        "overlap: each step's tokens read before the next step is prepared.\n\n"
         f"{main_md}\n\nStartup: seconds to construct the engine (CUDA graphs are captured "
         f"there).\n\n{start_md}\n"
     )

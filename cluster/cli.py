@@ -84,6 +84,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default: --max-num-seqs)",
     )
     parser.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="on a GPU, wait for each plain decode step's tokens before preparing the next "
+        "(by default the host prepares a step while the device runs the one before)",
+    )
+    parser.add_argument(
         "--speculative-algorithm",
         default=None,
         choices=["multi-layer-eagle"],
@@ -250,6 +256,7 @@ def engine_args(args: argparse.Namespace):
         attention_backend=args.attention_backend,
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        overlap_schedule=False if args.disable_overlap_schedule else None,
         speculative_algorithm=args.speculative_algorithm,
         draft_model=args.draft_model,
         num_draft_steps=args.num_draft_steps,

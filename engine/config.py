@@ -156,6 +156,8 @@ class EngineConfig:
     attention_backend: str = "torch"
     # Decode batches up to this size replay CUDA graphs (engine/cuda_graph.py); 0: none.
     cuda_graph_max_bs: int = 0
+    # Plain decode steps launch the next step before reading their tokens (engine/overlap.py).
+    overlap_schedule: bool = False
     seed: int = 0
     # Draft chains per greedy request when speculating (spec/worker.py): each alternative chain
     # is verified in a request-table row of its own, so the table has this many rows a request.

@@ -18,10 +18,11 @@ from engine.grammar_mask import mask_request_logits
 from engine.kv_cache import KVCacheManager
 from engine.logits_processors import process_request_logits
 from engine.model_runner import ForwardOutput, ModelRunner
+from engine.overlap import OverlapDecoder, overlappable
 from engine.prefill_chunks import HeldChunks
 from engine.prompt_embeds import InputEmbeds, PromptEmbeds
 from engine.request import Request, RequestOutput, SpecStats, Usage
-from engine.sampler import TokenLogprob, compute_logprobs, sample
+from engine.sampler import TokenLogprob, compute_logprobs, sample, sample_on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stopping import StopChecker
@@ -35,12 +36,13 @@ def position_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(key)
 
 
-def step_generator(req: Request) -> torch.Generator | None:
+def step_generator(req: Request, in_flight: int = 0) -> torch.Generator | None:
     """A seeded request draws each token from a generator keyed by (seed, token index), so the
-    same seed gives the same tokens whichever node or batch samples a given position."""
+    same seed gives the same tokens whichever node or batch samples a given position.
+    `in_flight`: tokens sampled before this one that are not committed yet (overlap)."""
     if req.params.seed is None:
         return None
-    return position_generator(req.params.seed, len(req.output_token_ids))
+    return position_generator(req.params.seed, len(req.output_token_ids) + in_flight)
 
 
 def sample_next_tokens(
@@ -58,6 +60,19 @@ def sample_next_tokens(
     processed = mask_request_logits(processed, requests)
     tokens = sample(processed, params, generators, default_generator)
     return tokens, compute_logprobs(logits, tokens, params)
+
+
+def sample_overlapped(
+    logits: torch.Tensor,
+    requests: list[Request],
+    in_flight: int,
+    default_generator: torch.Generator,
+) -> torch.Tensor:
+    """The next tokens of requests that sample from their logits alone (engine.overlap), left
+    on the device; each has `in_flight` tokens sampled and not committed yet."""
+    params = [req.params for req in requests]
+    generators = [step_generator(req, in_flight) for req in requests]
+    return sample_on_device(logits, params, generators, default_generator)
 
 
 # How long a step with nothing to run waits for a grammar still compiling.
@@ -173,6 +188,18 @@ class EngineCore:
             config.seed if seed is None else seed
         )
         self.eos_token_ids = tuple(runner.model_config.eos_token_ids)
+        # Plain decode steps overlap the host's work with the device's (engine.overlap).
+        self.overlap: OverlapDecoder | None = None
+        if config.overlap_schedule and self.stop_checker is not None:
+            self.overlap = OverlapDecoder(
+                runner,
+                self.scheduler,
+                self.kv_cache,
+                self.stop_checker,
+                lambda logits, requests, in_flight: sample_overlapped(
+                    logits, requests, in_flight, self.default_generator
+                ),
+            )
         self.grammars: GrammarCompiler | None = None
         # Requests whose grammar is still compiling: they join the scheduler once it is done,
         # so that compiling a new schema never holds up the running batch.
@@ -243,7 +270,8 @@ class EngineCore:
         self.add_request(first)
 
     def has_work(self) -> bool:
-        return bool(self.compiling) or self.scheduler.has_work()
+        in_flight = self.overlap is not None and self.overlap.in_flight is not None
+        return in_flight or bool(self.compiling) or self.scheduler.has_work()
 
     def abort(self, request_id: str) -> Request | None:
         """Stop a request wherever it is; None if this engine does not hold it."""
@@ -252,11 +280,23 @@ class EngineCore:
                 self.compiling.remove(req)
                 req.finish_reason = "abort"
                 return req
+        if self.overlap is not None:
+            self.overlap.settle()  # the step in flight may still write the request's slots
         return self.scheduler.abort(request_id)
 
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that finished in it."""
+        """Run one batch; returns the requests that finished in it (with overlap scheduling,
+        those that the step before it finished: engine.overlap)."""
         failed = self._admit_compiled()
+        if self.overlap is not None and self.overlap.in_flight is not None:
+            try:
+                finished = self.overlap.step()
+            except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
+                finished = self.overlap.flush()
+                return failed + finished + self._fail(list(self.scheduler.running), "decode", err)
+            if finished is not None:
+                return failed + finished
+            failed += self.overlap.flush()
         batch = self.scheduler.schedule()
         if batch is None:
             if self.compiling and not failed:
@@ -285,6 +325,12 @@ class EngineCore:
             return self._prefill(batch)
         if any(req.num_draft_tokens for req in batch.requests):
             return self._speculative_decode(batch)
+        if self.overlap is not None and all(overlappable(req) for req in batch.requests):
+            try:
+                self.overlap.launch(batch.requests, self.runner.build_batch(batch.requests))
+            except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
+                return self._fail(batch.requests, "decode", err)
+            return []  # its tokens are read after the next step is launched
         set_time_batch(batch.requests, "decode_start")
         try:
             forward_batch = self.runner.build_batch(batch.requests)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool
-from engine.prompt_embeds import InputEmbeds
+from engine.prompt_embeds import InputEmbeds, concat_input_embeds
+
+if TYPE_CHECKING:
+    from engine.attention import AttentionBackend
 
 
 @dataclass
@@ -79,3 +82,40 @@ class ForwardBatch:
             return torch.arange(self.batch_size, device=self.input_ids.device)
         ends = int_tensor(self.extend_lens, self.input_ids.device).cumsum(0)
         return ends - 1
+
+
+def extend_batch(
+    spans: list[Span],
+    kv_pool: KVPool,
+    req_to_token_pool: ReqToTokenPool,
+    backend: AttentionBackend,
+    device: torch.device,
+) -> ForwardBatch:
+    """An eager batch of explicit spans: tokens that need not be a Request's committed ones
+    (speculative verify, the draft depths, a decode step whose input is still on the device),
+    into pools of the caller's choosing."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    for span in spans:
+        assert len(span.slots) == len(span.token_ids) > 0
+        ids.extend(span.token_ids)
+        positions.extend(range(span.start, span.start + len(span.token_ids)))
+        slots.extend(span.slots)
+    input_embeds, input_embeds_mask = concat_input_embeds(
+        [span.input_embeds for span in spans], [len(span.token_ids) for span in spans], device
+    )
+    batch = ForwardBatch(
+        input_ids=int_tensor(ids, device),
+        positions=int_tensor(positions, device),
+        out_cache_loc=int_tensor(slots, device),
+        req_pool_indices=int_tensor([span.row for span in spans], device),
+        seq_lens=[span.start + len(span.token_ids) for span in spans],
+        extend_lens=[len(span.token_ids) for span in spans],
+        kv_pool=kv_pool,
+        req_to_token_pool=req_to_token_pool,
+        input_embeds=input_embeds,
+        input_embeds_mask=input_embeds_mask,
+    )
+    batch.attn_metadata = backend.prepare(batch)
+    return batch

@@ -25,3 +25,10 @@ def int_tensor(
     if torch.device(device).type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`, queued like `int_tensor` (no wait for the device)."""
+    if torch.device(device).type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)

@@ -50,6 +50,9 @@ class EngineArgs:
     # cuda_graph_max_bs (None: max_num_seqs) unless disabled, or unless tensors are dumped.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    # The host prepares each plain decode step while the device runs the one before
+    # (engine/overlap.py); None: on a GPU, off on a CPU (where host and device are one).
+    overlap_schedule: bool | None = None
     seed: int = 0
     # Speculative decoding (see spec/ and docs/draft-format.md); off when algorithm is None.
     speculative_algorithm: str | None = None
@@ -132,6 +135,7 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
         chunked_prefill_size=_chunked_prefill_size(args, device),
         attention_backend=backend,
         cuda_graph_max_bs=_cuda_graph_max_bs(args, device, backend),
+        overlap_schedule=_overlap_schedule(args, device),
         seed=args.seed,
         num_draft_chains=_draft_chains(args),
         tensor_dump=tensor_dump_config(
@@ -173,6 +177,13 @@ def _cuda_graph_max_bs(args: EngineArgs, device: str, backend: str) -> int:
     if args.debug_tensor_dump_dir is not None:
         return 0
     return min(args.cuda_graph_max_bs or args.max_num_seqs, args.max_num_seqs)
+
+
+def _overlap_schedule(args: EngineArgs, device: str) -> bool:
+    if args.overlap_schedule is not None:
+        return args.overlap_schedule
+    # A tensor dump records each forward as it runs: steps stay in order, one at a time.
+    return torch.device(device).type == "cuda" and args.debug_tensor_dump_dir is None
 
 
 def load_runner(spec: ModelSpec) -> ModelRunner:

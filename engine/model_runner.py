@@ -12,7 +12,7 @@ from engine.attention import AttentionBackend, create_attention_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph import CudaGraphs, batch_size_buckets, token_buckets
 from engine.debug_dump import TARGET_ROLE, dump_pass, tensor_dumper
-from engine.forward_batch import ForwardBatch, Span
+from engine.forward_batch import ForwardBatch, Span, extend_batch
 from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.models import model_class
@@ -110,6 +110,15 @@ class ModelRunner:
         if self.verify_graphs is None or not self.verify_graphs.fits(spans):
             return None
         return self.verify_graphs.load(spans)
+
+    def span_batch(self, spans: list[Span]) -> ForwardBatch:
+        """A decode batch of explicit spans (one token each): in a decode graph's buffers where
+        one holds it, else eager."""
+        if self.graphs is not None and self.graphs.fits(spans):
+            return self.graphs.load(spans)
+        return extend_batch(
+            spans, self.kv_pool, self.req_to_token_pool, self.attention, self.device
+        )
 
     def build_batch(self, requests: list[Request], ends: list[int] | None = None) -> ForwardBatch:
         """Each request extends its cached prefix (`kv_len`) to all of its tokens, or to

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_copy import int_tensor, to_device
 from engine.sampling_params import SamplingParams
 
 
@@ -23,27 +24,36 @@ def sample(
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
 ) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] (on the CPU).
+    """logits [B, V] float32 -> token ids [B] (on the CPU): `sample_on_device`, then one copy."""
+    return sample_on_device(logits, params, generators, default_generator).cpu()
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids [B] on the logits' device, queued without waiting
+    for the device (an overlapped step reads them there as the next step's input).
 
     A sampled row draws by the exponential race: with E_v ~ Exp(1) independent, argmax_v
     p_v / E_v is token v with probability exactly p_v (torch.multinomial draws one sample the
-    same way, so on the CPU the tokens are the ones it gives). Everything stays on the logits'
-    device until one copy brings the whole batch back, so a GPU never waits on the host for a
-    single request's draw; the sampled rows are filtered and drawn together, as one batch."""
+    same way, so on the CPU the tokens are the ones it gives). The sampled rows are filtered
+    and drawn together, as one batch."""
     greedy = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return greedy.cpu()
+        return greedy
     probs = filtered_probs_batch(logits[rows], [params[i] for i in rows])
     noise = exponential_noise(probs, [generators[i] or default_generator for i in rows])
     # exponential_ may return 0 in principle: 0 / 0 would be NaN, which argmax picks, so a
     # zero-probability token could come out; clamped, it scores 0 and never wins.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     drawn = probs.div_(noise).argmax(dim=-1)
-    both = torch.cat([greedy, drawn]).cpu()
-    tokens = both[: len(params)].clone()
-    tokens[rows] = both[len(params) :]
-    return tokens
+    if len(rows) == len(params):
+        return drawn
+    return greedy.index_copy(0, int_tensor(rows, logits.device), drawn)
 
 
 def exponential_noise(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
@@ -59,8 +69,8 @@ def exponential_noise(probs: torch.Tensor, generators: list[torch.Generator]) ->
         for row, generator in zip(noise, generators):
             row.exponential_(generator=generator)
         return noise
-    seeds = torch.tensor([_derived_seed(g) for g in generators], dtype=torch.int64)
-    return hashed_exponential(seeds.to(probs.device), probs.shape[1]).to(probs.dtype)
+    seeds = int_tensor([_derived_seed(g) for g in generators], probs.device)
+    return hashed_exponential(seeds, probs.shape[1]).to(probs.dtype)
 
 
 # splitmix64's constants, as the signed 64-bit integers torch computes with.
@@ -106,7 +116,7 @@ def filtered_probs_batch(logits: torch.Tensor, params: list[SamplingParams]) -> 
     launch per operation for the batch, not one per request."""
     rows, vocab = logits.shape
     temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-    probs = torch.softmax(logits / temperatures.to(logits.device)[:, None], dim=-1)
+    probs = torch.softmax(logits / to_device(temperatures, logits.device)[:, None], dim=-1)
     filtering = [r for r, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
     if not filtering:
         return probs
@@ -119,11 +129,11 @@ def filtered_probs_batch(logits: torch.Tensor, params: list[SamplingParams]) -> 
         [params[r].top_p if params[r].top_p < 1.0 else math.inf for r in filtering]
     )
     ranks = torch.arange(vocab, device=logits.device)
-    keep = ranks[None, :] < top_k.to(logits.device)[:, None]
+    keep = ranks[None, :] < to_device(top_k, logits.device)[:, None]
     # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it
     # is still below top_p, so the first token always stays.
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    keep &= mass_before < top_p.to(device=logits.device, dtype=mass_before.dtype)[:, None]
+    keep &= mass_before < to_device(top_p, logits.device).to(mass_before.dtype)[:, None]
     # Back in vocabulary order by a scatter rather than boolean indexing, whose data-dependent
     # size would make a GPU wait for the host.
     kept = torch.empty_like(keep).scatter_(-1, order, keep)

@@ -213,9 +213,10 @@ class Scheduler:
         tokens: list[int],
         logprobs: list[TokenLogprob | None],
         stop_checker: StopChecker,
+        keep_slots: bool = False,
     ) -> list[Request]:
         return self.process_tokens(
-            batch, [[t] for t in tokens], [[lp] for lp in logprobs], stop_checker
+            batch, [[t] for t in tokens], [[lp] for lp in logprobs], stop_checker, keep_slots
         )
 
     def process_tokens(
@@ -224,10 +225,13 @@ class Scheduler:
         tokens: list[list[int]],
         logprobs: list[list[TokenLogprob | None]],
         stop_checker: StopChecker | None,
+        keep_slots: bool = False,
     ) -> list[Request]:
         """Commit each request's new tokens in order, stopping at the first that finishes it
         (a verify step may commit several; those after a stop are dropped). Prefill-only: the
-        first token is committed unchecked (the decode node checks it) and the request leaves."""
+        first token is committed unchecked (the decode node checks it) and the request leaves.
+        `keep_slots`: finished requests leave the queues with their slots still held (a step
+        still running may write them); the caller `release`s them later."""
         finished = []
         for req, new_tokens, new_logprobs in zip(batch.requests, tokens, logprobs):
             if self.prefill_only:
@@ -252,9 +256,14 @@ class Scheduler:
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
-            for req in finished:
-                self._release(req)
+            if not keep_slots:
+                for req in finished:
+                    self._release(req)
         return finished
+
+    def release(self, req: Request) -> None:
+        """Free the slots of a request that left the queues with them (`keep_slots`)."""
+        self._release(req)
 
     def detach(self, req: Request) -> None:
         """Take a request out of the queues, its slots still held: its owner frees them."""

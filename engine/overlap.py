@@ -1,0 +1,182 @@
+"""Overlap scheduling of plain decode steps: the host prepares and launches step N+1 while the
+device still runs step N, and reads step N's tokens only then: one device-to-host copy per
+step, queued behind the step and waited for once the next step is on its way. The host's work
+between steps (committing tokens, stop checks, detokenizing, streaming, scheduling, filling
+the next step's inputs) then hides behind the device's.
+
+Step N+1 reads step N's sampled tokens, which the host has not seen yet: its batch is built
+with placeholder tokens and the device copies step N's tokens over them (a future-token map
+one step deep). Everything else in the batch (row, position, KV slot) follows on the host
+from the committed tokens plus the one in flight. A request that step N finishes by EOS, a
+stop token or a stop string has already run once more in step N+1: that token is dropped and
+its KV slot freed with the request's others (the device writes it before any later step, in
+stream order, can reuse the slot). A request that step N's token must finish by length is
+left out of step N+1.
+
+Only steps whose every request samples from its logits alone overlap: penalties and min_tokens
+read the token history, a grammar's mask needs the newest token, logprobs are read on the host,
+and speculative steps have a loop of their own. Anything that changes the batch (a prompt to
+prefill, a request joining from a transfer, a retraction) first waits for the step in flight
+(`flush`), then runs as without overlap."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.forward_batch import ForwardBatch, Span
+from engine.host_copy import int_tensor
+from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.stopping import StopChecker
+from engine.tracing import set_time_batch
+
+# (logits [B, V], requests, tokens each request has in flight) -> tokens [B] on the device.
+SampleOnDevice = Callable[[torch.Tensor, list[Request], int], torch.Tensor]
+
+
+def overlappable(req: Request) -> bool:
+    """Whether `req`'s next token depends on nothing but its logits (see the module's doc)."""
+    params = req.params
+    return (
+        req.lookahead == 0
+        and req.num_draft_tokens == 0
+        and req.grammar is None
+        and params.logprobs is None
+        and not params.penalized
+    )
+
+
+@dataclass
+class StepInFlight:
+    """A launched decode step whose tokens the host has not read yet."""
+
+    requests: list[Request]
+    tokens: torch.Tensor  # [B] on the device: the next step's input
+    host: torch.Tensor  # [B] on the host, valid once `copied` has happened
+    copied: torch.cuda.Event | None
+
+
+class OverlapDecoder:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        kv_cache: KVCacheManager,
+        stop_checker: StopChecker,
+        sample: SampleOnDevice,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.kv_cache = kv_cache
+        self.stop_checker = stop_checker
+        self.sample = sample
+        self.in_flight: StepInFlight | None = None
+        # Requests finished by the last step read, their slots held until the step launched
+        # after it (which still ran them) is done on the device: a slot freed earlier could be
+        # handed to a KV transfer, which lands on a stream of its own.
+        self.finished_in_flight: list[Request] = []
+        self.num_overlapped_steps = 0
+
+    def launch(self, requests: list[Request], batch: ForwardBatch, in_flight: int = 0) -> None:
+        """Run `batch` (one token for each of `requests`) and sample, leaving the tokens on the
+        device; `in_flight`: tokens each request already has in a step not read yet."""
+        set_time_batch(requests, "decode_start")
+        output = self.runner.forward(batch)
+        tokens = self.sample(output.logits, requests, in_flight)
+        if tokens.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host, copied = tokens, None
+        self.in_flight = StepInFlight(requests, tokens, host, copied)
+
+    def step(self) -> list[Request] | None:
+        """Launch the step after the one in flight, then read that one; returns the requests
+        it finished, or None where more than decoding may run next (the caller `flush`es, then
+        schedules as usual). Raises when the launch fails, the step before still in flight
+        (the caller flushes it, then fails the running requests)."""
+        previous = self.in_flight
+        assert previous is not None
+        live = [req for req in previous.requests if not req.finished]
+        # The running set is the step's own (none joined, none retracted) and no prompt waits.
+        if self.scheduler.waiting or not _same(self.scheduler.running, live):
+            return None
+        going_on = [req for req in live if not self._ends_by_length(req)]
+        # The token in flight sits at position num_tokens: the next step writes that slot.
+        grants = [(req, max(0, req.num_tokens + 1 - len(req.slots))) for req in going_on]
+        if not going_on or not self.kv_cache.can_grow(sum(n for _, n in grants)):
+            return None
+        self.kv_cache.grow_many([(req, n) for req, n in grants if n])
+        spans = [Span(req.row, req.num_tokens, [0], req.slots[req.num_tokens : req.num_tokens + 1])
+                 for req in going_on]  # fmt: skip
+        batch = self.runner.span_batch(spans)
+        source = previous.tokens
+        if len(going_on) != len(previous.requests):
+            index = {id(req): i for i, req in enumerate(previous.requests)}
+            rows = int_tensor([index[id(req)] for req in going_on], source.device)
+            source = source.index_select(0, rows)
+        batch.input_ids.copy_(source)
+        try:
+            self.launch(going_on, batch, in_flight=1)
+        except Exception:
+            self.in_flight = previous
+            raise
+        self.num_overlapped_steps += 1
+        return self.read(previous)
+
+    def read(self, step: StepInFlight) -> list[Request]:
+        """Commit a launched step's tokens (waiting for its copy); returns the requests it
+        finished. Requests that ended meanwhile (aborted, finished by the step before) are
+        skipped: their token is dropped."""
+        if step.copied is not None:
+            step.copied.synchronize()
+        self._release_finished()
+        tokens = step.host.tolist()
+        kept = [(req, t) for req, t in zip(step.requests, tokens) if not req.finished]
+        requests = [req for req, _ in kept]
+        finished = self.scheduler.process_result(
+            ScheduledBatch(requests, is_prefill=False),
+            [t for _, t in kept],
+            [None] * len(kept),
+            self.stop_checker,
+            keep_slots=True,
+        )
+        self.finished_in_flight = finished
+        if self.in_flight is None:  # nothing runs on the device any more
+            self._release_finished()
+        set_time_batch(requests, "decode_end")
+        return finished
+
+    def settle(self) -> None:
+        """Wait until the step in flight is done on the device (before freeing the slots of a
+        request it runs, as an abort does)."""
+        if self.in_flight is not None and self.in_flight.copied is not None:
+            self.in_flight.copied.synchronize()
+
+    def _release_finished(self) -> None:
+        for req in self.finished_in_flight:
+            self.scheduler.release(req)
+        self.finished_in_flight = []
+
+    def flush(self) -> list[Request]:
+        """Read the step in flight, if any; returns the requests it finished."""
+        step, self.in_flight = self.in_flight, None
+        return [] if step is None else self.read(step)
+
+    def _ends_by_length(self, req: Request) -> bool:
+        """The token in flight is `req`'s last whatever it is (max_tokens, the context)."""
+        return (
+            len(req.output_token_ids) + 1 >= req.params.max_tokens
+            or req.num_tokens + 1 >= self.stop_checker.max_model_len
+        )
+
+
+def _same(a: list[Request], b: list[Request]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
