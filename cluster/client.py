@@ -10,8 +10,8 @@ for `AsyncClient`) of `CompletionChunk`, the last of which carries finish_reason
 With `n` > 1, or several prompts given to `generate`, `Completion.choices` holds every choice
 (index prompt_index * n + sample_index) and each chunk names its choice's `index`.
 `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema": {...}})
-and, for chat, `tools` and `tool_choice` take OpenAI's values; tool calls come back in
-`Completion.tool_calls` / `Choice.tool_calls`.
+and, for chat, `tools`, `tool_choice` and `parallel_tool_calls` take OpenAI's values; tool
+calls come back in `Completion.tool_calls` / `Choice.tool_calls`.
 """
 
 from __future__ import annotations
@@ -136,6 +136,7 @@ class Client:
         response_format: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         stream: bool = False,
     ) -> Completion | Iterator[CompletionChunk]:
         """Answer a conversation; max_tokens=None runs to the end of the context or a stop."""
@@ -159,6 +160,7 @@ class Client:
             response_format=response_format,
             tools=tools,
             tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
         )
         return self._post("/v1/chat/completions", self._wire.body(stream, **fields), stream)
 
@@ -298,6 +300,7 @@ class AsyncClient:
         response_format: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         stream: bool = False,
     ) -> Completion | AsyncIterator[CompletionChunk]:
         fields = chat_fields(
@@ -320,6 +323,7 @@ class AsyncClient:
             response_format=response_format,
             tools=tools,
             tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
         )
         body = self._wire.body(stream, **fields)
         return await self._post("/v1/chat/completions", body, stream)

@@ -227,7 +227,7 @@ class ResponseFormatter:
                 logprobs=self._logprobs(result.logprobs, 0),
                 usage=usage,
                 index=index,
-                **self._tool_calls(result.text),
+                **self._tool_calls(result.text, result.finish_reason),
             )
             for index, result in enumerate(results)
         ]
@@ -262,8 +262,8 @@ class ResponseFormatter:
             index=index,
         )
 
-    def _tool_calls(self, text: str) -> dict[str, Any]:
-        calls = self.tools.tool_calls(text) if self.tools is not None else None
+    def _tool_calls(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        calls = self.tools.tool_calls(text, finish_reason) if self.tools is not None else None
         return {"tool_calls": calls} if calls else {}
 
     def _held_back(
@@ -276,7 +276,7 @@ class ResponseFormatter:
         if finish_reason is None:
             return {**content, "content": ""}, None
         text = "".join(held)
-        calls = self._tool_calls(text).get("tool_calls")
+        calls = self._tool_calls(text, finish_reason).get("tool_calls")
         if not calls:
             return {**content, "content": text}, finish_reason
         streamed = [{"index": i, **call} for i, call in enumerate(calls)]

@@ -77,7 +77,7 @@ def prepare_chat(body: ChatCompletionRequest, backend: GenerationBackend) -> lis
     """The conversation's prompt, as a list of one (what `prepare_completion` gives)."""
     _require_valid_unicode(body)
     with _refused_as_invalid("reading tools", "tools"), _rejected_as_400():
-        tools = ToolUse(body.tools or [], body.tool_choice)
+        tools = ToolUse(body.tools or [], body.tool_choice, body.parallel_tool_calls)
     prompt = _chat_prompt(body, backend, tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     grammar = _grammar(body, tools)

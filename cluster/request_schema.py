@@ -40,6 +40,11 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "prediction": (),
     "web_search_options": (),
     "service_tier": ("auto", "default"),
+    # Other servers' structured output fields (vLLM's guided_* and structured_outputs,
+    # SGLang's regex and ebnf): refused, since ignored as unknown fields they would leave the
+    # answer unconstrained with only a warning in the server's log.
+    **{name: () for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+    **{name: () for name in ("structural_tag", "structured_outputs", "regex", "ebnf")},
 }
 # Tools are a chat feature: the completions endpoint takes them at their neutral value only.
 COMPLETION_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
@@ -75,22 +80,27 @@ class ChatMessage(_Strict):
 
     def text(self) -> str:
         """The content as the template reads it; earlier tool calls in the JSON envelope the
-        model was asked to answer with (cluster.structured_output)."""
-        calls = [_call_text(call) for call in self.tool_calls or []]
-        if self.content is None:
-            return "\n".join(calls)
-        if isinstance(self.content, str):
-            return "\n".join([self.content, *calls]) if calls else self.content
-        return "".join(part.text for part in self.content)
+        model was asked to answer with (cluster.structured_output): one call object, or an
+        array of them for several."""
+        if self.content is None or isinstance(self.content, str):
+            texts = [self.content] if self.content else []
+        else:
+            texts = ["".join(part.text for part in self.content)]
+        calls = [_call_envelope(call) for call in self.tool_calls or []]
+        if calls:
+            # Without whitespace, as the tools' grammar has the model write them.
+            envelope = calls[0] if len(calls) == 1 else calls
+            texts.append(json.dumps(envelope, separators=(",", ":")))
+        return "\n".join(texts)
 
 
-def _call_text(call: dict[str, Any]) -> str:
+def _call_envelope(call: dict[str, Any]) -> dict[str, Any]:
     function = call.get("function") or {}
     try:
         arguments = json.loads(function.get("arguments") or "{}")
     except (TypeError, ValueError):
         arguments = function.get("arguments")
-    return json.dumps({"name": function.get("name"), "arguments": arguments})
+    return {"name": function.get("name"), "arguments": arguments}
 
 
 class StreamOptions(_Strict):
@@ -147,6 +157,14 @@ class _SamplingFields(_Strict):
     prediction: Any = _neutral_only("prediction", "not supported")
     web_search_options: Any = _neutral_only("web_search_options", "not supported")
     service_tier: Any = _neutral_only("service_tier", 'only "auto" or "default"')
+    guided_json: Any = _neutral_only("guided_json", "not supported: use response_format")
+    guided_regex: Any = _neutral_only("guided_regex", "not supported")
+    guided_choice: Any = _neutral_only("guided_choice", "not supported")
+    guided_grammar: Any = _neutral_only("guided_grammar", "not supported")
+    structural_tag: Any = _neutral_only("structural_tag", "not supported")
+    structured_outputs: Any = _neutral_only("structured_outputs", "not supported")
+    regex: Any = _neutral_only("regex", "not supported")
+    ebnf: Any = _neutral_only("ebnf", "not supported")
 
     @property
     def include_usage(self) -> bool:
@@ -200,7 +218,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: ToolChoice | None = Field(
         None, description='"none", "auto" (the default with tools), "required", or a function'
     )
-    parallel_tool_calls: bool | None = Field(None, description="the answer holds one call")
+    parallel_tool_calls: bool | None = Field(
+        None, description="whether one answer may hold several calls (the default: true)"
+    )
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -3,9 +3,15 @@ with `tool_choice`, turned into the grammar a request carries (engine.grammar), 
 description the prompt carries, and tool calls read back from the answer.
 
 The default model's chat template has no tool format, so tools use a JSON envelope: a call is
-the object {"name": <function>, "arguments": {...}}. `tool_choice` "required" constrains the
-answer to a call of any declared function, a named function to a call of that one; "auto"
-leaves the answer free and returns a call when the answer is one."""
+the object {"name": <function>, "arguments": {...}}, and an answer with several calls is a JSON
+array of such objects (allowed unless `parallel_tool_calls` is false). `tool_choice` "required"
+constrains the answer to one or more calls of the declared functions, a named function to calls
+of that one (exactly one call each when `parallel_tool_calls` is false); "auto" leaves the
+answer free and returns its calls when the answer is calls.
+
+Only an answer that ended on its own (finish_reason "stop") is read as calls: one cut short by
+max_tokens is returned as the text it is, with finish_reason "length", even where the cut
+happens to leave parseable JSON, since the model had not ended it there."""
 
 from __future__ import annotations
 
@@ -80,10 +86,20 @@ def response_format_grammar(response_format: ResponseFormat | None) -> str | Non
 class ToolUse:
     """The tools of one chat request and how the answer must use them."""
 
-    def __init__(self, tools: list[Tool], choice: ToolChoice | None) -> None:
+    def __init__(
+        self, tools: list[Tool], choice: ToolChoice | None, parallel: bool | None = None
+    ) -> None:
         self.functions = {tool.function.name: tool.function for tool in tools}
-        # OpenAI's default: "auto" when tools are given.
+        if len(self.functions) < len(tools):
+            # The envelope names a call's function only: two of one name are not told apart.
+            raise RequestRejectedError("tools declares a function name twice", "tools")
+        # OpenAI's defaults: "auto" when tools are given, several calls allowed.
         self.choice = choice if choice is not None else "auto"
+        self.parallel = parallel if parallel is not None else True
+        if self.choice == "required" and not self.functions:
+            raise RequestRejectedError(
+                'tool_choice "required" needs at least one function in tools', "tool_choice"
+            )
         if isinstance(self.choice, NamedToolChoice) and self.choice.function.name not in (
             self.functions
         ):
@@ -98,8 +114,15 @@ class ToolUse:
         return bool(self.functions) and self.choice != "none"
 
     def grammar(self) -> str | None:
-        """A call of the named function, or of any declared one ("required"); None for
-        "auto" and "none"."""
+        """The grammar of `answer_schema`; None for "auto" and "none"."""
+        schema = self.answer_schema()
+        return None if schema is None else json_schema_grammar(schema, "tools")
+
+    def answer_schema(self) -> dict[str, Any] | None:
+        """The JSON schema of an answer that tool_choice forces to calls: calls of the named
+        function, or of any declared one ("required"); a single call object, or (when
+        parallel calls are allowed) also a non-empty array of them. None for "auto" and
+        "none"."""
         if not self.active or self.choice == "auto":
             return None
         names = (
@@ -108,8 +131,10 @@ class ToolUse:
             else list(self.functions)
         )
         calls = [_call_schema(name, self.functions[name].parameters) for name in names]
-        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        return json_schema_grammar(schema, "tools")
+        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        if not self.parallel:
+            return call
+        return {"anyOf": [call, {"type": "array", "items": call, "minItems": 1}]}
 
     def system_prompt(self) -> str:
         """What the model is told about the tools (the template has no tool format)."""
@@ -121,26 +146,48 @@ class ToolUse:
             }
             for f in self.functions.values()
         ]
+        several = (
+            " To call several at once, answer with only a JSON array of such objects."
+            if self.parallel
+            else ""
+        )
         return (
             "You can call these functions. To call one, answer with only a JSON object "
-            '{"name": <function name>, "arguments": <arguments object>}.\n'
-            f"Functions: {json.dumps(described)}"
+            '{"name": <function name>, "arguments": <arguments object>}.'
+            f"{several}\nFunctions: {json.dumps(described)}"
         )
 
-    def tool_calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The answer as OpenAI tool calls when it is a call of a declared function."""
-        if not self.active:
+    def tool_calls(self, text: str, finish_reason: str | None) -> list[dict[str, Any]] | None:
+        """The answer as OpenAI tool calls, each with its own id, when it ended on its own
+        and is calls of declared functions: one call object, or an array of them where
+        parallel calls are allowed (an array of one always is)."""
+        if not self.active or finish_reason != "stop":
             return None
         try:
-            call = json.loads(text)
+            answer = json.loads(text)
         except ValueError:
             return None
-        if not isinstance(call, dict) or set(call) != {"name", "arguments"}:
+        calls = answer if isinstance(answer, list) else [answer]
+        if not calls or (len(calls) > 1 and not self.parallel):
             return None
-        if call["name"] not in self.functions or not isinstance(call["arguments"], dict):
+        if not all(self._is_call(call) for call in calls):
             return None
-        function = {"name": call["name"], "arguments": json.dumps(call["arguments"])}
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}]
+        return [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+            }
+            for call in calls
+        ]
+
+    def _is_call(self, call: Any) -> bool:
+        return (
+            isinstance(call, dict)
+            and set(call) == {"name", "arguments"}
+            and call["name"] in self.functions
+            and isinstance(call["arguments"], dict)
+        )
 
 
 def _call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:

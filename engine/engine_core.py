@@ -52,12 +52,13 @@ def sample_next_tokens(
     default_generator: torch.Generator,
 ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
     """Each request's next token from its last-position logits [B, vocab] (penalties, biases
-    and min_tokens first, then the grammar's mask, then its sampling settings), and its logprob
-    entry. The one sampling step of every node that samples after a forward."""
+    and min_tokens first, then the grammar's mask, which wins where min_tokens leaves it no
+    token, then its sampling settings), and its logprob entry. The one sampling step of every
+    node that samples after a forward."""
     params = [req.params for req in requests]
     generators = [step_generator(req) for req in requests]
     processed = process_request_logits(logits, requests, eos_token_ids)
-    processed = mask_request_logits(processed, requests)
+    processed = mask_request_logits(processed, requests, unprocessed=logits)
     tokens = sample(processed, params, generators, default_generator)
     return tokens, compute_logprobs(logits, tokens, params)
 

@@ -64,11 +64,13 @@ def grammar_masked_verify_logits(
     requests: list[Request],
     chains: list[list[int]],
     alternative_chains: list[list[list[int]]],
+    unprocessed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The verify logits [T, V] (rows as in `processed_verify_logits`) with each position
     masked by its request's grammar in the state after the drafts before it: a draft token the
     grammar forbids has probability 0 where it is checked, so it is rejected, never emitted,
-    and the bonus token is one the grammar allows."""
+    and the bonus token is one the grammar allows. `unprocessed`: the logits before the
+    processors, where a position's grammar wins over min_tokens (engine.grammar_mask)."""
     if all(req.grammar is None for req in requests):
         return logits
     matchers = [req.grammar for req in requests]
@@ -77,7 +79,7 @@ def grammar_masked_verify_logits(
         for chain in alternatives:
             matchers.append(req.grammar)
             spans.append((chain, 1))  # an alternative's span starts at its first draft token
-    return mask_verify_logits(logits, matchers, spans)
+    return mask_verify_logits(logits, matchers, spans, unprocessed)
 
 
 def accept_chain(

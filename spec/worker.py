@@ -209,7 +209,9 @@ class MultiLayerEagleWorker:
         logits = processed_verify_logits(
             raw_logits, requests, chains, alternative_chains, eos_token_ids
         )
-        logits = grammar_masked_verify_logits(logits, requests, chains, alternative_chains)
+        logits = grammar_masked_verify_logits(
+            logits, requests, chains, alternative_chains, unprocessed=raw_logits
+        )
         lens = batch.extend_lens
         # One device-to-host copy for every greedy request's targets, not one per request.
         argmax = logits.argmax(dim=-1).tolist()

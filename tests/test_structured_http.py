@@ -232,6 +232,131 @@ def test_tool_history_reaches_the_prompt(client):
     assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
 
 
+def _weather_call(call_id: str, city: str) -> dict:
+    arguments = json.dumps({"city": city, "unit": "celsius"})
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
+
+
+# An earlier answer with two calls shows the model the array envelope.
+ASK_TWICE = [
+    {"role": "user", "content": "What is the weather in Rome and in Berlin?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [_weather_call("call_1", "Rome"), _weather_call("call_2", "Berlin")],
+    },
+    {"role": "user", "content": "Now call get_weather twice: for Paris and for London."},
+]
+
+
+def test_an_answer_may_call_several_tools_unless_parallel_tool_calls_is_false(client):
+    ask = dict(
+        model=MODEL,
+        messages=ASK_TWICE,
+        max_tokens=80,
+        temperature=0.7,
+        seed=3,
+        n=4,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+    )
+    answer = client.chat.completions.create(**ask)
+    counts = []
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        calls = choice.message.tool_calls
+        assert len({call.id for call in calls}) == len(calls)
+        for call in calls:
+            _check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
+        counts.append(len(calls))
+    assert max(counts) >= 2, counts
+    single = client.chat.completions.create(**ask, parallel_tool_calls=False)
+    assert [len(c.message.tool_calls) for c in single.choices] == [1] * 4
+
+
+def test_a_complete_answer_ends_before_min_tokens(client):
+    """The grammar wins over min_tokens: once the JSON is complete the answer ends, with the
+    tokens it has without min_tokens (engine.grammar_mask)."""
+    for fields in (
+        {"response_format": _schema_format(PERSON), "messages": ASK_PERSON},
+        {"tools": [WEATHER], "tool_choice": "required", "messages": ASK_WEATHER},
+    ):
+        ask = dict(model=MODEL, max_tokens=64, temperature=0, **fields)
+        free = client.chat.completions.create(**ask)
+        bounded = client.chat.completions.create(**ask, extra_body={"min_tokens": 60})
+        [choice], [free_choice] = bounded.choices, free.choices
+        assert choice.finish_reason == free_choice.finish_reason != "length"
+        assert choice.model_extra["token_ids"] == free_choice.model_extra["token_ids"]
+        assert bounded.usage.completion_tokens == free.usage.completion_tokens < 60
+        if choice.message.tool_calls:
+            _check_call(choice.message.tool_calls[0], WEATHER)
+        else:
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+NOTE = {
+    "type": "function",
+    "function": {
+        "name": "write_note",
+        "description": "Write down a long note",
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"type": "string"}},  # no maxLength
+            "required": ["text"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK_NOTE = [{"role": "user", "content": "Write a long note about the history of Paris."}]
+
+
+def _streamed(client, ask: dict) -> tuple[str, str | None, list]:
+    """A stream's text, its finish reason and the tool calls of its chunks."""
+    choices = [c.choices[0] for c in client.chat.completions.create(stream=True, **ask)]
+    text = "".join(choice.delta.content or "" for choice in choices)
+    reasons = [choice.finish_reason for choice in choices if choice.finish_reason]
+    calls = [choice.delta.tool_calls for choice in choices if choice.delta.tool_calls]
+    assert len(reasons) == 1
+    return text, reasons[0], calls
+
+
+def test_an_unbounded_string_that_runs_into_max_tokens_is_text_cut_short(client):
+    ask = dict(model=MODEL, messages=ASK_NOTE, max_tokens=12, temperature=0)
+    for fields in (
+        {"tools": [NOTE], "tool_choice": "required"},
+        {"tools": [NOTE], "tool_choice": {"type": "function", "function": {"name": "write_note"}}},
+        {"response_format": _schema_format(NOTE["function"]["parameters"])},
+    ):
+        answer = client.chat.completions.create(**ask, **fields)
+        [choice] = answer.choices
+        assert choice.finish_reason == "length" and choice.message.tool_calls is None
+        assert answer.usage.completion_tokens == 12
+        with pytest.raises(ValueError):
+            json.loads(choice.message.content)
+        assert _streamed(client, {**ask, **fields}) == (choice.message.content, "length", [])
+
+
+def test_a_call_cut_by_max_tokens_where_its_json_closes_is_not_a_call(client):
+    """max_tokens one short of the end of the answer: the text is the whole call, which the
+    model had not ended (its end-of-sequence was the next token): text, finish "length"."""
+    ask = dict(model=MODEL, messages=ASK_WEATHER, temperature=0, tools=[WEATHER])
+    ask["tool_choice"] = "required"
+    whole = client.chat.completions.create(**ask, max_tokens=48)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    tokens = whole.choices[0].model_extra["token_ids"]
+    cut = client.chat.completions.create(**ask, max_tokens=len(tokens) - 1)
+    [choice] = cut.choices
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    arguments = json.loads(whole.choices[0].message.tool_calls[0].function.arguments)
+    assert json.loads(choice.message.content) == {"name": "get_weather", "arguments": arguments}
+    streamed = _streamed(client, {**ask, "max_tokens": len(tokens) - 1})
+    assert streamed == (choice.message.content, "length", [])
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [

@@ -272,3 +272,30 @@ def test_request_commit_advances_the_grammar(default_llm):
     for token in seven:
         req.commit(token)
     assert req.output_token_ids == seven and matcher.finished
+
+
+DIGIT_OBJECT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["x"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("llm_name", ["default_llm", "speculative_llm"])
+def test_a_complete_grammar_ends_the_answer_before_min_tokens(request, llm_name):
+    """Once the JSON is complete the grammar allows end-of-sequence only, which min_tokens
+    still bans: the grammar wins, and the answer ends there as it would without min_tokens
+    (not padded with tokens no mask allowed), greedy and sampled, with speculation too."""
+    llm = request.getfixturevalue(llm_name)
+    eos = llm.engine.runner.model_config.eos_token_ids
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Give x as JSON."}])
+    grammar = json_schema_grammar(DIGIT_OBJECT, "response_format")
+    for temperature in (0.0, 0.8):
+        ask = dict(max_tokens=30, temperature=temperature, seed=1, grammar=grammar)
+        [free] = llm.generate(prompt, SamplingParams(**ask))
+        [bounded] = llm.generate(prompt, SamplingParams(**ask, min_tokens=20))
+        assert bounded.finish_reason == "stop" and bounded.token_ids[-1] in eos
+        assert len(bounded.token_ids) < 20
+        assert bounded.token_ids == free.token_ids
+        jsonschema.validate(json.loads(bounded.text), DIGIT_OBJECT)
