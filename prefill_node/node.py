@@ -177,43 +177,42 @@ class PrefillNode(ServingNode):
     def _handle(self, msg: object) -> None:
         if isinstance(msg, PrefillRequest):
             self.faults.request_arrived()
-            params = SamplingParams(**msg.sampling.__dict__)
-            req = Request(str(msg.room), list(msg.prompt_token_ids), params)
-            if self.options.enable_tracing:
-                req.trace = RequestTrace()
-                set_time(req, "prefill_queued")
-            pending = Pending(req, msg.decode_node, msg.decode_rank)
-            if msg.prompt_embeds is not None:
-                given = msg.prompt_embeds
-                try:
-                    req.prompt_embeds = PromptEmbeds.from_bytes(
-                        given.positions, given.width, given.data
-                    )
-                    req.prompt_embeds.check(req.num_tokens, self.spec.model_config.hidden_size)
-                except RequestRejectedError as err:
-                    self._abandon(pending, str(err))
-                    return
-            if params.grammar is not None:
-                try:
-                    self.engine.start_grammar(req)
-                except RequestRejectedError as err:
-                    self._abandon(pending, str(err))
-                    return
-            if self.speculator is not None:
-                req.num_draft_tokens = self.num_draft_steps
-            group = [pending] + [sample_pending(pending, s) for s in msg.samples]
-            if len(group) > 1 and params.grammar is not None:
-                # A decode node never shares a prompt under a grammar (each sample's grammar
-                # state differs from the prompt's first token on): refuse rather than send
-                # transfers it does not expect.
-                for member in group:
-                    self._abandon(member, "parallel samples under a grammar are not shared")
-                return
-            self.waiting.append(group)
+            self._queue(msg)
         elif isinstance(msg, AbortRequest):
             self._abort(str(msg.room))
         else:
             log.warning("unexpected message %s", type(msg).__name__)
+
+    def _queue(self, msg: PrefillRequest) -> None:
+        """Queue a request with the parallel samples of its prompt; refused, each of them is
+        abandoned (the decode node hears of every room it asked for)."""
+        params = SamplingParams(**msg.sampling.__dict__)
+        req = Request(str(msg.room), list(msg.prompt_token_ids), params)
+        if self.options.enable_tracing:
+            req.trace = RequestTrace()
+            set_time(req, "prefill_queued")
+        if self.speculator is not None:
+            req.num_draft_tokens = self.num_draft_steps
+        pending = Pending(req, msg.decode_node, msg.decode_rank)
+        group = [pending] + [sample_pending(pending, s) for s in msg.samples]
+        try:
+            if msg.prompt_embeds is not None:
+                given = msg.prompt_embeds
+                embeds = PromptEmbeds.from_bytes(given.positions, given.width, given.data)
+                embeds.check(req.num_tokens, self.spec.model_config.hidden_size)
+                for member in group:
+                    member.req.prompt_embeds = embeds
+            if params.grammar is not None:
+                if msg.samples:
+                    # A decode node never shares a prompt under a grammar: refused rather
+                    # than sent as transfers it does not expect.
+                    raise RequestRejectedError("parallel samples under a grammar are not shared")
+                self.engine.start_grammar(req)
+        except RequestRejectedError as err:
+            for member in group:
+                self._abandon(member, str(err))
+            return
+        self.waiting.append(group)
 
     def _num_waiting(self) -> int:
         return sum(len(group) for group in self.waiting)
