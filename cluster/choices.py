@@ -2,8 +2,10 @@
 
 Choice `index` is prompt_index * n + sample_index, as in the OpenAI API, and sample s of a
 prompt is generated with `params.for_sample(s)` (its own seed stream), as `engine.LLM` does,
-so a seeded request gives the offline engine's choices. Each choice is a request of its own
-to the backend; their deltas are merged as they come, each tagged with its index."""
+so a seeded request gives the offline engine's choices. The samples of one prompt share one
+prefill of it where the backend can (`shared_prefill_groups`, `generate_samples`), and are
+requests of their own otherwise; every choice keeps a stream of its own, and their deltas are
+merged as they come, each tagged with its index."""
 
 from __future__ import annotations
 
@@ -38,6 +40,20 @@ def choice_requests(
         for i, (prompt, given) in enumerate(zip(prompts, embeds))
         for s in range(params.n)
     ]
+
+
+def shared_prefill_groups(choices: list[ChoiceRequest]) -> list[list[ChoiceRequest]]:
+    """The choices in order, grouped by prompt where the samples of a prompt may share one
+    prefill; alone otherwise. Samples under a grammar do not share: each one's grammar state
+    differs from its first token on, and the engines prefill such samples separately anyway."""
+    groups: list[list[ChoiceRequest]] = []
+    for choice in choices:
+        shares = choice.sample > 0 and choice.params.grammar is None
+        if shares and groups and groups[-1][0].prompt is choice.prompt:
+            groups[-1].append(choice)
+        else:
+            groups.append([choice])
+    return groups
 
 
 @dataclass(frozen=True)
@@ -87,6 +103,10 @@ async def merge_choices(
             task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*tasks, return_exceptions=True)
+        # A pump cancelled before it ran never closed its stream.
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                await stream.aclose()  # type: ignore[attr-defined]
 
 
 def total_usage(usages: list[dict[str, Any] | None], requests: list[ChoiceRequest]) -> dict:

@@ -38,7 +38,13 @@ from cluster.api_errors import (
     install_error_handlers,
 )
 from cluster.backend import GenerationBackend, TokenDelta
-from cluster.choices import ChoiceRequest, choice_requests, merge_choices, total_usage
+from cluster.choices import (
+    ChoiceRequest,
+    choice_requests,
+    merge_choices,
+    shared_prefill_groups,
+    total_usage,
+)
 from cluster.config import DEFAULT_MAX_REQUEST_BYTES
 from cluster.http_guards import ApiKeyGuard, BodySizeLimit, TrailingSlashes
 from cluster.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -212,21 +218,34 @@ def _start_choices(
 ) -> AsyncIterator[TokenDelta]:
     """The backend requests of every choice, as one stream of deltas (tagged with their
     choice's index when there are several). A lone choice keeps the response's id as its
-    request id, which its trace is found by."""
+    request id, which its trace is found by. The samples of one prompt share its prefill
+    where the backend can (`generate_samples`)."""
 
-    def start(choice: ChoiceRequest, choice_id: str) -> AsyncIterator[TokenDelta]:
+    def extension(choice: ChoiceRequest) -> dict[str, Any]:
         # Passed only when given, so that a backend without the extension serves the rest.
-        extension: dict[str, Any] = {}
+        given: dict[str, Any] = {}
         if choice.prompt_embeds is not None:
-            extension["prompt_embeds"] = choice.prompt_embeds
+            given["prompt_embeds"] = choice.prompt_embeds
         # Likewise the timeline so far, only to a backend that traces (cluster.tracing).
         if getattr(backend, "traces", None) is not None:
-            extension["trace_events"] = [("arrival", arrival_ns), ("tokenized", clock_ns())]
-        return backend.generate(choice_id, choice.prompt, choice.params, **extension)
+            given["trace_events"] = [("arrival", arrival_ns), ("tokenized", clock_ns())]
+        return given
+
+    def start(choice: ChoiceRequest, choice_id: str) -> AsyncIterator[TokenDelta]:
+        return backend.generate(choice_id, choice.prompt, choice.params, **extension(choice))
 
     if len(choices) == 1:
         return start(choices[0], request_id)
-    return merge_choices([start(c, f"{request_id}-{c.index}") for c in choices])
+    share = getattr(backend, "generate_samples", None)
+    streams = []
+    for group in shared_prefill_groups(choices):
+        ids = [f"{request_id}-{c.index}" for c in group]
+        if share is None or len(group) == 1:
+            streams += [start(c, choice_id) for c, choice_id in zip(group, ids)]
+        else:
+            params = [c.params for c in group]
+            streams += share(ids, group[0].prompt, params, **extension(group[0]))
+    return merge_choices(streams)
 
 
 async def _generate(

@@ -5,7 +5,10 @@ detokenized deltas. It watches node health, so a dead node ends its requests wit
 
 Without prefill nodes the cluster is aggregated: each "decode" node is a replica that prefills
 its own prompts (decode_node.AggregatedNode), picked by the decode policy, and stands for both
-roles in usage, errors and traces."""
+roles in usage, errors and traces.
+
+`generate_samples` sends the parallel samples of one prompt as one request that shares its
+prefill (decode_node.samples), each sample still a stream, an abort and a failure of its own."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from cluster.detokenizer import IncrementalDetokenizer
 from cluster.metrics import ClusterMetrics, failure_kind
 from cluster.node_state import NodeState
 from cluster.policies import create_policy
+from cluster.sample_streams import SharedPrefill
 from cluster.tracing import NodeTimeline, RequestTimeline, TraceStore
 from engine.errors import RequestRejectedError
 from engine.loader import ModelSpec
@@ -39,6 +43,7 @@ from metadata.messages import (
     EmbeddingsSpec,
     GenerateRequest,
     MessageError,
+    ParallelSample,
     SamplingSpec,
     TokenUpdate,
     decode,
@@ -51,10 +56,20 @@ HEALTH_INTERVAL_S = 1.0
 
 @dataclass
 class _Flight:
+    """One request (one sample of a prompt) from its routing to its end."""
+
     prefill: NodeState | None  # None on an aggregated cluster
     decode: NodeState
+    room: int
+    prompt_tokens: int
+    detokenizer: IncrementalDetokenizer
+    timer: Any
+    timeline: RequestTimeline | None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     got_first_token: bool = False
+    completion_tokens: int = 0
+    finished: bool = False  # its last delta or its error was taken
+    ended: bool = False  # let go of (`Router._end_flight`)
 
 
 class _NodeDied:
@@ -225,94 +240,179 @@ class Router:
     ) -> AsyncIterator[TokenDelta]:
         """`trace_events`: (name, time_ns) of what happened before (arrival, tokenized), from
         the HTTP layer when `traces` is set."""
+        flight = None
+        try:
+            (flight,) = await self._open(
+                [request_id], prompt_token_ids, [params], prompt_embeds, trace_events
+            )
+            while True:
+                delta = await self._next_delta(flight)
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            if flight is not None:
+                self._end_flight(flight)
+
+    def generate_samples(
+        self,
+        request_ids: list[str],
+        prompt_token_ids: list[int],
+        params: list[SamplingParams],
+        prompt_embeds: PromptEmbeds | None = None,
+        trace_events: list[tuple[str, int]] | None = None,
+    ) -> list[AsyncIterator[TokenDelta]]:
+        """Parallel samples of one prompt (`params[i]`: sample i's, differing by seed only),
+        each a stream of its own, as `generate` gives, that shares one prefill of the prompt
+        and one transfer of its KV with the others: they go to one decode node in one
+        GenerateRequest. Closing a stream aborts that sample alone; close every stream. At
+        most `max_num_seqs` samples share a prefill (a decode node holds no more at once)."""
+        size = self.spec.engine_config.max_num_seqs
+        streams: list[AsyncIterator[TokenDelta]] = []
+        for start in range(0, len(request_ids), size):
+            ids, group_params = request_ids[start : start + size], params[start : start + size]
+
+            async def open_flights(wanted: list[int], ids=ids, group_params=group_params):
+                return await self._open(
+                    [ids[i] for i in wanted],
+                    prompt_token_ids,
+                    [group_params[i] for i in wanted],
+                    prompt_embeds,
+                    trace_events,
+                )
+
+            streams += SharedPrefill(
+                len(ids), open_flights, self._next_delta, self._end_flight
+            ).streams
+        return streams
+
+    async def _open(
+        self,
+        request_ids: list[str],
+        prompt_token_ids: list[int],
+        params: list[SamplingParams],
+        prompt_embeds: PromptEmbeds | None,
+        trace_events: list[tuple[str, int]] | None,
+    ) -> list[_Flight]:
+        """Route a request (with the parallel samples of its prompt after it, which share its
+        prefill) and send it to its decode node: a flight per sample."""
         traces = self.traces
-        timeline = traces.begin(request_id, trace_events) if traces is not None else None
+        timelines = [
+            traces.begin(request_id, trace_events) if traces is not None else None
+            for request_id in request_ids
+        ]
         await self.start()
-        timer = self.metrics.request()
+        timers = [self.metrics.request() for _ in request_ids]
         decode_node = self._pick(self.decode_nodes, self.decode_policy, self._decode_role)
         prefill = None
         if not self.aggregated:
             prefill = self._pick(self.prefill_nodes, self.prefill_policy, "prefill")
-            prefill.in_flight += 1
-        room = secrets.randbits(63)
-        flight = _Flight(prefill, decode_node)
-        self._flights[room] = flight
-        decode_node.in_flight += 1
-        finished = False
         prefilled_by = prefill or decode_node
-        if timeline is not None:
-            timeline.room = room
-            timeline.mark("routed", {"prefill": prefilled_by.name, "decode": decode_node.name})
+        flights = []
+        for sample_params, timer, timeline in zip(params, timers, timelines):
+            flight = _Flight(
+                prefill,
+                decode_node,
+                secrets.randbits(63),
+                len(prompt_token_ids),
+                IncrementalDetokenizer(self.tokenizer, sample_params.stop_strings),
+                timer,
+                timeline,
+            )
+            self._flights[flight.room] = flight
+            decode_node.in_flight += 1
+            if prefill is not None:
+                prefill.in_flight += 1
+            if timeline is not None:
+                timeline.room = flight.room
+                timeline.mark("routed", {"prefill": prefilled_by.name, "decode": decode_node.name})
+            flights.append(flight)
+        first = flights[0]
+        samples = [
+            ParallelSample(flight.room, request_id, sample_params.seed)
+            for flight, request_id, sample_params in zip(flights, request_ids, params)
+        ]
         try:
             self._outboxes[decode_node.index].send(
                 GenerateRequest(
-                    room,
-                    request_id,
+                    first.room,
+                    request_ids[0],
                     list(prompt_token_ids),
-                    _sampling_spec(params),
+                    _sampling_spec(params[0]),
                     prefilled_by.index,
                     _embeddings_spec(prompt_embeds),
+                    samples[1:],
                 )
             )
-            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
-            completion_tokens = 0
-            while True:
-                update = await flight.queue.get()
-                if isinstance(update, _NodeDied):
-                    finished = True
-                    timer.failed("node_down")
-                    raise BackendError(
-                        f"{update.node.name} died: {update.node.error}",
-                        stage=update.stage,
-                        node=update.node.name,
-                        status=503,
-                    )
-                if update.error is not None:
-                    finished = True
-                    timer.failed(failure_kind(update.error))
-                    stage = "decode" if flight.got_first_token else self._prefill_stage
-                    raise BackendError(update.error, stage=stage, node=decode_node.name)
-                if update.token_ids and not flight.got_first_token:
-                    flight.got_first_token = True
-                    if prefill is not None:
-                        prefill.in_flight -= 1
-                    if timeline is not None:
-                        timeline.mark("first_token")
-                completion_tokens += len(update.token_ids)
-                timer.tokens(len(update.token_ids))
-                text = detokenizer.push(update.token_ids)
-                logprobs = [_logprob(entry) for entry in update.logprobs]
-                if update.finish_reason is None:
-                    yield TokenDelta(list(update.token_ids), text, logprobs)
-                    continue
-                finished = True
-                text += detokenizer.finish()
-                usage = make_usage(
-                    len(prompt_token_ids),
-                    completion_tokens,
-                    prefill_node=prefilled_by.name,
-                    decode_node=decode_node.name,
-                    **_speculation_usage(update.stats),
-                )
-                timer.finished(update.finish_reason, usage)
-                if timeline is not None:
-                    usage["trace_summary"] = await self._close_trace(
-                        timeline, update, prefill, decode_node, usage
-                    )
-                yield TokenDelta(
-                    list(update.token_ids), text, logprobs, update.finish_reason, usage
-                )
-                return
-        finally:
-            self._flights.pop(room, None)
-            if not flight.got_first_token and prefill is not None:
+        except BaseException:
+            for flight in flights:
+                self._end_flight(flight)
+            raise
+        return flights
+
+    async def _next_delta(self, flight: _Flight) -> TokenDelta:
+        """The flight's next delta (the last one with its finish reason and usage); raises
+        BackendError when it failed."""
+        update = await flight.queue.get()
+        prefill, decode_node, timer = flight.prefill, flight.decode, flight.timer
+        if isinstance(update, _NodeDied):
+            flight.finished = True
+            timer.failed("node_down")
+            raise BackendError(
+                f"{update.node.name} died: {update.node.error}",
+                stage=update.stage,
+                node=update.node.name,
+                status=503,
+            )
+        if update.error is not None:
+            flight.finished = True
+            timer.failed(failure_kind(update.error))
+            stage = "decode" if flight.got_first_token else self._prefill_stage
+            raise BackendError(update.error, stage=stage, node=decode_node.name)
+        if update.token_ids and not flight.got_first_token:
+            flight.got_first_token = True
+            if prefill is not None:
                 prefill.in_flight -= 1
-            decode_node.in_flight -= 1
-            if not finished:
-                timer.failed("aborted")
-            if not finished and decode_node.alive and not self._closed:
-                # The client went away (or the task was cancelled): free the request's KV.
-                self._outboxes[decode_node.index].send(AbortRequest(room))
+            if flight.timeline is not None:
+                flight.timeline.mark("first_token")
+        flight.completion_tokens += len(update.token_ids)
+        timer.tokens(len(update.token_ids))
+        text = flight.detokenizer.push(update.token_ids)
+        logprobs = [_logprob(entry) for entry in update.logprobs]
+        if update.finish_reason is None:
+            return TokenDelta(list(update.token_ids), text, logprobs)
+        flight.finished = True
+        text += flight.detokenizer.finish()
+        usage = make_usage(
+            flight.prompt_tokens,
+            flight.completion_tokens,
+            prefill_node=(prefill or decode_node).name,
+            decode_node=decode_node.name,
+            **_speculation_usage(update.stats),
+        )
+        timer.finished(update.finish_reason, usage)
+        if flight.timeline is not None:
+            usage["trace_summary"] = await self._close_trace(
+                flight.timeline, update, prefill, decode_node, usage
+            )
+        return TokenDelta(list(update.token_ids), text, logprobs, update.finish_reason, usage)
+
+    def _end_flight(self, flight: _Flight) -> None:
+        """Let go of a flight (once): an unfinished one is aborted on its decode node, which
+        frees its KV there and on its prefill node."""
+        if flight.ended:
+            return
+        flight.ended = True
+        self._flights.pop(flight.room, None)
+        if not flight.got_first_token and flight.prefill is not None:
+            flight.prefill.in_flight -= 1
+        flight.decode.in_flight -= 1
+        if flight.finished:
+            return
+        flight.timer.failed("aborted")
+        if flight.decode.alive and not self._closed:
+            # The client went away (or the task was cancelled): free the request's KV.
+            self._outboxes[flight.decode.index].send(AbortRequest(flight.room))
 
     # --- background tasks ---
     async def _receive_updates(self) -> None:

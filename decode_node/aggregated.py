@@ -6,13 +6,15 @@ It speaks the decode node's side of the protocol (GenerateRequest and AbortReque
 TokenUpdate out) and ignores the prefill node a request names: no KV crosses, so it joins no
 process group and holds no metadata rows. Its requests wait in the engine's own queue, which
 admits them as KV frees up, and prefill and decode share its steps (EngineCore's policy:
-waiting prompts first)."""
+waiting prompts first). Parallel samples of one prompt (`GenerateRequest.samples`) share its
+prefill and KV (`EngineCore.add_samples`)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
+from decode_node.samples import sample_messages
 from decode_node.token_updates import token_update
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
@@ -73,6 +75,7 @@ class AggregatedNode(ServingNode):
             "kv_capacity": allocator.capacity,
             "tokens_out": self.tokens_out,
             "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens": self.engine.prefill_tokens,
             **self.spec_totals.stats(),
             "control_rejected": self.inbox.rejected,
             **self._health_stats(),
@@ -116,27 +119,35 @@ class AggregatedNode(ServingNode):
             log.warning("unexpected message %s", type(msg).__name__)
 
     def _accept(self, msg: GenerateRequest) -> None:
+        messages = sample_messages(msg) if msg.samples else [msg]
         try:
-            params = SamplingParams(**msg.sampling.__dict__)
             embeds = None
             if msg.prompt_embeds is not None:
                 given = msg.prompt_embeds
                 embeds = PromptEmbeds.from_bytes(given.positions, given.width, given.data)
-            req = self.engine.make_request(
-                str(msg.room), list(msg.prompt_token_ids), params, prompt_embeds=embeds
-            )
+            # One list of prompt tokens and one of vectors: the samples' prompt is one.
+            prompt = list(msg.prompt_token_ids)
+            requests = [
+                self.engine.make_request(
+                    str(m.room), prompt, SamplingParams(**m.sampling.__dict__), prompt_embeds=embeds
+                )
+                for m in messages
+            ]
+            taken = [m.room for m in messages if m.room in self.rooms]
+            if taken:
+                raise ValueError(f"room {taken[0]} is taken")
         except (RequestRejectedError, ValueError) as err:
-            self._send(TokenUpdate(msg.room, [], error=f"{self.options.name}: {err}"))
+            for m in messages:
+                self._send(TokenUpdate(m.room, [], error=f"{self.options.name}: {err}"))
             return
-        if msg.room in self.rooms:
-            self._send(
-                TokenUpdate(msg.room, [], error=f"{self.options.name}: room {msg.room} is taken")
-            )
-            return
-        set_time(req, "decode_received")
-        self.rooms[msg.room] = _Served(req, msg.room)
-        self.prompt_tokens += len(req.prompt_token_ids)
-        self.engine.add_request(req)
+        for req, m in zip(requests, messages):
+            set_time(req, "decode_received")
+            self.rooms[m.room] = _Served(req, m.room)
+        self.prompt_tokens += len(prompt)
+        if len(requests) == 1:
+            self.engine.add_request(requests[0])
+        else:
+            self.engine.add_samples(requests)
 
     def _step(self) -> None:
         finished = self.engine.step()

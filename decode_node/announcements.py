@@ -30,7 +30,8 @@ def refusal(
 ) -> str | None:
     """Why `announce` is not the transfer `tracked`'s request expects, if it is not: from
     another rank than its prefill node's, a second one, another token count than its
-    prompt's, or draft depths it does not receive (0 or all of this node's)."""
+    prompt's, draft depths it does not receive (0 or all of this node's), or a prompt KV
+    carried by another transfer than the one it shares (parallel samples)."""
     room, rank = announce.room, announce.prefill_rank
     prefill = tracked.message.prefill_node
     expected_rank = prefill_ranks.get(prefill)
@@ -44,6 +45,12 @@ def refusal(
     prompt_len = len(tracked.req.prompt_token_ids)
     if announce.num_tokens != prompt_len:
         return f"prefill announced {announce.num_tokens} tokens, expected {prompt_len}"
+    shared = tracked.group.prompt_room(tracked) if tracked.group is not None else 0
+    if announce.prompt_room != shared:
+        return (
+            f"room {room} was announced with the prompt KV of room {announce.prompt_room or room}"
+            f", expected room {shared or room}'s"
+        )
     depths = tracked.req.num_draft_tokens
     if announce.num_draft_tokens not in (0, depths):
         return (

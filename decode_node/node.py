@@ -16,7 +16,10 @@ When the pool runs short mid-decode, the engine's scheduler retracts running req
 is engine.scheduler.retraction_victim's): a retracted request waits in the engine's queue, ahead
 of new preallocations, and runs again here as a prefill of prompt + output so far (this node
 holds the full model), its draft state rebuilt by the draft extend for prefill, its output
-unchanged."""
+unchanged.
+
+Parallel samples of one prompt (`GenerateRequest.samples`) share one prefill and one transfer
+of the prompt's KV, in forked slots (decode_node.samples)."""
 
 from __future__ import annotations
 
@@ -25,13 +28,19 @@ import time
 from collections import deque
 
 from decode_node.announcements import refusal, unreceivable
+from decode_node.prealloc import fits, preallocate
+from decode_node.samples import (
+    SampleGroup,
+    check_shareable,
+    parallel_samples,
+    sample_messages,
+)
 from decode_node.token_updates import token_update
 from decode_node.tracked import RESULT_WAIT_S, Tracked
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
 from engine.prompt_embeds import PromptEmbeds
-from engine.request import Request
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tracing import set_time, set_time_batch
@@ -139,6 +148,7 @@ class DecodeNode(ServingNode):
             "kv_used": allocator.num_used,
             "kv_capacity": allocator.capacity,
             "tokens_out": self.tokens_out,
+            "prefill_tokens": self.engine.prefill_tokens,
             **self.spec_totals.stats(),
             "transfers_in_flight": self._transfers_in_flight(),
             "transfers": self.transfer_totals.as_dict(),
@@ -213,41 +223,53 @@ class DecodeNode(ServingNode):
             log.warning("unexpected message %s", type(msg).__name__)
 
     def _accept(self, msg: GenerateRequest) -> None:
+        messages = sample_messages(msg) if msg.samples else [msg]
         try:
-            params = SamplingParams(**msg.sampling.__dict__)
             embeds = None
             if msg.prompt_embeds is not None:
                 # Kept with the request: a retracted request's re-prefill here reads them.
                 given = msg.prompt_embeds
                 embeds = PromptEmbeds.from_bytes(given.positions, given.width, given.data)
-            req = self.engine.make_request(
-                str(msg.room), list(msg.prompt_token_ids), params, prompt_embeds=embeds
-            )
+            requests = [
+                self.engine.make_request(
+                    str(m.room),
+                    list(m.prompt_token_ids),
+                    SamplingParams(**m.sampling.__dict__),
+                    prompt_embeds=embeds,
+                )
+                for m in messages
+            ]
+            check_shareable(msg, min(self.metadata.num_rows, self.engine.kv_cache.max_requests))
         except (RequestRejectedError, ValueError) as err:
-            self._send(TokenUpdate(msg.room, [], error=f"{self.options.name}: {err}"))
+            for m in messages:
+                self._send(TokenUpdate(m.room, [], error=f"{self.options.name}: {err}"))
             return
-        set_time(req, "decode_received")
-        tracked = Tracked(req, msg)
-        self.rooms[msg.room] = tracked
-        self.prealloc.append(tracked)
+        members = []
+        for req, m in zip(requests, messages):
+            set_time(req, "decode_received")
+            members.append(Tracked(req, m))
+            self.rooms[m.room] = members[-1]
+        if len(members) > 1:
+            SampleGroup(members)
+        self.prealloc.append(members[0])
 
     def _preallocate(self) -> None:
-        kv_cache, scheduler = self.engine.kv_cache, self.engine.scheduler
+        scheduler = self.engine.scheduler
         while self.prealloc:
             if scheduler.waiting:
                 # Retracted requests run again first: new ones must not keep them out.
                 return
             tracked = self.prealloc[0]
-            req = tracked.req
-            need = first_step_slots(req)
-            room = need + scheduler.step_reserve()
-            if self.metadata.num_free == 0 or not kv_cache.can_grow(room, 1):
+            members = tracked.group.members if tracked.group is not None else [tracked]
+            requests = [member.req for member in members]
+            if not fits(requests, self.engine, self.metadata):
                 return
             self.prealloc.popleft()
-            kv_cache.grow(req, need)
-            if req.num_draft_tokens:
-                self.speculator.reserve(req, need)
-            tracked.meta_row = self.metadata.allocate()
+            rows = preallocate(requests, self.engine, self.metadata)
+            for member, row in zip(members, rows):
+                member.meta_row = row
+            if tracked.group is not None:
+                tracked.group.carrier = tracked
             msg = tracked.message
             self.prefill_outboxes[msg.prefill_node].send(
                 PrefillRequest(
@@ -258,10 +280,12 @@ class DecodeNode(ServingNode):
                     self.options.index,
                     self.rank,
                     msg.prompt_embeds,
+                    parallel_samples(members[1:]),
                 )
             )
-            set_time(req, "prefill_requested")  # preallocated: the prefill node may run it
-            self.receiving.append(tracked)
+            for member in members:
+                set_time(member.req, "prefill_requested")  # the prefill node may run it
+                self.receiving.append(member)
 
     def _post_receive(self, announce: TransferAnnounce) -> None:
         tracked = self.rooms.get(announce.room)
@@ -287,7 +311,9 @@ class DecodeNode(ServingNode):
         tracked.announce = announce
         req = tracked.req
         prompt_len = len(req.prompt_token_ids)
-        pools = [(self.engine.runner.kv_pool, req.slots[:prompt_len])]
+        pools = []
+        if announce.prompt_room == 0:  # not a parallel sample's (the carrier's brings its KV)
+            pools.append((self.engine.runner.kv_pool, req.slots[:prompt_len]))
         if announce.num_draft_tokens:
             pools += self.speculator.depth_kv(req, prompt_len)
         elif req.num_draft_tokens:
@@ -318,7 +344,7 @@ class DecodeNode(ServingNode):
     def _discard(self, announce: TransferAnnounce) -> None:
         """Receive an announced transfer that no request takes into scratch (see
         `KVReceiver.discard`): the prefill node sends it whatever this node decides."""
-        pools = [self.engine.runner.kv_pool]
+        pools = [self.engine.runner.kv_pool] if announce.prompt_room == 0 else []
         if announce.num_draft_tokens:
             depths = self.speculator.depths if self.speculator is not None else []
             if len(depths) != announce.num_draft_tokens:
@@ -349,7 +375,11 @@ class DecodeNode(ServingNode):
 
     def _land_transfers(self) -> None:
         still = []
-        for tracked in self.receiving:
+        # Carriers first: a parallel sample whose transfer ended waits for its prompt's.
+        ordered = sorted(
+            self.receiving, key=lambda t: t.group is not None and t.group.carrier is t, reverse=True
+        )
+        for tracked in ordered:
             handle = tracked.handle
             if handle is None or handle.state not in (TransferState.SUCCESS, TransferState.FAILED):
                 still.append(tracked)
@@ -357,39 +387,39 @@ class DecodeNode(ServingNode):
             if not tracked.settled():
                 still.append(tracked)
                 continue
+            group = tracked.group
+            if group is not None and not tracked.aborted and group.waits_for_prompt(tracked):
+                still.append(tracked)
+                continue
             self.transfer_totals.record(handle)
-            prefill = tracked.message.prefill_node
+            error = None if tracked.aborted else self._landing_error(tracked)
+            if group is not None:
+                error = group.landed(tracked, error)
             if tracked.aborted:
                 self._forget(tracked)
-            elif handle.state == TransferState.FAILED and handle.left_posted:
-                # Timed out: no result is coming that would say more.
-                self._fail(
-                    tracked,
-                    f"KV transfer from prefill-{prefill} failed: {handle.error}",
-                    remove_from_receiving=False,
-                )
-            elif tracked.result is None:
-                self._fail(
-                    tracked,
-                    f"prefill-{prefill} sent no result for its transfer within "
-                    f"{RESULT_WAIT_S:g} s of its end",
-                    remove_from_receiving=False,
-                )
-            elif handle.state == TransferState.FAILED:
-                self._fail(
-                    tracked,
-                    f"KV transfer from prefill-{prefill} failed: {handle.error}",
-                    remove_from_receiving=False,
-                )
-            elif self.faults.transfer_fault(DECODE_FAULT_PHASES, earlier=PREFILL_FAULT_PHASES):
-                self._fail(
-                    tracked,
-                    f"KV transfer from prefill-{prefill} failed: injected fault after it landed",
-                    remove_from_receiving=False,
-                )
+            elif error is not None:
+                self._fail(tracked, error, remove_from_receiving=False)
             else:
                 self._join_running(tracked)
         self.receiving = still
+
+    def _landing_error(self, tracked: Tracked) -> str | None:
+        """Why the ended transfer of `tracked` (not aborted) cannot run, None if it landed."""
+        handle = tracked.handle
+        prefill = tracked.message.prefill_node
+        if handle.state == TransferState.FAILED and handle.left_posted:
+            # Timed out: no result is coming that would say more.
+            return f"KV transfer from prefill-{prefill} failed: {handle.error}"
+        if tracked.result is None:
+            return (
+                f"prefill-{prefill} sent no result for its transfer within "
+                f"{RESULT_WAIT_S:g} s of its end"
+            )
+        if handle.state == TransferState.FAILED:
+            return f"KV transfer from prefill-{prefill} failed: {handle.error}"
+        if self.faults.transfer_fault(DECODE_FAULT_PHASES, earlier=PREFILL_FAULT_PHASES):
+            return f"KV transfer from prefill-{prefill} failed: injected fault after it landed"
+        return None
 
     def _join_running(self, tracked: Tracked) -> None:
         req = tracked.req
@@ -476,18 +506,32 @@ class DecodeNode(ServingNode):
         tracked = self.rooms.get(room)
         if tracked is None:
             return
-        if tracked in self.prealloc:
+        group = tracked.group
+        if group is not None and not group.preallocated:
+            group.leave_prealloc(tracked, self.prealloc)
+            self._forget(tracked)
+        elif tracked in self.prealloc:
             self.prealloc.remove(tracked)
             self._forget(tracked)
         elif tracked in self.receiving:
             # The KV may be on its way: keep the slots until the transfer ends, then free them.
             tracked.aborted = True
-            self.prefill_outboxes[tracked.message.prefill_node].send(AbortRequest(room))
+            self._abort_prefill(tracked)
         else:
             self.engine.abort(tracked.req.request_id)
             self._forget(tracked)
 
+    def _abort_prefill(self, tracked: Tracked) -> None:
+        """Tell the prefill node to drop an aborted request; a prompt's carrier only once no
+        other sample waits for the prompt KV its transfer brings."""
+        group = tracked.group
+        rooms = [tracked.message.room] if group is None else group.prefill_aborts(tracked)
+        for room in rooms:
+            self.prefill_outboxes[tracked.message.prefill_node].send(AbortRequest(room))
+
     def _fail(self, tracked: Tracked, reason: str, remove_from_receiving: bool = True) -> None:
+        if tracked.group is not None:
+            tracked.group.failed(tracked, reason)
         if remove_from_receiving and tracked in self.receiving:
             if tracked.handle is not None and tracked.handle.state not in (
                 TransferState.SUCCESS,
@@ -568,12 +612,3 @@ class DecodeNode(ServingNode):
     def _send(self, update: TokenUpdate) -> None:
         if self.router is not None:
             self.router.send(update)
-
-
-def first_step_slots(req: Request) -> int:
-    """Target slots a request takes before its prefill: its prompt (what the transfer fills)
-    and its first decode step (the first token, which comes with the transfer, and the
-    look-ahead the step verifies); the draft depths take as many (`reserve`), which their first
-    draft extend fills. Later steps grow through the scheduler, and never past prompt +
-    max_tokens, which admission checked against the context and the pool."""
-    return req.num_tokens + 1 + req.lookahead

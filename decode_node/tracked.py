@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.request import Request
 from metadata.messages import GenerateRequest, PrefillResult, TransferAnnounce
 from metadata.transfer import TransferHandle
+
+if TYPE_CHECKING:
+    from decode_node.samples import SampleGroup
 
 # How long a transfer that ended waits for its PrefillResult, which the prefill node sends before
 # the KV: only a lost message or a dead prefill node makes it wait this long.
@@ -27,6 +31,8 @@ class Tracked:
     result: PrefillResult | None = None
     result_at: float | None = None  # perf_counter when the serving loop took the result
     ended_at: float | None = None  # when its transfer was first seen ended, without a result
+    # The parallel samples of its prompt that share its prefill (decode_node.samples), if any.
+    group: SampleGroup | None = None
 
     def settled(self) -> bool:
         """Its ended transfer can be acted on: its PrefillResult came (or is not needed, or is

@@ -128,7 +128,9 @@ class PrefillHandoff(Protocol):
 
     def prefill_completing(self, completing: list[Request]) -> None:
         """Before a prefill forward: these requests' prompts end in it (all of a prompt, or
-        its last chunk)."""
+        its last chunk), then the parallel samples that take those prompts' KV in it
+        (`Request.forks`); the same requests, in the same order, as `forward_enqueued` and
+        `prefilled` get."""
 
     def forward_enqueued(self, completing: list[Request]) -> None:
         """The forward that ends these prompts is enqueued (their KV exists once it runs)."""
@@ -139,8 +141,9 @@ class PrefillHandoff(Protocol):
         logprobs: list[TokenLogprob | None],
         last_hidden: torch.Tensor,
     ) -> None:
-        """These prompts are done: first token appended, draft extended where they draft;
-        `last_hidden[i]`: the target's draft input at request i's last prompt position."""
+        """These prompts are done (and the samples that forked them): first token appended,
+        draft extended where they draft; `last_hidden[i]`: the target's draft input at
+        request i's last prompt position."""
 
     def failed(self, requests: list[Request], error: str) -> None:
         """These requests failed in the engine (their KV still held)."""
@@ -202,6 +205,9 @@ class EngineCore:
                 ),
             )
         self.grammars: GrammarCompiler | None = None
+        # Tokens that prefill forwards ran (chunks and re-prefills included; a prompt that
+        # parallel samples share counts once).
+        self.prefill_tokens = 0
         # Requests whose grammar is still compiling: they join the scheduler once it is done,
         # so that compiling a new schema never holds up the running batch.
         self.compiling: list[Request] = []
@@ -359,11 +365,12 @@ class EngineCore:
         keep_hidden = any(r.num_draft_tokens for r in batch.requests)
         try:
             if self.handoff is not None:
-                self.handoff.prefill_completing(completing)
+                self.handoff.prefill_completing(completing + forks)
             forward_batch = self.runner.build_batch(batch.requests, batch.ends)
             output = self.runner.forward(forward_batch, keep_hidden=keep_hidden)
+            self.prefill_tokens += sum(forward_batch.extend_lens)
             if self.handoff is not None:
-                self.handoff.forward_enqueued(completing)
+                self.handoff.forward_enqueued(completing + forks)
             # Each fork samples its first token from its source's last logits.
             rows = [i for i, done in enumerate(completes) if done]
             if batch.forks:
@@ -391,9 +398,10 @@ class EngineCore:
         failed = self._draft_extend_prefill(drafting) if drafting else []
         if self.handoff is not None:
             gone = {id(req) for req in failed}
-            sent = [i for i, req in enumerate(completing) if id(req) not in gone]
+            done = completing + forks
+            sent = [i for i, req in enumerate(done) if id(req) not in gone]
             self.handoff.prefilled(
-                [completing[i] for i in sent],
+                [done[i] for i in sent],
                 [logprobs[i] for i in sent],
                 output.last_hidden[[rows[i] for i in sent]],
             )
@@ -476,11 +484,15 @@ class EngineCore:
         error = f"{stage} forward failed: {type(err).__name__}: {err}"
         if self.handoff is not None:
             # The handoff's owner frees them: their KV may still be read by a begun transfer.
+            # Parallel samples still waiting for a failed prompt (between its chunks) end too.
+            waiting = []
             for req in requests:
                 self.scheduler.detach(req)
                 req.held_chunks = None
-            self.handoff.failed(requests, error)
-            return requests
+                waiting += req.forks
+                req.forks = []
+            self.handoff.failed(requests + waiting, error)
+            return requests + waiting
         ended = []
         for req in requests:
             ended += self.scheduler.fail(req, error)

@@ -128,14 +128,16 @@ def request_pools(
     """The PoolCounts of a node whose `requests` hold all its slots: the target pool, each draft
     depth's pool (`speculator`: spec.MultiLayerEagleWorker or None) and, with `rows` (used,
     held), the metadata rows."""
-    counts = [PoolCount("target", target_used, sum(len(r.slots) for r in requests))]
+    # Distinct slots: parallel samples of one prompt hold its slots together.
+    held = set().union(*(r.slots for r in requests))
+    counts = [PoolCount("target", target_used, len(held))]
     for depth, runner in enumerate(speculator.depths if speculator is not None else []):
-        held = 0
+        held = set()
         for req in requests:
             state = req.spec_state
             if state is not None and depth < len(state.seqs):
-                held += len(state.seqs[depth].slots)
-        counts.append(PoolCount(f"draft-{depth}", runner.kv_pool.allocator.num_used, held))
+                held.update(state.seqs[depth].slots)
+        counts.append(PoolCount(f"draft-{depth}", runner.kv_pool.allocator.num_used, len(held)))
     if rows is not None:
         counts.append(PoolCount("metadata_rows", *rows))
     return counts

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class MessageError(ValueError):
@@ -65,8 +65,21 @@ class EmbeddingsSpec:
 
 
 @message
+class ParallelSample:
+    """Another sample of a request's prompt (`n` > 1): a request of its own (room, id, abort,
+    token stream) that shares the prompt's prefill and KV. Samples of one prompt differ by
+    their seed stream only (engine.SamplingParams.for_sample)."""
+
+    room: int
+    request_id: str
+    seed: int | None
+
+
+@message
 class GenerateRequest:
-    """Router -> decode node: preallocate for this request, then ask `prefill_node` to run it."""
+    """Router -> decode node: preallocate for this request, then ask `prefill_node` to run it.
+    `samples`: the prompt's other samples, which share its prefill (one prefill, one transfer
+    of the prompt's target KV, forked slots on the decode node)."""
 
     room: int
     request_id: str
@@ -74,6 +87,7 @@ class GenerateRequest:
     sampling: SamplingSpec
     prefill_node: int
     prompt_embeds: EmbeddingsSpec | None = None
+    samples: list[ParallelSample] = field(default_factory=list)
 
 
 @message
@@ -87,6 +101,9 @@ class PrefillRequest:
     decode_node: int
     decode_rank: int
     prompt_embeds: EmbeddingsSpec | None = None
+    # The prompt's other samples: one prefill for all; this room's transfer carries the
+    # prompt's target KV, each sample's its own first token, chain and draft KV.
+    samples: list[ParallelSample] = field(default_factory=list)
 
 
 @message
@@ -100,6 +117,10 @@ class TransferAnnounce:
     num_tokens: int
     # Draft depths whose KV and chain follow the target's KV (0: this request does not draft).
     num_draft_tokens: int = 0
+    # A parallel sample that shares its prompt's KV: the room whose transfer carries the
+    # prompt's target KV (this one then carries no target KV, only its draft depths' and its
+    # row). 0: this transfer carries its own prompt's.
+    prompt_room: int = 0
 
 
 @message

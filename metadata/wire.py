@@ -95,9 +95,8 @@ class KVSource:
         skip: int = 0,
     ) -> KVSource:
         """`skip`: leave out the first pools (posted already, `KVSender.begin`): `filled` and
-        `nbytes` then hold the rest of the transfer."""
-        if not pools_and_slots:
-            raise ValueError("a transfer needs at least the target KV pool")
+        `nbytes` then hold the rest of the transfer. No pool at all is a parallel sample's
+        transfer that does not draft: its row alone (its prompt's KV came with another)."""
         if not 0 <= row < metadata.num_rows:
             raise ValueError(f"metadata row {row} out of range [0, {metadata.num_rows})")
         filled = pool_pieces(pools_and_slots[skip:])

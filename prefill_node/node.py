@@ -15,14 +15,19 @@ cancelled. When the prefill fails after the announcement, the same messages go o
 row (room tag 0, `MetadataBuffers.void`), which the decode node never takes for a landed one,
 and the PrefillResult carries the error, naming this node. A prompt in chunks is announced
 before its last chunk: a request aborted or failed before then is abandoned (TransferAbandoned),
-and its slots are freed at once."""
+and its slots are freed at once.
+
+Parallel samples of one prompt (`PrefillRequest.samples`) enter the engine together
+(`EngineCore.add_samples`): the prompt is prefilled once, each sample draws its own first token
+and drafts its own chain, and each has a transfer of its own; the request's (the carrier's)
+carries the prompt's target KV, the samples' only their draft depths' KV and their rows
+(`TransferAnnounce.prompt_room`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 from collections import Counter, deque
-from dataclasses import dataclass
 
 import torch
 
@@ -53,28 +58,14 @@ from metadata.node_common import (
 from metadata.node_metrics import Activity, ActivityLog, TransferTotals
 from metadata.pair_group import PairLink
 from metadata.serving_node import ServingNode
-from metadata.transfer import KVSender, TransferHandle, TransferState
+from metadata.transfer import KVSender, TransferState
 from metadata.wire import PoolMessages
+from prefill_node.pending import Pending, drafts_after_first_token, sample_pending
 from spec import speculator_from_args
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
 WAITING_POLL_MS = 1
-
-
-@dataclass
-class _Pending:
-    req: Request
-    decode_node: int
-    decode_rank: int
-    meta_row: int | None = None
-    handle: TransferHandle | None = None
-    announced: bool = False
-    # Decided when the transfer is announced: the draft depths' KV follows the target's.
-    drafted: bool = False
-    # The target's KV as messages, for a request alone for its decode node in its batch: its
-    # transfer begins as soon as the forward is enqueued (`_begin_transfers`).
-    target_kv: PoolMessages | None = None
 
 
 class PrefillNode(ServingNode):
@@ -103,12 +94,13 @@ class PrefillNode(ServingNode):
         self.inbox = Inbox(options.host, options.control_key)
         self.outboxes: dict[int, Outbox] = {}
         self.sender: KVSender | None = None
-        # Requests waiting for a metadata row, then those in the engine (rows held), by room.
-        self.waiting: deque[_Pending] = deque()
-        self.prefilling: dict[str, _Pending] = {}
-        self.sending: list[_Pending] = []
+        # Requests waiting for a metadata row (each with its parallel samples, which enter the
+        # engine together), then those in the engine (rows held), by room.
+        self.waiting: deque[list[Pending]] = deque()
+        self.prefilling: dict[str, Pending] = {}
+        self.sending: list[Pending] = []
         # Transfers an injected "stall" fault keeps from ever being sent (engine.env).
-        self.stalled: list[_Pending] = []
+        self.stalled: list[Pending] = []
         self.prompts_done = 0
         self.prompt_tokens = 0
         self.transfer_totals = TransferTotals("send")
@@ -133,12 +125,13 @@ class PrefillNode(ServingNode):
         allocator = self.runner.kv_pool.allocator
         return {
             "node": self.options.name,
-            "queued": len(self.waiting) + len(self.prefilling),
+            "queued": self._num_waiting() + len(self.prefilling),
             "sending": len(self.sending),
             "kv_used": allocator.num_used,
             "kv_capacity": allocator.capacity,
             "prompts_done": self.prompts_done,
             "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens": self.engine.prefill_tokens,
             "transfers_in_flight": len(self.sending) + len(self.stalled),
             "transfers": self.transfer_totals.as_dict(),
             "control_rejected": self.inbox.rejected,
@@ -174,7 +167,7 @@ class PrefillNode(ServingNode):
         allocator = self.runner.kv_pool.allocator
         return Activity(
             None,
-            len(self.waiting) + len(self.prefilling),
+            self._num_waiting() + len(self.prefilling),
             len(self.sending),
             allocator.num_used,
             allocator.capacity,
@@ -184,43 +177,56 @@ class PrefillNode(ServingNode):
     def _handle(self, msg: object) -> None:
         if isinstance(msg, PrefillRequest):
             self.faults.request_arrived()
-            params = SamplingParams(**msg.sampling.__dict__)
-            req = Request(str(msg.room), list(msg.prompt_token_ids), params)
-            if self.options.enable_tracing:
-                req.trace = RequestTrace()
-                set_time(req, "prefill_queued")
-            pending = _Pending(req, msg.decode_node, msg.decode_rank)
-            if msg.prompt_embeds is not None:
-                given = msg.prompt_embeds
-                try:
-                    req.prompt_embeds = PromptEmbeds.from_bytes(
-                        given.positions, given.width, given.data
-                    )
-                    req.prompt_embeds.check(req.num_tokens, self.spec.model_config.hidden_size)
-                except RequestRejectedError as err:
-                    self._abandon(pending, str(err))
-                    return
-            if params.grammar is not None:
-                try:
-                    self.engine.start_grammar(req)
-                except RequestRejectedError as err:
-                    self._abandon(pending, str(err))
-                    return
-            if self.speculator is not None:
-                req.num_draft_tokens = self.num_draft_steps
-            self.waiting.append(pending)
+            self._queue(msg)
         elif isinstance(msg, AbortRequest):
             self._abort(str(msg.room))
         else:
             log.warning("unexpected message %s", type(msg).__name__)
 
+    def _queue(self, msg: PrefillRequest) -> None:
+        """Queue a request with the parallel samples of its prompt; refused, each of them is
+        abandoned (the decode node hears of every room it asked for)."""
+        params = SamplingParams(**msg.sampling.__dict__)
+        req = Request(str(msg.room), list(msg.prompt_token_ids), params)
+        if self.options.enable_tracing:
+            req.trace = RequestTrace()
+            set_time(req, "prefill_queued")
+        if self.speculator is not None:
+            req.num_draft_tokens = self.num_draft_steps
+        pending = Pending(req, msg.decode_node, msg.decode_rank)
+        group = [pending] + [sample_pending(pending, s) for s in msg.samples]
+        try:
+            if msg.prompt_embeds is not None:
+                given = msg.prompt_embeds
+                embeds = PromptEmbeds.from_bytes(given.positions, given.width, given.data)
+                embeds.check(req.num_tokens, self.spec.model_config.hidden_size)
+                for member in group:
+                    member.req.prompt_embeds = embeds
+            if params.grammar is not None:
+                if msg.samples:
+                    # A decode node never shares a prompt under a grammar: refused rather
+                    # than sent as transfers it does not expect.
+                    raise RequestRejectedError("parallel samples under a grammar are not shared")
+                self.engine.start_grammar(req)
+        except RequestRejectedError as err:
+            for member in group:
+                self._abandon(member, str(err))
+            return
+        self.waiting.append(group)
+
+    def _num_waiting(self) -> int:
+        return sum(len(group) for group in self.waiting)
+
     def _abort(self, room: str) -> None:
         """Drop a request whose prompt is not done (between two chunks of it, its slots are
-        freed now); an announced transfer is always sent."""
-        for pending in list(self.waiting):
-            if pending.req.request_id == room:
-                self.waiting.remove(pending)
+        freed now); an announced transfer is always sent. (A decode node aborts a prompt's
+        carrier only once its samples are aborted too: they read the carrier's KV.)"""
+        for group in list(self.waiting):
+            for pending in [p for p in group if p.req.request_id == room]:
+                group.remove(pending)
                 self._abandon(pending, "aborted before prefill")
+            if not group:
+                self.waiting.remove(group)
         pending = self.prefilling.pop(room, None)
         if pending is not None:
             self.engine.abort(room)
@@ -228,11 +234,15 @@ class PrefillNode(ServingNode):
 
     def _feed(self) -> None:
         """Hand the engine the requests that can take a metadata row (their transfer's)."""
-        while self.waiting and self.metadata.num_free:
-            pending = self.waiting.popleft()
-            pending.meta_row = self.metadata.allocate()
-            self.prefilling[pending.req.request_id] = pending
-            self.engine.add_request(pending.req)
+        while self.waiting and self.metadata.num_free >= len(self.waiting[0]):
+            group = self.waiting.popleft()
+            for pending in group:
+                pending.meta_row = self.metadata.allocate()
+                self.prefilling[pending.req.request_id] = pending
+            if len(group) == 1:
+                self.engine.add_request(group[0].req)
+            else:
+                self.engine.add_samples([pending.req for pending in group])
 
     # --- engine_core.PrefillHandoff: the engine's prefill steps ---
     def prefill_completing(self, completing: list[Request]) -> None:
@@ -256,8 +266,10 @@ class PrefillNode(ServingNode):
         batch = [self.prefilling.pop(req.request_id) for req in requests]
         # The announcement decided before the first token existed; the rule is the engine's.
         assert all(p.drafted == (p.req.lookahead > 0) for p in batch), "drafting changed"
-        self.prompts_done += len(batch)
-        self.prompt_tokens += sum(len(r.prompt_token_ids) for r in requests)
+        # A parallel sample's prompt was prefilled for its carrier: counted once.
+        prefilled = [p.req for p in batch if p.carries_prompt]
+        self.prompts_done += len(prefilled)
+        self.prompt_tokens += sum(len(r.prompt_token_ids) for r in prefilled)
         for i, pending in enumerate(batch):
             self._send(pending, logprobs[i], last_hidden[i])
 
@@ -270,37 +282,41 @@ class PrefillNode(ServingNode):
             else:
                 self._abandon(pending, error)
 
-    def _announce(self, pending: _Pending) -> None:
+    def _announce(self, pending: Pending) -> None:
         """Tell the decode node what to receive, before the forward: whether the request drafts
         is known now (it depends on max_tokens alone), so the number of pools never changes."""
         req = pending.req
         pending.announced = True
-        pending.drafted = self.speculator is not None and _drafts_after_first_token(req)
+        pending.drafted = self.speculator is not None and drafts_after_first_token(req)
         self.outboxes[pending.decode_node].send(
             TransferAnnounce(
                 int(req.request_id),
                 self.rank,
                 len(req.prompt_token_ids),
                 self.num_draft_steps if pending.drafted else 0,
+                pending.prompt_room,
             )
         )
         set_time(req, "transfer_announced")
 
-    def _prepare_early_kv(self, batch: list[_Pending]) -> None:
+    def _prepare_early_kv(self, batch: list[Pending]) -> None:
         """Which transfers begin as soon as the forward is enqueued (`_begin_transfers`): those
         of a request that is its decode node's only one in the batch. The rest of a transfer
         goes after the first token, and NCCL matches a pair's operations by order alone, so
         no other transfer to that node may start in between. Their messages are built here,
         before the forward, so that posting them after it is quick."""
-        per_peer = Counter(pending.decode_rank for pending in batch)
-        for pending in batch:
+        # A parallel sample's transfer (no target KV) follows its carrier's, which `prefilled`
+        # finishes first: only the prompts count.
+        prompts = [pending for pending in batch if pending.carries_prompt]
+        per_peer = Counter(pending.decode_rank for pending in prompts)
+        for pending in prompts:
             if per_peer[pending.decode_rank] == 1:
                 req = pending.req
                 pending.target_kv = PoolMessages.build(
                     [(self.runner.kv_pool, req.slots[: len(req.prompt_token_ids)])]
                 )
 
-    def _begin_transfers(self, batch: list[_Pending]) -> None:
+    def _begin_transfers(self, batch: list[Pending]) -> None:
         """Post the target KV of the transfers `_prepare_early_kv` chose (`KVSender.begin`):
         the KV moves as soon as it exists, and posting overlaps the end of the forward."""
         for pending in batch:
@@ -308,7 +324,7 @@ class PrefillNode(ServingNode):
                 room = int(pending.req.request_id)
                 pending.handle = self.sender.begin(pending.decode_rank, room, pending.target_kv)
 
-    def _send(self, pending: _Pending, logprob, last_hidden: torch.Tensor) -> None:
+    def _send(self, pending: Pending, logprob, last_hidden: torch.Tensor) -> None:
         req = pending.req
         room = int(req.request_id)
         prompt_len = req.kv_len
@@ -321,7 +337,9 @@ class PrefillNode(ServingNode):
             self.stalled.append(pending)
             return
         try:
-            pools = [(self.runner.kv_pool, req.slots[:prompt_len])]
+            pools = []
+            if pending.carries_prompt:
+                pools.append((self.runner.kv_pool, req.slots[:prompt_len]))
             draft_fields = {}
             if pending.drafted:
                 state = self.speculator.export_state(req)
@@ -356,7 +374,7 @@ class PrefillNode(ServingNode):
         self.outboxes[pending.decode_node].send(PrefillResult(room, top, trace))
         self._post_send(pending, pools)
 
-    def _send_void(self, pending: _Pending, reason: str) -> None:
+    def _send_void(self, pending: Pending, reason: str) -> None:
         """Complete an announced transfer whose request failed: the same messages, read from
         slots whose content means nothing, under a void row; the result says why."""
         req = pending.req
@@ -364,19 +382,22 @@ class PrefillNode(ServingNode):
         error = f"{self.options.name}: {reason}"
         self.outboxes[pending.decode_node].send(PrefillResult(room, error=error))
         self.metadata.void(pending.meta_row)
-        self._post_send(pending, self._void_pools(len(req.prompt_token_ids), pending.drafted))
+        pools = self._void_pools(len(req.prompt_token_ids), pending.drafted, pending.carries_prompt)
+        self._post_send(pending, pools)
 
-    def _void_pools(self, num_tokens: int, drafted: bool) -> list[tuple[KVPool, list[int]]]:
+    def _void_pools(
+        self, num_tokens: int, drafted: bool, carries_prompt: bool = True
+    ) -> list[tuple[KVPool, list[int]]]:
         """The announced pools, each with slots [1, num_tokens]: they exist whatever state the
         failure left (the target's pool holds the request's num_tokens slots, and each depth's
         pool is as large), and are only read."""
-        pools = [self.runner.kv_pool]
+        pools = [self.runner.kv_pool] if carries_prompt else []
         if drafted:
             pools += [runner.kv_pool for runner in self.speculator.depths]
         slots = list(range(1, num_tokens + 1))
         return [(pool, slots) for pool in pools]
 
-    def _post_send(self, pending: _Pending, pools: list[tuple[KVPool, list[int]]]) -> None:
+    def _post_send(self, pending: Pending, pools: list[tuple[KVPool, list[int]]]) -> None:
         room = int(pending.req.request_id)
         try:
             pending.handle = self.sender.send(
@@ -411,7 +432,7 @@ class PrefillNode(ServingNode):
                 still.append(pending)
         self.sending = still
 
-    def _abandon(self, pending: _Pending, reason: str) -> None:
+    def _abandon(self, pending: Pending, reason: str) -> None:
         """Drop a request that was not announced: the decode node posts nothing for it."""
         room = int(pending.req.request_id)
         outbox = self.outboxes.get(pending.decode_node)
@@ -419,7 +440,7 @@ class PrefillNode(ServingNode):
             outbox.send(TransferAbandoned(room, f"{self.options.name}: {reason}"))
         self._release(pending)
 
-    def _release(self, pending: _Pending) -> None:
+    def _release(self, pending: Pending) -> None:
         if pending.handle is not None and pending.handle.may_still_read:
             # Its sends stay posted (a timeout cannot cancel them) and read the slots and the
             # row in place whenever the peer receives: reused, they would send another
@@ -447,10 +468,11 @@ class PrefillNode(ServingNode):
     def _drop_peer(self, index: int, rank: int, reason: str) -> None:
         """decode-`index` died: drop every request bound for it and free their slots and rows,
         sends still posted or not: a dead process reads nothing more."""
-        for pending in list(self.waiting):
-            if pending.decode_node == index:
-                self.waiting.remove(pending)
-                self._free(pending.req, pending.meta_row)
+        for group in list(self.waiting):
+            if group[0].decode_node == index:
+                self.waiting.remove(group)
+                for pending in group:
+                    self._free(pending.req, pending.meta_row)
         for room, pending in list(self.prefilling.items()):
             if pending.decode_node == index:
                 del self.prefilling[room]
@@ -466,7 +488,8 @@ class PrefillNode(ServingNode):
         log.warning("%s: requests and slots bound for decode-%d let go", reason, index)
 
     def _pool_counts(self) -> list[PoolCount]:
-        pendings = [*self.waiting, *self.prefilling.values(), *self.sending, *self.stalled]
+        waiting = [pending for group in self.waiting for pending in group]
+        pendings = [*waiting, *self.prefilling.values(), *self.sending, *self.stalled]
         held = self.quarantine.requests()
         requests = [p.req for p in pendings] + [h.req for h in held]
         rows_held = sum(1 for p in pendings if p.meta_row is not None)
@@ -477,10 +500,3 @@ class PrefillNode(ServingNode):
             self.speculator,
             (self.metadata.num_rows - self.metadata.num_free, rows_held),
         )
-
-
-def _drafts_after_first_token(req: Request) -> bool:
-    """Whether `req` drafts once its first token is out (`Request.lookahead` then): a request
-    with a single token left to emit after the first never verifies, so it drafts nothing."""
-    remaining = req.params.max_tokens - len(req.output_token_ids) - 2
-    return min(req.num_draft_tokens, remaining) > 0

@@ -20,7 +20,7 @@ from tiny_models import make_tiny_llama
 from engine import LLM, SamplingParams
 from engine.request import Request
 from metadata.messages import AbortRequest, TransferAbandoned, TransferAnnounce
-from prefill_node.node import _Pending
+from prefill_node.pending import Pending
 
 SPEC = "multi-layer-eagle"
 K = 3
@@ -157,7 +157,7 @@ def test_an_abort_between_chunks_frees_the_prompt_before_the_next_chunk(models):
 
 def _queue(node, room: int, prompt: list[int]) -> None:
     req = Request(str(room), prompt, SamplingParams(max_tokens=4, temperature=0))
-    node.waiting.append(_Pending(req, decode_node=0, decode_rank=1))
+    node.waiting.append([Pending(req, decode_node=0, decode_rank=1)])
 
 
 def test_a_prefill_node_announces_before_the_last_chunk_and_sends_after_it():

@@ -40,7 +40,8 @@ from metadata.node_common import NodeOptions
 from metadata.node_metrics import TransferTotals
 from metadata.transfer import TransferHandle, TransferState
 from metadata.wire import kv_nbytes
-from prefill_node.node import PrefillNode, _drafts_after_first_token, _Pending
+from prefill_node.node import PrefillNode
+from prefill_node.pending import Pending, drafts_after_first_token
 
 CAPACITY = 64
 HIDDEN = 8
@@ -170,7 +171,7 @@ def run_batch(
         if node.speculator is not None:
             req.num_draft_tokens = node.num_draft_steps
         rank = (ranks or {}).get(room, 1)
-        node.waiting.append(_Pending(req, decode_node=0, decode_rank=rank))
+        node.waiting.append([Pending(req, decode_node=0, decode_rank=rank)])
     node._feed()
     assert len(node.prefilling) == len(prompts)
     node.engine.step()
@@ -293,7 +294,7 @@ def test_a_begun_transfer_that_fails_later_is_finished_void() -> None:
 def test_the_announcement_decides_drafting_as_the_first_token_will(max_tokens, num_draft_tokens):
     req = Request("1", [3, 4], SamplingParams(max_tokens=max_tokens))
     req.num_draft_tokens = num_draft_tokens
-    before = _drafts_after_first_token(req)
+    before = drafts_after_first_token(req)
     req.output_token_ids.append(5)
     assert before == (req.lookahead > 0)
 

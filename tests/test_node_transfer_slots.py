@@ -27,7 +27,8 @@ from metadata.kv_audit import Quarantine
 from metadata.messages import PrefillResult
 from metadata.node_metrics import TransferTotals
 from metadata.transfer import TransferHandle, TransferState
-from prefill_node.node import PrefillNode, _Pending
+from prefill_node.node import PrefillNode
+from prefill_node.pending import Pending
 
 ROOM = 4242
 PROMPT = list(range(3, 13))
@@ -109,7 +110,7 @@ def prefill_node(left_posted: bool):
     node.stalled = []
     req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
     node.kv_cache.grow(req, len(PROMPT))
-    pending = _Pending(req, decode_node=0, decode_rank=1, meta_row=node.metadata.allocate())
+    pending = Pending(req, decode_node=0, decode_rank=1, meta_row=node.metadata.allocate())
     pending.handle = handle(TransferState.FAILED, left_posted)
     node.sending = [pending]
     return node

@@ -1,0 +1,57 @@
+"""What a decode node takes for a request before asking a prefill node to run it: target slots
+for its prompt and first decode step, each draft depth's as many, and a metadata row. Parallel
+samples of one prompt preallocate together, the others sharing the first one's prompt slots
+(decode_node.samples)."""
+
+from __future__ import annotations
+
+from engine.engine_core import EngineCore
+from engine.request import Request
+from metadata.buffers import MetadataBuffers
+
+
+def first_step_slots(req: Request) -> int:
+    """Target slots a request takes before its prefill: its prompt (what the transfer fills)
+    and its first decode step (the first token, which comes with the transfer, and the
+    look-ahead the step verifies); the draft depths take as many (`reserve`), which their first
+    draft extend fills. Later steps grow through the scheduler, and never past prompt +
+    max_tokens, which admission checked against the context and the pool."""
+    return req.num_tokens + 1 + req.lookahead
+
+
+def fork_step_slots(req: Request) -> int:
+    """Target slots a sample sharing its prompt takes for itself before the prefill: its first
+    decode step (the first token and the look-ahead); the prompt's are the first sample's."""
+    return 1 + req.lookahead
+
+
+def fits(requests: list[Request], engine: EngineCore, metadata: MetadataBuffers) -> bool:
+    """Whether a request (`requests`: it, then the parallel samples that share its prompt) can
+    preallocate now, keeping one decode step of the running requests free."""
+    first, forks = requests[0], requests[1:]
+    need = first_step_slots(first) + sum(fork_step_slots(req) for req in forks)
+    room = need + engine.scheduler.step_reserve()
+    if metadata.num_free < len(requests) or not engine.kv_cache.can_grow(room, len(requests)):
+        return False
+    if not forks or not first.num_draft_tokens:
+        return True
+    # Each sample's draft depths hold the whole prompt: the target's check does not cover them.
+    drafts = len(requests) * first_step_slots(first)
+    depths = engine.speculator.depths  # type: ignore[union-attr]
+    return all(depth.kv_pool.allocator.can_allocate(drafts) for depth in depths)
+
+
+def preallocate(
+    requests: list[Request], engine: EngineCore, metadata: MetadataBuffers
+) -> list[int]:
+    """Take what `fits` checked; returns each request's metadata row."""
+    kv_cache = engine.kv_cache
+    first, forks = requests[0], requests[1:]
+    kv_cache.grow(first, first_step_slots(first))
+    if forks:
+        kv_cache.fork(first, forks, len(first.prompt_token_ids))
+        kv_cache.grow_many([(req, fork_step_slots(req)) for req in forks])
+    for req in requests:
+        if req.num_draft_tokens:
+            engine.speculator.reserve(req, first_step_slots(req))  # type: ignore[union-attr]
+    return [metadata.allocate() for _ in requests]

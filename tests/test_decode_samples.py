@@ -1,0 +1,227 @@
+"""Parallel samples of one prompt on a decode node (decode_node.samples), built bare (no model,
+no process group): they preallocate together, sharing the first sample's prompt slots; one
+PrefillRequest names them all; the first sample's transfer carries the prompt's target KV and
+each other's only its row; a sample runs once its transfer and the prompt's have landed. Each
+stays a request of its own: a failed prompt fails the samples waiting for it with its reason,
+aborting the sample that brings the prompt waits for the others, and every slot and row comes
+back."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+import torch
+
+from decode_node.node import DecodeNode
+from engine.env import FaultSettings
+from engine.kv_cache import KVCacheManager
+from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.request import Request
+from engine.scheduler import Scheduler
+from metadata.buffers import MetadataBuffers
+from metadata.control_auth import new_control_key
+from metadata.faults import FaultInjector
+from metadata.kv_audit import Quarantine
+from metadata.messages import (
+    AbortRequest,
+    GenerateRequest,
+    ParallelSample,
+    PrefillRequest,
+    PrefillResult,
+    SamplingSpec,
+    TokenUpdate,
+    TransferAnnounce,
+)
+from metadata.node_common import NodeOptions
+from metadata.node_metrics import SpeculationTotals, TransferTotals
+from metadata.transfer import TransferHandle, TransferState
+
+CAPACITY = 64
+PROMPT = list(range(3, 13))
+ROOMS = [101, 102, 103]
+PREFILL_RANK = 3
+PREFILL_ERROR = "prefill-0: prefill forward failed: RuntimeError: injected"
+
+
+class Recorder:
+    """The router, the prefill node's outbox and the KV receiver, in one log."""
+
+    def __init__(self) -> None:
+        self.messages: list[object] = []
+        self.receives: dict[int, tuple[list[int], TransferHandle]] = {}
+
+    def send(self, msg) -> None:
+        self.messages.append(msg)
+
+    def expect(self, src_rank, room, pools, metadata, row) -> TransferHandle:
+        handle = TransferHandle(room, src_rank)
+        handle.advance(TransferState.TRANSFERRING)
+        self.receives[room] = ([len(slots) for _, slots in pools], handle)
+        return handle
+
+    def discard(self, src_rank, room, message_nbytes) -> None:
+        self.messages.append(("discarded", room, len(message_nbytes)))
+
+    def of(self, kind: type) -> list:
+        return [m for m in self.messages if isinstance(m, kind)]
+
+
+def node() -> tuple[DecodeNode, Recorder]:
+    cache = KVCacheManager(
+        KVPool(CAPACITY, 1, 1, 4, torch.float32, "cpu"), ReqToTokenPool(8, CAPACITY, "cpu")
+    )
+    recorder = Recorder()
+    bare = DecodeNode.__new__(DecodeNode)
+    bare.options = NodeOptions("decode", 0, control_key=new_control_key())
+    bare.rank = 1
+    bare.spec = SimpleNamespace(engine_config=SimpleNamespace(max_model_len=CAPACITY))
+    scheduler = Scheduler(cache, 8, 256)
+    bare.engine = SimpleNamespace(
+        kv_cache=cache,
+        scheduler=scheduler,
+        abort=scheduler.abort,
+        stop_checker=SimpleNamespace(check=lambda req: None),
+        runner=SimpleNamespace(kv_pool=cache.kv_pool),
+        make_request=lambda room, prompt, params, prompt_embeds=None: Request(room, prompt, params),
+    )
+    bare.kv_cache = cache
+    bare.speculator = None
+    bare.metadata = MetadataBuffers(4, 8, 0, 1, torch.float32, "cpu")
+    bare.router = recorder
+    bare.receiver = recorder
+    bare.prefill_outboxes = {0: recorder}
+    bare.prefill_ranks = {0: PREFILL_RANK}
+    bare.rooms, bare.prealloc, bare.receiving = {}, deque(), []
+    bare.transfer_totals = TransferTotals("receive")
+    bare.spec_totals = SpeculationTotals()
+    bare.faults = FaultInjector("decode-0", FaultSettings())
+    bare.quarantine = Quarantine()
+    bare.tokens_out = 0
+    return bare, recorder
+
+
+def generate() -> GenerateRequest:
+    sampling = SamplingSpec(8, 0.8, 0, 1.0, 11, [], [], True, None)
+    samples = [ParallelSample(room, f"r{room}", 11 + room) for room in ROOMS[1:]]
+    return GenerateRequest(ROOMS[0], "r", PROMPT, sampling, 0, samples=samples)
+
+
+def announce(decode: DecodeNode, room: int, prompt_room: int = 0) -> None:
+    decode._handle(TransferAnnounce(room, PREFILL_RANK, len(PROMPT), 0, prompt_room))
+
+
+def land(decode: DecodeNode, recorder: Recorder, room: int, token: int) -> None:
+    """The transfer of `room` lands (its row written as the prefill node's would be)."""
+    tracked = decode.rooms[room]
+    decode.metadata.output_ids[tracked.meta_row] = token
+    decode._handle(PrefillResult(room))
+    recorder.receives[room][1].advance(TransferState.SUCCESS)
+
+
+def empty(decode: DecodeNode) -> bool:
+    return decode.kv_cache.is_empty() and decode.metadata.num_free == decode.metadata.num_rows
+
+
+def test_samples_preallocate_together_and_share_the_prompts_slots():
+    decode, recorder = node()
+    decode._handle(generate())
+    decode._preallocate()
+    (request,) = recorder.of(PrefillRequest)
+    assert request.room == ROOMS[0]
+    assert [(s.room, s.seed) for s in request.samples] == [(102, 113), (103, 114)]
+    # One copy of the prompt, each sample's first token of its own.
+    assert decode.kv_cache.kv_pool.allocator.num_used == len(PROMPT) + 3
+    assert decode.metadata.num_free == 1
+    announce(decode, ROOMS[0])
+    announce(decode, ROOMS[1], prompt_room=ROOMS[0])
+    # The prompt's target KV lands in the first sample's slots; the others receive rows only.
+    assert recorder.receives[ROOMS[0]][0] == [len(PROMPT)]
+    assert recorder.receives[ROOMS[1]][0] == []
+    # A sample announced as bringing its own prompt KV is refused: received into scratch
+    # (the target's KV and the row), and failed.
+    announce(decode, ROOMS[2])
+    assert ROOMS[2] not in recorder.receives
+    assert ("discarded", ROOMS[2], 2) in recorder.messages
+    (refused,) = recorder.of(TokenUpdate)
+    assert refused.room == ROOMS[2] and "prompt KV" in refused.error
+
+
+def test_a_sample_runs_once_the_prompt_landed_and_every_slot_comes_back():
+    decode, recorder = node()
+    decode._handle(generate())
+    decode._preallocate()
+    announce(decode, ROOMS[0])
+    for room in ROOMS[1:]:
+        announce(decode, room, prompt_room=ROOMS[0])
+    land(decode, recorder, ROOMS[1], 51)
+    decode._land_transfers()
+    assert not decode.engine.scheduler.running  # its prompt is still on its way
+    land(decode, recorder, ROOMS[0], 50)
+    land(decode, recorder, ROOMS[2], 52)
+    decode._land_transfers()
+    running = decode.engine.scheduler.running
+    assert sorted(r.output_token_ids[0] for r in running) == [50, 51, 52]
+    assert [u.token_ids for u in recorder.of(TokenUpdate)] == [[50], [51], [52]]
+    for req in list(running):
+        decode._abort(int(req.request_id))
+    assert empty(decode)
+
+
+def test_a_failed_prompt_fails_the_samples_waiting_for_it_with_its_reason():
+    decode, recorder = node()
+    decode._handle(generate())
+    decode._preallocate()
+    announce(decode, ROOMS[0])
+    for room in ROOMS[1:]:
+        announce(decode, room, prompt_room=ROOMS[0])
+    land(decode, recorder, ROOMS[1], 51)
+    decode._handle(PrefillResult(ROOMS[0], error=PREFILL_ERROR))
+    recorder.receives[ROOMS[0]][1].fail("room tag mismatch")  # the void transfer ended
+    land(decode, recorder, ROOMS[2], 52)
+    decode._land_transfers()
+    errors = {u.room: u.error for u in recorder.of(TokenUpdate)}
+    assert errors[ROOMS[0]] == PREFILL_ERROR
+    for room in ROOMS[1:]:
+        assert errors[room] == f"the prompt's KV did not land: {PREFILL_ERROR}"
+    assert not decode.engine.scheduler.running and not decode.rooms and empty(decode)
+
+
+def test_the_prompts_carrier_is_aborted_on_the_prefill_node_only_after_the_others():
+    decode, recorder = node()
+    decode._handle(generate())
+    decode._preallocate()
+    decode._abort(ROOMS[0])
+    assert not recorder.of(AbortRequest)  # the others still wait for its transfer
+    decode._abort(ROOMS[1])
+    decode._abort(ROOMS[2])
+    assert [a.room for a in recorder.of(AbortRequest)] == [ROOMS[1], ROOMS[2], ROOMS[0]]
+
+
+def test_an_aborted_carrier_still_brings_the_prompt_for_the_others():
+    decode, recorder = node()
+    decode._handle(generate())
+    decode._preallocate()
+    announce(decode, ROOMS[0])
+    for room in ROOMS[1:]:
+        announce(decode, room, prompt_room=ROOMS[0])
+    decode._abort(ROOMS[0])
+    land(decode, recorder, ROOMS[0], 50)
+    land(decode, recorder, ROOMS[1], 51)
+    land(decode, recorder, ROOMS[2], 52)
+    decode._land_transfers()
+    running = decode.engine.scheduler.running
+    assert sorted(int(r.request_id) for r in running) == ROOMS[1:]
+    for req in list(running):
+        decode._abort(int(req.request_id))
+    assert empty(decode)
+
+
+def test_a_sample_aborted_before_preallocation_leaves_the_others_to_it():
+    decode, recorder = node()
+    decode._handle(generate())
+    decode._abort(ROOMS[0])
+    decode._preallocate()
+    (request,) = recorder.of(PrefillRequest)
+    assert request.room == ROOMS[1] and [s.room for s in request.samples] == [ROOMS[2]]
+    assert decode.kv_cache.kv_pool.allocator.num_used == len(PROMPT) + 2
