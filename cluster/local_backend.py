@@ -104,10 +104,44 @@ class LocalBackend:
         request = self.engine.make_request(
             request_id, prompt_token_ids, params, prompt_embeds=prompt_embeds
         )
-        timer = self.metrics.request()
         stream = _Stream(request, asyncio.get_running_loop(), asyncio.Queue())
         self._submit("add", stream)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
+        async for delta in self._deltas(stream):
+            yield delta
+
+    def generate_samples(
+        self,
+        request_ids: list[str],
+        prompt_token_ids: list[int],
+        params: list[SamplingParams],
+        prompt_embeds: PromptEmbeds | None = None,
+    ) -> list[AsyncIterator[TokenDelta]]:
+        """Parallel samples of one prompt (`params[i]`: sample i's), each a stream as
+        `generate` gives, that share one prefill of the prompt (EngineCore.add_samples). The
+        samples join the engine together when the first stream is read; closing a stream
+        aborts that sample alone."""
+        requests = [
+            self.engine.make_request(rid, prompt_token_ids, p, prompt_embeds=prompt_embeds)
+            for rid, p in zip(request_ids, params, strict=True)
+        ]
+        group: list[_Stream] = []
+
+        async def sample(index: int) -> AsyncIterator[TokenDelta]:
+            if not group:
+                loop = asyncio.get_running_loop()
+                group.extend(_Stream(req, loop, asyncio.Queue()) for req in requests)
+                self._submit("add_samples", group)
+            async for delta in self._deltas(group[index]):
+                yield delta
+
+        return [sample(i) for i in range(len(requests))]
+
+    async def _deltas(self, stream: _Stream) -> AsyncIterator[TokenDelta]:
+        """The deltas of a request handed to the engine thread, until its last; closed early,
+        the request is aborted."""
+        request = stream.request
+        timer = self.metrics.request()
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop_strings)
         finished = False
         try:
             while not finished:
@@ -129,7 +163,7 @@ class LocalBackend:
             if not finished:
                 timer.failed("aborted")
                 # Closed early (client gone): free the request's KV. Never raises.
-                self._submit("abort", request_id, quiet=True)
+                self._submit("abort", request.request_id, quiet=True)
 
     async def health(self) -> dict[str, Any]:
         alive = self._thread.is_alive() and not self._closed
@@ -196,6 +230,8 @@ class LocalBackend:
                 return False
             if command == "add":
                 self._add(payload)
+            elif command == "add_samples":
+                self._add_samples(payload)
             elif command == "abort":
                 self._abort(payload)
 
@@ -212,6 +248,22 @@ class LocalBackend:
             return
         self._streams[request_id] = stream
         self.engine.add_request(stream.request)
+
+    def _add_samples(self, streams: list[_Stream]) -> None:
+        taken = [s for s in streams if s.request.request_id in self._streams]
+        if taken:
+            for stream in streams:
+                stream.put(
+                    BackendError(
+                        f"request id {taken[0].request.request_id!r} is already running",
+                        stage="admission",
+                        node=NODE_NAME,
+                    )
+                )
+            return
+        for stream in streams:
+            self._streams[stream.request.request_id] = stream
+        self.engine.add_samples([stream.request for stream in streams])
 
     def _abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
@@ -275,8 +327,10 @@ class LocalBackend:
                 command, payload = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if command == "add":
-                payload.put(
+            if command not in ("add", "add_samples"):
+                continue
+            for stream in payload if command == "add_samples" else [payload]:
+                stream.put(
                     BackendError(
                         "the local engine is shut down",
                         stage="admission",

@@ -61,6 +61,17 @@ def test_n_gives_distinct_choices_that_a_seed_reproduces(local, local_offline):
     assert first.usage.prompt_tokens == len(local_offline.tokenizer.encode(PROMPTS[0]))
 
 
+def test_the_local_backends_samples_share_one_prefill(local, backend):
+    """The n samples of a prompt prefill it once (EngineCore.add_samples)."""
+    engine = backend.engine
+    prompt_len = len(backend.tokenizer.encode(PROMPTS[2]))
+    before = engine.prefill_tokens
+    ask = dict(model=TINY_BACKEND_MODEL, max_tokens=10, temperature=0.8, seed=5)
+    answer = local.completions.create(prompt=PROMPTS[2], n=4, **ask)
+    assert len(answer.choices) == 4
+    assert engine.prefill_tokens - before == prompt_len
+
+
 def test_chat_n_gives_indexed_choices(local):
     answer = local.chat.completions.create(
         model=TINY_BACKEND_MODEL,
