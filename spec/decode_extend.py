@@ -120,6 +120,23 @@ class FixedDecodeExtend:
     @torch.inference_mode()
     def run(self, items: list[FixedExtendItem]) -> None:
         """Extend every depth over `items` and give each its next chain and boundary states."""
+        chains, probs, boundary = self.launch(items)
+        # One copy to the host (ids are exact in float64).
+        host = torch.cat([chains.double(), probs.double()], dim=1).tolist()
+        self.apply(items, [len(item.committed) for item in items], host, boundary)
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        items: list[FixedExtendItem],
+        committed: torch.Tensor | None = None,
+        accepted: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queue the extend of every depth over `items`; returns, on the device, the next
+        chains [n, K], their probabilities [n, K] and the boundary states [K-1, n, hidden].
+        With `committed` [n, K+1] (row i: the verify's targets, the first accepted[i] + 1 of
+        them committed) and `accepted` [n] on the device, the items' own `committed` lists are
+        not read: the host need not have seen the verify's outcome."""
         k = self.k
         for d, runner in enumerate(self.depths):
             # Slots up to position m+k: the padding rows write there too.
@@ -127,25 +144,35 @@ class FixedDecodeExtend:
         size = bucket_for(self.buckets, len(items)) if self.buckets else None
         if size is not None:
             graph, buffers, outputs = self.graphs[size]
-            self._fill(buffers, items)
+            self._fill(buffers, items, committed, accepted)
             graph.replay()
             chains, probs, boundary = outputs
         else:
             buffers = self._buffers(len(items))
-            self._fill(buffers, items)
+            self._fill(buffers, items, committed, accepted)
             chains, probs, boundary = self._forward(buffers, eager_items=items)
         n = len(items)
         # Out of the graph's buffers: kept as views until the next extend.
-        boundary = boundary[:, :n].clone()
-        host = torch.cat([chains[:n].double(), probs[:n].double()], dim=1).tolist()
-        for i, (item, row) in enumerate(zip(items, host)):
+        return chains[:n], probs[:n], boundary[:, :n].clone()
+
+    def apply(
+        self,
+        items: list[FixedExtendItem],
+        counts: list[int],
+        host: list[list[float]],
+        boundary: torch.Tensor,
+    ) -> None:
+        """Give each item its next chain and boundary states after `launch`: `counts[i]`
+        tokens committed by its verify, `host[i]` its chain then the chain's probabilities."""
+        k = self.k
+        for i, (item, count, row) in enumerate(zip(items, counts, host)):
             state = item.state
-            m_next = item.m + len(item.committed)  # the newest position after the step
+            m_next = item.m + count  # the newest position after the step
             state.chain = [int(t) for t in row[:k]]
-            state.chain_probs = row[k:]
+            state.chain_probs = row[k : 2 * k]
             state.alt_chains = []
             state.boundary = [boundary[d, i] for d in range(k - 1)]
-            state.target_hidden = item.verify_hidden[item.accepted]
+            state.target_hidden = item.verify_hidden[count - 1]
             for d, seq in enumerate(state.seqs):
                 seq.valid_len = max(0, m_next - d)
 
@@ -153,11 +180,24 @@ class FixedDecodeExtend:
         return _Buffers(size, self.k, self.widths, self.in_width, self.hidden_size, self.dtype,
                         self.device)  # fmt: skip
 
-    def _fill(self, buffers: _Buffers, items: list[FixedExtendItem]) -> None:
+    def _fill(
+        self,
+        buffers: _Buffers,
+        items: list[FixedExtendItem],
+        committed: torch.Tensor | None = None,
+        accepted: torch.Tensor | None = None,
+    ) -> None:
         """Every input of the batch, padded to the buffers' size: one copy of the integers, one
-        of the verify's hidden states, one of the boundary states."""
+        of the verify's hidden states, one of the boundary states; then, when given (on the
+        device), the committed tokens of every depth and the accepted counts over the
+        integers' placeholders."""
         n = len(items)
         buffers.ints.copy_(int_tensor(self._int_values(buffers, items), self.device))
+        if committed is not None and accepted is not None:
+            for d, width in enumerate(self.widths):
+                ids = buffers.depth_views(d)[0].view(buffers.size, width)
+                ids[:n, : self.k + 1] = committed
+            buffers.accepted[:n] = accepted
         buffers.verify_hidden[:n].copy_(torch.stack([item.verify_hidden for item in items]))
         if self.k > 1:
             old = [

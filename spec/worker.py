@@ -31,6 +31,7 @@ from spec.acceptance import (
 from spec.alternatives import Alternative, release_alternatives, take_alternatives, take_slots
 from spec.batching import Span, extend_batch
 from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
+from spec.device_round import DeviceRound, placeholder_items, run_device_round, runs_on_device
 from spec.draft_extend import ChainFork, DraftExtend
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftInput, DraftRunner, DraftSeq, DraftTokenPatch
@@ -47,6 +48,8 @@ class VerifyResult:
     num_proposed: list[int]  # per request: draft tokens checked, on every chain
     hidden: list[torch.Tensor]  # per request: the target's at the kept chain's positions
     num_outputs_before: list[int]
+    # Set when the round ran on the device (spec.device_round): the draft extend already ran.
+    extended: DeviceRound | None = None
 
 
 class MultiLayerEagleWorker:
@@ -182,6 +185,11 @@ class MultiLayerEagleWorker:
             tokens = [req.all_token_ids[-1], *chain]
             spans.append(Span(req.row, m, tokens, req.slots[m : m + k + 1]))
         runner = self.runner
+        k = self.num_draft_steps
+        if runs_on_device(requests, self.num_chains, k) and self.fixed_extend.fits(
+            placeholder_items(requests, k)
+        ):
+            return self._device_round(requests, spans)
         pool, kv_pool = runner.req_to_token_pool, runner.kv_pool
         alternatives: list[list[Alternative]] = [[] for _ in requests]
         try:
@@ -189,6 +197,25 @@ class MultiLayerEagleWorker:
             return self._verify(requests, chains, spans, alternatives, default_generator)
         finally:
             release_alternatives(alternatives, pool, kv_pool)
+
+    def _device_round(self, requests: list[Request], spans: list[Span]) -> VerifyResult:
+        """Verify, acceptance and the draft extend queued back to back (spec.device_round)."""
+        runner, k = self.runner, self.num_draft_steps
+        batch = runner.graph_batch(spans) or extend_batch(
+            spans, runner.kv_pool, runner.req_to_token_pool, runner.attention, runner.device
+        )
+        outputs_before = [len(req.output_token_ids) for req in requests]
+        done = run_device_round(batch, runner.forward_every_token, requests, self.fixed_extend, k)
+        return VerifyResult(
+            tokens=done.tokens,
+            logprobs=[[None] * len(tokens) for tokens in done.tokens],
+            verdicts=[Verdict(t, a) for t, a in zip(done.tokens, done.accepted)],
+            num_drafts=[k] * len(requests),
+            num_proposed=[k] * len(requests),
+            hidden=[],
+            num_outputs_before=outputs_before,
+            extended=done,
+        )
 
     def _verify(
         self,
@@ -257,6 +284,7 @@ class MultiLayerEagleWorker:
         """After the scheduler committed the verified tokens: statistics, then draft extend
         over the newly committed tokens for the requests that go on speculating."""
         going_on = []  # (request, tokens committed this step, its verify span's hidden states)
+        indices = []
         for i, req in enumerate(requests):
             committed = len(req.output_token_ids) - verified.num_outputs_before[i]
             if verified.num_drafts[i]:
@@ -264,7 +292,17 @@ class MultiLayerEagleWorker:
                 _count(req, drafts, proposed, verified.verdicts[i], committed)
             if req.finished or req.spec_state is None or not req.lookahead:
                 continue
-            going_on.append((req, committed, verified.hidden[i]))
+            indices.append(i)
+            going_on.append((req, committed, verified.hidden[i] if verified.hidden else None))
+        done = verified.extended
+        if done is not None:  # the extend ran with the verify: its chains go to those going on
+            self.fixed_extend.apply(
+                [done.items[i] for i in indices],
+                [committed for _, committed, _ in going_on],
+                [done.chains[i] for i in indices],
+                done.boundary[:, indices],
+            )
+            return
         if self.num_chains == 1:
             fixed = [
                 FixedExtendItem(
