@@ -84,6 +84,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default: --max-num-seqs)",
     )
     parser.add_argument(
+        "--cuda-graph-max-prefill-tokens",
+        type=int,
+        default=None,
+        help="prefill steps of up to this many tokens replay CUDA graphs too (default 512; "
+        "0: prefill runs eagerly)",
+    )
+    parser.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
         help="on a GPU, wait for each plain decode step's tokens before preparing the next "
@@ -256,6 +263,7 @@ def engine_args(args: argparse.Namespace):
         attention_backend=args.attention_backend,
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
         overlap_schedule=False if args.disable_overlap_schedule else None,
         speculative_algorithm=args.speculative_algorithm,
         draft_model=args.draft_model,

@@ -156,6 +156,9 @@ class EngineConfig:
     attention_backend: str = "torch"
     # Decode batches up to this size replay CUDA graphs (engine/cuda_graph.py); 0: none.
     cuda_graph_max_bs: int = 0
+    # Prefill steps of up to this many tokens replay CUDA graphs too (with cuda_graph_max_bs);
+    # 0: prefill runs eagerly.
+    cuda_graph_max_prefill_tokens: int = 0
     # Plain decode steps launch the next step before reading their tokens (engine/overlap.py).
     overlap_schedule: bool = False
     seed: int = 0
@@ -179,7 +182,13 @@ class EngineConfig:
             raise ValueError(f"max_tokens_cap must be positive, got {self.max_tokens_cap}")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
-        refuse_cuda_graphs(self.tensor_dump is not None, self.cuda_graph_max_bs > 0)
+        if self.cuda_graph_max_prefill_tokens < 0:
+            raise ValueError(
+                "cuda_graph_max_prefill_tokens must be >= 0, "
+                f"got {self.cuda_graph_max_prefill_tokens}"
+            )
+        graphs = self.cuda_graph_max_bs > 0 or self.cuda_graph_max_prefill_tokens > 0
+        refuse_cuda_graphs(self.tensor_dump is not None, graphs)
         if self.num_draft_chains < 1:
             raise ValueError(f"num_draft_chains must be >= 1, got {self.num_draft_chains}")
 

@@ -26,6 +26,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch, Span
 from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.prompt_embeds import InputEmbeds, concat_input_embeds
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,9 @@ class CudaGraphs:
     the batch's request columns (one row per request, read at `ForwardBatch.last_index`).
     `buckets` are the token counts captured; a graph of T tokens holds up to T requests of at
     most `max_span` tokens each. With `hidden_width`, each token also brings a hidden state of
-    that width (a draft depth's input)."""
+    that width (a draft depth's input). With `embeds_width`, a token may come as a vector of
+    that width in place of its id's embedding (prompt_embeds): the graph always reads the
+    vectors and a mask, all False where no span gave any."""
 
     def __init__(
         self,
@@ -121,6 +124,7 @@ class CudaGraphs:
         max_span: int,
         hidden_width: int | None = None,
         request_outputs: int = 0,
+        embeds_width: int | None = None,
     ) -> None:
         if not attention.supports_cuda_graph:
             raise ValueError(f"{type(attention).__name__} cannot be captured in a CUDA graph")
@@ -144,6 +148,15 @@ class CudaGraphs:
             self.hidden = torch.zeros(
                 (self.capacity, hidden_width), dtype=kv_pool.dtype, device=device
             )
+        self.embeds: torch.Tensor | None = None
+        self.embeds_mask: torch.Tensor | None = None
+        if embeds_width is not None:
+            self.embeds = torch.zeros(
+                (self.capacity, embeds_width), dtype=kv_pool.dtype, device=device
+            )
+            self.embeds_mask = torch.zeros(self.capacity, dtype=torch.bool, device=device)
+        # Whether the batch loaded last gave vectors for some of its tokens.
+        self.loaded_embeds = False
         self._copied: torch.cuda.Event | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # What every graph's outputs are copied into, sized for the largest.
@@ -160,7 +173,8 @@ class CudaGraphs:
             bool(spans)
             and self.bucket_for(num_tokens) is not None
             and all(
-                0 < len(span.token_ids) <= self.max_span and span.input_embeds is None
+                0 < len(span.token_ids) <= self.max_span
+                and (span.input_embeds is None or self.embeds is not None)
                 for span in spans
             )
         )
@@ -228,6 +242,8 @@ class CudaGraphs:
         if self.hidden is not None:
             assert hidden is not None and hidden.shape[0] == num_tokens
             self.hidden[:num_tokens].copy_(hidden)
+        if self.embeds is not None:
+            self._load_embeds(size, spans, num_tokens)
         self._copied = torch.cuda.Event()
         self._copied.record()
         return self._batch(
@@ -235,6 +251,30 @@ class CudaGraphs:
             [span.start + len(span.token_ids) for span in spans],
             [len(span.token_ids) for span in spans],
         )
+
+    def _load_embeds(self, size: int, spans: list[Span], num_tokens: int) -> None:
+        assert self.embeds is not None and self.embeds_mask is not None
+        values, mask = concat_input_embeds(
+            [span.input_embeds for span in spans],
+            [len(span.token_ids) for span in spans],
+            self.embeds.device,
+            self.embeds.dtype,
+        )
+        self.loaded_embeds = values is not None
+        if values is None:
+            self.embeds_mask[:size].fill_(False)
+            return
+        self.embeds[:num_tokens].copy_(values)
+        self.embeds_mask[:num_tokens].copy_(mask)
+        self.embeds_mask[num_tokens:size].fill_(False)
+
+    def embeds_used(self, num_tokens: int) -> InputEmbeds | None:
+        """The vectors the batch loaded last read in place of token embeddings, out of the
+        graph's buffers (the next load overwrites them) and sliced to its real tokens."""
+        if not self.loaded_embeds:
+            return None
+        assert self.embeds is not None and self.embeds_mask is not None
+        return InputEmbeds(self.embeds[:num_tokens].clone(), self.embeds_mask[:num_tokens].clone())
 
     def replay(self, batch: ForwardBatch) -> GraphOutputs:
         """The captured forward's outputs for `batch` (made by `load`), sliced to its tokens
@@ -257,15 +297,20 @@ class CudaGraphs:
         """The batch captured for `size`: every column, its metadata over the static buffers."""
         batch = self._batch(size, [1] * size, [1] * size)
         reqs = self.inputs[3:, :size]
+        # No span in a graph of `size` tokens is longer than that.
+        max_span = min(self.max_span, size)
         batch.attn_metadata = self.attention.prepare_for_capture(
-            reqs[_ROWS], reqs[_SEQ_LENS], reqs[_Q_STARTS], reqs[_Q_LENS], self.max_span
+            reqs[_ROWS], reqs[_SEQ_LENS], reqs[_Q_STARTS], reqs[_Q_LENS], max_span
         )
         return batch
 
     def _batch(self, size: int, seq_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
         """A batch over the first columns of the static buffers: sum(extend_lens) tokens of
         len(seq_lens) requests, in the graph of `size`."""
-        tokens = self.inputs[:3, : sum(extend_lens)]
+        num_tokens = sum(extend_lens)
+        tokens = self.inputs[:3, :num_tokens]
+        embeds = None if self.embeds is None else self.embeds[:num_tokens]
+        embeds_mask = None if self.embeds_mask is None else self.embeds_mask[:num_tokens]
         return ForwardBatch(
             input_ids=tokens[_IDS],
             positions=tokens[_POSITIONS],
@@ -275,6 +320,8 @@ class CudaGraphs:
             extend_lens=extend_lens,
             kv_pool=self.kv_pool,
             req_to_token_pool=self.req_to_token_pool,
+            input_embeds=embeds,
+            input_embeds_mask=embeds_mask,
             last_index=self.inputs[3 + _LAST, : len(seq_lens)],
             graph=self,
             graph_batch_size=size,

@@ -40,6 +40,7 @@ class LLM:
         attention_backend: str = "auto",
         disable_cuda_graph: bool = False,
         cuda_graph_max_bs: int | None = None,
+        cuda_graph_max_prefill_tokens: int | None = None,
         overlap_schedule: bool | None = None,
         seed: int = 0,
         speculative_algorithm: str | None = None,
@@ -65,7 +66,8 @@ class LLM:
         `max_tokens_cap`: refuse (RequestRejectedError) a request asking for more max_tokens.
         `attention_backend`: "triton" (GPU), "torch" (anywhere) or "auto" (triton on a GPU).
         On a GPU, decode steps of up to `cuda_graph_max_bs` requests (default max_num_seqs)
-        replay CUDA graphs captured here, unless `disable_cuda_graph` or a tensor dump.
+        replay CUDA graphs captured here, unless `disable_cuda_graph` or a tensor dump; so do
+        prefill steps of up to `cuda_graph_max_prefill_tokens` tokens (default 512; 0: none).
         `overlap_schedule`: prepare each plain decode step while the device runs the one
         before (engine/overlap.py); default on a GPU, off on a CPU.
         `gpu_memory_utilization`: the fraction of the GPU's total memory this engine may take,
@@ -87,6 +89,7 @@ class LLM:
             attention_backend=attention_backend,
             disable_cuda_graph=disable_cuda_graph,
             cuda_graph_max_bs=cuda_graph_max_bs,
+            cuda_graph_max_prefill_tokens=cuda_graph_max_prefill_tokens,
             overlap_schedule=overlap_schedule,
             seed=seed,
             speculative_algorithm=speculative_algorithm,

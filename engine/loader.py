@@ -50,6 +50,11 @@ class EngineArgs:
     # cuda_graph_max_bs (None: max_num_seqs) unless disabled, or unless tensors are dumped.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    # Prefill steps of up to this many tokens replay CUDA graphs too, where graphs are on (None:
+    # DEFAULT_CUDA_GRAPH_MAX_PREFILL_TOKENS; 0: prefill runs eagerly).
+    cuda_graph_max_prefill_tokens: int | None = None
+    # False for an engine that never decodes (a prefill node): no decode graphs to capture.
+    capture_decode_graphs: bool = True
     # The host prepares each plain decode step while the device runs the one before
     # (engine/overlap.py); None: on a GPU, off on a CPU (where host and device are one).
     overlap_schedule: bool | None = None
@@ -87,6 +92,11 @@ class EngineArgs:
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        prefill_tokens = self.cuda_graph_max_prefill_tokens
+        if prefill_tokens is not None and prefill_tokens < 0:
+            raise ValueError(
+                f"cuda_graph_max_prefill_tokens must be >= 0 (0: none), got {prefill_tokens}"
+            )
         utilization = self.gpu_memory_utilization
         if utilization is not None and not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
@@ -135,6 +145,7 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
         chunked_prefill_size=_chunked_prefill_size(args, device),
         attention_backend=backend,
         cuda_graph_max_bs=_cuda_graph_max_bs(args, device, backend),
+        cuda_graph_max_prefill_tokens=_cuda_graph_max_prefill_tokens(args, device, backend),
         overlap_schedule=_overlap_schedule(args, device),
         seed=args.seed,
         num_draft_chains=_draft_chains(args),
@@ -168,15 +179,39 @@ def _draft_chains(args: EngineArgs) -> int:
     return args.num_draft_chains
 
 
+def _graphs_on(args: EngineArgs, device: str, backend: str) -> bool:
+    """Graphs need a GPU and the Triton backend; a tensor dump needs eager mode, since a
+    replayed graph runs no forward hooks, so dumping turns them off
+    (debug_dump.refuse_cuda_graphs guards the engine)."""
+    return not (
+        args.disable_cuda_graph
+        or torch.device(device).type != "cuda"
+        or backend != "triton"
+        or args.debug_tensor_dump_dir is not None
+    )
+
+
 def _cuda_graph_max_bs(args: EngineArgs, device: str, backend: str) -> int:
-    """The largest decode batch captured in a CUDA graph; 0 for none. Graphs need a GPU and
-    the Triton backend; a tensor dump needs eager mode, since a replayed graph runs no forward
-    hooks, so dumping turns them off (debug_dump.refuse_cuda_graphs guards the engine)."""
-    if args.disable_cuda_graph or torch.device(device).type != "cuda" or backend != "triton":
-        return 0
-    if args.debug_tensor_dump_dir is not None:
+    """The largest decode batch captured in a CUDA graph; 0 for none."""
+    if not (args.capture_decode_graphs and _graphs_on(args, device, backend)):
         return 0
     return min(args.cuda_graph_max_bs or args.max_num_seqs, args.max_num_seqs)
+
+
+# Prompt tokens a prefill graph holds at most: a short prompt's prefill replays one graph where
+# its eager forward costs a host dispatch per kernel (tens of milliseconds on a GPU). The graphs
+# keep logits for every token column (a padded token is a request of its own), so the largest
+# bucket bounds that buffer: 512 x the vocabulary in float32.
+DEFAULT_CUDA_GRAPH_MAX_PREFILL_TOKENS = 512
+
+
+def _cuda_graph_max_prefill_tokens(args: EngineArgs, device: str, backend: str) -> int:
+    if not _graphs_on(args, device, backend):
+        return 0
+    tokens = args.cuda_graph_max_prefill_tokens
+    tokens = DEFAULT_CUDA_GRAPH_MAX_PREFILL_TOKENS if tokens is None else tokens
+    # No prefill step runs more tokens than max_prefill_tokens.
+    return min(tokens, args.max_prefill_tokens)
 
 
 def _overlap_schedule(args: EngineArgs, device: str) -> bool:

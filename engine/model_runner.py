@@ -73,6 +73,21 @@ class ModelRunner:
         self.dumper = tensor_dumper(engine_config.tensor_dump, TARGET_ROLE, self.model)
         self.graphs: CudaGraphs | None = None
         self.verify_graphs: CudaGraphs | None = None
+        self.prefill_graphs: CudaGraphs | None = None
+        if engine_config.cuda_graph_max_prefill_tokens:
+            # Captured first: the decode graphs then share what is left of the memory pool.
+            self.prefill_graphs = CudaGraphs(
+                "prefill",
+                self._prefill_outputs,
+                self.attention,
+                self.kv_pool,
+                self.req_to_token_pool,
+                token_buckets(engine_config.cuda_graph_max_prefill_tokens),
+                max_span=engine_config.cuda_graph_max_prefill_tokens,
+                request_outputs=2,
+                embeds_width=model_config.hidden_size,
+            )
+            self.prefill_graphs.capture()
         if engine_config.cuda_graph_max_bs:
             self.graphs = CudaGraphs(
                 "decode",
@@ -124,10 +139,13 @@ class ModelRunner:
         """Each request extends its cached prefix (`kv_len`) to all of its tokens, or to
         `ends[i]` (a prompt's chunk). A decode batch that a CUDA graph holds goes into the
         graph's static buffers."""
-        if ends is None:
-            graph_batch = self._decode_graph_batch(requests)
-            if graph_batch is not None:
-                return graph_batch
+        graph_batch = (
+            self._decode_graph_batch(requests)
+            if ends is None
+            else self._prefill_graph_batch(requests, ends)
+        )
+        if graph_batch is not None:
+            return graph_batch
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -179,6 +197,34 @@ class ModelRunner:
         ]
         return self.graphs.load(spans) if self.graphs.fits(spans) else None
 
+    def _prefill_graph_batch(self, requests: list[Request], ends: list[int]) -> ForwardBatch | None:
+        """A prefill step (prompts or their chunks, up to `ends`) in a prefill graph's buffers,
+        padded to the next captured token count; None where no graph holds it."""
+        if self.prefill_graphs is None:
+            return None
+        spans = [
+            Span(
+                req.row,
+                req.kv_len,
+                req.token_ids(req.kv_len, end),
+                req.slots[req.kv_len : end],
+                req.prompt_embeds.rows(req.kv_len, end) if req.prompt_embeds else None,
+            )
+            for req, end in zip(requests, ends)
+        ]
+        if not self.prefill_graphs.fits(spans):
+            return None
+        return self.prefill_graphs.load(spans)
+
+    def _prefill_outputs(
+        self, batch: ForwardBatch, _hidden_input: None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a prefill graph computes: the draft's input at every token, then the logits
+        and the draft's input at each request's last token (padded columns included)."""
+        hidden, draft_hidden = self._run_model(batch)
+        last = batch.last_token_indices()
+        return draft_hidden, self.model.compute_logits(hidden[last]), draft_hidden[last]
+
     def _every_token_outputs(
         self, batch: ForwardBatch, _hidden_input: None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,6 +235,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, keep_hidden: bool = False) -> ForwardOutput:
+        if batch.graph is not None and batch.graph is self.prefill_graphs:
+            every, logits, last_hidden = batch.graph.replay(batch)
+            if not keep_hidden:
+                return ForwardOutput(logits, last_hidden)
+            # What the draft's prefill reads outlives the next replay: out of the buffers,
+            # sliced to the real tokens (replay slices them), the input vectors too.
+            embeds = batch.graph.embeds_used(batch.num_tokens)
+            return ForwardOutput(logits, last_hidden.clone(), every.clone(), embeds)
         if batch.graph is not None:
             logits, draft_hidden = batch.graph.replay(batch)
             if not keep_hidden:

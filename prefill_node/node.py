@@ -75,8 +75,9 @@ class PrefillNode(ServingNode):
             # A transfer carries the main draft chain only; the decode node drafts its own
             # alternatives from its first draft extend on.
             args = dataclasses.replace(args, num_draft_chains=1)
-        # This node never decodes: decode graphs would cost start-up time and memory for nothing.
-        args = dataclasses.replace(args, disable_cuda_graph=True)
+        # This node never decodes: decode graphs would cost start-up time and memory for nothing
+        # (its prefill graphs stay).
+        args = dataclasses.replace(args, capture_decode_graphs=False)
         self.spec, self.runner = load_node_engine(args, options)
         config = self.spec.engine_config
         self.speculator = speculator_from_args(args, self.runner)

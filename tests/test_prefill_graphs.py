@@ -1,0 +1,155 @@
+"""Prefill steps replayed from CUDA graphs (padded to a captured token count): the flags that turn
+them on, and on a GPU that they change nothing. Greedy tokens equal the eager prefill's, chunks
+and joins included; the draft's prefill gets exactly the rows an eager prefill hands it (the
+input vectors of prompt_embeds copied out of the graph's buffer and sliced to the real tokens,
+the hidden states); speculation over graph-run prefills stays lossless."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kernels import triton_runs_on
+from engine.loader import EngineArgs, resolve
+from engine.prompt_embeds import PromptEmbeds
+
+
+def needs_gpu(test):
+    skip = pytest.mark.skipif(not triton_runs_on("cuda"), reason="needs CUDA and Triton")
+    return pytest.mark.gpu(skip(test))
+
+
+def test_prefill_graphs_follow_the_graph_flags(tiny_model_path: Path, tmp_path) -> None:
+    args = EngineArgs(model=str(tiny_model_path), device="cpu", kv_cache_tokens=256)
+    assert resolve(args).engine_config.cuda_graph_max_prefill_tokens == 0
+    with pytest.raises(ValueError, match="cuda_graph_max_prefill_tokens must be >= 0"):
+        EngineArgs(model=str(tiny_model_path), cuda_graph_max_prefill_tokens=-1)
+    if not triton_runs_on("cuda"):
+        return
+    gpu = dataclasses.replace(args, device="cuda", max_num_seqs=16)
+
+    def tokens(**changes) -> tuple[int, int]:
+        config = resolve(dataclasses.replace(gpu, **changes)).engine_config
+        return config.cuda_graph_max_prefill_tokens, config.cuda_graph_max_bs
+
+    assert tokens() == (512, 16)
+    assert tokens(cuda_graph_max_prefill_tokens=64) == (64, 16)
+    assert tokens(cuda_graph_max_prefill_tokens=0) == (0, 16)
+    assert tokens(max_prefill_tokens=100) == (100, 16)
+    assert tokens(capture_decode_graphs=False) == (512, 0)  # a prefill node
+    assert tokens(disable_cuda_graph=True) == (0, 0)
+    assert tokens(debug_tensor_dump_dir=str(tmp_path / "dump")) == (0, 0)
+
+
+def _gpu_llm(path: Path, **kw) -> LLM:
+    kw.setdefault("kv_cache_tokens", 8192)
+    kw.setdefault("max_num_seqs", 12)
+    return LLM(str(path), device="cuda", dtype="float32", **kw)
+
+
+def _workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 300))] for _ in range(n)]
+    params = [
+        SamplingParams(max_tokens=rng.randint(1, 12), temperature=0, ignore_eos=True)
+        for _ in range(n)
+    ]
+    return prompts, params
+
+
+@needs_gpu
+@pytest.mark.parametrize("chunk", [None, 48])
+def test_graph_run_prefills_give_the_eager_prefills_tokens(tiny_model_path: Path, chunk) -> None:
+    prompts, params = _workload(24, seed=2)
+    kw = {} if chunk is None else {"chunked_prefill_size": chunk}
+    graphs = _gpu_llm(tiny_model_path, cuda_graph_max_prefill_tokens=256, **kw)
+    eager = _gpu_llm(tiny_model_path, cuda_graph_max_prefill_tokens=0, **kw)
+    assert graphs.engine.runner.prefill_graphs is not None
+    assert eager.engine.runner.prefill_graphs is None
+    got = [o.token_ids for o in graphs.generate(prompts, params)]
+    assert graphs.engine.runner.prefill_graphs.num_replays > 0
+    assert got == [o.token_ids for o in eager.generate(prompts, params)]
+
+
+@needs_gpu
+def test_a_graph_run_prefill_hands_the_draft_the_eager_rows(tiny_model_path: Path) -> None:
+    """One prefill step with vectors given for some positions, run through a graph and then
+    eagerly over the same requests: the rows the draft's prefill reads (hidden states at every
+    real token, the input vectors and their mask) and the logits agree, and the graph's rows
+    stop at the real token count."""
+    llm = _gpu_llm(tiny_model_path, cuda_graph_max_prefill_tokens=256)
+    core, runner = llm.engine, llm.engine.runner
+    hidden_size = runner.model_config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    given = {1: torch.randn(hidden_size, generator=generator), 4: torch.randn(hidden_size)}
+    requests = [
+        core.make_request("a", list(range(5, 30)), SamplingParams(max_tokens=2)),
+        core.make_request(
+            "b",
+            list(range(40, 47)),
+            SamplingParams(max_tokens=2),
+            prompt_embeds=PromptEmbeds.of(given),
+        ),
+    ]
+    for req in requests:
+        core.add_request(req)
+    batch = core.scheduler.schedule()
+    assert batch is not None and batch.is_prefill
+    graph_batch = runner.build_batch(batch.requests, batch.ends)
+    assert graph_batch.graph is runner.prefill_graphs and graph_batch.graph_batch_size == 32
+    graphed = runner.forward(graph_batch, keep_hidden=True)
+    prefill_graphs, runner.prefill_graphs = runner.prefill_graphs, None
+    try:
+        eager_batch = runner.build_batch(batch.requests, batch.ends)
+        assert eager_batch.graph is None
+        eager = runner.forward(eager_batch, keep_hidden=True)
+    finally:
+        runner.prefill_graphs = prefill_graphs
+    assert graphed.hidden.shape == eager.hidden.shape == (32, runner.model_config.hidden_size)
+    torch.testing.assert_close(graphed.hidden, eager.hidden, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(graphed.logits, eager.logits, rtol=1e-4, atol=1e-4)
+    assert graphed.input_embeds is not None and eager.input_embeds is not None
+    assert len(graphed.input_embeds) == 32
+    assert torch.equal(graphed.input_embeds.mask, eager.input_embeds.mask)
+    assert torch.equal(graphed.input_embeds.values[graphed.input_embeds.mask],
+                       eager.input_embeds.values[eager.input_embeds.mask])  # fmt: skip
+    assert graphed.input_embeds.mask.sum() == 2
+    # The rows are copies: the next replay leaves them alone.
+    kept = graphed.hidden.clone()
+    runner.forward(runner.build_batch(batch.requests, batch.ends), keep_hidden=True)
+    assert torch.equal(graphed.hidden, kept)
+
+
+@needs_gpu
+def test_speculation_over_graph_run_prefills_is_lossless(tmp_path_factory) -> None:
+    from tiny_drafts import make_random_draft
+    from tiny_models import make_tiny_llama
+
+    root = tmp_path_factory.mktemp("prefill_graph_spec")
+    make_tiny_llama(root / "target", seed=0)
+    make_random_draft(root / "draft", root / "target", 3, seed=1)
+    # Short prompts: each prefill step fits a graph of 256 tokens.
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 20))] for _ in range(12)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=0) for _ in prompts]
+    plain = _gpu_llm(root / "target", cuda_graph_max_prefill_tokens=0)
+    hidden = plain.model_config.hidden_size
+    embeds = [
+        None if i % 2 else PromptEmbeds.of({0: torch.full((hidden,), 0.01 * i)})
+        for i in range(len(prompts))
+    ]
+    expected = [o.token_ids for o in plain.generate(prompts, params, prompt_embeds=embeds)]
+    spec = _gpu_llm(
+        root / "target",
+        speculative_algorithm="multi-layer-eagle",
+        draft_model=str(root / "draft"),
+        cuda_graph_max_prefill_tokens=256,
+    )
+    got = [o.token_ids for o in spec.generate(prompts, params, prompt_embeds=embeds)]
+    assert spec.engine.runner.prefill_graphs.num_replays > 0
+    assert got == expected
