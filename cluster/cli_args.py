@@ -1,8 +1,10 @@
-"""Command-line arguments that several `pdcluster` commands take."""
+"""Command-line arguments that several `pdcluster` commands take: the engine's, the cluster's
+(`serve`, `demo`) and the model's."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_model_args(parser: argparse.ArgumentParser, model_help: str, dtype_help: str) -> None:
@@ -25,3 +27,232 @@ def layer_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"expected layer numbers like 0,3,5, got {text!r}"
         ) from err
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(
+        parser,
+        "Hugging Face model folder or GGUF file (default: embedded SmolLM2-135M-Instruct)",
+        "weights and KV dtype",
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests batched at once")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
+    parser.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=None,
+        metavar="N",
+        help="refuse a request asking for more than N max_tokens with a 400; a chat request "
+        "without max_tokens gets N, as far as the context allows (default: no cap)",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="KV slots per node (default: 2 GiB worth on CPU, 80%% of free memory on GPU)",
+    )
+    parser.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=8192,
+        help="prompt tokens one prefill step may run (default 8192)",
+    )
+    parser.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="prefill prompts longer than this many tokens in chunks of it, between other work; "
+        "an abort takes effect at the next chunk; 0: no chunks (default 2048 on a CPU, 4096 on "
+        "a GPU)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="fraction of the GPU's total memory one engine may take (weights, KV, activations), "
+        "for engines sharing a GPU (default: the KV pool takes 80%% of the memory free at "
+        "start-up; --gpus-per-node below 1 sets it to the node's share)",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="attention kernels: triton (paged, CUDA graph capturable; needs CUDA) or torch "
+        "(the reference; runs anywhere); auto: triton on a GPU, torch on a CPU",
+    )
+    parser.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="run decode steps eagerly on a GPU instead of replaying captured CUDA graphs",
+    )
+    parser.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="largest decode batch captured in a CUDA graph; larger batches run eagerly "
+        "(default: --max-num-seqs)",
+    )
+    parser.add_argument(
+        "--cuda-graph-max-prefill-tokens",
+        type=int,
+        default=None,
+        help="prefill steps of up to this many tokens replay CUDA graphs too (default 512; "
+        "0: prefill runs eagerly)",
+    )
+    parser.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="on a GPU, wait for each plain decode step's tokens before preparing the next "
+        "(by default the host prepares a step while the device runs the one before)",
+    )
+    parser.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        choices=["multi-layer-eagle"],
+        help="speculative decoding on decode nodes (and the offline engine); needs --draft-model "
+        "except on the default model, which has a shipped draft",
+    )
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft folder (docs/draft-format.md); default model: the shipped draft",
+    )
+    parser.add_argument(
+        "--num-draft-steps",
+        type=int,
+        default=None,
+        help="draft depths K to use (default: every depth the draft has)",
+    )
+    parser.add_argument(
+        "--num-draft-chains",
+        type=int,
+        default=None,
+        help="draft chains per greedy request, started with the first depth's most likely "
+        "tokens; each step keeps the one accepted furthest (default: 4 on a GPU, 1 on a CPU)",
+    )
+    parser.add_argument(
+        "--debug-tensor-dump-dir",
+        type=os.path.abspath,
+        default=None,
+        metavar="DIR",
+        help="debugging, slow: save every module's output of each forward pass; files go to "
+        "DIR/<node>/<target|draft-N>/rank0/forward_NNNNNN.pt, <node> being prefill-0, "
+        "decode-0, ... (offline for generate); runs eagerly: no CUDA graph is captured",
+    )
+    parser.add_argument(
+        "--debug-tensor-dump-layers",
+        type=layer_list,
+        default=None,
+        metavar="L1,L2,...",
+        help="with --debug-tensor-dump-dir: dump only these target decoder layers "
+        "(embeddings, final norm, LM head and draft depths always)",
+    )
+
+
+def add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    from cluster.policies import POLICIES
+
+    parser.add_argument("--prefill-nodes", type=int, default=1, help="prefill actors (default 1)")
+    parser.add_argument("--decode-nodes", type=int, default=1, help="decode actors (default 1)")
+    parser.add_argument(
+        "--aggregated",
+        action="store_true",
+        help="no disaggregation: --replicas engines, each prefilling and decoding its own "
+        "requests, behind the same router and API (the baseline to compare with)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="with --aggregated: engine actors, one GPU each (default 1)",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=float,
+        default=1.0,
+        metavar="SHARE",
+        help="share of a GPU each node takes; 0.5 puts a prefill and a decode node on one GPU "
+        "(KV pools sized to the share, transfers through host memory) (default 1)",
+    )
+    parser.add_argument("--prefill-policy", default="round_robin", choices=sorted(POLICIES))
+    parser.add_argument("--decode-policy", default="least_load", choices=sorted(POLICIES))
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="join an existing Ray cluster (auto or HOST:PORT); default: start a local one",
+    )
+    parser.add_argument(
+        "--prefill-resource",
+        default="prefill",
+        help="custom Ray resource that marks prefill hosts; used where the cluster declares it, "
+        "else prefill nodes go to any free GPU (default: prefill)",
+    )
+    parser.add_argument(
+        "--decode-resource",
+        default="decode",
+        help="custom Ray resource that marks decode hosts, as --prefill-resource (default: decode)",
+    )
+    parser.add_argument(
+        "--wait-for-nodes",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for the Ray cluster to hold the GPUs and resources asked for "
+        "(workers still joining) before failing (default: 0, fail at once)",
+    )
+    parser.add_argument(
+        "--cpu-threads-per-node",
+        type=int,
+        default=1,
+        help="torch threads per node when running on CPU (nodes share the host's cores)",
+    )
+    parser.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="how long one KV transfer may take once posted (default 120): past it the request "
+        "fails, the slots the transfer may still touch are held until its prefill node is "
+        "replaced, and /health reports the node degraded",
+    )
+    parser.add_argument(
+        "--max-node-restarts",
+        type=int,
+        default=5,
+        help="replace a node that dies at most this many times in a row (each replacement dying "
+        "within a minute of starting); then it is left down and reported failed. 0: never "
+        "replace (default 5)",
+    )
+    parser.add_argument(
+        "--node-restart-backoff",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="wait before replacing a dead node, doubled for each death in a row up to 60 s "
+        "(default 1)",
+    )
+    parser.add_argument(
+        "--kv-audit-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how often each node checks its KV pools against its live requests, logging and "
+        "counting any difference (default 10; 0: never)",
+    )
+    parser.add_argument(
+        "--enable-tracing",
+        action="store_true",
+        help="record each request's timeline on the router and every node: served as Chrome "
+        "trace JSON at GET /v1/traces/{id}, summarized in usage.trace_summary",
+    )
+    parser.add_argument(
+        "--trace-dir",
+        type=os.path.abspath,
+        default=None,
+        metavar="DIR",
+        help="with --enable-tracing: also write each request's trace to DIR/<request id>.json "
+        "(opens in ui.perfetto.dev)",
+    )

@@ -136,7 +136,7 @@ def _wait_until_healthy(client: Client, server: subprocess.Popen) -> None:
 
 def _forwarded_flags(args: argparse.Namespace) -> list[str]:
     """Every engine and cluster flag the user set, passed on to `pdcluster serve`."""
-    from cluster.cli import add_cluster_args, add_engine_args
+    from cluster.cli_args import add_cluster_args, add_engine_args
 
     probe = argparse.ArgumentParser()
     add_engine_args(probe)

@@ -1,6 +1,6 @@
 """The router's view of one node: how to probe it and read its stats, whether it is up, and
-what the supervisor did with it (restarts, given up). Shared by the router, the metrics and
-the supervisor."""
+what the supervisor did with it (restarts, given up), and the cluster's health answer made of
+those views. Shared by the router, the metrics and the supervisor."""
 
 from __future__ import annotations
 
@@ -43,3 +43,27 @@ class NodeState:
         if self.given_up:
             return "failed"
         return "restarting" if self.restarting else "down"
+
+
+def health_report(
+    prefill_nodes: list[NodeState], decode_nodes: list[NodeState], aggregated: bool
+) -> dict[str, Any]:
+    """The cluster's health answer: each node's status, and "ok" when all are, "degraded" while
+    a node of each role (a replica, when `aggregated`) is still alive, else "down"."""
+    nodes = []
+    for n in prefill_nodes + decode_nodes:
+        error = n.degraded if n.alive else n.error
+        nodes.append(
+            {
+                "name": n.name,
+                "status": n.status,
+                "in_flight": n.in_flight,
+                "restarts": n.restarts,
+                **({"error": error} if error else {}),
+            }
+        )
+    alive_p = aggregated or any(n.alive for n in prefill_nodes)
+    alive_d = any(n.alive for n in decode_nodes)
+    all_alive = all(n["status"] == "ok" for n in nodes)
+    status = "ok" if all_alive else ("degraded" if alive_p and alive_d else "down")
+    return {"status": status, "nodes": nodes}

@@ -13,38 +13,36 @@ prefill (decode_node.samples), each sample still a stream, an abort and a failur
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from cluster.backend import BackendError, TokenDelta, make_usage
+from cluster.backend import BackendError, TokenDelta
 from cluster.detokenizer import IncrementalDetokenizer
-from cluster.metrics import ClusterMetrics, failure_kind
-from cluster.node_state import NodeState
+from cluster.flights import Flight, FlightTable, next_delta
+from cluster.loop_calls import call_in_loop
+from cluster.metrics import ClusterMetrics
+from cluster.node_state import NodeState, health_report
 from cluster.policies import create_policy
+from cluster.router_messages import embeddings_spec, sampling_spec
 from cluster.sample_streams import SharedPrefill
-from cluster.tracing import NodeTimeline, RequestTimeline, TraceStore
+from cluster.tracing import TraceStore
 from engine.errors import RequestRejectedError
 from engine.loader import ModelSpec
 from engine.prompt_embeds import PromptEmbeds
-from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.validation import chat_prompt_ids, validate_request
 from metadata.control import Outbox
 from metadata.control_auth import FrameVerifier
 from metadata.messages import (
     AbortRequest,
-    EmbeddingsSpec,
     GenerateRequest,
     MessageError,
     ParallelSample,
-    SamplingSpec,
     TokenUpdate,
     decode,
 )
@@ -52,29 +50,6 @@ from metadata.serving_node import NodeHealth
 
 log = logging.getLogger(__name__)
 HEALTH_INTERVAL_S = 1.0
-
-
-@dataclass
-class _Flight:
-    """One request (one sample of a prompt) from its routing to its end."""
-
-    prefill: NodeState | None  # None on an aggregated cluster
-    decode: NodeState
-    room: int
-    prompt_tokens: int
-    detokenizer: IncrementalDetokenizer
-    timer: Any
-    timeline: RequestTimeline | None
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    got_first_token: bool = False
-    completion_tokens: int = 0
-    finished: bool = False  # its last delta or its error was taken
-    ended: bool = False  # let go of (`Router._end_flight`)
-
-
-class _NodeDied:
-    def __init__(self, node: NodeState, stage: str) -> None:
-        self.node, self.stage = node, stage
 
 
 class Router:
@@ -123,7 +98,7 @@ class Router:
         # out.
         self._send_context = zmq.Context()
         self._outboxes: dict[int, Outbox] = {}
-        self._flights: dict[int, _Flight] = {}
+        self._flights = FlightTable()
         self._tasks: list[asyncio.Task] = []
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -207,23 +182,7 @@ class Router:
 
     async def health(self) -> dict[str, Any]:
         await self.start()
-        nodes = []
-        for n in self.prefill_nodes + self.decode_nodes:
-            error = n.degraded if n.alive else n.error
-            nodes.append(
-                {
-                    "name": n.name,
-                    "status": n.status,
-                    "in_flight": n.in_flight,
-                    "restarts": n.restarts,
-                    **({"error": error} if error else {}),
-                }
-            )
-        alive_p = self.aggregated or any(n.alive for n in self.prefill_nodes)
-        alive_d = any(n.alive for n in self.decode_nodes)
-        all_alive = all(n["status"] == "ok" for n in nodes)
-        status = "ok" if all_alive else ("degraded" if alive_p and alive_d else "down")
-        return {"status": status, "nodes": nodes}
+        return health_report(self.prefill_nodes, self.decode_nodes, self.aggregated)
 
     async def metrics_text(self) -> bytes:
         """Prometheus exposition of the router's and every node's metrics."""
@@ -293,7 +252,7 @@ class Router:
         params: list[SamplingParams],
         prompt_embeds: PromptEmbeds | None,
         trace_events: list[tuple[str, int]] | None,
-    ) -> list[_Flight]:
+    ) -> list[Flight]:
         """Route a request (with the parallel samples of its prompt after it, which share its
         prefill) and send it to its decode node: a flight per sample."""
         traces = self.traces
@@ -310,7 +269,7 @@ class Router:
         prefilled_by = prefill or decode_node
         flights = []
         for sample_params, timer, timeline in zip(params, timers, timelines):
-            flight = _Flight(
+            flight = Flight(
                 prefill,
                 decode_node,
                 secrets.randbits(63),
@@ -319,10 +278,7 @@ class Router:
                 timer,
                 timeline,
             )
-            self._flights[flight.room] = flight
-            decode_node.in_flight += 1
-            if prefill is not None:
-                prefill.in_flight += 1
+            self._flights.add(flight)
             if timeline is not None:
                 timeline.room = flight.room
                 timeline.mark("routed", {"prefill": prefilled_by.name, "decode": decode_node.name})
@@ -338,9 +294,9 @@ class Router:
                     first.room,
                     request_ids[0],
                     list(prompt_token_ids),
-                    _sampling_spec(params[0]),
+                    sampling_spec(params[0]),
                     prefilled_by.index,
-                    _embeddings_spec(prompt_embeds),
+                    embeddings_spec(prompt_embeds),
                     samples[1:],
                 )
             )
@@ -350,64 +306,13 @@ class Router:
             raise
         return flights
 
-    async def _next_delta(self, flight: _Flight) -> TokenDelta:
-        """The flight's next delta (the last one with its finish reason and usage); raises
-        BackendError when it failed."""
-        update = await flight.queue.get()
-        prefill, decode_node, timer = flight.prefill, flight.decode, flight.timer
-        if isinstance(update, _NodeDied):
-            flight.finished = True
-            timer.failed("node_down")
-            raise BackendError(
-                f"{update.node.name} died: {update.node.error}",
-                stage=update.stage,
-                node=update.node.name,
-                status=503,
-            )
-        if update.error is not None:
-            flight.finished = True
-            timer.failed(failure_kind(update.error))
-            stage = "decode" if flight.got_first_token else self._prefill_stage
-            raise BackendError(update.error, stage=stage, node=decode_node.name)
-        if update.token_ids and not flight.got_first_token:
-            flight.got_first_token = True
-            if prefill is not None:
-                prefill.in_flight -= 1
-            if flight.timeline is not None:
-                flight.timeline.mark("first_token")
-        flight.completion_tokens += len(update.token_ids)
-        timer.tokens(len(update.token_ids))
-        text = flight.detokenizer.push(update.token_ids)
-        logprobs = [_logprob(entry) for entry in update.logprobs]
-        if update.finish_reason is None:
-            return TokenDelta(list(update.token_ids), text, logprobs)
-        flight.finished = True
-        text += flight.detokenizer.finish()
-        usage = make_usage(
-            flight.prompt_tokens,
-            flight.completion_tokens,
-            prefill_node=(prefill or decode_node).name,
-            decode_node=decode_node.name,
-            **_speculation_usage(update.stats),
-        )
-        timer.finished(update.finish_reason, usage)
-        if flight.timeline is not None:
-            usage["trace_summary"] = await self._close_trace(
-                flight.timeline, update, prefill, decode_node, usage
-            )
-        return TokenDelta(list(update.token_ids), text, logprobs, update.finish_reason, usage)
+    async def _next_delta(self, flight: Flight) -> TokenDelta:
+        return await next_delta(flight, self._prefill_stage, self.traces)
 
-    def _end_flight(self, flight: _Flight) -> None:
+    def _end_flight(self, flight: Flight) -> None:
         """Let go of a flight (once): an unfinished one is aborted on its decode node, which
         frees its KV there and on its prefill node."""
-        if flight.ended:
-            return
-        flight.ended = True
-        self._flights.pop(flight.room, None)
-        if not flight.got_first_token and flight.prefill is not None:
-            flight.prefill.in_flight -= 1
-        flight.decode.in_flight -= 1
-        if flight.finished:
+        if not self._flights.end(flight) or flight.finished:
             return
         flight.timer.failed("aborted")
         if flight.decode.alive and not self._closed:
@@ -427,9 +332,7 @@ class Router:
                 continue
             if not isinstance(update, TokenUpdate):
                 continue
-            flight = self._flights.get(update.room)
-            if flight is not None:
-                flight.queue.put_nowait(update)
+            self._flights.deliver(update)
 
     async def _watch_health(self) -> None:
         while True:
@@ -460,7 +363,7 @@ class Router:
         node.degraded = None
         node.error = reason.splitlines()[0][:300]
         log.error("%s is down: %s", node.name, node.error)
-        self._fail_flights(node)
+        self._flights.fail_node(node, self.aggregated)
         if self.on_node_down is not None:
             self.on_node_down(node)
 
@@ -488,33 +391,7 @@ class Router:
     def call_in_loop(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0) -> Any:
         """Run `fn(*args)` on the router's event loop and return its result (from any thread;
         directly when no loop serves the router, or when called on it)."""
-        loop = self._loop
-        if loop is None or loop.is_closed() or not loop.is_running():
-            return fn(*args)
-        try:
-            if asyncio.get_running_loop() is loop:
-                return fn(*args)
-        except RuntimeError:
-            pass  # no loop in this thread
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn(*args))
-            except BaseException as err:  # noqa: BLE001 - handed to the caller
-                future.set_exception(err)
-
-        loop.call_soon_threadsafe(run)
-        return future.result(timeout_s)
-
-    def _fail_flights(self, node: NodeState) -> None:
-        for flight in list(self._flights.values()):
-            if flight.decode is node:
-                before_first = self.aggregated and not flight.got_first_token
-                stage = "prefill" if before_first else "decode"
-                flight.queue.put_nowait(_NodeDied(node, stage))
-            elif flight.prefill is node and not flight.got_first_token:
-                flight.queue.put_nowait(_NodeDied(node, "prefill"))
+        return call_in_loop(self._loop, fn, *args, timeout_s=timeout_s)
 
     def _pick(self, nodes: list[NodeState], policy, role: str) -> NodeState:
         alive = [n for n in nodes if n.alive]
@@ -522,62 +399,3 @@ class Router:
             self.metrics.failure("node_down")
             raise BackendError(f"no {role} node is alive", stage="routing", status=503)
         return policy.pick(alive)
-
-    async def _close_trace(
-        self,
-        timeline: RequestTimeline,
-        update: TokenUpdate,
-        prefill: NodeState | None,
-        decode: NodeState,
-        usage: dict[str, Any],
-    ) -> dict[str, Any]:
-        """Merge the nodes' timelines (in the finishing update's stats) into the request's
-        trace; returns its summary."""
-        reported = update.stats.get("trace") or {}
-        nodes = [
-            NodeTimeline(node.name, reported.get(node.role, []), node.clock_offset_ns)
-            for node in (prefill, decode)
-            if node is not None
-        ]
-        return await self.traces.finish(timeline, update.finish_reason, nodes, usage)
-
-
-SPECULATION_USAGE_KEYS = ("completion_tokens_details", "spec_verify_steps", "spec_accept_length")
-
-
-def _speculation_usage(stats: dict[str, Any]) -> dict[str, Any]:
-    """The decode node's speculation figures, under the names `usage` carries them."""
-    return {key: stats[key] for key in SPECULATION_USAGE_KEYS if key in stats}
-
-
-def _embeddings_spec(prompt_embeds: PromptEmbeds | None) -> EmbeddingsSpec | None:
-    if prompt_embeds is None:
-        return None
-    return EmbeddingsSpec(
-        list(prompt_embeds.positions), prompt_embeds.width, prompt_embeds.to_bytes()
-    )
-
-
-def _sampling_spec(params: SamplingParams) -> SamplingSpec:
-    return SamplingSpec(
-        max_tokens=params.max_tokens,
-        temperature=float(params.temperature),
-        top_k=params.top_k,
-        top_p=float(params.top_p),
-        seed=params.seed,
-        stop=list(params.stop_strings),
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
-        presence_penalty=float(params.presence_penalty),
-        frequency_penalty=float(params.frequency_penalty),
-        repetition_penalty=float(params.repetition_penalty),
-        logit_bias=[[token, bias] for token, bias in params.logit_bias_items],
-        min_tokens=params.min_tokens,
-        grammar=params.grammar,
-    )
-
-
-def _logprob(entry: list) -> TokenLogprob:
-    token, logprob, top = entry
-    return TokenLogprob(int(token), float(logprob), [(int(t), float(v)) for t, v in top])

@@ -27,31 +27,26 @@ import logging
 import time
 from collections import deque
 
+from decode_node.admission import admitted_requests, prefill_request
 from decode_node.announcements import refusal, unreceivable
 from decode_node.prealloc import fits, preallocate
+from decode_node.receives import adopt_landed, landing_error, receive_pools, scratch_sizes
 from decode_node.samples import (
     SampleGroup,
-    check_shareable,
-    parallel_samples,
     sample_messages,
 )
-from decode_node.token_updates import token_update
-from decode_node.tracked import RESULT_WAIT_S, Tracked
+from decode_node.token_updates import decode_final_stats, token_update
+from decode_node.tracked import Tracked
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
-from engine.prompt_embeds import PromptEmbeds
-from engine.sampler import TokenLogprob
-from engine.sampling_params import SamplingParams
 from engine.tracing import set_time, set_time_batch
 from metadata.control import Inbox, Outbox
-from metadata.faults import DECODE_FAULT_PHASES, PREFILL_FAULT_PHASES
 from metadata.handshake import PairingError, TransferSpec, check_compatible
 from metadata.kv_audit import PoolCount, request_pools
 from metadata.messages import (
     AbortRequest,
     GenerateRequest,
-    PrefillRequest,
     PrefillResult,
     TokenUpdate,
     TransferAbandoned,
@@ -67,8 +62,7 @@ from metadata.node_metrics import Activity, ActivityLog, SpeculationTotals, Tran
 from metadata.pair_group import PairLink
 from metadata.serving_node import ServingNode
 from metadata.transfer import KVReceiver, TransferState
-from metadata.wire import kv_nbytes
-from spec import DraftState, speculator_from_args
+from spec import speculator_from_args
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
@@ -224,22 +218,9 @@ class DecodeNode(ServingNode):
 
     def _accept(self, msg: GenerateRequest) -> None:
         messages = sample_messages(msg) if msg.samples else [msg]
+        max_shared = min(self.metadata.num_rows, self.engine.kv_cache.max_requests)
         try:
-            embeds = None
-            if msg.prompt_embeds is not None:
-                # Kept with the request: a retracted request's re-prefill here reads them.
-                given = msg.prompt_embeds
-                embeds = PromptEmbeds.from_bytes(given.positions, given.width, given.data)
-            requests = [
-                self.engine.make_request(
-                    str(m.room),
-                    list(m.prompt_token_ids),
-                    SamplingParams(**m.sampling.__dict__),
-                    prompt_embeds=embeds,
-                )
-                for m in messages
-            ]
-            check_shareable(msg, min(self.metadata.num_rows, self.engine.kv_cache.max_requests))
+            requests = admitted_requests(msg, messages, self.engine, max_shared)
         except (RequestRejectedError, ValueError) as err:
             for m in messages:
                 self._send(TokenUpdate(m.room, [], error=f"{self.options.name}: {err}"))
@@ -270,18 +251,8 @@ class DecodeNode(ServingNode):
                 member.meta_row = row
             if tracked.group is not None:
                 tracked.group.carrier = tracked
-            msg = tracked.message
-            self.prefill_outboxes[msg.prefill_node].send(
-                PrefillRequest(
-                    msg.room,
-                    msg.request_id,
-                    msg.prompt_token_ids,
-                    msg.sampling,
-                    self.options.index,
-                    self.rank,
-                    msg.prompt_embeds,
-                    parallel_samples(members[1:]),
-                )
+            self.prefill_outboxes[tracked.message.prefill_node].send(
+                prefill_request(tracked.message, members[1:], self.options.index, self.rank)
             )
             for member in members:
                 set_time(member.req, "prefill_requested")  # the prefill node may run it
@@ -303,24 +274,14 @@ class DecodeNode(ServingNode):
             )
             self._discard(announce)
             return
-        refusal = self._refusal(announce, tracked)
-        if refusal is not None:
+        refused = refusal(announce, tracked, self.prefill_ranks)
+        if refused is not None:
             self._discard(announce)
-            self._fail(tracked, refusal)
+            self._fail(tracked, refused)
             return
         tracked.announce = announce
         req = tracked.req
-        prompt_len = len(req.prompt_token_ids)
-        pools = []
-        if announce.prompt_room == 0:  # not a parallel sample's (the carrier's brings its KV)
-            pools.append((self.engine.runner.kv_pool, req.slots[:prompt_len]))
-        if announce.num_draft_tokens:
-            pools += self.speculator.depth_kv(req, prompt_len)
-        elif req.num_draft_tokens:
-            # The prefill node drafted nothing (one token left to emit after the first): this
-            # request decodes plainly, and its reserved draft slots go back now.
-            self.speculator.release(req)
-            req.num_draft_tokens = 0
+        pools = receive_pools(announce, req, self.engine.runner.kv_pool, self.speculator)
         tracked.handle = self.receiver.expect(
             announce.prefill_rank, announce.room, pools, self.metadata, tracked.meta_row
         )
@@ -338,31 +299,18 @@ class DecodeNode(ServingNode):
             log.error("%s: the announcement is dropped", reason)
         return reason
 
-    def _refusal(self, announce: TransferAnnounce, tracked: Tracked) -> str | None:
-        return refusal(announce, tracked, self.prefill_ranks)
-
     def _discard(self, announce: TransferAnnounce) -> None:
         """Receive an announced transfer that no request takes into scratch (see
         `KVReceiver.discard`): the prefill node sends it whatever this node decides."""
-        pools = [self.engine.runner.kv_pool] if announce.prompt_room == 0 else []
-        if announce.num_draft_tokens:
-            depths = self.speculator.depths if self.speculator is not None else []
-            if len(depths) != announce.num_draft_tokens:
-                reason = (
-                    f"room {announce.room} came with {announce.num_draft_tokens} draft depths, "
-                    f"which this node ({len(depths)} of its own) cannot receive"
-                )
-                log.error(
-                    "%s: the channel from rank %d is out of order", reason, announce.prefill_rank
-                )
-                # Later transfers from that rank fail at once rather than take this one's data.
-                self.receiver.break_channel(announce.prefill_rank, reason)
-                return
-            pools += [depth.kv_pool for depth in depths]
-        sizes = [kv_nbytes(pool, announce.num_tokens) for pool in pools]
-        self.receiver.discard(
-            announce.prefill_rank, announce.room, sizes + [self.metadata.row_nbytes]
+        sizes, reason = scratch_sizes(
+            announce, self.engine.runner.kv_pool, self.speculator, self.metadata.row_nbytes
         )
+        if reason is not None:
+            log.error("%s: the channel from rank %d is out of order", reason, announce.prefill_rank)
+            # Later transfers from that rank fail at once rather than take this one's data.
+            self.receiver.break_channel(announce.prefill_rank, reason)
+            return
+        self.receiver.discard(announce.prefill_rank, announce.room, sizes)
 
     def _take_result(self, result: PrefillResult) -> None:
         tracked = self.rooms.get(result.room)
@@ -392,7 +340,7 @@ class DecodeNode(ServingNode):
                 still.append(tracked)
                 continue
             self.transfer_totals.record(handle)
-            error = None if tracked.aborted else self._landing_error(tracked)
+            error = None if tracked.aborted else landing_error(tracked, self.faults)
             if group is not None:
                 error = group.landed(tracked, error)
             if tracked.aborted:
@@ -403,40 +351,12 @@ class DecodeNode(ServingNode):
                 self._join_running(tracked)
         self.receiving = still
 
-    def _landing_error(self, tracked: Tracked) -> str | None:
-        """Why the ended transfer of `tracked` (not aborted) cannot run, None if it landed."""
-        handle = tracked.handle
-        prefill = tracked.message.prefill_node
-        if handle.state == TransferState.FAILED and handle.left_posted:
-            # Timed out: no result is coming that would say more.
-            return f"KV transfer from prefill-{prefill} failed: {handle.error}"
-        if tracked.result is None:
-            return (
-                f"prefill-{prefill} sent no result for its transfer within "
-                f"{RESULT_WAIT_S:g} s of its end"
-            )
-        if handle.state == TransferState.FAILED:
-            return f"KV transfer from prefill-{prefill} failed: {handle.error}"
-        if self.faults.transfer_fault(DECODE_FAULT_PHASES, earlier=PREFILL_FAULT_PHASES):
-            return f"KV transfer from prefill-{prefill} failed: injected fault after it landed"
-        return None
-
     def _join_running(self, tracked: Tracked) -> None:
         req = tracked.req
         if req.trace is not None:
             landed = {"bytes": tracked.handle.nbytes, "wire_ms": tracked.wire_seconds() * 1e3}
             set_time(req, "transfer_end", landed)
-        row = tracked.meta_row
-        first = int(self.metadata.output_ids[row])
-        if req.params.logprobs is not None:
-            top = [(int(t), float(lp)) for t, lp in tracked.result.first_token_top_logprobs]
-            req.logprobs.append(TokenLogprob(first, float(self.metadata.output_logprob[row]), top))
-        req.kv_len = len(req.prompt_token_ids)
-        req.commit(first)
-        if tracked.announce.num_draft_tokens:
-            self.speculator.adopt(req, self._draft_state(row, req.kv_len))
-        self.metadata.free(row)
-        tracked.meta_row = None
+        adopt_landed(tracked, self.metadata, self.speculator)
         req.finish_reason = self.engine.stop_checker.check(req)
         set_time_batch([req], "decode_admitted", "first_token")
         if req.finished:
@@ -446,16 +366,6 @@ class DecodeNode(ServingNode):
         else:
             self._report(tracked)
             self.engine.scheduler.add_running(req)
-
-    def _draft_state(self, row: int, prompt_len: int) -> DraftState:
-        meta = self.metadata
-        return DraftState(
-            prompt_len,
-            meta.topk_index[row].tolist(),
-            meta.topk_p[row].tolist(),
-            meta.hidden_states[row].clone(),
-            meta.boundary_hidden[row].clone(),
-        )
 
     def _step(self) -> None:
         """One engine step: a decode step of the running batch, or the re-prefill of retracted
@@ -483,24 +393,11 @@ class DecodeNode(ServingNode):
             req,
             tracked.sent_tokens,
             self.options.name,
-            lambda: self._final_stats(tracked),
+            lambda: decode_final_stats(tracked, self.options.index, self.spec_totals),
         )
         tracked.sent_tokens = len(req.output_token_ids)
         self.tokens_out += len(update.token_ids)
         self._send(update)
-
-    def _final_stats(self, tracked: Tracked) -> dict:
-        req = tracked.req
-        stats = {
-            "prefill_node": tracked.message.prefill_node,
-            "decode_node": self.options.index,
-            "stop_string": req.stopped_by_string,
-            **self.spec_totals.usage(req),
-        }
-        if req.trace is not None:
-            prefill = tracked.result.trace if tracked.result is not None else []
-            stats["trace"] = {"prefill": prefill, "decode": req.trace.events}
-        return stats
 
     def _abort(self, room: int) -> None:
         tracked = self.rooms.get(room)
@@ -558,14 +455,9 @@ class DecodeNode(ServingNode):
                 tracked.handle.peer,
                 f"a receive of its transfer is still posted: {tracked.handle.error}",
             )
-            if tracked.meta_row is not None:
-                self.metadata.free(tracked.meta_row)
-                tracked.meta_row = None
-            return
-        self._release(tracked.req)
-        if tracked.meta_row is not None:
-            self.metadata.free(tracked.meta_row)
-            tracked.meta_row = None
+        else:
+            self._release(tracked.req)
+        tracked.free_row(self.metadata)
 
     def _release(self, req) -> None:
         self.engine.kv_cache.release(req)
@@ -590,9 +482,7 @@ class DecodeNode(ServingNode):
                 self._send(TokenUpdate(tracked.message.room, [], error=reason))
             self.rooms.pop(tracked.message.room, None)
             self._release(tracked.req)
-            if tracked.meta_row is not None:
-                self.metadata.free(tracked.meta_row)
-                tracked.meta_row = None
+            tracked.free_row(self.metadata)
         for held in self.quarantine.release_peer(rank):
             self._release(held.req)
         log.warning("%s: requests and slots held for prefill-%d let go", reason, index)

@@ -1,14 +1,16 @@
 """What a node that generates streams to the router after a step: a request's tokens since its
 last update, their log-probabilities in wire form, and, once it ended, why (an error naming the
-node, or the finish reason with the node's statistics)."""
+node, or the finish reason with the node's statistics; a decode node's below)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from decode_node.tracked import Tracked
 from engine.request import Request
 from metadata.messages import TokenUpdate
+from metadata.node_metrics import SpeculationTotals
 
 
 def token_update(
@@ -29,3 +31,21 @@ def token_update(
         return TokenUpdate(room, new, logprobs, error=f"{node_name}: {req.error}")
     stats = final_stats() if req.finished else {}
     return TokenUpdate(room, new, logprobs, req.finish_reason, stats=stats)
+
+
+def decode_final_stats(
+    tracked: Tracked, decode_index: int, spec_totals: SpeculationTotals
+) -> dict[str, Any]:
+    """The statistics a decode node's last update of `tracked` carries: which nodes served it,
+    its speculation figures, and both nodes' timelines when traced."""
+    req = tracked.req
+    stats = {
+        "prefill_node": tracked.message.prefill_node,
+        "decode_node": decode_index,
+        "stop_string": req.stopped_by_string,
+        **spec_totals.usage(req),
+    }
+    if req.trace is not None:
+        prefill = tracked.result.trace if tracked.result is not None else []
+        stats["trace"] = {"prefill": prefill, "decode": req.trace.events}
+    return stats

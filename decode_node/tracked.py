@@ -13,6 +13,7 @@ from metadata.transfer import TransferHandle
 
 if TYPE_CHECKING:
     from decode_node.samples import SampleGroup
+    from metadata.buffers import MetadataBuffers
 
 # How long a transfer that ended waits for its PrefillResult, which the prefill node sends before
 # the KV: only a lost message or a dead prefill node makes it wait this long.
@@ -33,6 +34,12 @@ class Tracked:
     ended_at: float | None = None  # when its transfer was first seen ended, without a result
     # The parallel samples of its prompt that share its prefill (decode_node.samples), if any.
     group: SampleGroup | None = None
+
+    def free_row(self, metadata: MetadataBuffers) -> None:
+        """Give back its metadata row, if it holds one."""
+        if self.meta_row is not None:
+            metadata.free(self.meta_row)
+            self.meta_row = None
 
     def settled(self) -> bool:
         """Its ended transfer can be acted on: its PrefillResult came (or is not needed, or is

@@ -53,8 +53,6 @@ class EngineArgs:
     # Prefill steps of up to this many tokens replay CUDA graphs too, where graphs are on (None:
     # DEFAULT_CUDA_GRAPH_MAX_PREFILL_TOKENS; 0: prefill runs eagerly).
     cuda_graph_max_prefill_tokens: int | None = None
-    # False for an engine that never decodes (a prefill node): no decode graphs to capture.
-    capture_decode_graphs: bool = True
     # The host prepares each plain decode step while the device runs the one before
     # (engine/overlap.py); None: on a GPU, off on a CPU (where host and device are one).
     overlap_schedule: bool | None = None
@@ -193,7 +191,7 @@ def _graphs_on(args: EngineArgs, device: str, backend: str) -> bool:
 
 def _cuda_graph_max_bs(args: EngineArgs, device: str, backend: str) -> int:
     """The largest decode batch captured in a CUDA graph; 0 for none."""
-    if not (args.capture_decode_graphs and _graphs_on(args, device, backend)):
+    if not _graphs_on(args, device, backend):
         return 0
     return min(args.cuda_graph_max_bs or args.max_num_seqs, args.max_num_seqs)
 

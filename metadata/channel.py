@@ -1,5 +1,5 @@
 """How a process posts p2p operations to one peer rank (`Channel`), one batch at a time, on the
-pair's own process group under NCCL or on the default group under gloo. metadata/transfer.py
+pair's own process group under NCCL or on the default group under gloo. metadata.peer_workers
 keeps the order and the deadlines; this module only posts."""
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ opening the data-plane channels with their peers."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -66,7 +67,11 @@ def resolve_host(host: str) -> str:
     return ray.util.get_node_ip_address()
 
 
-def load_node_engine(args: EngineArgs, options: NodeOptions) -> tuple[ModelSpec, ModelRunner]:
+def load_node_engine(
+    args: EngineArgs, options: NodeOptions, decodes: bool = True
+) -> tuple[ModelSpec, ModelRunner]:
+    """The node's model spec and runner; `decodes=False` (a prefill node) captures no decode
+    graphs, which would cost start-up time and memory for nothing."""
     level = options.log_level.upper()
     logging.basicConfig(level=level, format=f"%(asctime)s {options.name} %(message)s")
     logging.getLogger().setLevel(level)  # basicConfig leaves it alone when Ray set a handler
@@ -75,6 +80,9 @@ def load_node_engine(args: EngineArgs, options: NodeOptions) -> tuple[ModelSpec,
         torch.set_num_threads(options.cpu_threads)
     keep_large_allocations_in_heap()
     spec = resolve(args, options.name)
+    if not decodes:
+        config = dataclasses.replace(spec.engine_config, cuda_graph_max_bs=0)
+        spec = dataclasses.replace(spec, engine_config=config)
     if spec.engine_config.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.engine_config.device))
     runner = load_runner(spec)

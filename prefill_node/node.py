@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter, deque
+from collections import deque
 
 import torch
 
@@ -35,11 +35,9 @@ from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
 from engine.kv_pool import KVPool
 from engine.loader import EngineArgs
-from engine.prompt_embeds import PromptEmbeds
 from engine.request import Request
 from engine.sampler import TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.tracing import RequestTrace, set_time
+from engine.tracing import set_time
 from metadata.control import Inbox, Outbox
 from metadata.faults import PREFILL_FAULT_PHASES
 from metadata.kv_audit import PoolCount, request_pools
@@ -59,8 +57,9 @@ from metadata.node_metrics import Activity, ActivityLog, TransferTotals
 from metadata.pair_group import PairLink
 from metadata.serving_node import ServingNode
 from metadata.transfer import KVSender, TransferState
-from metadata.wire import PoolMessages
-from prefill_node.pending import Pending, drafts_after_first_token, sample_pending
+from prefill_node.admission import admit_group, pending_group
+from prefill_node.pending import Pending, drafts_after_first_token
+from prefill_node.transfer_contents import prepare_early_kv, void_pools, write_transfer
 from spec import speculator_from_args
 
 log = logging.getLogger(__name__)
@@ -75,10 +74,8 @@ class PrefillNode(ServingNode):
             # A transfer carries the main draft chain only; the decode node drafts its own
             # alternatives from its first draft extend on.
             args = dataclasses.replace(args, num_draft_chains=1)
-        # This node never decodes: decode graphs would cost start-up time and memory for nothing
-        # (its prefill graphs stay).
-        args = dataclasses.replace(args, capture_decode_graphs=False)
-        self.spec, self.runner = load_node_engine(args, options)
+        # This node never decodes: it captures prefill graphs only.
+        self.spec, self.runner = load_node_engine(args, options, decodes=False)
         config = self.spec.engine_config
         self.speculator = speculator_from_args(args, self.runner)
         self.num_draft_steps = self.speculator.num_draft_steps if self.speculator else 0
@@ -187,28 +184,10 @@ class PrefillNode(ServingNode):
     def _queue(self, msg: PrefillRequest) -> None:
         """Queue a request with the parallel samples of its prompt; refused, each of them is
         abandoned (the decode node hears of every room it asked for)."""
-        params = SamplingParams(**msg.sampling.__dict__)
-        req = Request(str(msg.room), list(msg.prompt_token_ids), params)
-        if self.options.enable_tracing:
-            req.trace = RequestTrace()
-            set_time(req, "prefill_queued")
-        if self.speculator is not None:
-            req.num_draft_tokens = self.num_draft_steps
-        pending = Pending(req, msg.decode_node, msg.decode_rank)
-        group = [pending] + [sample_pending(pending, s) for s in msg.samples]
+        num_draft_steps = self.num_draft_steps if self.speculator is not None else None
+        group = pending_group(msg, self.options.enable_tracing, num_draft_steps)
         try:
-            if msg.prompt_embeds is not None:
-                given = msg.prompt_embeds
-                embeds = PromptEmbeds.from_bytes(given.positions, given.width, given.data)
-                embeds.check(req.num_tokens, self.spec.model_config.hidden_size)
-                for member in group:
-                    member.req.prompt_embeds = embeds
-            if params.grammar is not None:
-                if msg.samples:
-                    # A decode node never shares a prompt under a grammar: refused rather
-                    # than sent as transfers it does not expect.
-                    raise RequestRejectedError("parallel samples under a grammar are not shared")
-                self.engine.start_grammar(req)
+            admit_group(msg, group, self.engine, self.spec.model_config.hidden_size)
         except RequestRejectedError as err:
             for member in group:
                 self._abandon(member, str(err))
@@ -253,7 +232,7 @@ class PrefillNode(ServingNode):
         batch = [self.prefilling[req.request_id] for req in completing]
         for pending in batch:
             self._announce(pending)
-        self._prepare_early_kv(batch)
+        prepare_early_kv(batch, self.runner.kv_pool)
 
     def forward_enqueued(self, completing: list[Request]) -> None:
         self._begin_transfers([self.prefilling[req.request_id] for req in completing])
@@ -300,25 +279,8 @@ class PrefillNode(ServingNode):
         )
         set_time(req, "transfer_announced")
 
-    def _prepare_early_kv(self, batch: list[Pending]) -> None:
-        """Which transfers begin as soon as the forward is enqueued (`_begin_transfers`): those
-        of a request that is its decode node's only one in the batch. The rest of a transfer
-        goes after the first token, and NCCL matches a pair's operations by order alone, so
-        no other transfer to that node may start in between. Their messages are built here,
-        before the forward, so that posting them after it is quick."""
-        # A parallel sample's transfer (no target KV) follows its carrier's, which `prefilled`
-        # finishes first: only the prompts count.
-        prompts = [pending for pending in batch if pending.carries_prompt]
-        per_peer = Counter(pending.decode_rank for pending in prompts)
-        for pending in prompts:
-            if per_peer[pending.decode_rank] == 1:
-                req = pending.req
-                pending.target_kv = PoolMessages.build(
-                    [(self.runner.kv_pool, req.slots[: len(req.prompt_token_ids)])]
-                )
-
     def _begin_transfers(self, batch: list[Pending]) -> None:
-        """Post the target KV of the transfers `_prepare_early_kv` chose (`KVSender.begin`):
+        """Post the target KV of the transfers `prepare_early_kv` chose (`KVSender.begin`):
         the KV moves as soon as it exists, and posting overlaps the end of the forward."""
         for pending in batch:
             if pending.target_kv is not None:
@@ -328,7 +290,6 @@ class PrefillNode(ServingNode):
     def _send(self, pending: Pending, logprob, last_hidden: torch.Tensor) -> None:
         req = pending.req
         room = int(req.request_id)
-        prompt_len = req.kv_len
         fault = self.faults.transfer_fault(PREFILL_FAULT_PHASES)
         if fault == "before":
             self._send_void(pending, "transfer failed: injected fault before the KV send")
@@ -338,26 +299,8 @@ class PrefillNode(ServingNode):
             self.stalled.append(pending)
             return
         try:
-            pools = []
-            if pending.carries_prompt:
-                pools.append((self.runner.kv_pool, req.slots[:prompt_len]))
-            draft_fields = {}
-            if pending.drafted:
-                state = self.speculator.export_state(req)
-                pools += self.speculator.depth_kv(req, prompt_len)
-                last_hidden = state.target_hidden
-                draft_fields = {
-                    "topk_index": torch.tensor(state.draft_token_ids),
-                    "topk_p": torch.tensor(state.draft_probs),
-                    "boundary_hidden": state.boundary_hidden,
-                }
-            self.metadata.write_row(
-                pending.meta_row,
-                room=room,
-                output_id=req.output_token_ids[0],
-                output_logprob=logprob.logprob if logprob else 0.0,
-                hidden_state=last_hidden,
-                **draft_fields,
+            pools = write_transfer(
+                pending, self.runner.kv_pool, self.speculator, self.metadata, logprob, last_hidden
             )
             if fault == "during":
                 # The KV goes out, but the row's room tag does not match: the decode node
@@ -383,20 +326,14 @@ class PrefillNode(ServingNode):
         error = f"{self.options.name}: {reason}"
         self.outboxes[pending.decode_node].send(PrefillResult(room, error=error))
         self.metadata.void(pending.meta_row)
-        pools = self._void_pools(len(req.prompt_token_ids), pending.drafted, pending.carries_prompt)
+        pools = void_pools(
+            self.runner.kv_pool,
+            self.speculator,
+            len(req.prompt_token_ids),
+            pending.drafted,
+            pending.carries_prompt,
+        )
         self._post_send(pending, pools)
-
-    def _void_pools(
-        self, num_tokens: int, drafted: bool, carries_prompt: bool = True
-    ) -> list[tuple[KVPool, list[int]]]:
-        """The announced pools, each with slots [1, num_tokens]: they exist whatever state the
-        failure left (the target's pool holds the request's num_tokens slots, and each depth's
-        pool is as large), and are only read."""
-        pools = [self.runner.kv_pool] if carries_prompt else []
-        if drafted:
-            pools += [runner.kv_pool for runner in self.speculator.depths]
-        slots = list(range(1, num_tokens + 1))
-        return [(pool, slots) for pool in pools]
 
     def _post_send(self, pending: Pending, pools: list[tuple[KVPool, list[int]]]) -> None:
         room = int(pending.req.request_id)

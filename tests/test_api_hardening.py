@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import byte_tokenizer
 
-from cluster.cli import build_parser, main, serve_api_key
+from cluster.cli import build_parser, main
+from cluster.cli_commands import serve_api_key
 from cluster.config import DEFAULT_MAX_REQUEST_BYTES
 from cluster.openai_api import BackgroundServer, create_app
 

@@ -222,7 +222,7 @@ def test_logit_bias_outside_the_vocabulary_is_refused(models):
 def test_the_fields_cross_the_wire_and_older_senders_still_decode():
     import msgpack
 
-    from cluster.router import _sampling_spec
+    from cluster.router_messages import sampling_spec
     from metadata.messages import PROTOCOL_VERSION, SamplingSpec, decode, encode
 
     params = SamplingParams(
@@ -234,7 +234,7 @@ def test_the_fields_cross_the_wire_and_older_senders_still_decode():
         min_tokens=2,
         stop_token_ids=[4],
     )
-    landed = SamplingParams(**decode(encode(_sampling_spec(params))).__dict__)
+    landed = SamplingParams(**decode(encode(sampling_spec(params))).__dict__)
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
         assert getattr(landed, name) == getattr(params, name), name
     assert list(landed.stop_token_ids) == [4]

@@ -29,6 +29,16 @@ def test_prefill_graphs_follow_the_graph_flags(tiny_model_path: Path, tmp_path) 
     assert resolve(args).engine_config.cuda_graph_max_prefill_tokens == 0
     with pytest.raises(ValueError, match="cuda_graph_max_prefill_tokens must be >= 0"):
         EngineArgs(model=str(tiny_model_path), cuda_graph_max_prefill_tokens=-1)
+    import argparse
+
+    from cluster.cli_args import add_engine_args
+    from cluster.cli_commands import engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args(parser.parse_args([])).cuda_graph_max_prefill_tokens is None
+    flag = ["--cuda-graph-max-prefill-tokens", "0"]
+    assert engine_args(parser.parse_args(flag)).cuda_graph_max_prefill_tokens == 0
     if not triton_runs_on("cuda"):
         return
     gpu = dataclasses.replace(args, device="cuda", max_num_seqs=16)
@@ -41,7 +51,6 @@ def test_prefill_graphs_follow_the_graph_flags(tiny_model_path: Path, tmp_path) 
     assert tokens(cuda_graph_max_prefill_tokens=64) == (64, 16)
     assert tokens(cuda_graph_max_prefill_tokens=0) == (0, 16)
     assert tokens(max_prefill_tokens=100) == (100, 16)
-    assert tokens(capture_decode_graphs=False) == (512, 0)  # a prefill node
     assert tokens(disable_cuda_graph=True) == (0, 0)
     assert tokens(debug_tensor_dump_dir=str(tmp_path / "dump")) == (0, 0)
 

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import metadata.transfer as transfer
+import metadata.kv_receiver as kv_receiver
+import metadata.kv_sender as kv_sender
 from engine.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.process_group import create_store_server, init_transfer_group
@@ -457,21 +458,22 @@ def combo_plan(receiver: bool) -> dict[int, list[list[int]]]:
     return plan
 
 
-def counting(name: str, counts: dict[str, int]):
-    """Wraps transfer.<name> (gather_kv, scatter_kv) to count its calls in this process."""
-    inner = getattr(transfer, name)
+def counting(module, name: str, counts: dict[str, int]):
+    """Wraps module.<name> (the sender's gather_kv, the receiver's scatter_kv) to count its calls
+    in this process."""
+    inner = getattr(module, name)
 
     def wrapper(*args, **kwargs):
         counts[name] += 1
         return inner(*args, **kwargs)
 
-    setattr(transfer, name, wrapper)
+    setattr(module, name, wrapper)
 
 
 def run_combos(rank: int) -> dict:
     counts = {"gather_kv": 0, "scatter_kv": 0}
-    counting("gather_kv", counts)
-    counting("scatter_kv", counts)
+    counting(kv_sender, "gather_kv", counts)
+    counting(kv_receiver, "scatter_kv", counts)
     receiving = rank == 1
     pools, metadata = make_pools(seed=None if receiving else 0), make_metadata()
     plan = combo_plan(receiving)

@@ -1,0 +1,54 @@
+"""What a decode node makes of a GenerateRequest: its engine requests (one per parallel sample,
+sharing the prompt's embeddings), and, once they are preallocated, the PrefillRequest that asks
+their prefill node to run them."""
+
+from __future__ import annotations
+
+from decode_node.samples import check_shareable, parallel_samples
+from decode_node.tracked import Tracked
+from engine.engine_core import EngineCore
+from engine.prompt_embeds import PromptEmbeds
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from metadata.messages import GenerateRequest, PrefillRequest
+
+
+def admitted_requests(
+    msg: GenerateRequest, messages: list[GenerateRequest], engine: EngineCore, max_shared: int
+) -> list[Request]:
+    """The requests of `messages` (`msg`, or each of its parallel samples'); raises
+    RequestRejectedError or ValueError when this node cannot serve them (`max_shared`: the
+    most samples it holds at once)."""
+    embeds = None
+    if msg.prompt_embeds is not None:
+        # Kept with the request: a retracted request's re-prefill here reads them.
+        given = msg.prompt_embeds
+        embeds = PromptEmbeds.from_bytes(given.positions, given.width, given.data)
+    requests = [
+        engine.make_request(
+            str(m.room),
+            list(m.prompt_token_ids),
+            SamplingParams(**m.sampling.__dict__),
+            prompt_embeds=embeds,
+        )
+        for m in messages
+    ]
+    check_shareable(msg, max_shared)
+    return requests
+
+
+def prefill_request(
+    msg: GenerateRequest, samples: list[Tracked], node_index: int, rank: int
+) -> PrefillRequest:
+    """The request for the prefill of `msg`'s request and of the parallel `samples` that share
+    its prompt, whose transfers come to this node (`node_index`, data-plane `rank`)."""
+    return PrefillRequest(
+        msg.room,
+        msg.request_id,
+        msg.prompt_token_ids,
+        msg.sampling,
+        node_index,
+        rank,
+        msg.prompt_embeds,
+        parallel_samples(samples),
+    )
