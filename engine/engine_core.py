@@ -8,73 +8,24 @@ draft over them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from engine.engine_hooks import PrefillHandoff, Speculator
 from engine.grammar import GrammarCompiler
-from engine.grammar_mask import mask_request_logits
 from engine.kv_cache import KVCacheManager
-from engine.logits_processors import process_request_logits
 from engine.model_runner import ForwardOutput, ModelRunner
 from engine.overlap import OverlapDecoder, overlappable
 from engine.prefill_chunks import HeldChunks
 from engine.prompt_embeds import InputEmbeds, PromptEmbeds
 from engine.request import Request, RequestOutput, SpecStats, Usage
-from engine.sampler import TokenLogprob, compute_logprobs, sample, sample_on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
+from engine.step_sampling import sample_next_tokens, sample_overlapped
 from engine.stopping import StopChecker
 from engine.tracing import RequestTrace, set_correct_drafts, set_time, set_time_batch
 from engine.validation import validate_request
-
-
-def position_generator(seed: int, index: int) -> torch.Generator:
-    """The generator that draws output token number `index` of a request seeded with `seed`."""
-    key = (seed * 0x9E3779B97F4A7C15 + index) % (2**63)
-    return torch.Generator().manual_seed(key)
-
-
-def step_generator(req: Request, in_flight: int = 0) -> torch.Generator | None:
-    """A seeded request draws each token from a generator keyed by (seed, token index), so the
-    same seed gives the same tokens whichever node or batch samples a given position.
-    `in_flight`: tokens sampled before this one that are not committed yet (overlap)."""
-    if req.params.seed is None:
-        return None
-    return position_generator(req.params.seed, len(req.output_token_ids) + in_flight)
-
-
-def sample_next_tokens(
-    logits: torch.Tensor,
-    requests: list[Request],
-    eos_token_ids: Sequence[int],
-    default_generator: torch.Generator,
-) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
-    """Each request's next token from its last-position logits [B, vocab] (penalties, biases
-    and min_tokens first, then the grammar's mask, which wins where min_tokens leaves it no
-    token, then its sampling settings), and its logprob entry. The one sampling step of every
-    node that samples after a forward."""
-    params = [req.params for req in requests]
-    generators = [step_generator(req) for req in requests]
-    processed = process_request_logits(logits, requests, eos_token_ids)
-    processed = mask_request_logits(processed, requests, unprocessed=logits)
-    tokens = sample(processed, params, generators, default_generator)
-    return tokens, compute_logprobs(logits, tokens, params)
-
-
-def sample_overlapped(
-    logits: torch.Tensor,
-    requests: list[Request],
-    in_flight: int,
-    default_generator: torch.Generator,
-) -> torch.Tensor:
-    """The next tokens of requests that sample from their logits alone (engine.overlap), left
-    on the device; each has `in_flight` tokens sampled and not committed yet."""
-    params = [req.params for req in requests]
-    generators = [step_generator(req, in_flight) for req in requests]
-    return sample_on_device(logits, params, generators, default_generator)
-
 
 # How long a step with nothing to run waits for a grammar still compiling.
 GRAMMAR_WAIT_S = 0.01
@@ -92,61 +43,6 @@ def _decodes_plainly(req: Request) -> bool:
 def _extends(req: Request) -> bool:
     """finish_round extends the draft of `req` (after this step's tokens were committed)."""
     return not req.finished and req.lookahead > 0
-
-
-class Speculator(Protocol):
-    """What the engine asks of speculative decoding (implemented in spec/)."""
-
-    num_draft_steps: int
-
-    def draft_extend_prefill(
-        self,
-        requests: list[Request],
-        hidden: list[torch.Tensor],
-        input_embeds: list[InputEmbeds | None] | None = None,
-    ) -> None:
-        """Run every draft depth over freshly prefilled prompts (hidden: the target's, per
-        request, at every prompt position; input_embeds: the rows the target read in place of
-        token embeddings there, if any) and build each request's first draft chain."""
-
-    def verify(self, requests: list[Request], default_generator: torch.Generator) -> Any:
-        """One target forward over each request's newest token and draft chain; returns the
-        tokens to commit (`.tokens`, `.logprobs`, one list per request) and what the draft
-        extend needs."""
-
-    def finish_round(self, requests: list[Request], verified: Any) -> None:
-        """After the tokens were committed: count statistics, extend the draft of each request
-        still running over its new tokens, building its next chain."""
-
-    def release(self, req: Request) -> None:
-        """Free the request's draft KV (called whenever its target KV is freed)."""
-
-
-class PrefillHandoff(Protocol):
-    """The owner of a prefill-only engine (a prefill node): it hears of each prompt's prefill
-    and takes the request over once the prompt is done, its KV still held."""
-
-    def prefill_completing(self, completing: list[Request]) -> None:
-        """Before a prefill forward: these requests' prompts end in it (all of a prompt, or
-        its last chunk), then the parallel samples that take those prompts' KV in it
-        (`Request.forks`); the same requests, in the same order, as `forward_enqueued` and
-        `prefilled` get."""
-
-    def forward_enqueued(self, completing: list[Request]) -> None:
-        """The forward that ends these prompts is enqueued (their KV exists once it runs)."""
-
-    def prefilled(
-        self,
-        requests: list[Request],
-        logprobs: list[TokenLogprob | None],
-        last_hidden: torch.Tensor,
-    ) -> None:
-        """These prompts are done (and the samples that forked them): first token appended,
-        draft extended where they draft; `last_hidden[i]`: the target's draft input at
-        request i's last prompt position."""
-
-    def failed(self, requests: list[Request], error: str) -> None:
-        """These requests failed in the engine (their KV still held)."""
 
 
 class EngineCore:

@@ -2,7 +2,7 @@
 and the metadata row to the decode node that reserved room for it. Its prompts run through the
 engine's EngineCore, prefill only (admission, chunks, forward, sampling and the draft extend
 for prefill are the engine's); what is its own is announcing and sending the transfers
-(`engine_core.PrefillHandoff`).
+(`engine.engine_hooks.PrefillHandoff`).
 
 A request arrives only after its decode node has preallocated (decode-driven handshake), so the
 prefill node announces each transfer on the control plane as soon as the request's batch is
@@ -224,7 +224,7 @@ class PrefillNode(ServingNode):
             else:
                 self.engine.add_samples([pending.req for pending in group])
 
-    # --- engine_core.PrefillHandoff: the engine's prefill steps ---
+    # --- engine_hooks.PrefillHandoff: the engine's prefill steps ---
     def prefill_completing(self, completing: list[Request]) -> None:
         """Announce before the forward that ends their prompts (a prompt in chunks, before its
         last chunk): every transfer announced is sent in the same step, so the order of the

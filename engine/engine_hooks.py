@@ -1,0 +1,67 @@
+"""What EngineCore asks of those it works with but does not own: the speculator (implemented
+in spec/, which depends on engine, never the reverse) and a prefill-only engine's owner."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from engine.prompt_embeds import InputEmbeds
+from engine.request import Request
+from engine.sampler import TokenLogprob
+
+
+class Speculator(Protocol):
+    """What the engine asks of speculative decoding (implemented in spec/)."""
+
+    num_draft_steps: int
+
+    def draft_extend_prefill(
+        self,
+        requests: list[Request],
+        hidden: list[torch.Tensor],
+        input_embeds: list[InputEmbeds | None] | None = None,
+    ) -> None:
+        """Run every draft depth over freshly prefilled prompts (hidden: the target's, per
+        request, at every prompt position; input_embeds: the rows the target read in place of
+        token embeddings there, if any) and build each request's first draft chain."""
+
+    def verify(self, requests: list[Request], default_generator: torch.Generator) -> Any:
+        """One target forward over each request's newest token and draft chain; returns the
+        tokens to commit (`.tokens`, `.logprobs`, one list per request) and what the draft
+        extend needs."""
+
+    def finish_round(self, requests: list[Request], verified: Any) -> None:
+        """After the tokens were committed: count statistics, extend the draft of each request
+        still running over its new tokens, building its next chain."""
+
+    def release(self, req: Request) -> None:
+        """Free the request's draft KV (called whenever its target KV is freed)."""
+
+
+class PrefillHandoff(Protocol):
+    """The owner of a prefill-only engine (a prefill node): it hears of each prompt's prefill
+    and takes the request over once the prompt is done, its KV still held."""
+
+    def prefill_completing(self, completing: list[Request]) -> None:
+        """Before a prefill forward: these requests' prompts end in it (all of a prompt, or
+        its last chunk), then the parallel samples that take those prompts' KV in it
+        (`Request.forks`); the same requests, in the same order, as `forward_enqueued` and
+        `prefilled` get."""
+
+    def forward_enqueued(self, completing: list[Request]) -> None:
+        """The forward that ends these prompts is enqueued (their KV exists once it runs)."""
+
+    def prefilled(
+        self,
+        requests: list[Request],
+        logprobs: list[TokenLogprob | None],
+        last_hidden: torch.Tensor,
+    ) -> None:
+        """These prompts are done (and the samples that forked them): first token appended,
+        draft extended where they draft; `last_hidden[i]`: the target's draft input at
+        request i's last prompt position."""
+
+    def failed(self, requests: list[Request], error: str) -> None:
+        """These requests failed in the engine (their KV still held)."""

@@ -1,0 +1,59 @@
+"""The sampling step of every node that samples after a forward: each request's next token
+from its last-position logits, with its processors, grammar mask and seed stream."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.grammar_mask import mask_request_logits
+from engine.logits_processors import process_request_logits
+from engine.request import Request
+from engine.sampler import TokenLogprob, compute_logprobs, sample, sample_on_device
+
+
+def position_generator(seed: int, index: int) -> torch.Generator:
+    """The generator that draws output token number `index` of a request seeded with `seed`."""
+    key = (seed * 0x9E3779B97F4A7C15 + index) % (2**63)
+    return torch.Generator().manual_seed(key)
+
+
+def step_generator(req: Request, in_flight: int = 0) -> torch.Generator | None:
+    """A seeded request draws each token from a generator keyed by (seed, token index), so the
+    same seed gives the same tokens whichever node or batch samples a given position.
+    `in_flight`: tokens sampled before this one that are not committed yet (overlap)."""
+    if req.params.seed is None:
+        return None
+    return position_generator(req.params.seed, len(req.output_token_ids) + in_flight)
+
+
+def sample_next_tokens(
+    logits: torch.Tensor,
+    requests: list[Request],
+    eos_token_ids: Sequence[int],
+    default_generator: torch.Generator,
+) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
+    """Each request's next token from its last-position logits [B, vocab] (penalties, biases
+    and min_tokens first, then the grammar's mask, which wins where min_tokens leaves it no
+    token, then its sampling settings), and its logprob entry. The one sampling step of every
+    node that samples after a forward."""
+    params = [req.params for req in requests]
+    generators = [step_generator(req) for req in requests]
+    processed = process_request_logits(logits, requests, eos_token_ids)
+    processed = mask_request_logits(processed, requests, unprocessed=logits)
+    tokens = sample(processed, params, generators, default_generator)
+    return tokens, compute_logprobs(logits, tokens, params)
+
+
+def sample_overlapped(
+    logits: torch.Tensor,
+    requests: list[Request],
+    in_flight: int,
+    default_generator: torch.Generator,
+) -> torch.Tensor:
+    """The next tokens of requests that sample from their logits alone (engine.overlap), left
+    on the device; each has `in_flight` tokens sampled and not committed yet."""
+    params = [req.params for req in requests]
+    generators = [step_generator(req, in_flight) for req in requests]
+    return sample_on_device(logits, params, generators, default_generator)
