@@ -58,6 +58,8 @@ def cluster_config(setup: Setup, args: argparse.Namespace) -> ClusterConfig:
         kv_cache_tokens=args.kv_cache_tokens,
         speculative_algorithm="multi-layer-eagle" if setup.speculative else None,
         draft_model=args.draft_model if setup.speculative else None,
+        overlap_schedule=False if args.disable_overlap_schedule else None,
+        cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
     )
     common = dict(
         engine=engine,
@@ -176,6 +178,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--cpu-threads-per-node", type=int, default=1)
+    parser.add_argument(
+        "--disable-overlap-schedule", action="store_true", help="as pdcluster's flag, for A/B runs"
+    )
+    parser.add_argument(
+        "--cuda-graph-max-prefill-tokens", type=int, default=None, help="as pdcluster's flag"
+    )
     parser.add_argument("--endpoint", default="completions", choices=["chat", "completions"])
     parser.add_argument("--datasets", nargs="+", default=["random"], choices=["random", "chat"])
     parser.add_argument("--num-prompts", type=int, default=200)
