@@ -157,20 +157,24 @@ class EngineCore:
         """Parallel samples of one prompt (the same prompt tokens and vectors, their own
         sampling): the first prefills the prompt, the others take its prompt KV and sample
         their first token from its logits (Request.forks). Samples under a grammar each
-        prefill their own: each joins when its own grammar has compiled."""
-        first, *forks = samples
+        prefill their own: each joins when its own grammar has compiled. A group runs at once
+        or not at all, so more samples than max_num_seqs share a prefill per max_num_seqs."""
+        first = samples[0]
         assert all(
             f.prompt_token_ids == first.prompt_token_ids and f.prompt_embeds is first.prompt_embeds
-            for f in forks
+            for f in samples
         ), "samples of one prompt"
         if any(req.grammar is not None for req in samples):
             for req in samples:
                 self.add_request(req)
             return
-        first.forks = list(forks)
-        for req in forks:
-            set_time(req, "queued")
-        self.add_request(first)
+        size = self.scheduler.max_num_seqs
+        for start in range(0, len(samples), size):
+            head, *forks = samples[start : start + size]
+            head.forks = list(forks)
+            for req in forks:
+                set_time(req, "queued")
+            self.add_request(head)
 
     def has_work(self) -> bool:
         in_flight = self.overlap is not None and self.overlap.in_flight is not None

@@ -163,3 +163,18 @@ def test_a_shared_slot_is_free_only_once_every_holder_let_go():
     allocator.check_integrity()
     with pytest.raises(ValueError, match="shared but not allocated"):
         allocator.share([5])
+
+
+def test_more_samples_than_max_num_seqs_share_a_prefill_per_group(models):
+    """n above max_num_seqs: a group of samples runs at once or not at all, so the samples are
+    split into groups of at most max_num_seqs, each sharing one prefill (one group larger
+    than max_num_seqs would never be admitted)."""
+    tiny, *_ = models
+    llm = _llm(tiny, max_num_seqs=3)
+    params = SamplingParams(n=7, max_tokens=5, temperature=0.9, seed=11, ignore_eos=True)
+    expected = _alone(llm, PROMPTS[:1], params)
+    counted = _prefilled_tokens(llm)
+    outputs = llm.generate(PROMPTS[:1], params)
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(counted) == 3 * len(PROMPTS[0])  # groups of 3, 3 and 1
+    assert _clean(llm)
