@@ -130,11 +130,16 @@ class ToolUse:
             if isinstance(self.choice, NamedToolChoice)
             else list(self.functions)
         )
-        calls = [_call_schema(name, self.functions[name].parameters) for name in names]
+        defs: dict[str, Any] = {}
+        calls = [_call_schema(name, self.functions[name].parameters, defs) for name in names]
         call = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        if not self.parallel:
-            return call
-        return {"anyOf": [call, {"type": "array", "items": call, "minItems": 1}]}
+        schema = (
+            call
+            if not self.parallel
+            else {"anyOf": [call, {"type": "array", "items": call, "minItems": 1}]}
+        )
+        # Each function's own definitions, hoisted: its $refs point at the answer's root now.
+        return {**schema, "$defs": defs} if defs else schema
 
     def system_prompt(self) -> str:
         """What the model is told about the tools (the template has no tool format)."""
@@ -190,16 +195,57 @@ class ToolUse:
         )
 
 
-def _call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+def _call_schema(
+    name: str, parameters: dict[str, Any] | None, defs: dict[str, Any]
+) -> dict[str, Any]:
+    """A call of `name` whose arguments follow `parameters`; the definitions the parameters
+    refer to join `defs`, which the caller puts at the answer schema's root."""
     return {
         "type": "object",
         "properties": {
             "name": {"const": name},
-            "arguments": parameters if parameters is not None else {"type": "object"},
+            "arguments": _hoist_definitions(name, parameters, defs),
         },
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def _hoist_definitions(
+    name: str, parameters: dict[str, Any] | None, defs: dict[str, Any]
+) -> dict[str, Any]:
+    """`parameters` as it reads nested under a call: JSON pointers in its `$ref`s start at the
+    document's root, which is the answer schema now, not the parameters. So its `$defs` (or
+    `definitions`, as pydantic and older drafts write) move to the root, named after the
+    function, and its `$ref`s follow them; a `$ref` to the parameters themselves ("#", a
+    recursive schema) points at a copy of them kept there too."""
+    if parameters is None:
+        return {"type": "object"}
+    if "$ref" not in json.dumps(parameters):
+        return parameters
+    body = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+    local = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+
+    def retarget(ref: str) -> str:
+        for root in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(root):
+                return f"#/$defs/{name}.{ref[len(root) :]}"
+        return f"#/$defs/{name}" if ref == "#" else ref
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {
+                key: retarget(value) if key == "$ref" and isinstance(value, str) else rewrite(value)
+                for key, value in node.items()
+            }
+        if isinstance(node, list):
+            return [rewrite(item) for item in node]
+        return node
+
+    defs.update({f"{name}.{key}": rewrite(value) for key, value in local.items()})
+    body = rewrite(body)
+    defs[name] = body
+    return body
 
 
 def with_tools_prompt(messages: list[dict[str, str]], tools: ToolUse) -> list[dict[str, str]]:

@@ -303,3 +303,64 @@ def test_structured_output_not_built_is_a_400_naming_the_field(fields, param):
     error = response.json()["error"]
     assert error["param"] == param, error
     assert param.split(".")[0].split("[")[0] in error["message"]
+
+
+ADDRESS_TOOL = Tool.model_validate(
+    {
+        "type": "function",
+        "function": {
+            "name": "ship",
+            # As pydantic writes a model with nested models: definitions under $defs (and the
+            # older "definitions"), referred to from the properties.
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "address": {"$ref": "#/$defs/Address"},
+                    "tags": {"type": "array", "items": {"$ref": "#/definitions/Tag"}},
+                    "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+                },
+                "required": ["address"],
+                "$defs": {
+                    "Address": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string", "maxLength": 10}},
+                        "required": ["city"],
+                    }
+                },
+                "definitions": {"Tag": {"enum": ["fragile", "express"]}},
+            },
+        },
+    }
+)
+
+
+def test_parameters_with_definitions_and_references_constrain_the_call():
+    """A tool whose parameters refer to their own $defs: nested under the call, the references
+    still resolve (the definitions move to the answer's root), so the grammar compiles and a
+    call validates exactly as its arguments do against the parameters alone."""
+    for parallel in (True, False):
+        tools = ToolUse([ADDRESS_TOOL, TOOLS[0]], "required", parallel)
+        assert tools.grammar() is not None
+        schema = tools.answer_schema()
+        good = {
+            "name": "ship",
+            "arguments": {
+                "address": {"city": "Oslo"},
+                "tags": ["express"],
+                "next": {"address": {"city": "Bergen"}, "next": None},
+            },
+        }
+        jsonschema.validate(good, schema)
+        parameters = ADDRESS_TOOL.function.parameters
+        for bad_arguments in (
+            {"address": {}},
+            {"address": {"city": "Oslo"}, "tags": ["slow"]},
+            {"address": {"city": "Oslo"}, "next": {"address": {"town": "x"}}},
+        ):
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(bad_arguments, parameters)
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate({"name": "ship", "arguments": bad_arguments}, schema)
+    # The function without references is nested as it was given.
+    plain = ToolUse(TOOLS, "required").answer_schema()
+    assert "$defs" not in plain
