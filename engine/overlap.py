@@ -15,9 +15,10 @@ left out of step N+1.
 
 Only steps whose every request samples from its logits alone overlap: penalties and min_tokens
 read the token history, a grammar's mask needs the newest token, logprobs are read on the host,
-and speculative steps have a loop of their own. Anything that changes the batch (a prompt to
-prefill, a request joining from a transfer, a retraction) first waits for the step in flight
-(`flush`), then runs as without overlap."""
+and speculative steps have a loop of their own. A request that joins the running set with its
+KV already cached (from a transfer) joins the next step, its input token known on the host.
+Anything else that changes the batch (a prompt to prefill, a retraction) first waits for the
+step in flight (`flush`), then runs as without overlap."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from engine.stopping import StopChecker
 from engine.tracing import set_time_batch
 
 # (logits [B, V], requests, tokens each request has in flight) -> tokens [B] on the device.
-SampleOnDevice = Callable[[torch.Tensor, list[Request], int], torch.Tensor]
+SampleOnDevice = Callable[[torch.Tensor, list[Request], list[int]], torch.Tensor]
 
 
 def overlappable(req: Request) -> bool:
@@ -82,12 +83,14 @@ class OverlapDecoder:
         self.finished_in_flight: list[Request] = []
         self.num_overlapped_steps = 0
 
-    def launch(self, requests: list[Request], batch: ForwardBatch, in_flight: int = 0) -> None:
+    def launch(
+        self, requests: list[Request], batch: ForwardBatch, in_flight: list[int] | None = None
+    ) -> None:
         """Run `batch` (one token for each of `requests`) and sample, leaving the tokens on the
-        device; `in_flight`: tokens each request already has in a step not read yet."""
+        device; `in_flight[i]`: tokens request i already has in a step not read yet."""
         set_time_batch(requests, "decode_start")
         output = self.runner.forward(batch)
-        tokens = self.sample(output.logits, requests, in_flight)
+        tokens = self.sample(output.logits, requests, in_flight or [0] * len(requests))
         if tokens.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
@@ -105,26 +108,38 @@ class OverlapDecoder:
         previous = self.in_flight
         assert previous is not None
         live = [req for req in previous.requests if not req.finished]
-        # The running set is the step's own (none joined, none retracted) and no prompt waits.
-        if self.scheduler.waiting or not _same(self.scheduler.running, live):
+        # The running set is the step's own, then requests that joined it with their KV (from a
+        # transfer, `Scheduler.add_running`), and no prompt waits: none retracted or prefilled.
+        running = self.scheduler.running
+        joined = running[len(live) :]
+        if (
+            self.scheduler.waiting
+            or not _same(running[: len(live)], live)
+            or not all(overlappable(req) and req.kv_len == req.num_tokens - 1 for req in joined)
+        ):
             return None
         going_on = [req for req in live if not self._ends_by_length(req)]
-        # The token in flight sits at position num_tokens: the next step writes that slot.
+        # A token in flight sits at position num_tokens: the next step writes that slot. A
+        # request that joined decodes its newest token, known here, at num_tokens - 1.
         grants = [(req, max(0, req.num_tokens + 1 - len(req.slots))) for req in going_on]
-        if not going_on or not self.kv_cache.can_grow(sum(n for _, n in grants)):
+        grants += [(req, max(0, req.num_tokens - len(req.slots))) for req in joined]
+        if not (going_on or joined) or not self.kv_cache.can_grow(sum(n for _, n in grants)):
             return None
         self.kv_cache.grow_many([(req, n) for req, n in grants if n])
         spans = [Span(req.row, req.num_tokens, [0], req.slots[req.num_tokens : req.num_tokens + 1])
                  for req in going_on]  # fmt: skip
+        spans += [Span(req.row, req.kv_len, req.token_ids(req.kv_len, req.num_tokens),
+                       req.slots[req.kv_len : req.num_tokens]) for req in joined]  # fmt: skip
         batch = self.runner.span_batch(spans)
         source = previous.tokens
         if len(going_on) != len(previous.requests):
             index = {id(req): i for i, req in enumerate(previous.requests)}
             rows = int_tensor([index[id(req)] for req in going_on], source.device)
             source = source.index_select(0, rows)
-        batch.input_ids.copy_(source)
+        # The tokens in flight over their placeholders; the joined requests' were loaded.
+        batch.input_ids[: len(going_on)].copy_(source)
         try:
-            self.launch(going_on, batch, in_flight=1)
+            self.launch(going_on + joined, batch, [1] * len(going_on) + [0] * len(joined))
         except Exception:
             self.in_flight = previous
             raise

@@ -49,11 +49,11 @@ def sample_next_tokens(
 def sample_overlapped(
     logits: torch.Tensor,
     requests: list[Request],
-    in_flight: int,
+    in_flight: list[int],
     default_generator: torch.Generator,
 ) -> torch.Tensor:
     """The next tokens of requests that sample from their logits alone (engine.overlap), left
-    on the device; each has `in_flight` tokens sampled and not committed yet."""
+    on the device; request i has `in_flight[i]` tokens sampled and not committed yet."""
     params = [req.params for req in requests]
-    generators = [step_generator(req, in_flight) for req in requests]
+    generators = [step_generator(req, ahead) for req, ahead in zip(requests, in_flight)]
     return sample_on_device(logits, params, generators, default_generator)

@@ -210,3 +210,45 @@ def test_overlap_with_cuda_graphs_equals_sequential(tiny_model_path: Path) -> No
         if overlap:
             assert engine.overlap.num_overlapped_steps > 10
     assert outputs[0] == outputs[1]
+
+
+def _join_with_cached_prompt(engine: EngineCore, req: Request) -> None:
+    """What a decode node does when a request's KV has landed: the prompt's KV cached in the
+    request's slots and its first token sampled elsewhere (here: by this engine's own runner,
+    outside any step), then `Scheduler.add_running`."""
+    n = len(req.prompt_token_ids)
+    engine.kv_cache.grow(req, n + 1)
+    output = engine.runner.forward(engine.runner.build_batch([req], [n]))
+    req.commit(int(output.logits[0].argmax()))
+    req.kv_len = n
+    engine.scheduler.add_running(req)
+
+
+def test_requests_joining_with_their_kv_join_the_overlapped_steps(tiny_model_path: Path) -> None:
+    """Requests that join decoding with their prompt's KV already cached (a decode node's
+    transfers) join the next overlapped step without waiting for the one in flight; every
+    request's tokens are those without overlap."""
+    results, overlapped = [], []
+    for overlap in (False, True):
+        engine = _llm(tiny_model_path, overlap=overlap).engine
+        first = _requests(engine, 3)
+        greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        joining = [engine.make_request(f"j{i}", PROMPTS[i], greedy) for i in range(3)]
+        for req in first:
+            engine.add_request(req)
+        step = 0
+        while engine.has_work():
+            if step in (4, 6, 7):
+                _join_with_cached_prompt(engine, joining[(4, 6, 7).index(step)])
+            engine.step()
+            step += 1
+        results.append([r.output_token_ids for r in first + joining])
+        assert engine.kv_cache.is_empty()
+        if overlap:
+            overlapped.append(engine.overlap.num_overlapped_steps)
+            decode_steps = step - 1  # all but the prefill
+    plain, with_overlap = results
+    assert with_overlap == plain
+    # Every decode step overlapped but the first (launched alone) and the last (nothing left to
+    # launch: it reads the step in flight): no join made the engine wait.
+    assert overlapped[0] == decode_steps - 2
