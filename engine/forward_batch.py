@@ -90,10 +90,11 @@ def extend_batch(
     req_to_token_pool: ReqToTokenPool,
     backend: AttentionBackend,
     device: torch.device,
+    embeds_dtype: torch.dtype | None = None,
 ) -> ForwardBatch:
-    """An eager batch of explicit spans: tokens that need not be a Request's committed ones
-    (speculative verify, the draft depths, a decode step whose input is still on the device),
-    into pools of the caller's choosing."""
+    """An eager batch of explicit spans, into pools of the caller's choosing: the engine's
+    prefill and decode steps, speculative verify (tokens not committed yet), the draft depths.
+    `embeds_dtype`: of the vectors given for some tokens (default: as given)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -103,7 +104,10 @@ def extend_batch(
         positions.extend(range(span.start, span.start + len(span.token_ids)))
         slots.extend(span.slots)
     input_embeds, input_embeds_mask = concat_input_embeds(
-        [span.input_embeds for span in spans], [len(span.token_ids) for span in spans], device
+        [span.input_embeds for span in spans],
+        [len(span.token_ids) for span in spans],
+        device,
+        embeds_dtype,
     )
     batch = ForwardBatch(
         input_ids=int_tensor(ids, device),

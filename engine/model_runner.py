@@ -13,13 +13,12 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph import CudaGraphs, batch_size_buckets, token_buckets
 from engine.debug_dump import TARGET_ROLE, dump_pass, tensor_dumper
 from engine.forward_batch import ForwardBatch, Span, extend_batch
-from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.models import model_class
 from engine.models.cpu_linear import pack_linears, packed_linear_available
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
-from engine.prompt_embeds import InputEmbeds, concat_input_embeds
+from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
 
 
@@ -126,82 +125,26 @@ class ModelRunner:
             return None
         return self.verify_graphs.load(spans)
 
-    def span_batch(self, spans: list[Span]) -> ForwardBatch:
-        """A decode batch of explicit spans (one token each): in a decode graph's buffers where
-        one holds it, else eager."""
-        if self.graphs is not None and self.graphs.fits(spans):
-            return self.graphs.load(spans)
+    def span_batch(self, spans: list[Span], graphs: CudaGraphs | None = None) -> ForwardBatch:
+        """A batch of explicit spans: in the buffers of `graphs` (by default the decode
+        graphs) where one of them holds it, else eager."""
+        graphs = self.graphs if graphs is None else graphs
+        if graphs is not None and graphs.fits(spans):
+            return graphs.load(spans)
         return extend_batch(
-            spans, self.kv_pool, self.req_to_token_pool, self.attention, self.device
+            spans,
+            self.kv_pool,
+            self.req_to_token_pool,
+            self.attention,
+            self.device,
+            self.config.dtype,
         )
 
     def build_batch(self, requests: list[Request], ends: list[int] | None = None) -> ForwardBatch:
-        """Each request extends its cached prefix (`kv_len`) to all of its tokens, or to
-        `ends[i]` (a prompt's chunk). A decode batch that a CUDA graph holds goes into the
-        graph's static buffers."""
-        graph_batch = (
-            self._decode_graph_batch(requests)
-            if ends is None
-            else self._prefill_graph_batch(requests, ends)
-        )
-        if graph_batch is not None:
-            return graph_batch
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens, extend_lens = [], []
-        embeds: list[InputEmbeds | None] = []
-        for i, req in enumerate(requests):
-            start, end = req.kv_len, req.num_tokens if ends is None else ends[i]
-            embeds.append(req.prompt_embeds.rows(start, end) if req.prompt_embeds else None)
-            ids.extend(req.token_ids(start, end))
-            positions.extend(range(start, end))
-            slots.extend(req.slots[start:end])
-            seq_lens.append(end)
-            extend_lens.append(end - start)
-        input_embeds, input_embeds_mask = concat_input_embeds(
-            embeds, extend_lens, self.device, self.config.dtype
-        )
-        batch = ForwardBatch(
-            input_ids=self._tensor(ids),
-            positions=self._tensor(positions),
-            out_cache_loc=self._tensor(slots),
-            req_pool_indices=self._tensor([req.row for req in requests]),
-            seq_lens=seq_lens,
-            extend_lens=extend_lens,
-            kv_pool=self.kv_pool,
-            req_to_token_pool=self.req_to_token_pool,
-            input_embeds=input_embeds,
-            input_embeds_mask=input_embeds_mask,
-        )
-        batch.attn_metadata = self.attention.prepare(batch)
-        return batch
-
-    def _decode_graph_batch(self, requests: list[Request]) -> ForwardBatch | None:
-        """The batch in a decode graph's buffers when every request decodes its one newest
-        token (an output token, so never one given as an embedding) and a graph holds the
-        batch's size; None otherwise."""
-        if self.graphs is None or not all(
-            req.num_tokens - req.kv_len == 1 and req.kv_len >= len(req.prompt_token_ids)
-            for req in requests
-        ):
-            return None
-        spans = [
-            Span(
-                req.row,
-                req.kv_len,
-                req.token_ids(req.kv_len, req.num_tokens),
-                req.slots[req.kv_len : req.num_tokens],
-            )
-            for req in requests
-        ]
-        return self.graphs.load(spans) if self.graphs.fits(spans) else None
-
-    def _prefill_graph_batch(self, requests: list[Request], ends: list[int]) -> ForwardBatch | None:
-        """A prefill step (prompts or their chunks, up to `ends`) in a prefill graph's buffers,
-        padded to the next captured token count; None where no graph holds it."""
-        if self.prefill_graphs is None:
-            return None
+        """Each request extends its cached prefix (`kv_len`) to all of its tokens (a decode
+        step), or to `ends[i]` (a prefill step: a prompt or its chunk). A batch that a captured
+        graph holds goes into the graph's static buffers: decode graphs hold one new token a
+        request (never one given as a vector), prefill graphs up to their token count."""
         spans = [
             Span(
                 req.row,
@@ -210,11 +153,9 @@ class ModelRunner:
                 req.slots[req.kv_len : end],
                 req.prompt_embeds.rows(req.kv_len, end) if req.prompt_embeds else None,
             )
-            for req, end in zip(requests, ends)
+            for req, end in zip(requests, ends or [req.num_tokens for req in requests])
         ]
-        if not self.prefill_graphs.fits(spans):
-            return None
-        return self.prefill_graphs.load(spans)
+        return self.span_batch(spans, self.graphs if ends is None else self.prefill_graphs)
 
     def _prefill_outputs(
         self, batch: ForwardBatch, _hidden_input: None = None
@@ -284,9 +225,6 @@ class ModelRunner:
         with dump_pass(self.dumper, batch):
             hidden, draft_hidden = self._run_model(batch)
             return self.model.compute_logits(hidden), draft_hidden
-
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return int_tensor(values, self.device)
 
 
 def run_target(
