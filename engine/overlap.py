@@ -33,6 +33,7 @@ from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.scheduler import ScheduledBatch, Scheduler
+from engine.step_sampling import samples_from_logits_alone
 from engine.stopping import StopChecker
 from engine.tracing import set_time_batch
 
@@ -42,14 +43,7 @@ SampleOnDevice = Callable[[torch.Tensor, list[Request], list[int]], torch.Tensor
 
 def overlappable(req: Request) -> bool:
     """Whether `req`'s next token depends on nothing but its logits (see the module's doc)."""
-    params = req.params
-    return (
-        req.lookahead == 0
-        and req.num_draft_tokens == 0
-        and req.grammar is None
-        and params.logprobs is None
-        and not params.penalized
-    )
+    return req.num_draft_tokens == 0 and samples_from_logits_alone(req)
 
 
 @dataclass

@@ -46,6 +46,15 @@ def sample_next_tokens(
     return tokens, compute_logprobs(logits, tokens, params)
 
 
+def samples_from_logits_alone(req: Request) -> bool:
+    """Whether `req`'s next token depends on nothing but its logits and its seed stream: no
+    penalty, bias or min_tokens (they read the token history), no grammar (its mask needs the
+    newest token) and no logprobs (read on the host). Such tokens can be drawn, and a
+    speculative round decided, on the device before the host has seen the step before."""
+    params = req.params
+    return req.grammar is None and params.logprobs is None and not params.penalized
+
+
 def sample_overlapped(
     logits: torch.Tensor,
     requests: list[Request],

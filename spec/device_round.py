@@ -23,6 +23,7 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.host_copy import int_tensor
 from engine.request import Request
+from engine.step_sampling import samples_from_logits_alone
 from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
 
 
@@ -30,11 +31,7 @@ def runs_on_device(requests: list[Request], num_chains: int, k: int) -> bool:
     """Whether every request's round can be decided on the device (see the module's doc);
     the fixed extend's own conditions are `FixedDecodeExtend.fits`'s."""
     return num_chains == 1 and all(
-        req.lookahead == k
-        and req.params.greedy
-        and not req.params.penalized
-        and req.grammar is None
-        and req.params.logprobs is None
+        req.lookahead == k and req.params.greedy and samples_from_logits_alone(req)
         for req in requests
     )
 
@@ -66,18 +63,19 @@ def run_device_round(
     forward: ForwardBatch,
     forward_every_token,
     requests: list[Request],
+    items: list[FixedExtendItem],
     fixed_extend: FixedDecodeExtend,
     k: int,
 ) -> DeviceRound:
     """Verify `forward` (each request's newest token and chain of `k` drafts, in request
-    order), accept on the device, extend, and read everything back in one copy."""
+    order), accept on the device, extend over `items` (`placeholder_items` of the requests,
+    which `FixedDecodeExtend.fits`), and read everything back in one copy."""
     logits, hidden = forward_every_token(forward)
     n = len(requests)
     targets = logits.argmax(dim=-1).view(n, k + 1)
     chains = int_tensor([req.spec_state.chain[:k] for req in requests], targets.device)
     accepted = (targets[:, :k] == chains).long().cumprod(dim=1).sum(dim=1)
     hidden = hidden.view(n, k + 1, -1)
-    items = placeholder_items(requests, k)
     for i, item in enumerate(items):
         item.verify_hidden = hidden[i]
     next_chains, next_probs, boundary = fixed_extend.launch(items, targets, accepted)

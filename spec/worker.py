@@ -187,10 +187,10 @@ class MultiLayerEagleWorker:
             spans.append(Span(req.row, m, tokens, req.slots[m : m + k + 1]))
         runner = self.runner
         k = self.num_draft_steps
-        if runs_on_device(requests, self.num_chains, k) and self.fixed_extend.fits(
-            placeholder_items(requests, k)
-        ):
-            return self._device_round(requests, spans)
+        if runs_on_device(requests, self.num_chains, k):
+            items = placeholder_items(requests, k)
+            if self.fixed_extend.fits(items):
+                return self._device_round(requests, spans, items)
         pool, kv_pool = runner.req_to_token_pool, runner.kv_pool
         alternatives: list[list[Alternative]] = [[] for _ in requests]
         try:
@@ -199,14 +199,18 @@ class MultiLayerEagleWorker:
         finally:
             release_alternatives(alternatives, pool, kv_pool)
 
-    def _device_round(self, requests: list[Request], spans: list[Span]) -> VerifyResult:
+    def _device_round(
+        self, requests: list[Request], spans: list[Span], items: list[FixedExtendItem]
+    ) -> VerifyResult:
         """Verify, acceptance and the draft extend queued back to back (spec.device_round)."""
         runner, k = self.runner, self.num_draft_steps
         batch = runner.graph_batch(spans) or extend_batch(
             spans, runner.kv_pool, runner.req_to_token_pool, runner.attention, runner.device
         )
         outputs_before = [len(req.output_token_ids) for req in requests]
-        done = run_device_round(batch, runner.forward_every_token, requests, self.fixed_extend, k)
+        done = run_device_round(
+            batch, runner.forward_every_token, requests, items, self.fixed_extend, k
+        )
         return VerifyResult(
             tokens=done.tokens,
             logprobs=[[None] * len(tokens) for tokens in done.tokens],
@@ -284,8 +288,7 @@ class MultiLayerEagleWorker:
     def finish_round(self, requests: list[Request], verified: VerifyResult) -> None:
         """After the scheduler committed the verified tokens: statistics, then draft extend
         over the newly committed tokens for the requests that go on speculating."""
-        going_on = []  # (request, tokens committed this step, its verify span's hidden states)
-        indices = []
+        going_on = []  # (index in the batch, request, tokens committed this step)
         for i, req in enumerate(requests):
             committed = len(req.output_token_ids) - verified.num_outputs_before[i]
             if verified.num_drafts[i]:
@@ -293,26 +296,27 @@ class MultiLayerEagleWorker:
                 _count(req, drafts, proposed, verified.verdicts[i], committed)
             if req.finished or req.spec_state is None or not req.lookahead:
                 continue
-            indices.append(i)
-            going_on.append((req, committed, verified.hidden[i] if verified.hidden else None))
+            going_on.append((i, req, committed))
         done = verified.extended
         if done is not None:  # the extend ran with the verify: its chains go to those going on
+            indices = [i for i, _, _ in going_on]
             self.fixed_extend.apply(
                 [done.items[i] for i in indices],
-                [committed for _, committed, _ in going_on],
+                [committed for _, _, committed in going_on],
                 [done.chains[i] for i in indices],
                 done.boundary[:, indices],
             )
             return
+        hidden = verified.hidden  # per request: the target's over its verify span
         if self.num_chains == 1:
             fixed = [
                 FixedExtendItem(
                     req.spec_state,
                     req.num_tokens - 1 - committed,
                     req.all_token_ids[-committed:],
-                    hidden,
+                    hidden[i],
                 )
-                for req, committed, hidden in going_on
+                for i, req, committed in going_on
             ]
             if self.fixed_extend.fits(fixed):
                 self.fixed_extend.run(fixed)
@@ -320,9 +324,13 @@ class MultiLayerEagleWorker:
         self.extender.run(
             [
                 DraftExtend(
-                    req.spec_state, req.all_token_ids, hidden[:committed], None, self._chains(req)
+                    req.spec_state,
+                    req.all_token_ids,
+                    hidden[i][:committed],
+                    None,
+                    self._chains(req),
                 )
-                for req, committed, hidden in going_on
+                for i, req, committed in going_on
             ]
         )
 
