@@ -131,7 +131,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="draft chains per greedy request, started with the first depth's most likely "
-        "tokens; each step keeps the one accepted furthest (default: 4 on a GPU, 1 on a CPU)",
+        "tokens; each step keeps the one accepted furthest (default 1)",
     )
     parser.add_argument(
         "--debug-tensor-dump-dir",

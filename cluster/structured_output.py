@@ -226,10 +226,14 @@ def _hoist_definitions(
     body = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
     local = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
 
+    recursive = False
+
     def retarget(ref: str) -> str:
+        nonlocal recursive
         for root in ("#/$defs/", "#/definitions/"):
             if ref.startswith(root):
                 return f"#/$defs/{name}.{ref[len(root) :]}"
+        recursive = recursive or ref == "#"
         return f"#/$defs/{name}" if ref == "#" else ref
 
     def rewrite(node: Any) -> Any:
@@ -244,7 +248,8 @@ def _hoist_definitions(
 
     defs.update({f"{name}.{key}": rewrite(value) for key, value in local.items()})
     body = rewrite(body)
-    defs[name] = body
+    if recursive:
+        defs[name] = body
     return body
 
 

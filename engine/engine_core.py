@@ -188,7 +188,7 @@ class EngineCore:
                 req.finish_reason = "abort"
                 return req
         if self.overlap is not None:
-            self.overlap.settle()  # the step in flight may still write the request's slots
+            self.overlap.settle(request_id)  # a step in flight may write its slots
         return self.scheduler.abort(request_id)
 
     def step(self) -> list[Request]:

@@ -56,8 +56,7 @@ class LLM:
         request speculates with `num_draft_steps` draft depths (default: all the draft has)
         unless `generate(..., speculative=False)` opts it out. With `num_draft_chains` N > 1,
         greedy requests draft N chains that start with depth 0's N most likely tokens, and
-        each step keeps the one the target accepts furthest (output unchanged); by default 4
-        on a GPU and 1 elsewhere.
+        each step keeps the one the target accepts furthest (output unchanged); by default 1.
         `debug_tensor_dump_dir` dumps every forward pass (engine/debug_dump.py) under
         DIR/offline/<target|draft-N>/rank0/, keeping only `debug_tensor_dump_layers` if given.
         Prompts longer than `chunked_prefill_size` tokens are prefilled in chunks of it, between

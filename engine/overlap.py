@@ -163,11 +163,14 @@ class OverlapDecoder:
         set_time_batch(requests, "decode_end")
         return finished
 
-    def settle(self) -> None:
-        """Wait until the step in flight is done on the device (before freeing the slots of a
-        request it runs, as an abort does)."""
-        if self.in_flight is not None and self.in_flight.copied is not None:
-            self.in_flight.copied.synchronize()
+    def settle(self, request_id: str) -> None:
+        """Wait until the step in flight is done on the device if it runs the request
+        `request_id` (before its slots are freed, as an abort does)."""
+        step = self.in_flight
+        if step is None or step.copied is None:
+            return
+        if any(req.request_id == request_id for req in step.requests):
+            step.copied.synchronize()
 
     def _release_finished(self) -> None:
         for req in self.finished_in_flight:
