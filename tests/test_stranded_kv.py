@@ -100,7 +100,10 @@ def test_a_transfer_stuck_past_its_timeout_frees_its_slots_and_degrades_health(m
                 health = await router.health()
                 node = health["nodes"][1]
                 if node["status"] == "degraded":
-                    seen.setdefault("degraded", node)
+                    # The broken channel may show a probe before the held slots do: the
+                    # receive's timeout breaks it on the transfer's thread, and the serving
+                    # loop then holds the slots.
+                    seen.setdefault("degraded", []).append(node["error"])
                 await asyncio.sleep(0.02)
 
         async def main():
@@ -121,7 +124,7 @@ def test_a_transfer_stuck_past_its_timeout_frees_its_slots_and_degrades_health(m
         assert timeout_s <= ended < timeout_s + 5
         # The cluster's status is "down" meanwhile: its only prefill node is being replaced.
         # The request's slots (its 37-token prompt and its first decode step) are held meanwhile.
-        assert "stuck past their timeout hold 38 KV slots" in seen["degraded"]["error"]
+        assert any("stuck past their timeout hold 38 KV slots" in e for e in seen["degraded"])
         assert wait_for(cluster.kv_pools_empty, 30), cluster.node_stats()
         stats = ray.get(decode.stats.remote())
         assert stats["kv_used"] == 0 and stats["kv_quarantined"] == 0
