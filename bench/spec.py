@@ -2,13 +2,16 @@
 side by side in one run.
 
     python bench/spec.py [--device cpu|cuda] [--model PATH] [--draft-model PATH|random]
-        [--num-draft-chains 1 3]
+        [--num-draft-chains 1 3] [--trees 4:8 4:12] [--temperature 0.7]
 
-Plain decoding and one speculative engine per --num-draft-chains value answer the held-out chat
-prompts (spec.train.prompts.heldout_prompts, never used to train the shipped draft), greedy,
-stopping at EOS or --max-tokens, and must produce identical tokens. With N chains, each greedy
-step verifies N draft chains that start with the first depth's N most likely tokens and keeps
-the one accepted furthest. The draft is the shipped default draft for the default model unless
+Plain decoding and one speculative engine per --num-draft-chains value and per --trees
+TOPK:NODES draft tree (spec/tree.py) answer the held-out chat prompts
+(spec.train.prompts.heldout_prompts, never used to train the shipped draft), stopping at EOS or
+--max-tokens; greedy ones must produce identical tokens (with --temperature, every request is
+sampled with a seed of its own, and the output is not compared). With N chains, each step
+verifies N draft chains that start with the first depth's N most likely tokens; a TOPK:NODES
+tree expands TOPK nodes per level, each proposing its TOPK likeliest children, and verifies
+the NODES likeliest. The draft is the shipped default draft for the default model unless
 --draft-model names one; `--draft-model random` makes an untrained one, which shows the cost of
 speculating and nothing else. Prints a table and rewrites the "Speculative decoding (DEVICE)"
 section of docs/BENCHMARKS.md (raw figures in docs/bench/spec_DEVICE.json)."""
@@ -41,12 +44,19 @@ def random_draft(llm: LLM, num_draft_steps: int, folder: Path) -> Path:
     return folder
 
 
-def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+def run(
+    llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, temperature: float
+) -> dict:
+    params = [
+        SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, seed=i if temperature else None
+        )
+        for i in range(len(prompts))
+    ]
     llm.generate(prompts[:batch], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     outputs, started = [], time.perf_counter()
     for start in range(0, len(prompts), batch):
-        outputs += llm.generate(prompts[start : start + batch], params)
+        outputs += llm.generate(prompts[start : start + batch], params[start : start + batch])
     elapsed = time.perf_counter() - started
     emitted = sum(o.usage.completion_tokens for o in outputs)
     totals = spec_totals(o.usage for o in outputs)
@@ -75,6 +85,14 @@ def main() -> None:
         default=[None],
         help="one speculative engine per value (default: the engine's default for the device)",
     )
+    parser.add_argument(
+        "--trees",
+        nargs="+",
+        default=[],
+        metavar="TOPK:NODES",
+        help="one speculative engine per draft tree shape, e.g. 4:8",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompts", type=int, default=16, help="held-out conversations used")
@@ -84,6 +102,10 @@ def main() -> None:
     keep_large_allocations_in_heap()
     common = {"device": args.device, "max_num_seqs": max(args.batch_sizes)}
     chain_counts = list(dict.fromkeys(args.num_draft_chains))
+    trees = [tuple(int(v) for v in shape.split(":")) for shape in args.trees]
+    shapes = [{"num_draft_chains": chains} for chains in chain_counts] + [
+        {"speculative_topk": topk, "num_draft_tokens": nodes} for topk, nodes in trees
+    ]
     plain = LLM(args.model, **common)
     with tempfile.TemporaryDirectory() as scratch:
         if args.draft_model == "random":
@@ -102,57 +124,60 @@ def main() -> None:
                 speculative_algorithm="multi-layer-eagle",
                 draft_model=draft,
                 num_draft_steps=args.num_draft_steps,
-                num_draft_chains=chains,
+                **shape,
             )
-            for chains in chain_counts
+            for shape in shapes
         ]
     conversations = heldout_prompts()[: args.prompts]
     prompts = [plain.apply_chat_template(c) for c in conversations]
     rows = []
     for batch in args.batch_sizes:
-        base = run(plain, prompts, batch, args.max_tokens)
+        base = run(plain, prompts, batch, args.max_tokens, args.temperature)
         for llm in speculative:
-            spec = run(llm, prompts, batch, args.max_tokens)
+            spec = run(llm, prompts, batch, args.max_tokens, args.temperature)
             rows.append(
                 {
                     "batch": batch,
-                    "draft_chains": llm.config.num_draft_chains,
+                    "drafts": _shape_name(llm),
                     "plain_tok_s": base["tok_s"],
                     "spec_tok_s": spec["tok_s"],
                     "speedup": spec["tok_s"] / base["tok_s"],
                     "accept_length": spec["accept_length"],
                     "acceptance": spec["acceptance"],
                     "completion_tokens": spec["completion_tokens"],
-                    "identical": base["tokens"] == spec["tokens"],
+                    "identical": None if args.temperature else base["tokens"] == spec["tokens"],
                 }
             )
     lines = [
-        "| batch | draft chains | plain tokens/s | speculative tokens/s | speedup | accept length "
+        "| batch | drafts | plain tokens/s | speculative tokens/s | speedup | accept length "
         "| acceptance per draft position | identical output |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | :--- | :---: |",
+        "| ---: | :--- | ---: | ---: | ---: | ---: | :--- | :---: |",
     ]
     for r in rows:
         acceptance = ", ".join(f"{a:.2f}" for a in r["acceptance"])
+        same = {None: "sampled", True: "yes", False: "NO"}[r["identical"]]
         lines.append(
-            f"| {r['batch']} | {r['draft_chains']} | {r['plain_tok_s']:.1f} | "
+            f"| {r['batch']} | {r['drafts']} | {r['plain_tok_s']:.1f} | "
             f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['accept_length']:.2f} | "
-            f"{acceptance} | {'yes' if r['identical'] else 'NO'} |"
+            f"{acceptance} | {same} |"
         )
     table = "\n".join(lines)
     print(table)
     if args.no_write:
         return
     command = "python bench/spec.py " + " ".join(sys.argv[1:])
+    sampling = f"temperature {args.temperature}, seeded" if args.temperature else "greedy"
     device = torch.device(args.device).type
     where = device_description(args.device)
     body = (
         f"Command: `{command.strip()}` (default model, {where}, K = {args.num_draft_steps} "
         f"draft depths from {draft_name}, the first {len(prompts)} held-out chat prompts, "
-        f"greedy, at most {args.max_tokens} new tokens, stopping at EOS).\n\n" + table + "\n\n"
+        f"{sampling}, at most {args.max_tokens} new tokens, stopping at EOS).\n\n" + table + "\n\n"
         "Accept length: tokens per verify step, bonus token included. Acceptance per draft "
-        "position: the share of verify steps that accepted draft token 1, 2, 3. Draft "
-        "chains: with N, each step verifies N chains that start with the first depth's N most "
-        "likely tokens and keeps the one accepted furthest.\n"
+        "position: the share of verify steps that accepted draft token 1, 2, 3. Drafts: N "
+        "chains start with the first depth's N most likely tokens; a top-k tree of N nodes "
+        "expands k nodes per level, each proposing its k likeliest children, and verifies the "
+        "N likeliest nodes under the draft.\n"
     )
     write_section(
         f"Speculative decoding ({device.upper()})",
@@ -160,6 +185,18 @@ def main() -> None:
         {"rows": rows, "command": command, "where": where},
         f"spec_{device}.json",
     )
+
+
+def _shape_name(llm: LLM) -> str:
+    config = llm.config
+    if config.speculative_topk > 1:
+        nodes = (
+            config.num_draft_tokens
+            or config.speculative_topk * llm.engine.speculator.num_draft_steps
+        )
+        return f"top-{config.speculative_topk} tree of {nodes}"
+    chains = config.num_draft_chains
+    return f"{chains} chain{'s' if chains > 1 else ''}"
 
 
 if __name__ == "__main__":

@@ -134,6 +134,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "tokens; each step keeps the one accepted furthest (default 1)",
     )
     parser.add_argument(
+        "--speculative-topk",
+        type=int,
+        default=None,
+        help="draft a token tree: each expanded node proposes its TOPK likeliest children and "
+        "TOPK nodes are expanded per level (default 1: a chain)",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="tree nodes verified per step, the likeliest under the draft (default: TOPK x "
+        "draft depths; needs --speculative-topk >= 2)",
+    )
+    parser.add_argument(
         "--debug-tensor-dump-dir",
         type=os.path.abspath,
         default=None,

@@ -33,6 +33,8 @@ def engine_args(args: argparse.Namespace):
         draft_model=args.draft_model,
         num_draft_steps=args.num_draft_steps,
         num_draft_chains=args.num_draft_chains,
+        speculative_topk=args.speculative_topk,
+        num_draft_tokens=args.num_draft_tokens,
         debug_tensor_dump_dir=args.debug_tensor_dump_dir,
         debug_tensor_dump_layers=args.debug_tensor_dump_layers,
     )

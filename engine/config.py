@@ -165,6 +165,10 @@ class EngineConfig:
     # Draft chains per greedy request when speculating (spec/worker.py): each alternative chain
     # is verified in a request-table row of its own, so the table has this many rows a request.
     num_draft_chains: int = 1
+    # A draft token tree instead (spec/tree.py): each expanded node's `speculative_topk`
+    # likeliest children, `num_draft_tokens` nodes verified (0: topk x depths); 1: chains.
+    speculative_topk: int = 1
+    num_draft_tokens: int = 0
     # float32 linear layers on CPU run through oneDNN with prepacked weights (see cpu_linear.py).
     cpu_packed_linear: bool = True
     # Set by --debug-tensor-dump-dir: where this engine's forward passes are dumped.
@@ -191,8 +195,35 @@ class EngineConfig:
         refuse_cuda_graphs(self.tensor_dump is not None, graphs)
         if self.num_draft_chains < 1:
             raise ValueError(f"num_draft_chains must be >= 1, got {self.num_draft_chains}")
+        check_draft_tree(
+            self.speculative_topk, self.num_draft_tokens or None, self.num_draft_chains
+        )
 
     @property
     def num_request_rows(self) -> int:
-        """Rows of the request table: max_num_seqs for requests, the rest for draft chains."""
-        return self.max_num_seqs * self.num_draft_chains
+        """Rows of the request table (and of each draft depth's): max_num_seqs for requests, the
+        rest for the forks of draft trees."""
+        return self.max_num_seqs * max(self.num_draft_chains, self.speculative_topk)
+
+
+# A tree's verify span (the newest token and the nodes) carries each token's visible rows as a
+# 64-bit mask (engine.forward_batch.Span.visible).
+MAX_DRAFT_TREE_TOKENS = 62
+
+
+def check_draft_tree(topk: int, num_draft_tokens: int | None, num_chains: int | None) -> None:
+    """The draft tree's settings, each with the reason it is refused."""
+    if topk < 1:
+        raise ValueError(f"speculative_topk must be >= 1, got {topk}")
+    if num_draft_tokens is not None:
+        if topk < 2:
+            raise ValueError("num_draft_tokens needs speculative_topk >= 2 (a tree)")
+        if not 1 <= num_draft_tokens <= MAX_DRAFT_TREE_TOKENS:
+            raise ValueError(
+                f"num_draft_tokens must be in 1..{MAX_DRAFT_TREE_TOKENS}, got {num_draft_tokens}"
+            )
+    if topk > 1 and num_chains is not None and num_chains > 1:
+        raise ValueError(
+            "give num_draft_chains or speculative_topk, not both: N chains are the tree that "
+            "branches at the first draft only"
+        )

@@ -24,16 +24,18 @@ from collections.abc import Callable
 import torch
 
 from engine.attention import AttentionBackend
-from engine.forward_batch import ForwardBatch, Span
+from engine.forward_batch import ForwardBatch, Span, tree_bits
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.prompt_embeds import InputEmbeds, concat_input_embeds
 
 logger = logging.getLogger(__name__)
 
-# The static input buffer: three rows of per-token values, then five of per-request values.
+# The static input buffer: three rows of per-token values, then five of per-request values,
+# then for graphs of token trees each token's visibility mask (ForwardBatch.tree_bits).
 _IDS, _POSITIONS, _SLOTS = range(3)
 _ROWS, _SEQ_LENS, _Q_STARTS, _Q_LENS, _LAST = range(5)
 _NUM_ROWS = 8
+_TREE_BITS = 8
 PADDING_SLOT = 0
 
 
@@ -64,11 +66,14 @@ def bucket_for(buckets: list[int], batch_size: int) -> int | None:
     return None
 
 
-def padded_columns(size: int, spans: list[Span], padding_row: int) -> list[list[int]]:
+def padded_columns(
+    size: int, spans: list[Span], padding_row: int, trees: bool = False
+) -> list[list[int]]:
     """A graph's eight input rows over `size` columns: per token its id, position and KV slot;
-    per request its row, length, first token, number of tokens and last token. The spans come
-    first, then one padding request per remaining token (token 0 at position 0, writing the
-    padding slot, over the padding row), then requests of no token, which attention skips."""
+    per request its row, length, first token, number of tokens and last token; with `trees`,
+    a ninth of each token's visibility mask (-1, causal, for padding). The spans come first,
+    then one padding request per remaining token (token 0 at position 0, writing the padding
+    slot, over the padding row), then requests of no token, which attention skips."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -79,7 +84,10 @@ def padded_columns(size: int, spans: list[Span], padding_row: int) -> list[list[
         starts.append(len(ids))
         lens.append(len(span.token_ids))
         ids += span.token_ids
-        positions += range(span.start, span.start + len(span.token_ids))
+        if span.positions is None:
+            positions += range(span.start, span.start + len(span.token_ids))
+        else:
+            positions += span.positions
         slots += span.slots
     padding = size - len(ids)
     assert padding >= 0, f"{len(ids)} tokens in a graph of {size}"
@@ -96,7 +104,10 @@ def padded_columns(size: int, spans: list[Span], padding_row: int) -> list[list[
     starts += [0] * empty
     lens += [0] * empty
     lasts = [start + max(n, 1) - 1 for start, n in zip(starts, lens)]
-    return [ids, positions, slots, rows, seq_lens, starts, lens, lasts]
+    columns = [ids, positions, slots, rows, seq_lens, starts, lens, lasts]
+    if trees:
+        columns.append(tree_bits(spans) + [-1] * padding)
+    return columns
 
 
 GraphOutputs = tuple[torch.Tensor, ...]
@@ -111,7 +122,9 @@ class CudaGraphs:
     most `max_span` tokens each. With `hidden_width`, each token also brings a hidden state of
     that width (a draft depth's input). With `embeds_width`, a token may come as a vector of
     that width in place of its id's embedding (prompt_embeds): the graph always reads the
-    vectors and a mask, all False where no span gave any."""
+    vectors and a mask, all False where no span gave any. With `trees`, spans may be token
+    trees (`Span.positions`, `Span.visible`): the graphs read each token's mask, which costs
+    attention a load and a shift per key block, so only graphs that run trees take it."""
 
     def __init__(
         self,
@@ -125,6 +138,7 @@ class CudaGraphs:
         hidden_width: int | None = None,
         request_outputs: int = 0,
         embeds_width: int | None = None,
+        trees: bool = False,
     ) -> None:
         if not attention.supports_cuda_graph:
             raise ValueError(f"{type(attention).__name__} cannot be captured in a CUDA graph")
@@ -137,9 +151,11 @@ class CudaGraphs:
         self.max_span = max_span
         self.request_outputs = request_outputs
         self.capacity = max(buckets)
+        self.trees = trees
         device = kv_pool.device
-        self.inputs = torch.zeros((_NUM_ROWS, self.capacity), dtype=torch.int64, device=device)
-        self.host = torch.zeros((_NUM_ROWS, self.capacity), dtype=torch.int64, pin_memory=True)
+        num_rows = _NUM_ROWS + (1 if trees else 0)
+        self.inputs = torch.zeros((num_rows, self.capacity), dtype=torch.int64, device=device)
+        self.host = torch.zeros((num_rows, self.capacity), dtype=torch.int64, pin_memory=True)
         # The same memory as an array: numpy converts a list of ints several times faster than
         # torch.tensor, and this is filled from lists every step.
         self._host_array = self.host.numpy()
@@ -167,7 +183,7 @@ class CudaGraphs:
         return bucket_for(self.buckets, num_tokens)
 
     def fits(self, spans: list[Span]) -> bool:
-        """Whether a captured graph runs these spans."""
+        """Whether a captured graph runs these spans: token trees only in graphs of trees."""
         num_tokens = sum(len(span.token_ids) for span in spans)
         return (
             bool(spans)
@@ -175,6 +191,7 @@ class CudaGraphs:
             and all(
                 0 < len(span.token_ids) <= self.max_span
                 and (span.input_embeds is None or self.embeds is not None)
+                and (self.trees or (span.visible is None and span.positions is None))
                 for span in spans
             )
         )
@@ -290,7 +307,7 @@ class CudaGraphs:
         )
 
     def _fill(self, size: int, spans: list[Span]) -> None:
-        columns = padded_columns(size, spans, self.req_to_token_pool.padding_row)
+        columns = padded_columns(size, spans, self.req_to_token_pool.padding_row, self.trees)
         self._host_array[:, :size] = columns
 
     def _static_batch(self, size: int) -> ForwardBatch:
@@ -299,8 +316,9 @@ class CudaGraphs:
         reqs = self.inputs[3:, :size]
         # No span in a graph of `size` tokens is longer than that.
         max_span = min(self.max_span, size)
+        tree = self.inputs[_TREE_BITS, :size] if self.trees else None
         batch.attn_metadata = self.attention.prepare_for_capture(
-            reqs[_ROWS], reqs[_SEQ_LENS], reqs[_Q_STARTS], reqs[_Q_LENS], max_span
+            reqs[_ROWS], reqs[_SEQ_LENS], reqs[_Q_STARTS], reqs[_Q_LENS], max_span, tree
         )
         return batch
 
@@ -323,6 +341,7 @@ class CudaGraphs:
             input_embeds=embeds,
             input_embeds_mask=embeds_mask,
             last_index=self.inputs[3 + _LAST, : len(seq_lens)],
+            tree_bits=self.inputs[_TREE_BITS, :num_tokens] if self.trees else None,
             graph=self,
             graph_batch_size=size,
         )

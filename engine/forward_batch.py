@@ -14,6 +14,10 @@ from engine.prompt_embeds import InputEmbeds, concat_input_embeds
 if TYPE_CHECKING:
     from engine.attention import AttentionBackend
 
+# Bits of an int64 that a span's visibility mask may use: the sign bit stays clear, so that -1
+# (every bit) can stand for a causal span in a batch with trees.
+TREE_MAX_TOKENS = 63
+
 
 @dataclass
 class Span:
@@ -26,6 +30,13 @@ class Span:
     token_ids: list[int]
     slots: list[int]
     input_embeds: InputEmbeds | None = None  # rows that replace some tokens' embeddings
+    # Rotary position of each token; None: start, start + 1, ... (a draft token tree gives each
+    # node start + its level, its cache position staying start + its index).
+    positions: list[int] | None = None
+    # Per token, a bitmask over the span's tokens it may attend (bit i: token i; its own bit is
+    # always set); None: causal. A draft token tree lets a node see its ancestors and itself.
+    # At most TREE_MAX_TOKENS tokens.
+    visible: list[int] | None = None
 
 
 @dataclass
@@ -49,6 +60,11 @@ class ForwardBatch:
     # replace the token embedding (prompt embeddings, multimodal placeholders).
     input_embeds: torch.Tensor | None = None
     input_embeds_mask: torch.Tensor | None = None
+    # [T] int64 where some span has `visible`: each token's bitmask over its span's tokens. A
+    # query at span index j of a request with `prefix` cached tokens sees cache position p iff
+    # p <= prefix + j and (p < prefix or bit p - prefix is set); -1 (spans without `visible`)
+    # is causal, however long the span. None: every span causal.
+    tree_bits: torch.Tensor | None = None
     attn_metadata: Any = field(default=None, repr=False)
     # [B] each request's last new token in the flat sequence, on the device, when the batch's
     # builder has it there already (a CUDA graph's static buffer); else computed on demand.
@@ -101,8 +117,13 @@ def extend_batch(
     for span in spans:
         assert len(span.slots) == len(span.token_ids) > 0
         ids.extend(span.token_ids)
-        positions.extend(range(span.start, span.start + len(span.token_ids)))
+        if span.positions is None:
+            positions.extend(range(span.start, span.start + len(span.token_ids)))
+        else:
+            assert len(span.positions) == len(span.token_ids)
+            positions.extend(span.positions)
         slots.extend(span.slots)
+    has_tree = any(span.visible is not None for span in spans)
     input_embeds, input_embeds_mask = concat_input_embeds(
         [span.input_embeds for span in spans],
         [len(span.token_ids) for span in spans],
@@ -120,6 +141,22 @@ def extend_batch(
         req_to_token_pool=req_to_token_pool,
         input_embeds=input_embeds,
         input_embeds_mask=input_embeds_mask,
+        tree_bits=int_tensor(tree_bits(spans), device) if has_tree else None,
     )
     batch.attn_metadata = backend.prepare(batch)
     return batch
+
+
+def tree_bits(spans: list[Span]) -> list[int]:
+    """`ForwardBatch.tree_bits` of these spans, flat."""
+    bits: list[int] = []
+    for span in spans:
+        n = len(span.token_ids)
+        if span.visible is None:
+            bits.extend([-1] * n)
+            continue
+        assert len(span.visible) == n <= TREE_MAX_TOKENS, (len(span.visible), n)
+        # Bits above j are hidden by causality anyway; dropping them keeps every mask below
+        # the sign bit.
+        bits.extend((mask | 1 << j) & ((2 << j) - 1) for j, mask in enumerate(span.visible))
+    return bits

@@ -47,6 +47,8 @@ class LLM:
         draft_model: str | os.PathLike | None = None,
         num_draft_steps: int | None = None,
         num_draft_chains: int | None = None,
+        speculative_topk: int | None = None,
+        num_draft_tokens: int | None = None,
         debug_tensor_dump_dir: str | os.PathLike | None = None,
         debug_tensor_dump_layers: Sequence[int] | None = None,
         enable_tracing: bool = False,
@@ -57,6 +59,9 @@ class LLM:
         unless `generate(..., speculative=False)` opts it out. With `num_draft_chains` N > 1,
         greedy requests draft N chains that start with depth 0's N most likely tokens, and
         each step keeps the one the target accepts furthest (output unchanged); by default 1.
+        With `speculative_topk` k > 1 every request drafts a token tree instead (spec/tree.py):
+        each expanded node proposes its k likeliest children, k nodes are expanded per level,
+        and the `num_draft_tokens` likeliest nodes (default k x depths) are verified at once.
         `debug_tensor_dump_dir` dumps every forward pass (engine/debug_dump.py) under
         DIR/offline/<target|draft-N>/rank0/, keeping only `debug_tensor_dump_layers` if given.
         Prompts longer than `chunked_prefill_size` tokens are prefilled in chunks of it, between
@@ -95,6 +100,8 @@ class LLM:
             draft_model=model_path_arg(draft_model),
             num_draft_steps=num_draft_steps,
             num_draft_chains=num_draft_chains,
+            speculative_topk=speculative_topk,
+            num_draft_tokens=num_draft_tokens,
             debug_tensor_dump_dir=model_path_arg(debug_tensor_dump_dir),
             debug_tensor_dump_layers=(
                 None if debug_tensor_dump_layers is None else tuple(debug_tensor_dump_layers)

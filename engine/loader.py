@@ -10,7 +10,13 @@ from typing import Any
 import torch
 
 from engine.attention import resolve_attention_backend
-from engine.config import EngineConfig, ModelConfig, default_device, resolve_dtype
+from engine.config import (
+    EngineConfig,
+    ModelConfig,
+    check_draft_tree,
+    default_device,
+    resolve_dtype,
+)
 from engine.debug_dump import OFFLINE_NODE, tensor_dump_config
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
@@ -64,6 +70,10 @@ class EngineArgs:
     # Chains drafted per greedy request, started with depth 0's most likely tokens (spec/worker.py);
     # None: DEFAULT_DRAFT_CHAINS.
     num_draft_chains: int | None = None
+    # A draft token tree (spec/tree.py): each expanded node's top-k children, num_draft_tokens
+    # nodes verified (default: topk x the draft's depths).
+    speculative_topk: int | None = None
+    num_draft_tokens: int | None = None
     # Debugging (engine/debug_dump.py): every module's output per forward pass, under
     # DIR/<node>/<target|draft-N>/rank0/. Give an absolute path to a cluster: each node resolves
     # a relative one in its own working directory. Layers: the target decoder layers kept.
@@ -80,6 +90,13 @@ class EngineArgs:
                 raise ValueError(f"num_draft_chains must be >= 1, got {self.num_draft_chains}")
             if self.speculative_algorithm is None:
                 raise ValueError("num_draft_chains needs a speculative_algorithm")
+        if self.speculative_topk is not None or self.num_draft_tokens is not None:
+            if self.speculative_algorithm is None:
+                raise ValueError(
+                    "speculative_topk and num_draft_tokens need a speculative_algorithm"
+                )
+            topk = 1 if self.speculative_topk is None else self.speculative_topk
+            check_draft_tree(topk, self.num_draft_tokens, self.num_draft_chains)
         if self.debug_tensor_dump_layers is not None and self.debug_tensor_dump_dir is None:
             raise ValueError("debug_tensor_dump_layers needs debug_tensor_dump_dir")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
@@ -147,6 +164,8 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
         overlap_schedule=_overlap_schedule(args, device),
         seed=args.seed,
         num_draft_chains=_draft_chains(args),
+        speculative_topk=args.speculative_topk or 1,
+        num_draft_tokens=args.num_draft_tokens or 0,
         tensor_dump=tensor_dump_config(
             args.debug_tensor_dump_dir,
             args.debug_tensor_dump_layers,

@@ -99,11 +99,10 @@ class ModelRunner:
             )
             self.graphs.capture()
 
-    def capture_verify_graphs(self, max_span: int, max_rows_per_request: int) -> None:
-        """Capture graphs for forwards whose requests each bring at most `max_span` tokens in
-        at most `max_rows_per_request` request rows (speculative verify: the newest token and
-        a draft chain, and the alternative chains), up to cuda_graph_max_bs requests. No-op
-        when this engine runs no graphs."""
+    def capture_verify_graphs(self, max_span: int, trees: bool = False) -> None:
+        """Capture graphs for forwards whose requests each bring at most `max_span` tokens
+        (speculative verify: the newest token and a draft chain, or with `trees` a draft token
+        tree), up to cuda_graph_max_bs requests. No-op when this engine runs no graphs."""
         max_requests = self.config.cuda_graph_max_bs
         if not max_requests:
             return
@@ -113,8 +112,9 @@ class ModelRunner:
             self.attention,
             self.kv_pool,
             self.req_to_token_pool,
-            token_buckets(max_requests * max_rows_per_request * max_span),
+            token_buckets(max_requests * max_span),
             max_span=max_span,
+            trees=trees,
         )
         self.verify_graphs.capture()
 

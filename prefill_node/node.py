@@ -72,8 +72,10 @@ class PrefillNode(ServingNode):
         super().__init__(options)
         if args.speculative_algorithm is not None:
             # A transfer carries the main draft chain only; the decode node drafts its own
-            # alternatives from its first draft extend on.
-            args = dataclasses.replace(args, num_draft_chains=1)
+            # trees from its first draft extend on.
+            args = dataclasses.replace(
+                args, num_draft_chains=1, speculative_topk=None, num_draft_tokens=None
+            )
         # This node never decodes: it captures prefill graphs only.
         self.spec, self.runner = load_node_engine(args, options, decodes=False)
         config = self.spec.engine_config

@@ -29,32 +29,24 @@ class Verdict:
 def processed_verify_logits(
     logits: torch.Tensor,
     requests: list[Request],
-    chains: list[list[int]],
-    alternative_chains: list[list[list[int]]],
+    row_drafts: list[list[list[int]]],
     eos_token_ids: tuple[int, ...],
 ) -> torch.Tensor:
     """The verify forward's logits [T, V] after each request's logits processors, in the
-    forward's row order: every request's span (the newest token, then its chain), then every
-    request's alternative spans (chains only). The position after draft token j sees the
-    penalty state after the chain's tokens up to j, those that must be accepted before it:
-    what plain decoding would see there, so acceptance stays lossless."""
+    forward's row order; row_drafts[i][r]: the drafts before request i's row r (for a chain,
+    its first r drafts; in a tree, the path down to the row's node). Each row sees the penalty
+    state after those drafts, the ones that must be accepted before it: what plain decoding
+    would see there, so acceptance stays lossless."""
     if not any(req.params.penalized for req in requests):
         return logits
     params: list[SamplingParams] = []
     histories: list[TokenHistory | None] = []
-
-    def add(req: Request, drafts: list[int], first: int) -> None:
-        for end in range(first, len(drafts) + 1):
+    for req, rows in zip(requests, row_drafts):
+        for drafts in rows:
             params.append(req.params)
             penalized = req.params.penalized
-            generated = req.output_token_ids + drafts[:end] if penalized else []
+            generated = req.output_token_ids + drafts if penalized else []
             histories.append(TokenHistory(req.prompt_token_ids, generated) if penalized else None)
-
-    for req, chain in zip(requests, chains):
-        add(req, chain, 0)
-    for req, alternatives in zip(requests, alternative_chains):
-        for chain in alternatives:
-            add(req, chain, 1)  # an alternative's span starts at its first draft token
     assert len(params) == logits.shape[0]
     return process_logits(logits, params, histories, eos_token_ids)
 
@@ -63,23 +55,19 @@ def grammar_masked_verify_logits(
     logits: torch.Tensor,
     requests: list[Request],
     chains: list[list[int]],
-    alternative_chains: list[list[list[int]]],
     unprocessed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The verify logits [T, V] (rows as in `processed_verify_logits`) with each position
     masked by its request's grammar in the state after the drafts before it: a draft token the
     grammar forbids has probability 0 where it is checked, so it is rejected, never emitted,
-    and the bonus token is one the grammar allows. `unprocessed`: the logits before the
-    processors, where a position's grammar wins over min_tokens (engine.grammar_mask)."""
+    and the bonus token is one the grammar allows. Requests under a grammar verify chains;
+    `chains[i]` holds one token per row after the first for the others. `unprocessed`: the
+    logits before the processors, where a position's grammar wins over min_tokens
+    (engine.grammar_mask)."""
     if all(req.grammar is None for req in requests):
         return logits
     matchers = [req.grammar for req in requests]
-    spans: list[tuple[list[int], int]] = [(chain, 0) for chain in chains]
-    for req, alternatives in zip(requests, alternative_chains):
-        for chain in alternatives:
-            matchers.append(req.grammar)
-            spans.append((chain, 1))  # an alternative's span starts at its first draft token
-    return mask_verify_logits(logits, matchers, spans, unprocessed)
+    return mask_verify_logits(logits, matchers, [(chain, 0) for chain in chains], unprocessed)
 
 
 def accept_chain(

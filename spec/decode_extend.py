@@ -170,7 +170,7 @@ class FixedDecodeExtend:
             m_next = item.m + count  # the newest position after the step
             state.chain = [int(t) for t in row[:k]]
             state.chain_probs = row[k : 2 * k]
-            state.alt_chains = []
+            state.tree = None
             state.boundary = [boundary[d, i] for d in range(k - 1)]
             state.target_hidden = item.verify_hidden[count - 1]
             for d, seq in enumerate(state.seqs):
@@ -272,7 +272,7 @@ class FixedDecodeExtend:
             out = out.view(size, width, -1)
             top, top_p = self.head.propose_top(out[every, accepted + d], 1)
             drafts.append(top[:, 0])
-            probs.append(top_p)
+            probs.append(top_p[:, 0])
             if d < k - 1:
                 boundaries.append(out[every, accepted])
             previous = out

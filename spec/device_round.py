@@ -27,10 +27,11 @@ from engine.step_sampling import samples_from_logits_alone
 from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
 
 
-def runs_on_device(requests: list[Request], num_chains: int, k: int) -> bool:
-    """Whether every request's round can be decided on the device (see the module's doc);
-    the fixed extend's own conditions are `FixedDecodeExtend.fits`'s."""
-    return num_chains == 1 and all(
+def runs_on_device(requests: list[Request], k: int) -> bool:
+    """Whether every request's round can be decided on the device (see the module's doc), for
+    an engine that drafts chains; the fixed extend's own conditions are
+    `FixedDecodeExtend.fits`'s."""
+    return all(
         req.lookahead == k and req.params.greedy and samples_from_logits_alone(req)
         for req in requests
     )

@@ -7,18 +7,19 @@ tokens it reads past x_m are the new chain's drafts (depth d at m-1 reads draft 
 draft d+1). Afterwards valid_d = max(0, m-d), and depth d keeps its output at m-d-1 as the
 boundary: depth d+1's next extend starts there, one position before depth d's does.
 
-An alternative chain (`ChainFork`) starts with another token depth 0 proposes at m-1. Depth d
-reads a draft token at positions [m-d, m-1] only, so the fork recomputes just those, reading
-the main extend's KV before them (a forked sequence) and, at m-d, the boundary state depth d-1
-kept in this extend: the output there read x_m, a committed token, on every chain."""
+A tree's other nodes (spec/tree_extender.py) are forks of the main extend: a node at level l
+runs depth l over positions [m-l, m-1] alone, whose tokens are its path's drafts, reading the
+main extend's KV before them and, at m-l, the boundary state depth l-1 kept in this extend (the
+output there read x_m, a committed token, on every path)."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.prompt_embeds import InputEmbeds
-from spec.draft_runner import DraftInput, DraftSeq
+from spec.draft_runner import DraftInput
 from spec.state import SpecRequestState
+from spec.tree import DraftTree, TreeShape
 
 
 class DraftExtend:
@@ -28,15 +29,14 @@ class DraftExtend:
         tokens: list[int],
         target_hidden: torch.Tensor,
         input_embeds: InputEmbeds | None = None,
-        num_chains: int = 1,
+        shape: TreeShape | None = None,
     ) -> None:
         """tokens: committed x_0..x_m; target_hidden: the target's at [valid_0, m-1];
         input_embeds: the rows the target read in place of the embeddings of x_{valid_0}, ...
         (given vectors), which every depth reads in place of those tokens' embeddings too;
-        num_chains: the chains to draft, the main one and num_chains - 1 forks."""
+        shape: the tree to draft (None: one chain)."""
         self.state = state
-        self.num_chains = num_chains
-        self.forks: list[ChainFork] = []  # the alternatives drafted, once depth 0 proposed
+        self.shape = shape or TreeShape(1, 1, 1, len(state.seqs))
         self.input_embeds = input_embeds
         self.embeds_start = state.seqs[0].valid_len
         self.tokens = tokens
@@ -91,48 +91,11 @@ class DraftExtend:
         self.prev_start, self.prev_output = seq.valid_len, output
         seq.valid_len = max(0, self.m - depth)
 
-    def finish(self, chain: list[int], chain_probs: list[float]) -> None:
-        """The drafts every depth proposed, once on the host; the forks' chains are set."""
+    def finish(
+        self, chain: list[int], chain_probs: list[float], tree: DraftTree | None = None
+    ) -> None:
+        """The drafts every depth proposed, once on the host: the greedy chain, and the tree
+        when the shape is not a chain."""
         self.state.chain, self.state.chain_probs = chain, chain_probs
-        self.state.alt_chains = [fork.chain for fork in self.forks]
+        self.state.tree = tree
         self.state.target_hidden = self.target_hidden[-1]
-
-
-class ChainFork:
-    """One alternative chain of a request's draft extend, from depth 1 on. Its first token is
-    depth 0's `rank`-th most likely (0: the main chain's); `chain` is known once the extend
-    copies every depth's proposals to the host."""
-
-    def __init__(self, main: DraftExtend, main_index: int, rank: int) -> None:
-        self.main = main
-        self.main_index = main_index  # the main extend's place in its batch
-        self.rank = rank
-        self.chain: list[int] = []
-        self.seqs: list[DraftSeq] = []  # depth d's fork at index d - 1
-        # The fork's output of the depth it ran last, d-1, at [max(0, m-d+1), m-1]: what depth
-        # d reads after the boundary row.
-        self.prev_output: torch.Tensor | None = None
-
-    def shared_len(self, depth: int) -> int:
-        """Positions of depth `depth` the fork reads from the main extend's KV."""
-        return max(0, self.main.m - depth)
-
-    def input_for(self, depth: int) -> DraftInput:
-        """Every token a fork reads is one of its drafts, still on the device: they read 0
-        here (`draft_columns`)."""
-        assert depth >= 1 and len(self.seqs) == depth
-        m, start = self.main.m, self.shared_len(depth)
-        rows = []
-        if m - depth >= 0:
-            rows.append(self.main.state.boundary[depth - 1][None])
-        if self.prev_output is not None:
-            rows.append(self.prev_output)
-        tokens = [0] * len(self.draft_columns(depth))
-        return DraftInput(self.seqs[-1], start, tokens, tuple(rows))
-
-    def draft_columns(self, depth: int) -> range:
-        # Position i reads chain token i + depth - m (the token at index i + depth + 1).
-        return range(self.shared_len(depth) + depth - self.main.m, depth)
-
-    def take(self, output: torch.Tensor) -> None:
-        self.prev_output = output

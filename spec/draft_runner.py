@@ -67,7 +67,7 @@ class DraftTokenPatch:
 @dataclass
 class Proposal:
     """A depth's proposal at each input's last position: the likeliest token ids [B, n] (most
-    likely first) and the first one's probability [B]."""
+    likely first) and their probabilities [B, n]."""
 
     top: torch.Tensor
     top_p: torch.Tensor

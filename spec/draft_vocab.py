@@ -84,17 +84,17 @@ class DraftHead:
         """hidden [B, hidden_size] -> (token ids [B] in the target's vocabulary, each one's
         probability under the draft's distribution over its vocabulary)."""
         best, best_p = self.propose_top(hidden, 1)
-        return best[:, 0], best_p
+        return best[:, 0], best_p[:, 0]
 
     def propose_top(self, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, hidden_size] -> (the `n` most likely token ids [B, n] in the target's
-        vocabulary, most likely first; the first one's probability [B]), from one evaluation
-        of the head."""
+        vocabulary, most likely first; their probabilities [B, n]), from one evaluation of the
+        head."""
         probs = torch.softmax(self._logits(hidden), dim=-1)
         top_p, top = probs.topk(min(n, probs.shape[-1]), dim=-1)
         if self.vocab is not None:
             top = self.vocab[top]
-        return top, top_p[:, 0]
+        return top, top_p
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """The proposed token ids (target ids) alone, for hidden [..., hidden_size]."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spec.draft_runner import DraftSeq
+from spec.tree import DraftTree
 
 
 @dataclass
@@ -34,9 +35,9 @@ class SpecRequestState:
     seqs: list[DraftSeq]  # one per depth, each in that depth's own pools
     chain: list[int] = field(default_factory=list)  # [K] draft tokens for the next verify
     chain_probs: list[float] = field(default_factory=list)
-    # Chains that start with depth 0's next most likely tokens (greedy requests with
-    # num_draft_chains > 1): verified beside `chain`, the longest accepted one is kept.
-    alt_chains: list[list[int]] = field(default_factory=list)
+    # The draft tree the next verify checks, when the engine drafts trees (spec/tree.py);
+    # None: `chain` alone.
+    tree: DraftTree | None = None
     # boundary[d] (d < K-1): depth d's output at position m-d-1 (m: the newest token's
     # position), None while m-d-1 < 0. Depth d+1's next extend starts there.
     boundary: list[torch.Tensor | None] = field(default_factory=list)

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import EngineConfig
+from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request, SpecStats
-from engine.sampler import TokenLogprob, compute_logprobs
+from engine.sampler import TokenLogprob, compute_logprobs, filtered_probs_batch
 from engine.step_sampling import position_generator
 from spec.acceptance import (
     Verdict,
@@ -26,9 +28,7 @@ from spec.acceptance import (
     grammar_masked_verify_logits,
     processed_verify_logits,
 )
-from spec.alternatives import Alternative, release_alternatives, take_alternatives, take_slots
 from spec.batching import Span, extend_batch
-from spec.chain_extender import ChainExtender
 from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
 from spec.device_round import DeviceRound, placeholder_items, run_device_round, runs_on_device
 from spec.draft_extend import DraftExtend
@@ -36,6 +36,9 @@ from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
 from spec.state import DraftState, SpecRequestState
+from spec.tree import DraftTree, TreeShape, accept_tree_greedy, accept_tree_sampled
+from spec.tree_extender import TreeExtender
+from spec.tree_verify import TreeSlots
 
 
 @dataclass
@@ -44,8 +47,8 @@ class VerifyResult:
     logprobs: list[list[TokenLogprob | None]]
     verdicts: list[Verdict]
     num_drafts: list[int]  # per request: draft positions checked (0: no speculation this step)
-    num_proposed: list[int]  # per request: draft tokens checked, on every chain
-    hidden: list[torch.Tensor]  # per request: the target's at the kept chain's positions
+    num_proposed: list[int]  # per request: draft tokens checked, every node of its tree
+    hidden: list[torch.Tensor]  # per request: the target's at the newest token and kept path
     num_outputs_before: list[int]
     # Set when the round ran on the device (spec.device_round): the draft extend already ran.
     extended: DeviceRound | None = None
@@ -55,10 +58,9 @@ class MultiLayerEagleWorker:
     def __init__(self, runner: ModelRunner, draft: MultiLayerEagleDraft) -> None:
         self.runner = runner
         self.target = runner.model
-        # Chains drafted for each greedy request, started with depth 0's most likely tokens; a
-        # verify step keeps the one accepted furthest.
-        self.num_chains = runner.config.num_draft_chains
         self.num_draft_steps = draft.num_draft_steps
+        # The draft tree of each request that may draft one (`_shape`); one chain is a tree too.
+        self.shape = tree_shape(runner.config, draft.num_draft_steps)
         self.depths = [
             DraftRunner(d, module, runner.model, runner.rotary, runner.config)
             for d, module in enumerate(draft.depths)
@@ -72,20 +74,21 @@ class MultiLayerEagleWorker:
             self.depths, self.head, runner.config.cuda_graph_max_bs
         )
         # The general draft extend: prefill, and decode steps the fixed shape does not fit.
-        self.extender = ChainExtender(self.depths, self.head, runner.device)
+        self.extender = TreeExtender(self.depths, self.head, runner.device)
 
     def _capture_graphs(self) -> None:
         """CUDA graphs for the forwards of every decode step. Verify: the newest token and a
-        chain of K drafts in one row, each other chain (K tokens) in a row of its own. Draft
-        extend: depth d reads the tokens committed since its last extend (at most K + 1) and
-        the d positions before them it left to recompute, so at most 2K; a fork reads at most
-        K."""
-        k, chains = self.num_draft_steps, self.num_chains
-        self.runner.capture_verify_graphs(k + 1, chains)
-        max_tokens = self.runner.config.cuda_graph_max_bs * chains * 2 * k
+        chain of K drafts or a tree's nodes. Draft extend: depth d reads the tokens committed
+        since its last extend (at most K + 1) and the d positions before them it left to
+        recompute, so at most 2K; a tree's fork reads at most K."""
+        k, shape = self.num_draft_steps, self.shape
+        if shape.is_chain:
+            self.runner.capture_verify_graphs(k + 1)
+        else:
+            self.runner.capture_verify_graphs(1 + max(k, shape.budget), trees=True)
+        max_tokens = self.runner.config.cuda_graph_max_bs * shape.beam_width * 2 * k
         for depth, runner in enumerate(self.depths):
-            # Depth 0 also ranks the first tokens of the alternative chains.
-            runner.capture_graphs(2 * k, max_tokens, self.head, chains if depth == 0 else 1)
+            runner.capture_graphs(2 * k, max_tokens, self.head, shape.width_at(depth))
 
     # --- after the target's prefill (prefill nodes, and the offline engine) ---
     @torch.inference_mode()
@@ -110,7 +113,7 @@ class MultiLayerEagleWorker:
             if req.spec_state is not None:
                 self.release(req)
             req.spec_state = self._new_state()
-            items.append(DraftExtend(req.spec_state, req.all_token_ids, h, e, self._chains(req)))
+            items.append(DraftExtend(req.spec_state, req.all_token_ids, h, e, self._shape(req)))
         self.extender.run(items)
 
     def export_state(self, req: Request) -> DraftState:
@@ -173,31 +176,58 @@ class MultiLayerEagleWorker:
     # --- each decode step ---
     @torch.inference_mode()
     def verify(self, requests: list[Request], default_generator: torch.Generator) -> VerifyResult:
-        """One target forward over each request's newest token and its draft chain (requests
-        not speculating bring just their newest token), and over each alternative chain in a
-        row of its own that reads the request's cached KV; then acceptance."""
-        spans, chains = [], []
-        for req in requests:
-            m = req.num_tokens - 1
-            assert req.kv_len == m
-            k = req.lookahead
-            chain = req.spec_state.chain[:k] if k else []
-            chains.append(chain)
-            tokens = [req.all_token_ids[-1], *chain]
-            spans.append(Span(req.row, m, tokens, req.slots[m : m + k + 1]))
-        runner = self.runner
+        """One target forward over each request's newest token and its drafts (requests not
+        speculating bring just their newest token): a chain, or a tree whose nodes see their
+        ancestors only; then acceptance."""
         k = self.num_draft_steps
-        if runs_on_device(requests, self.num_chains, k):
+        if self.shape.is_chain and runs_on_device(requests, k):
             items = placeholder_items(requests, k)
             if self.fixed_extend.fits(items):
-                return self._device_round(requests, spans, items)
-        pool, kv_pool = runner.req_to_token_pool, runner.kv_pool
-        alternatives: list[list[Alternative]] = [[] for _ in requests]
+                return self._device_round(requests, self._chain_spans(requests), items)
+        runner = self.runner
+        taken = TreeSlots(runner.kv_pool, runner.req_to_token_pool)
         try:
-            take_alternatives(requests, chains, pool, kv_pool, len(spans), alternatives)
-            return self._verify(requests, chains, spans, alternatives, default_generator)
+            spans, trees = [], []
+            for req in requests:
+                span, tree = self._span(req, self._tree(req), taken)
+                spans.append(span)
+                trees.append(tree)
+            return self._verify(requests, trees, spans, taken, default_generator)
         finally:
-            release_alternatives(alternatives, pool, kv_pool)
+            taken.free()
+
+    def _tree(self, req: Request) -> DraftTree:
+        """The drafts `req` verifies next, at most `lookahead` deep (a chain of none when it
+        does not speculate)."""
+        k = req.lookahead
+        state: SpecRequestState | None = req.spec_state
+        if not k or state is None:
+            return DraftTree([], [])
+        if state.tree is not None:
+            return state.tree.pruned(k, len(state.tree))
+        return DraftTree.chain(state.chain[:k])
+
+    def _chain_spans(self, requests: list[Request]) -> list[Span]:
+        spans = []
+        for req in requests:
+            m, k = req.num_tokens - 1, req.lookahead
+            tokens = [req.all_token_ids[-1], *req.spec_state.chain[:k]]
+            spans.append(Span(req.row, m, tokens, req.slots[m : m + k + 1]))
+        return spans
+
+    def _span(self, req: Request, tree: DraftTree, taken: TreeSlots) -> tuple[Span, DraftTree]:
+        """`req`'s verify span, its newest token then the tree's nodes in the cache positions
+        after it, and the tree as verified: cut to the slots it found room for."""
+        m = req.num_tokens - 1
+        assert req.kv_len == m
+        if tree.is_chain:
+            tokens = [req.all_token_ids[-1], *tree.tokens]
+            return Span(req.row, m, tokens, req.slots[m : m + len(tokens)]), tree
+        slots = taken.span_slots(req, len(tree))
+        tree = tree.pruned(tree.depth, len(slots) - 1)
+        tokens = [req.all_token_ids[-1], *tree.tokens]
+        span = Span(req.row, m, tokens, slots, positions=tree.positions(m), visible=tree.visible())
+        return span, tree
 
     def _device_round(
         self, requests: list[Request], spans: list[Span], items: list[FixedExtendItem]
@@ -225,63 +255,65 @@ class MultiLayerEagleWorker:
     def _verify(
         self,
         requests: list[Request],
-        chains: list[list[int]],
+        trees: list[DraftTree],
         spans: list[Span],
-        alternatives: list[list[Alternative]],
+        taken: TreeSlots,
         default_generator: torch.Generator,
     ) -> VerifyResult:
         runner = self.runner
-        all_spans = spans + [alt.span for alts in alternatives for alt in alts]
-        batch = runner.graph_batch(all_spans) or extend_batch(
-            all_spans, runner.kv_pool, runner.req_to_token_pool, runner.attention, runner.device
+        batch = runner.graph_batch(spans) or extend_batch(
+            spans, runner.kv_pool, runner.req_to_token_pool, runner.attention, runner.device
         )
         raw_logits, hidden = runner.forward_every_token(batch)
-        alternative_chains = [[alt.chain for alt in alts] for alts in alternatives]
+        row_drafts = [tree.row_drafts() for tree in trees]
         eos_token_ids = runner.model_config.eos_token_ids
-        logits = processed_verify_logits(
-            raw_logits, requests, chains, alternative_chains, eos_token_ids
-        )
-        logits = grammar_masked_verify_logits(
-            logits, requests, chains, alternative_chains, unprocessed=raw_logits
-        )
+        logits = processed_verify_logits(raw_logits, requests, row_drafts, eos_token_ids)
+        chains = [tree.tokens for tree in trees]  # trees under a grammar are chains
+        logits = grammar_masked_verify_logits(logits, requests, chains, unprocessed=raw_logits)
         lens = batch.extend_lens
         # One device-to-host copy for every greedy request's targets, not one per request.
         argmax = logits.argmax(dim=-1).tolist()
-        starts = _starts(lens) + [sum(lens)]
+        starts = _starts(lens)
         all_logits, all_hidden = logits.split(lens), hidden.split(lens)
         # Log-probabilities are the model's own, before any penalty (as `sample`'s caller).
         all_raw = raw_logits.split(lens)
         result = VerifyResult([], [], [], [], [], [], [])
-        swaps = []  # row-table writes of requests that keep an alternative's drafts
-        for i, (req, chain, alts) in enumerate(zip(requests, chains, alternatives)):
-            kept: Alternative | None = None
-            if req.params.greedy:
-                verdict = accept_greedy(argmax[starts[i] : starts[i] + len(chain) + 1], chain)
-                for alt in alts:
-                    # The newest token's target is the main span's: alternatives start after it.
-                    j = alt.index
-                    targets = argmax[starts[i] : starts[i] + 1] + argmax[starts[j] : starts[j + 1]]
-                    other = accept_greedy(targets, alt.chain)
-                    if other.num_accepted > verdict.num_accepted:
-                        verdict, kept = other, alt
+        writes = []  # row-table writes of requests that keep a tree's branch
+        for i, (req, tree, span) in enumerate(zip(requests, trees, spans)):
+            targets = argmax[starts[i] : starts[i] + lens[i]]
+            generators = _generators(req, tree.depth + 1)
+            if tree.is_chain:
+                if req.params.greedy:
+                    verdict = accept_greedy(targets, tree.tokens)
+                else:
+                    verdict = accept_sampled(
+                        all_logits[i], tree.tokens, req.params, generators, default_generator
+                    )
+                path = list(range(verdict.num_accepted))
             else:
-                generators = _generators(req, len(chain) + 1)
-                verdict = accept_sampled(
-                    all_logits[i], chain, req.params, generators, default_generator
-                )
+                if req.params.greedy:
+                    verdict = accept_tree_greedy(tree, targets)
+                else:
+                    probs = filtered_probs_batch(all_logits[i], [req.params] * lens[i]).cpu()
+                    verdict = accept_tree_sampled(tree, probs, generators, default_generator)
+                path = verdict.path
+                write = taken.keep_path(req, span.slots, path)
+                if write is not None:
+                    writes.append(write)
+            rows = [0] + [node + 1 for node in path]
             kept_logits, kept_hidden = all_raw[i], all_hidden[i]
-            if kept is not None:
-                kept_logits = torch.cat([all_raw[i][:1], all_raw[kept.index]])
-                kept_hidden = torch.cat([all_hidden[i][:1], all_hidden[kept.index]])
-                swaps.append(take_slots(req, kept, verdict.num_accepted))
+            if not tree.is_chain:
+                index = int_tensor(rows, hidden.device)
+                kept_logits = kept_logits.index_select(0, index)
+                kept_hidden = kept_hidden.index_select(0, index)
             result.tokens.append(verdict.tokens)
             result.logprobs.append(_logprobs(req, kept_logits, verdict.tokens))
             result.verdicts.append(verdict)
-            result.num_drafts.append(len(chain))
-            result.num_proposed.append(len(chain) * (1 + len(alts)))
+            result.num_drafts.append(tree.depth)
+            result.num_proposed.append(len(tree))
             result.hidden.append(kept_hidden)
             result.num_outputs_before.append(len(req.output_token_ids))
-        runner.req_to_token_pool.write_many(swaps)
+        runner.req_to_token_pool.write_many(writes)
         return result
 
     @torch.inference_mode()
@@ -307,8 +339,8 @@ class MultiLayerEagleWorker:
                 done.boundary[:, indices],
             )
             return
-        hidden = verified.hidden  # per request: the target's over its verify span
-        if self.num_chains == 1:
+        hidden = verified.hidden  # per request: the target's at the newest token and kept path
+        if self.shape.is_chain:
             fixed = [
                 FixedExtendItem(
                     req.spec_state,
@@ -328,7 +360,7 @@ class MultiLayerEagleWorker:
                     req.all_token_ids,
                     hidden[i][:committed],
                     None,
-                    self._chains(req),
+                    self._shape(req),
                 )
                 for i, req, committed in going_on
             ]
@@ -345,10 +377,12 @@ class MultiLayerEagleWorker:
     def is_empty(self) -> bool:
         return all(runner.is_empty() for runner in self.depths)
 
-    def _chains(self, req: Request) -> int:
-        # Alternatives are verified for greedy requests only: speculative sampling over several
-        # chains needs acceptance rules of its own.
-        return self.num_chains if req.params.greedy else 1
+    def _shape(self, req: Request) -> TreeShape:
+        # A grammar masks each verified position in the state after the drafts before it, which
+        # is one walk of the matcher along a chain: such requests draft chains.
+        if req.grammar is not None:
+            return TreeShape.chains(1, self.num_draft_steps)
+        return self.shape
 
     # --- the draft extend shared by prefill and decode ---
     def _new_state(self) -> SpecRequestState:
@@ -356,6 +390,15 @@ class MultiLayerEagleWorker:
             seqs=[DraftSeq() for _ in self.depths],
             boundary=[None] * (self.num_draft_steps - 1),
         )
+
+
+def tree_shape(config: EngineConfig, num_draft_steps: int) -> TreeShape:
+    """The draft tree an engine's config asks for: `speculative_topk` k > 1 gives SGLang's
+    top-k tree of `num_draft_tokens` nodes, `num_draft_chains` N > 1 N chains."""
+    if config.speculative_topk > 1:
+        budget = config.num_draft_tokens or config.speculative_topk * num_draft_steps
+        return TreeShape.top_k(config.speculative_topk, budget)
+    return TreeShape.chains(config.num_draft_chains, num_draft_steps)
 
 
 def _starts(lens: list[int]) -> list[int]:

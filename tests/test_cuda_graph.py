@@ -207,15 +207,21 @@ def test_speculation_on_the_triton_backend_is_lossless(tmp_path_factory) -> None
     make_random_draft(root / "draft", root / "target", 3, seed=1)
     prompts, params = _workload(20, seed=5)
     plain = [o.token_ids for o in _gpu_llm(root / "target").generate(prompts, params)]
-    for chains in (1, 3):
+    shapes = [
+        {"num_draft_chains": 1},
+        {"num_draft_chains": 3},
+        {"speculative_topk": 4, "num_draft_tokens": 10},
+    ]
+    for shape in shapes:
         spec = _gpu_llm(
             root / "target",
             speculative_algorithm="multi-layer-eagle",
             draft_model=str(root / "draft"),
-            num_draft_chains=chains,
+            **shape,
         )
         assert [o.token_ids for o in spec.generate(prompts, params)] == plain
         verify = spec.engine.runner.verify_graphs
         assert verify is not None and verify.num_replays > 0
+        assert verify.trees == (shape != {"num_draft_chains": 1})
         depths = spec.engine.speculator.depths
         assert all(d.graphs is not None and d.graphs.num_replays > 0 for d in depths)

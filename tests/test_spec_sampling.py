@@ -14,6 +14,7 @@ from tiny_drafts import make_good_draft, make_predictable_llama
 from transformers import LlamaForCausalLM
 
 import spec.acceptance
+import spec.tree
 from engine import LLM, SamplingParams
 from engine.sampler import filtered_probs
 from spec.acceptance import accept_chain
@@ -124,7 +125,10 @@ def _exact_distribution(target: Path, params: SamplingParams) -> dict[tuple[int,
     return joint
 
 
-def _sample_runs(folders: tuple[Path, Path], params: SamplingParams) -> list[tuple[int, ...]]:
+def _sample_runs(
+    folders: tuple[Path, Path], params: SamplingParams, topk: int | None = None
+) -> list[tuple[int, ...]]:
+    """`topk`: draft trees of the top-k shape (spec/tree.py) instead of chains."""
     target, draft = folders
     llm = LLM(
         str(target),
@@ -134,6 +138,7 @@ def _sample_runs(folders: tuple[Path, Path], params: SamplingParams) -> list[tup
         max_model_len=16,
         speculative_algorithm="multi-layer-eagle",
         draft_model=str(draft),
+        speculative_topk=topk,
     )
     seeded = [
         SamplingParams(**{**params.__dict__, "seed": seed, "max_tokens": 3, "ignore_eos": True})
@@ -165,10 +170,14 @@ SETTINGS = {
 }
 
 
+@pytest.mark.parametrize("topk", [None, 4])
 @pytest.mark.parametrize("name", sorted(SETTINGS))
-def test_speculative_sampling_keeps_the_target_distribution(folders, name: str) -> None:
+def test_speculative_sampling_keeps_the_target_distribution(
+    folders, name: str, topk: int | None
+) -> None:
     params = SETTINGS[name]
-    p_values = _p_values(_sample_runs(folders, params), _exact_distribution(folders[0], params))
+    runs = _sample_runs(folders, params, topk)
+    p_values = _p_values(runs, _exact_distribution(folders[0], params))
     assert min(p_values.values()) > 1e-3, p_values
 
 
@@ -191,4 +200,27 @@ def test_the_check_catches_a_broken_acceptance_rule(folders, monkeypatch) -> Non
     monkeypatch.setattr("spec.worker.accept_sampled", _resample_from_p)
     params = SETTINGS["temperature-1"]
     p_values = _p_values(_sample_runs(folders, params), _exact_distribution(folders[0], params))
+    assert min(p_values.values()) < 1e-6, p_values
+
+
+def _tree_resample_from_p(tree, probs, generators, default_generator):
+    """The same mistake in a tree: when every child is rejected, sample from p again."""
+    verdict = _correct_tree_rule(tree, probs, generators, default_generator)
+    kids = tree.children()
+    row = verdict.path[-1] + 1 if verdict.path else 0
+    if kids[row]:
+        j = verdict.num_accepted
+        generator = generators[j] or default_generator
+        verdict.tokens[j] = int(torch.multinomial(probs[row], 1, generator=generator)[0])
+    return verdict
+
+
+_correct_tree_rule = spec.tree.accept_tree_sampled
+
+
+def test_the_check_catches_a_broken_tree_acceptance_rule(folders, monkeypatch) -> None:
+    monkeypatch.setattr("spec.worker.accept_tree_sampled", _tree_resample_from_p)
+    params = SETTINGS["temperature-1"]
+    runs = _sample_runs(folders, params, topk=4)
+    p_values = _p_values(runs, _exact_distribution(folders[0], params))
     assert min(p_values.values()) < 1e-6, p_values

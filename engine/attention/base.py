@@ -1,7 +1,9 @@
 """The attention backend interface: per-forward metadata once, then one call per layer.
 
 A backend writes the new tokens' K and V into the KV pool at `batch.out_cache_loc` and attends
-each new query to its request's cached tokens (positions < seq_len) causally.
+each new query to its request's cached tokens (positions < seq_len) causally; where
+`batch.tree_bits` is set, a query of a token tree sees, of its own span, only the tokens its
+bitmask names (its ancestors and itself).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.base import AttentionBackend
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import TREE_MAX_TOKENS, ForwardBatch
 from engine.kv_pool import KVPool
 
 # `torch.bmm(..., out_dtype=torch.float32)` keeps half/bfloat16 attention scores in float32
@@ -47,9 +47,10 @@ class BatchedMetadata:
 
     slots: torch.Tensor  # [B, L] slots of every cached token, padded with the padding slot
     # [B, 1, n, L] additive: 0 where query j of request i, at position prefix_i + j, may see key
-    # position p (p <= prefix_i + j), -inf elsewhere. Causality alone keeps every real query to
-    # its request's cached tokens (prefix_i + j < seq_len_i); only padding queries (j >= new_i)
-    # reach the padded positions, and their outputs are dropped.
+    # position p (p <= prefix_i + j, and within a token tree an ancestor), -inf elsewhere.
+    # Causality alone keeps every real query to its request's cached tokens (prefix_i + j <
+    # seq_len_i); only padding queries (j >= new_i) reach the padded positions, and their
+    # outputs are dropped.
     mask: torch.Tensor
     # [2 * B * Hkv * L] rows of the layer-0 view `kv_buffer.view(-1, head_dim)` holding K (then
     # V) of every cached token, ordered (k/v, request, KV head, position); layer l's rows are
@@ -143,7 +144,7 @@ class TorchAttentionBackend(AttentionBackend):
         groups, token = [], 0
         for first, end in self._group_bounds(batch):
             count = sum(batch.extend_lens[first:end])
-            groups.append((token, count, self._prepare_group(batch, first, end, count)))
+            groups.append((token, count, self._prepare_group(batch, first, end, token, count)))
             token += count
         return BatchedGroups(groups)
 
@@ -169,9 +170,10 @@ class TorchAttentionBackend(AttentionBackend):
         return bounds
 
     def _prepare_group(
-        self, batch: ForwardBatch, first: int, end: int, num_tokens: int
+        self, batch: ForwardBatch, first: int, end: int, first_token: int, num_tokens: int
     ) -> BatchedMetadata:
-        """Requests first..end-1 of `batch`, whose flat tokens number `num_tokens`."""
+        """Requests first..end-1 of `batch`, whose flat tokens are the `num_tokens` from
+        `first_token`."""
         rows = batch.req_to_token_pool.req_to_token
         device = rows.device
         seq_lens, extend_lens = batch.seq_lens[first:end], batch.extend_lens[first:end]
@@ -183,8 +185,14 @@ class TorchAttentionBackend(AttentionBackend):
         # query.
         slots = rows[batch.req_pool_indices[first:end], :max_len] * cached
         kv_rows = _kv_rows(slots, batch)
-        query_positions = (lens - new)[:, None] + torch.arange(span, device=device)  # [B, n]
-        mask = _additive(positions <= query_positions[:, :, None], batch)[:, None]
+        prefixes = lens - new
+        query_positions = prefixes[:, None] + torch.arange(span, device=device)  # [B, n]
+        keep = positions <= query_positions[:, :, None]  # [B, n, L]
+        if batch.tree_bits is not None:
+            tree_bits = batch.tree_bits[first_token : first_token + num_tokens]
+            offsets = positions[None, None, :] - prefixes[:, None, None]
+            keep &= _tree_visible(offsets, _padded_bits(tree_bits, new, span)[:, :, None])
+        mask = _additive(keep, batch)[:, None]
         if batch.is_decode:  # the flat tokens already are the padded queries
             return BatchedMetadata(slots, mask, kv_rows, query_rows=None, output_rows=None)
         padding_rows = _padding_rows(new, span, self.num_heads, num_tokens)
@@ -252,13 +260,37 @@ def _prepare_per_request(batch: ForwardBatch) -> PerRequestMetadata:
     start = 0
     for i, (seq_len, new) in enumerate(zip(batch.seq_lens, batch.extend_lens)):
         prefix = seq_len - new
-        if prefix == 0:
+        # A longer span has no `visible` (its bits are all set): plain causal.
+        tree = batch.tree_bits is not None and new <= TREE_MAX_TOKENS
+        if prefix == 0 and not tree:
             spans.append((start, new, None, None))
         else:
-            mask = positions[None, :seq_len] <= positions[prefix:seq_len, None]
-            spans.append((start, new, request_slots[i, :seq_len], _additive(mask, batch)))
+            keep = positions[None, :seq_len] <= positions[prefix:seq_len, None]
+            if tree:
+                bits = batch.tree_bits[start : start + new, None]
+                keep &= _tree_visible(positions[:seq_len] - prefix, bits)
+            # Without a prefix the new tokens' own K and V are all the keys.
+            slots = request_slots[i, :seq_len] if prefix else None
+            spans.append((start, new, slots, _additive(keep, batch)))
         start += new
     return PerRequestMetadata(spans=spans)
+
+
+def _tree_visible(offsets: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Whether a query of span bitmask `bits` may see a key `offsets` after its span's first
+    token (broadcast together): any key cached before the span, and the span's tokens whose bit
+    is set. Offsets past the last bit occur only in spans without a tree (bits -1), where any
+    bit reads set: clamping keeps the shift defined."""
+    in_span = (bits >> offsets.clamp(0, TREE_MAX_TOKENS - 1)) & 1
+    return (offsets < 0) | in_span.bool()
+
+
+def _padded_bits(tree_bits: torch.Tensor, new: torch.Tensor, span: int) -> torch.Tensor:
+    """Flat per-token bits [T] as [B, n], each request's queries padded to n with -1."""
+    queries = torch.arange(span, device=new.device)
+    starts = new.cumsum(0) - new
+    tokens = starts[:, None] + torch.minimum(queries, new[:, None] - 1)
+    return tree_bits[tokens].masked_fill_(queries >= new[:, None], -1)
 
 
 # SDPA's kernels without cuDNN's: cuDNN builds an execution plan for every new shape, and prompt

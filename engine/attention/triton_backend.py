@@ -33,6 +33,7 @@ class TritonMetadata:
     q_lens: torch.Tensor  # [B] int64, new tokens of the request
     max_q_len: int
     num_splits: int
+    tree_bits: torch.Tensor | None = None  # ForwardBatch.tree_bits
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -54,6 +55,7 @@ class TritonAttentionBackend(AttentionBackend):
             lengths[2],
             max_q_len,
             self._key_splits(batch.batch_size, max_q_len, device),
+            batch.tree_bits,
         )
 
     def prepare_for_capture(
@@ -63,11 +65,12 @@ class TritonAttentionBackend(AttentionBackend):
         q_starts: torch.Tensor,
         q_lens: torch.Tensor,
         max_q_len: int,
+        tree_bits: torch.Tensor | None = None,
     ) -> TritonMetadata:
         """Metadata over a graph's static [B] buffers, which the graph runner fills before
         each replay: the kernels read them where they are, so replay needs nothing more."""
         splits = self._key_splits(rows.shape[0], max_q_len, rows.device)
-        return TritonMetadata(rows, seq_lens, q_starts, q_lens, max_q_len, splits)
+        return TritonMetadata(rows, seq_lens, q_starts, q_lens, max_q_len, splits, tree_bits)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
@@ -106,6 +109,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.max_q_len,
             self.scale,
             meta.num_splits,
+            tree_bits=meta.tree_bits,
         )
 
     def _key_splits(self, batch_size: int, max_q_len: int, device: torch.device) -> int:

@@ -3,12 +3,13 @@ speculative verify, draft extends, alternative chains).
 
 Every new token's K and V are in the cache before this runs (the rotary kernel writes them),
 so a query at position p of request b attends to the cached positions 0..p of b's row in the
-request table, whatever part of them this forward computed. One program takes one request, a
-block of its new tokens and one KV head, with the G query heads that share that KV head: the
-(token, head) pairs are the rows of one tile, so K and V are read once per block of tokens and
-never once per query head. Metadata is four device tensors per request (row, length after
-this forward, first new token in the flat batch, number of new tokens): a CUDA graph replays
-the kernel over new values in the same buffers.
+request table, whatever part of them this forward computed (of a token tree's span, only the
+positions its bitmask names). One program takes one request, a block of its new tokens and one
+KV head, with the G query heads that share that KV head: the (token, head) pairs are the rows
+of one tile, so K and V are read once per block of tokens and never once per query head.
+Metadata is four device tensors per request (row, length after this forward, first new token
+in the flat batch, number of new tokens): a CUDA graph replays the kernel over new values in
+the same buffers.
 
 Decode of one long sequence can also split the cached positions over several programs (flash
 decoding), each writing a partial result and its log-sum-exp, merged by a second kernel: with
@@ -38,6 +39,7 @@ def _attention_kernel(
     seq_lens_ptr,
     q_starts_ptr,
     q_lens_ptr,
+    tree_bits_ptr,
     stride_q_token,
     stride_q_head,
     stride_out_split,
@@ -61,6 +63,7 @@ def _attention_kernel(
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
     # Blocks of new tokens on the first grid axis, whose size CUDA does not cap at 65,535.
     block = tl.program_id(0)
@@ -90,6 +93,8 @@ def _attention_kernel(
         mask=valid[:, None] & dim_mask[None, :],
         other=0.0,
     )
+    if HAS_TREE:
+        bits = tl.load(tree_bits_ptr + flat)
 
     # Keys this program reads: its split of those the block's last query may see.
     end = tl.minimum(seq_len, prefix + (block + 1) * BLOCK_TOKENS)
@@ -114,6 +119,12 @@ def _attention_kernel(
         else:
             scores = tl.dot(q, tl.trans(k))
         visible = (keys[None, :] <= position[:, None]) & key_mask[None, :]
+        if HAS_TREE:
+            # Offsets past bit 62 belong to spans without a tree, whose bits are all set.
+            offsets = (keys - prefix).to(tl.int64)
+            shifts = tl.minimum(tl.maximum(offsets, 0), 62)
+            in_span = ((bits[:, None] >> shifts[None, :]) & 1) != 0
+            visible = visible & ((offsets[None, :] < 0) | in_span)
         scores = tl.where(visible, scores * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         # Rows that see no key of this block yet keep m = -inf; exp against 0 keeps them 0.
@@ -203,6 +214,7 @@ def paged_attention(
     scale: float,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] of the new tokens -> attention output [T, H, D].
 
@@ -211,7 +223,9 @@ def paged_attention(
         token in q, its number of new tokens; `max_q_len` bounds the last (a launch size, so a CUDA
         graph captures it). `num_splits` > 1 splits each request's keys in that many parts, for
         decode of few long sequences. Every token of q must belong to one request (padding
-    included): with splits, the merge writes every row."""
+    included): with splits, the merge writes every row. `tree_bits` [T] int64
+    (ForwardBatch.tree_bits): each token's bitmask over its span's tokens, for token
+    trees."""
     num_tokens, num_heads, dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -244,6 +258,8 @@ def paged_attention(
         seq_lens,
         q_starts,
         q_lens,
+        # Never read without a tree: any pointer stands in.
+        q_lens if tree_bits is None else tree_bits,
         q.stride(0),
         q.stride(1),
         stride_split,
@@ -267,6 +283,7 @@ def paged_attention(
         BLOCK_N=_BLOCK_N,
         IEEE=ieee,
         WRITE_LSE=num_splits > 1,
+        HAS_TREE=tree_bits is not None,
         num_warps=4,
     )
     if num_splits > 1:

@@ -1,7 +1,8 @@
-"""Alternative draft chains (`num_draft_chains`): greedy requests draft chains that start with
-depth 0's next most likely tokens, each step verifies them beside the main chain and keeps the
-one accepted furthest. Output stays the target's own, every fork's rows and slots are returned,
-and each chain is what the draft proposes after its first token."""
+"""Draft token trees (spec/tree.py): `speculative_topk` trees and `num_draft_chains` chains,
+which are trees that branch at the first draft only. Each step verifies a request's tree in one
+forward and keeps the longest path the target agrees with. Output stays the target's own, every
+fork's rows and every node's slots are returned, and each node is what the draft proposes
+after its path."""
 
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ def _llm(target: Path, draft: Path | None = None, chains: int | None = None, **k
     return LLM(str(target), device="cpu", **kw)
 
 
+def _tree_llm(target: Path, draft: Path, topk: int, budget: int | None = None, **kw) -> LLM:
+    return _llm(target, draft, speculative_topk=topk, num_draft_tokens=budget, **kw)
+
+
 def _workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(1, 40))] for _ in range(n)]
@@ -69,39 +74,57 @@ def _accepted(outputs) -> int:
     return sum(o.usage.completion_tokens_details.accepted_prediction_tokens for o in outputs)
 
 
+# (chains, topk, num_draft_tokens)
+SHAPES = {
+    "2 chains": (2, None, None),
+    "4 chains": (4, None, None),
+    "top-2 tree": (None, 2, None),
+    "top-4 tree of 10": (None, 4, 10),
+    "top-3 tree of 3": (None, 3, 3),
+}
+
+
+def _shaped_llm(target: Path, draft: Path, shape: str, **kw) -> LLM:
+    chains, topk, budget = SHAPES[shape]
+    return _llm(target, draft, chains, speculative_topk=topk, num_draft_tokens=budget, **kw)
+
+
 @pytest.mark.parametrize("batch_size", [1, 6])
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("chains", [2, 4])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("kind", ["random", "fair"])
-def test_greedy_output_with_alternative_chains_equals_the_target_alone(
-    models, kind: str, chains: int, k: int, batch_size: int
+def test_greedy_output_with_a_draft_tree_equals_the_target_alone(
+    models, kind: str, shape: str, k: int, batch_size: int
 ) -> None:
     target, draft = models[kind]
     prompts, params = _workload(batch_size, seed=batch_size + k)
     expected = [o.token_ids for o in _llm(target).generate(prompts, params)]
-    llm = _llm(target, draft, chains, num_draft_steps=k)
+    llm = _shaped_llm(target, draft, shape, num_draft_steps=k)
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == expected
     _assert_clean(llm)
 
 
-def test_alternative_chains_raise_the_accept_length(models) -> None:
-    """With the noisy draft, some steps accept an alternative: their drafts' KV moves to the
-    request's own slots, and the output above stays the target's only if it moved right."""
+@pytest.mark.parametrize("shape", ["4 chains", "top-4 tree of 10"])
+def test_trees_raise_the_accept_length(models, shape: str) -> None:
+    """With the noisy draft, many steps accept a node off the greedy chain: its KV goes to the
+    request's own positions, and the output above stays the target's only if it went right."""
     target, draft = models["fair"]
     prompts, params = _workload(12, seed=3)
     one = _llm(target, draft, 1).generate(prompts, params)
-    four = _llm(target, draft, 4).generate(prompts, params)
-    assert [o.token_ids for o in four] == [o.token_ids for o in one]
-    assert _accepted(four) > _accepted(one) * 1.1
+    tree = _shaped_llm(target, draft, shape).generate(prompts, params)
+    assert [o.token_ids for o in tree] == [o.token_ids for o in one]
+    assert _accepted(tree) > _accepted(one) * 1.1
 
 
-def test_every_chain_is_what_the_draft_proposes_after_its_first_token(models) -> None:
-    """After every step, the main chain and each alternative equal the trainer's dense draft
-    forward over the committed tokens followed by that chain: depth d at the newest position
-    reads the chain's token d-1. The alternatives start with depth 0's 2nd, 3rd, ... choice."""
+def test_every_node_is_what_the_draft_proposes_after_its_path(models) -> None:
+    """After every step, each tree node's children are among the likeliest tokens of the
+    trainer's dense draft forward over the committed tokens followed by the node's path: depth
+    l at the newest position reads the path's token l. The greedy chain is the tree's path of
+    first choices, and a tree holds its budget of nodes, parents first."""
     target, draft = models["random"]
-    llm = _llm(target, draft, 3)
+    topk, budget = 3, 8
+    llm = _tree_llm(target, draft, topk, budget)
     engine, worker = llm.engine, llm.engine.speculator
     runner = engine.runner
     head = DraftHead(runner.model, None)
@@ -119,22 +142,23 @@ def test_every_chain_is_what_the_draft_proposes_after_its_first_token(models) ->
             state = req.spec_state
             if req.finished or state is None or not req.lookahead:
                 continue
-            assert len(state.alt_chains) == 2
+            tree = state.tree
+            assert tree is not None and len(tree) == budget
+            assert all(parent < i for i, parent in enumerate(tree.parents))
             committed = req.all_token_ids
-            m = len(committed) - 1  # depth d at position m-1 reads token m+d
-            tokens = torch.tensor(committed)
-            with torch.no_grad():
-                hidden, _ = target_forward(runner.model, runner.rotary, tokens[None])
-                top, _ = head.propose_top(_dense(worker, runner, tokens, hidden)[0][m - 1 : m], 3)
-            assert [state.chain[0], *(alt[0] for alt in state.alt_chains)] == top[0].tolist()
-            for chain in [state.chain, *state.alt_chains]:
-                tokens = torch.tensor(committed + chain[:-1])
+            m = len(committed) - 1  # depth l at position m-1 reads token m+l
+            for row, kids in enumerate(tree.children()):
+                if not kids:
+                    continue
+                path = tree.path(row - 1) if row else []
+                tokens = torch.tensor(committed + path)
                 with torch.no_grad():
                     hidden, _ = target_forward(runner.model, runner.rotary, tokens[None])
                     outputs = _dense(worker, runner, tokens, hidden)
-                proposed = [int(head.argmax(out[m - 1])) for out in outputs]
-                assert proposed[1:] == chain[1:]
+                    top, _ = head.propose_top(outputs[len(path)][m - 1 : m], topk)
+                assert {tree.tokens[n] for n in kids} <= set(top[0].tolist())
                 checked += 1
+            assert tree.path(tree.children()[0][0]) == state.chain[:1]
     assert checked > 20
     _assert_clean(llm)
 
@@ -146,16 +170,16 @@ def _dense(worker, runner, tokens: torch.Tensor, hidden: torch.Tensor) -> list[t
     return draft_forward(Draft, runner.model, runner.rotary, tokens[None], hidden)
 
 
-def test_sampled_requests_verify_their_main_chain_only(models) -> None:
+def test_seeded_sampled_requests_with_trees_repeat_their_output(models) -> None:
+    """Sampled requests verify trees too (their distribution: test_spec_sampling.py); a seed
+    fixes every draw of the acceptance walk."""
     target, draft = models["fair"]
     prompts, _ = _workload(4, seed=5)
     params = SamplingParams(max_tokens=20, temperature=0.8, seed=11, ignore_eos=True)
-    one = _llm(target, draft, 1).generate(prompts, params)
-    three = _llm(target, draft, 3).generate(prompts, params)
-    assert [o.token_ids for o in three] == [o.token_ids for o in one]
-    assert [o.usage.completion_tokens_details for o in three] == [
-        o.usage.completion_tokens_details for o in one
-    ]
+    first = _tree_llm(target, draft, 3).generate(prompts, params)
+    again = _tree_llm(target, draft, 3).generate(prompts, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert _accepted(first) > 0
 
 
 def test_every_verified_alternative_draft_counts_as_proposed(models) -> None:
@@ -172,23 +196,26 @@ def test_every_verified_alternative_draft_counts_as_proposed(models) -> None:
     assert details_three.rejected_prediction_tokens == 3 * details_one.rejected_prediction_tokens
 
 
-def test_alternatives_give_way_when_the_pool_is_short(models) -> None:
-    """A pool with room for the requests but hardly any more: steps verify what fits (the main
-    chains at least) and the output is unchanged."""
+@pytest.mark.parametrize("shape", ["4 chains", "top-4 tree of 10"])
+def test_trees_give_way_when_the_pool_is_short(models, shape: str) -> None:
+    """A pool with room for the requests but hardly any more: steps verify what fits (as many
+    nodes as the requests' own slots hold at least) and the output is unchanged."""
     target, draft = models["fair"]
     prompts = [[3 + i] * 10 for i in range(3)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected = [o.token_ids for o in _llm(target).generate(prompts, params)]
-    llm = _llm(target, draft, 4, kv_cache_tokens=3 * (10 + 24) + 2)
+    llm = _shaped_llm(target, draft, shape, kv_cache_tokens=3 * (10 + 24) + 2)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     _assert_clean(llm)
 
 
-def test_the_request_table_has_a_row_per_chain(models) -> None:
+def test_the_request_table_has_a_row_per_expanded_node(models) -> None:
     target, draft = models["random"]
     llm = _llm(target, draft, 3, max_num_seqs=5)
     assert llm.engine.runner.req_to_token_pool.max_reqs == 15
     assert all(d.req_to_token_pool.max_reqs == 15 for d in llm.engine.speculator.depths)
+    tree = _tree_llm(target, draft, 4, max_num_seqs=5)
+    assert all(d.req_to_token_pool.max_reqs == 20 for d in tree.engine.speculator.depths)
 
 
 def test_chains_default_to_one_on_every_device(models) -> None:
@@ -205,28 +232,47 @@ def test_chains_default_to_one_on_every_device(models) -> None:
     assert resolve(plain).engine_config.num_draft_chains == 1
     explicit = dataclasses.replace(args, device="cuda", dtype="bfloat16", num_draft_chains=2)
     assert resolve(explicit).engine_config.num_draft_chains == 2
+    tree = resolve(dataclasses.replace(args, device="cpu", speculative_topk=4)).engine_config
+    assert (tree.speculative_topk, tree.num_draft_tokens) == (4, 0)  # 0: topk x depths
 
 
-def test_bad_chain_counts_are_refused() -> None:
+def test_bad_tree_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="num_draft_chains must be >= 1"):
         EngineArgs(speculative_algorithm=SPEC, num_draft_chains=0)
     with pytest.raises(ValueError, match="needs a speculative_algorithm"):
         EngineArgs(num_draft_chains=2)
+    with pytest.raises(ValueError, match="need a speculative_algorithm"):
+        EngineArgs(speculative_topk=2)
+    with pytest.raises(ValueError, match="speculative_topk must be >= 1"):
+        EngineArgs(speculative_algorithm=SPEC, speculative_topk=0)
+    with pytest.raises(ValueError, match="needs speculative_topk >= 2"):
+        EngineArgs(speculative_algorithm=SPEC, num_draft_tokens=8)
+    with pytest.raises(ValueError, match="num_draft_tokens must be in 1..62"):
+        EngineArgs(speculative_algorithm=SPEC, speculative_topk=4, num_draft_tokens=63)
+    with pytest.raises(ValueError, match="not both"):
+        EngineArgs(speculative_algorithm=SPEC, speculative_topk=4, num_draft_chains=2)
 
 
-def test_the_chains_flag_reaches_the_engine_and_bad_values_are_a_message(capsys) -> None:
+def test_the_tree_flags_reach_the_engine_and_bad_values_are_a_message(capsys) -> None:
     args = build_parser().parse_args(
         ["serve", "--speculative-algorithm", SPEC, "--num-draft-chains", "3"]
     )
     assert engine_args(args).num_draft_chains == 3
+    flags = ["--speculative-algorithm", SPEC, "--speculative-topk", "4", "--num-draft-tokens", "9"]
+    args = engine_args(build_parser().parse_args(["serve", *flags]))
+    assert (args.speculative_topk, args.num_draft_tokens) == (4, 9)
     assert main(["generate", "--speculative-algorithm", SPEC, "--num-draft-chains", "0", "hi"]) == 2
     assert "num_draft_chains must be >= 1" in capsys.readouterr().err
+    bad = ["--speculative-algorithm", SPEC, "--speculative-topk", "2", "--num-draft-tokens", "99"]
+    assert main(["generate", *bad, "hi"]) == 2
+    assert "num_draft_tokens must be in 1..62" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("shape", ["4 chains", "top-4 tree of 10"])
 @pytest.mark.parametrize("where", ["verify", "draft depth 2"])
-def test_a_failed_forward_gives_back_every_fork_and_alternative(models, where: str) -> None:
+def test_a_failed_forward_gives_back_every_fork_and_node(models, where: str, shape: str) -> None:
     target, draft = models["random"]
-    llm = _llm(target, draft, 3)
+    llm = _shaped_llm(target, draft, shape)
     worker = llm.engine.speculator
     calls = {"n": 0}
 
@@ -251,8 +297,8 @@ def test_a_failed_forward_gives_back_every_fork_and_alternative(models, where: s
 
 
 def test_requests_hold_at_most_max_num_seqs_rows(models) -> None:
-    """The table has a row per chain and request; a decode node admits by free rows, and the
-    cap keeps the alternatives' rows for them."""
+    """The tables have a row per expanded node and request; a decode node admits by free rows,
+    and the cap keeps the other rows free."""
     target, draft = models["random"]
     cache = _llm(target, draft, 3, max_num_seqs=2).engine.kv_cache
     assert cache.req_to_token_pool.max_reqs == 6 and cache.max_requests == 2
@@ -263,3 +309,51 @@ def test_requests_hold_at_most_max_num_seqs_rows(models) -> None:
     assert not cache.can_grow(4, 1) and cache.can_grow(4)
     for holder in holders:
         cache.release(holder)
+
+
+def _held_slots(engine) -> tuple[int, list[int]]:
+    """Slots the live requests hold in the target's pool and in each depth's."""
+    running = [req for req in engine.scheduler.running]
+    target = sum(len(req.slots) for req in running)
+    depths = [
+        sum(len(req.spec_state.seqs[d].slots) for req in running if req.spec_state is not None)
+        for d in range(len(engine.speculator.depths))
+    ]
+    return target, depths
+
+
+def test_rejected_nodes_leave_no_kv_behind(models) -> None:
+    """After every round the pools hold what the requests hold and nothing more: the nodes
+    off the accepted path gave their slots back, the forks their rows, also when a request is
+    aborted between rounds."""
+    target, draft = models["fair"]
+    llm = _tree_llm(target, draft, 4, 12)
+    engine, worker = llm.engine, llm.engine.speculator
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompts, _ = _workload(5, seed=8)
+    requests = [engine.make_request(str(i), p, params) for i, p in enumerate(prompts)]
+    for req in requests:
+        engine.add_request(req)
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if steps == 4:
+            engine.abort(requests[1].request_id)
+        held, held_by_depth = _held_slots(engine)
+        assert engine.runner.kv_pool.allocator.num_used == held
+        for runner, count in zip(worker.depths, held_by_depth):
+            assert runner.kv_pool.allocator.num_used == count
+            free_rows = runner.req_to_token_pool.num_free_rows
+            live = sum(
+                1
+                for r in engine.scheduler.running
+                if r.spec_state and r.spec_state.seqs[runner.depth].row is not None
+            )
+            assert free_rows == runner.req_to_token_pool.max_reqs - live
+    assert _accepted_stats(requests) > 0
+    _assert_clean(llm)
+
+
+def _accepted_stats(requests) -> int:
+    return sum(req.spec_stats.accepted_tokens for req in requests if req.spec_stats)

@@ -1,0 +1,224 @@
+"""The draft token tree: its shape, its nodes, and the rules that verify it.
+
+A draft extend grows each request's tree level by level (spec/tree_extender.py): depth 0
+proposes the root's likeliest tokens, and at each deeper level the `beam_width` best nodes by
+cumulative draft log-probability (the draft's greedy path among them) are run through the next
+depth, each proposing its `node_width` likeliest children. The `budget` best nodes of all those
+proposed are verified in one target forward, each node seeing the cached prefix, its ancestors
+and itself (a tree attention mask); the longest path the target agrees with is kept.
+
+Chains are trees too: one chain is (1, 1, 1, K), and N chains that start with depth 0's N
+likeliest tokens and go on greedily are (N, 1, N, N * K)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from spec.acceptance import Verdict
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    root_width: int  # the root's children: depth 0's likeliest tokens
+    node_width: int  # children proposed by each node expanded at a deeper level
+    beam_width: int  # nodes expanded per level, the draft's greedy path's among them
+    budget: int  # nodes verified
+
+    def __post_init__(self) -> None:
+        for name in ("root_width", "node_width", "beam_width", "budget"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"draft tree {name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def chains(cls, num_chains: int, depth: int) -> TreeShape:
+        return cls(num_chains, 1, num_chains, num_chains * depth)
+
+    @classmethod
+    def top_k(cls, k: int, budget: int) -> TreeShape:
+        """SGLang's `--speculative-eagle-topk k --speculative-num-draft-tokens budget`."""
+        return cls(k, k, k, budget)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.root_width == 1 and self.node_width == 1
+
+    def width_at(self, depth: int) -> int:
+        """Tokens proposed at each expanded node by draft depth `depth`."""
+        return self.root_width if depth == 0 else self.node_width
+
+
+@dataclass
+class DraftTree:
+    """Nodes 0..N-1, parents before children (`parents[i] < i`, -1: the root, which is the
+    newest committed token and no node). A verify span is the root then the nodes, so node i is
+    span row i + 1."""
+
+    tokens: list[int]
+    parents: list[int]
+    levels: list[int] = field(default_factory=list)  # the root's children are level 1
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            for i, parent in enumerate(self.parents):
+                assert parent < i, "parents come before their children"
+                self.levels.append(self.levels[parent] + 1 if parent >= 0 else 1)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> DraftTree:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), list(range(1, len(tokens) + 1)))
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+    @property
+    def depth(self) -> int:
+        return max(self.levels, default=0)
+
+    def pruned(self, max_level: int, max_nodes: int) -> DraftTree:
+        """The nodes of level <= max_level, the first max_nodes of them: a tree still, since
+        a node's ancestors come before it and are no deeper."""
+        keep = [i for i in range(len(self.tokens)) if self.levels[i] <= max_level][:max_nodes]
+        if len(keep) == len(self.tokens):
+            return self
+        new_index = {old: new for new, old in enumerate(keep)}
+        return DraftTree(
+            [self.tokens[i] for i in keep],
+            [new_index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
+            [self.levels[i] for i in keep],
+        )
+
+    def visible(self) -> list[int]:
+        """Per span row (the root, then each node), the span rows it attends as a bitmask:
+        itself, its ancestors and the root."""
+        masks = [1]
+        for i, parent in enumerate(self.parents):
+            masks.append(masks[parent + 1] | (1 << (i + 1)))
+        return masks
+
+    def positions(self, root_position: int) -> list[int]:
+        return [root_position] + [root_position + level for level in self.levels]
+
+    def children(self) -> list[list[int]]:
+        """Per span row, its children's node indices in node order."""
+        kids: list[list[int]] = [[] for _ in range(len(self.tokens) + 1)]
+        for i, parent in enumerate(self.parents):
+            kids[parent + 1].append(i)
+        return kids
+
+    def path(self, node: int) -> list[int]:
+        """The tokens from level 1 down to `node`."""
+        tokens = []
+        while node >= 0:
+            tokens.append(self.tokens[node])
+            node = self.parents[node]
+        return tokens[::-1]
+
+    def row_drafts(self) -> list[list[int]]:
+        """Per span row, the drafts that precede the token it predicts."""
+        return [[]] + [self.path(i) for i in range(len(self.tokens))]
+
+
+@dataclass
+class Candidate:
+    token: int
+    parent: int  # a candidate's index, -1: the root
+    level: int
+    score: float  # cumulative draft log-probability
+
+
+def select_tree(candidates: list[Candidate], budget: int) -> DraftTree:
+    """The `budget` candidates of highest score, as a tree. A child's score is its parent's
+    plus a log-probability, never above it, so the choice keeps every chosen node's ancestors;
+    ordering ties by level puts a parent first."""
+    order = sorted(
+        range(len(candidates)), key=lambda i: (-candidates[i].score, candidates[i].level)
+    )
+    chosen = order[:budget]
+    chosen.sort(key=lambda i: (candidates[i].level, -candidates[i].score))
+    new_index = {old: new for new, old in enumerate(chosen)}
+    tokens, parents, levels = [], [], []
+    for i in chosen:
+        cand = candidates[i]
+        assert cand.parent < 0 or cand.parent in new_index, "a chosen node's parent is chosen"
+        tokens.append(cand.token)
+        parents.append(new_index[cand.parent] if cand.parent >= 0 else -1)
+        levels.append(cand.level)
+    return DraftTree(tokens, parents, levels)
+
+
+def log_prob(p: float) -> float:
+    return math.log(p) if p > 0 else -math.inf
+
+
+@dataclass
+class TreeVerdict(Verdict):
+    path: list[int] = field(default_factory=list)  # the accepted nodes, level 1 first
+
+
+def accept_tree_greedy(tree: DraftTree, targets: list[int]) -> TreeVerdict:
+    """targets[r]: the target's argmax at span row r. Follows the child whose token is the
+    target's choice for as long as there is one."""
+    kids = tree.children()
+    row, path = 0, []
+    while True:
+        target = targets[row]
+        node = next((n for n in kids[row] if tree.tokens[n] == target), None)
+        if node is None:
+            break
+        path.append(node)
+        row = node + 1
+    tokens = [tree.tokens[n] for n in path] + [targets[row]]
+    return TreeVerdict(tokens, len(path), path)
+
+
+def accept_tree_sampled(
+    tree: DraftTree,
+    probs: torch.Tensor,
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> TreeVerdict:
+    """probs [rows, V] on the host: the target's filtered distribution at each span row;
+    generators[j] draws output token j (None: the default generator).
+
+    At a node whose children the draft chose deterministically, each child c in turn is
+    accepted with probability r(c), r being the target's distribution with the children
+    already rejected removed and renormalised; when every child is rejected the token is drawn
+    from r. The committed token has probability p(x) whatever the children: accepting the
+    first child has p(c1); reaching the second, (1 - p(c1)) * p(c2) / (1 - p(c1)) = p(c2);
+    and so on, the rest drawn from p without the rejected mass. So the output keeps the
+    target's distribution exactly, as chains do (spec.acceptance)."""
+    kids = tree.children()
+    row, path, tokens = 0, [], []
+    for j in range(tree.depth + 1):
+        generator = generators[j] or default_generator
+        residual = probs[row].clone()
+        accepted = None
+        for node in kids[row]:
+            token = tree.tokens[node]
+            mass = float(residual.sum())
+            if mass > 0 and float(torch.rand((), generator=generator)) * mass < float(
+                residual[token]
+            ):
+                accepted = node
+                break
+            residual[token] = 0.0
+        if accepted is not None:
+            path.append(accepted)
+            tokens.append(tree.tokens[accepted])
+            row = accepted + 1
+            continue
+        if float(residual.sum()) <= 0:  # rounding left no mass: the likeliest token
+            tokens.append(int(probs[row].argmax()))
+        else:
+            tokens.append(
+                int(torch.multinomial(residual / residual.sum(), 1, generator=generator)[0])
+            )
+        break
+    return TreeVerdict(tokens, len(path), path)

@@ -1,0 +1,258 @@
+"""The general draft extend: every depth over a batch of `DraftExtend` items (prefill, and the
+decode steps whose shape the fixed extend of spec/decode_extend.py does not fit), growing each
+item's draft tree (spec/tree.py) level by level.
+
+Each item's main extend runs its depths over the newly committed tokens and, past them, over
+its greedy chain: depth d's last position reads the chain's draft d and proposes draft d + 1.
+The chain's drafts stay on the device until every depth has run: depth d reads them from
+`chains`, so the host queues the next depth while the device runs this one. An item whose shape
+is a tree also needs, after each depth, its proposals on the host: they choose the nodes the
+next depth expands beside the greedy one (`TreeFork`), each a fork of the depth's sequence that
+recomputes only the positions whose tokens are its path's drafts (spec/draft_extend.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from engine.host_copy import int_tensor
+from spec.draft_extend import DraftExtend
+from spec.draft_runner import DraftInput, DraftRunner, DraftSeq, DraftTokenPatch
+from spec.draft_vocab import DraftHead
+from spec.tree import Candidate, log_prob, select_tree
+
+
+class TreeFork:
+    """A tree node other than the greedy chain's, expanded by draft depth `level`: that depth
+    runs over positions [max(0, m - level), m - 1], reading the node's path (level 1 to its own
+    token) and the hidden states its parent's expansion produced there."""
+
+    def __init__(
+        self, growth: TreeGrowth, node: int, path: list[int], parent_rows: torch.Tensor
+    ) -> None:
+        self.growth = growth
+        self.node = node  # its candidate index in growth.candidates
+        self.level = len(path)
+        self.path = path
+        # The parent's output at positions [max(0, m - level + 1), m - 1].
+        self.parent_rows = parent_rows
+        self.seq: DraftSeq | None = None
+        self.output: torch.Tensor | None = None  # this node's own rows, once run
+
+    @property
+    def item(self) -> DraftExtend:
+        return self.growth.item
+
+    def shared_len(self) -> int:
+        """Positions of the depth's sequence the fork reads from the main extend's KV."""
+        return max(0, self.item.m - self.level)
+
+    def input_for(self) -> DraftInput:
+        assert self.seq is not None
+        m, level, start = self.item.m, self.level, self.shared_len()
+        rows: list[torch.Tensor] = []
+        if m - level >= 0:  # depth level-1's output at m - level read x_m: every path's
+            rows.append(self.item.state.boundary[level - 1][None])
+        if self.parent_rows.shape[0]:
+            rows.append(self.parent_rows)
+        # Position i reads token x_{i + level + 1}: draft (i + level + 1 - m) of the path.
+        tokens = self.path[start + level - m :]
+        return DraftInput(self.seq, start, tokens, tuple(rows))
+
+
+class TreeGrowth:
+    """One item's tree while the depths run: every proposed node (`candidates`) and the main
+    chain's node at the current level."""
+
+    def __init__(self, item: DraftExtend) -> None:
+        self.item = item
+        self.candidates: list[Candidate] = []
+        self.main_node = -1  # the greedy chain's node at the level being expanded (-1: root)
+
+    def add_children(self, parent: int, ids: list[float], probs: list[float]) -> list[int]:
+        """The proposals of `parent`'s expansion as candidates; their indices."""
+        base = self.candidates[parent].score if parent >= 0 else 0.0
+        level = self.candidates[parent].level + 1 if parent >= 0 else 1
+        first = len(self.candidates)
+        for token, p in zip(ids, probs):
+            self.candidates.append(Candidate(int(token), parent, level, base + log_prob(p)))
+        return list(range(first, len(self.candidates)))
+
+    def path(self, node: int) -> list[int]:
+        tokens = []
+        while node >= 0:
+            tokens.append(self.candidates[node].token)
+            node = self.candidates[node].parent
+        return tokens[::-1]
+
+
+class TreeExtender:
+    def __init__(self, depths: list[DraftRunner], head: DraftHead, device: torch.device) -> None:
+        self.depths = depths
+        self.head = head
+        self.device = device
+        self.k = len(depths)
+
+    def run(self, items: list[DraftExtend]) -> None:
+        """Extend every depth over `items`, giving each its next chain and, for tree shapes,
+        its tree. The forks' sequences are released after each depth, also on failure."""
+        if not items:
+            return
+        live: list[tuple[DraftRunner, TreeFork]] = []
+        try:
+            self._extend_depths(items, live)
+        finally:
+            for runner, fork in live:
+                if fork.seq is not None:
+                    runner.release(fork.seq)
+
+    def _extend_depths(
+        self, items: list[DraftExtend], live: list[tuple[DraftRunner, TreeFork]]
+    ) -> None:
+        num_items, k = len(items), self.k
+        device = self.device
+        chains = torch.zeros((num_items, k), dtype=torch.int64, device=device)
+        probs = torch.zeros((num_items, k), dtype=torch.float32, device=device)
+        growths = [None if item.shape.is_chain else TreeGrowth(item) for item in items]
+        trees = [g for g in growths if g is not None]
+        forks: list[TreeFork] = []  # the nodes this depth expands beside the main chains
+        for depth, runner in enumerate(self.depths):
+            inputs = [item.input_for(depth) for item in items]
+            columns = [item.draft_columns(depth) for item in items]
+            if forks:
+                forks = self._fork(runner, inputs, forks, live)
+                inputs += [fork.input_for() for fork in forks]
+            patch = _draft_token_patch(inputs, columns, chains)
+            flat, lens, proposal = runner.forward_flat(inputs, patch)
+            outputs = flat.split(lens)
+            width = max(item.shape.width_at(depth) for item in items)
+            if proposal is not None:  # the graph ran the head, for at least `width` tokens
+                best, best_p = proposal.top[:, :width], proposal.top_p[:, :width]
+            else:
+                ends = list(itertools.accumulate(lens))
+                last = flat.index_select(0, int_tensor(ends, flat.device) - 1)
+                # A depth's output is hidden_size wide whatever the target's stream: norm and
+                # head only.
+                best, best_p = self.head.propose_top(last, width)
+            chains[:, depth] = best[:num_items, 0]
+            probs[:, depth] = best_p[:num_items, 0]
+            for item, out in zip(items, outputs):
+                item.take(depth, out)
+            for fork, out in zip(forks, outputs[num_items:]):
+                fork.output = out
+            for fork in forks:
+                assert fork.seq is not None
+                runner.release(fork.seq)
+                fork.seq = None
+            if trees:
+                forks = self._grow(growths, forks, depth, best, best_p, outputs)
+        # One copy to the host (ids are exact in float64): each item's chain, then its drafts'
+        # probabilities.
+        host = torch.cat([chains.double(), probs.double()], dim=1).tolist()
+        for item, growth, row in zip(items, growths, host):
+            tree = None if growth is None else select_tree(growth.candidates, item.shape.budget)
+            item.finish([int(t) for t in row[:k]], row[k:], tree)
+
+    def _fork(
+        self,
+        runner: DraftRunner,
+        inputs: list[DraftInput],
+        forks: list[TreeFork],
+        live: list[tuple[DraftRunner, TreeFork]],
+    ) -> list[TreeFork]:
+        """Forks of this depth's sequences for `forks`, or none where the depth lacks the rows
+        or slots for them (the trees then stop growing beside their chains)."""
+        # Forks share the main sequences' slots, so those are taken first.
+        runner.grow_many([(i.seq, i.start + len(i.token_ids)) for i in inputs])
+        own = sum(fork.level for fork in forks)
+        if not runner.can_fork(len(forks), own):
+            return []
+        parents = [(fork.item.state.seqs[fork.level], fork.shared_len()) for fork in forks]
+        for fork, seq in zip(forks, runner.fork(parents)):
+            fork.seq = seq
+            live.append((runner, fork))
+        return forks
+
+    def _grow(
+        self,
+        growths: list[TreeGrowth | None],
+        forks: list[TreeFork],
+        depth: int,
+        best: torch.Tensor,
+        best_p: torch.Tensor,
+        outputs: tuple[torch.Tensor, ...],
+    ) -> list[TreeFork]:
+        """Add what depth `depth` proposed to the trees, and choose the nodes the next depth
+        expands: each tree's greedy node and its beam_width - 1 best other new nodes."""
+        num_items = len(growths)
+        host = torch.cat([best.double(), best_p.double()], dim=1).tolist()
+        width = best.shape[1]
+        expanded: list[tuple[TreeGrowth, int, int]] = []  # (growth, node, row in the batch)
+        for i, growth in enumerate(growths):
+            if growth is not None:
+                expanded.append((growth, growth.main_node, i))
+        for j, fork in enumerate(forks):
+            expanded.append((fork.growth, fork.node, num_items + j))
+        new: dict[int, list[int]] = {}  # per growth (by id), its new nodes
+        for growth, node, row in expanded:
+            count = growth.item.shape.width_at(depth)
+            kids = growth.add_children(node, host[row][:count], host[row][width : width + count])
+            new.setdefault(id(growth), []).extend(kids)
+            if node == growth.main_node:
+                growth.main_node = kids[0]  # the chain's next draft is the likeliest
+        if depth + 1 >= self.k:
+            return []
+        next_forks = []
+        for i, growth in enumerate(growths):
+            if growth is None:
+                continue
+            main = growth.main_node
+            others = [n for n in new[id(growth)] if n != main]
+            others.sort(key=lambda n: -growth.candidates[n].score)
+            for node in others[: growth.item.shape.beam_width - 1]:
+                rows = self._parent_rows(growth, node, forks, outputs, i)
+                next_forks.append(TreeFork(growth, node, growth.path(node), rows))
+        return next_forks
+
+    def _parent_rows(
+        self,
+        growth: TreeGrowth,
+        node: int,
+        forks: list[TreeFork],
+        outputs: tuple[torch.Tensor, ...],
+        index: int,
+    ) -> torch.Tensor:
+        """The output rows of `node`'s parent's expansion at the positions the node's level
+        reads after its boundary: [max(0, m - level + 1), m - 1]."""
+        parent = growth.candidates[node].parent
+        m, level = growth.item.m, growth.candidates[node].level
+        count = m - max(0, m - level + 1)
+        for fork in forks:
+            if fork.growth is growth and fork.node == parent:
+                assert fork.output is not None and fork.output.shape[0] == count
+                return fork.output
+        main = outputs[index]  # the parent is the main chain's node (or the root)
+        return main[main.shape[0] - count :]
+
+
+def _draft_token_patch(
+    inputs: list[DraftInput], columns: list[range], chains: torch.Tensor
+) -> DraftTokenPatch | None:
+    """Where the drafts that the main inputs read sit in the batch's tokens (each input's last
+    tokens), and their ids, gathered from `chains` (input i reads row i's `columns[i]`). Forks,
+    after the main inputs, read tokens known on the host."""
+    positions, rows, cols = [], [], []
+    offset = 0
+    for i, item in enumerate(inputs):
+        offset += len(item.token_ids)
+        if i >= len(columns):
+            continue
+        read = columns[i]
+        positions += range(offset - len(read), offset)
+        rows += [i] * len(read)
+        cols += read
+    if not positions:
+        return None
+    index = int_tensor([positions, rows, cols], chains.device)
+    return DraftTokenPatch(index[0], chains[index[1], index[2]])

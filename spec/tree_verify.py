@@ -1,0 +1,58 @@
+"""KV slots of a tree's verify. A request holds slots for the positions after its newest token
+as far as its lookahead; a tree's nodes past those take slots of their own for the step. The
+nodes of the accepted path then hold the KV the request keeps, at the positions of their
+levels: the request takes over their slots there, and gives the ones they replace to be freed
+with the nodes it does not keep. No KV moves, so no queued copy reads slots that are already
+free (on a decode node, a transfer on another stream may be writing them)."""
+
+from __future__ import annotations
+
+from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.request import Request
+
+
+class TreeSlots:
+    """The slots one verify step took past the requests' own, freed after it."""
+
+    def __init__(self, kv_pool: KVPool, pool: ReqToTokenPool) -> None:
+        self.kv_pool = kv_pool
+        self.pool = pool
+        self.slots: list[int] = []
+
+    def span_slots(self, req: Request, num_nodes: int) -> list[int]:
+        """Slots for `req`'s newest token and up to `num_nodes` nodes after it: the request's
+        own, then new ones where the pool and the request's row have room. Fewer than
+        1 + num_nodes where they do not: the tree is cut to fit."""
+        m = req.num_tokens - 1
+        own = req.slots[m : m + 1 + num_nodes]
+        wanted = min(1 + num_nodes - len(own), self.pool.req_to_token.shape[1] - m - len(own))
+        if wanted <= 0 or not self.kv_pool.allocator.can_allocate(wanted):
+            return own
+        extra = self.kv_pool.allocator.allocate(wanted)
+        self.slots += extra
+        self.pool.write_many([(req.row, m + len(own), extra)])
+        return own + extra
+
+    def keep_path(self, req: Request, span_slots: list[int], path: list[int]) -> tuple | None:
+        """`req` keeps the KV of the accepted nodes `path` (level 1 first): their slots go to
+        positions m+1, m+2, ... Returns the request's row-table write, None if nothing moved."""
+        if path == list(range(len(path))):
+            return None
+        m = req.num_tokens - 1
+        own_count = min(len(req.slots) - m - 1, len(span_slots) - 1)
+        own = span_slots[1 : 1 + own_count]
+        kept = [span_slots[node + 1] for node in path]
+        chosen = set(kept)
+        rest = [slot for slot in own if slot not in chosen]
+        new = kept + rest[: own_count - len(kept)]
+        placed = set(new)
+        given = [slot for slot in own if slot not in placed]
+        gained = {slot for slot in kept if slot not in set(own)}
+        self.slots = [slot for slot in self.slots if slot not in gained] + given
+        req.slots[m + 1 : m + 1 + own_count] = new
+        return req.row, m + 1, new
+
+    def free(self) -> None:
+        if self.slots:
+            self.kv_pool.allocator.free(self.slots)
+            self.slots = []

@@ -1,0 +1,169 @@
+"""The draft tree's own rules (spec/tree.py): the attention mask of its nodes against the
+ancestors found by brute force, the choice of the budget's nodes, and acceptance: the longest
+path the target agrees with (greedy), and tree speculative sampling, whose committed tokens are
+distributed as the target's."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import torch
+from test_spec_sampling import chi_square_p_value
+
+from engine import SamplingParams
+from engine.sampler import filtered_probs
+from spec.tree import (
+    Candidate,
+    DraftTree,
+    TreeShape,
+    TreeVerdict,
+    accept_tree_greedy,
+    accept_tree_sampled,
+    select_tree,
+)
+
+
+def _random_tree(rng: random.Random, size: int) -> DraftTree:
+    parents = [-1] + [rng.randrange(-1, i) for i in range(1, size)]
+    return DraftTree([rng.randrange(100) for _ in range(size)], parents)
+
+
+def _ancestors(parents: list[int], node: int) -> set[int]:
+    found = set()
+    while node >= 0:
+        found.add(node)
+        node = parents[node]
+    return found
+
+
+def test_each_node_sees_exactly_its_ancestors_the_root_and_itself() -> None:
+    rng = random.Random(0)
+    for size in [1, 2, 5, 17, 40, 61]:
+        tree = _random_tree(rng, size)
+        masks = tree.visible()
+        assert masks[0] == 1  # the root sees itself only (and the cache before it)
+        for node in range(size):
+            rows = {0} | {a + 1 for a in _ancestors(tree.parents, node)}
+            seen = {r for r in range(size + 1) if masks[node + 1] >> r & 1}
+            assert seen == rows
+            assert tree.levels[node] == len(_ancestors(tree.parents, node))
+        assert tree.positions(50)[1:] == [50 + level for level in tree.levels]
+
+
+def test_a_cut_tree_keeps_every_kept_node_s_ancestors() -> None:
+    rng = random.Random(1)
+    for _ in range(50):
+        tree = _random_tree(rng, 20)
+        cut = tree.pruned(rng.randint(1, 5), rng.randint(1, 20))
+        assert all(level <= max(cut.levels, default=0) for level in cut.levels)
+        for node in range(len(cut)):
+            assert cut.parents[node] < node
+            # The kept node's path is the same tokens as in the whole tree.
+            assert cut.path(node) in [tree.path(n) for n in range(len(tree))]
+
+
+def test_the_budget_keeps_the_likeliest_nodes_parents_first() -> None:
+    rng = random.Random(2)
+    for _ in range(50):
+        candidates: list[Candidate] = []
+        for i in range(30):
+            parent = rng.randrange(-1, i) if i else -1
+            base = candidates[parent].score if parent >= 0 else 0.0
+            level = candidates[parent].level + 1 if parent >= 0 else 1
+            candidates.append(Candidate(i, parent, level, base + rng.choice([0.0, -0.5, -2.0])))
+        budget = rng.randint(1, 30)
+        tree = select_tree(candidates, budget)
+        assert len(tree) == budget
+        assert all(parent < i for i, parent in enumerate(tree.parents))
+        chosen = sorted(candidates[t].score for t in tree.tokens)
+        best = sorted(c.score for c in candidates)[-budget:]
+        assert chosen == best
+        for node in range(len(tree)):  # the tree's structure is the candidates'
+            parent = tree.parents[node]
+            expected = candidates[tree.tokens[node]].parent
+            assert (tree.tokens[parent] if parent >= 0 else -1) == expected
+
+
+def test_chain_shapes_are_trees() -> None:
+    assert TreeShape.chains(1, 3).is_chain
+    assert TreeShape.chains(4, 3) == TreeShape(4, 1, 4, 12)
+    assert not TreeShape.top_k(4, 8).is_chain
+    assert DraftTree.chain([5, 6, 7]).is_chain
+    assert DraftTree.chain([5, 6, 7]).visible() == [1, 3, 7, 15]
+
+
+# Root -> a(0), b(1); a -> c(2), d(3); b -> e(4); d -> f(5).
+TREE = DraftTree([10, 11, 12, 13, 14, 15], [-1, -1, 0, 0, 1, 3])
+
+
+def test_greedy_follows_the_target_s_choices_down_the_tree() -> None:
+    targets = [0] * 7
+    targets[0], targets[1], targets[4], targets[6] = 10, 13, 15, 99  # root, a, d, f
+    verdict = accept_tree_greedy(TREE, targets)
+    assert (verdict.tokens, verdict.num_accepted, verdict.path) == ([10, 13, 15, 99], 3, [0, 3, 5])
+    targets[0] = 11  # b, then b's row wants 77: no child
+    targets[2] = 77
+    verdict = accept_tree_greedy(TREE, targets)
+    assert (verdict.tokens, verdict.path) == ([11, 77], [1])
+    targets[0] = 42
+    assert accept_tree_greedy(TREE, targets).tokens == [42]
+
+
+def _rule_samples(rule, draws: int) -> tuple[list[torch.Tensor], Counter, Counter]:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 16, generator=generator) * 1.5
+    params = SamplingParams(temperature=1.0)
+    probs = torch.stack([filtered_probs(row, params) for row in logits])
+    # The root's children are the target's two likeliest tokens: a rule that mishandles the
+    # rejected mass then shifts the output a lot.
+    first_two = probs[0].topk(2).indices.tolist()
+    tree = DraftTree([*first_two, 3, 4, 5, 6], TREE.parents)
+    default = torch.Generator().manual_seed(1)
+    first: Counter = Counter()
+    second: Counter = Counter()
+    for _ in range(draws):
+        tokens = rule(tree, probs, [None] * 4, default).tokens
+        first[tokens[0]] += 1
+        if tokens[0] == tree.tokens[0]:
+            second[tokens[1]] += 1
+    return [probs[0], probs[1]], first, second
+
+
+def test_tree_sampling_commits_tokens_distributed_as_the_target() -> None:
+    """The first token ~ p at the root, whichever children were tried; after the first child
+    was accepted, the second ~ p at that child's row."""
+    draws = 8000
+    (p0, p_a), first, second = _rule_samples(accept_tree_sampled, draws)
+    assert chi_square_p_value(first, dict(enumerate(p0.tolist())), draws) > 1e-3
+    n = sum(second.values())
+    assert chi_square_p_value(second, dict(enumerate(p_a.tolist())), n) > 1e-3
+
+
+def _keeps_rejected_mass(tree, probs, generators, default):
+    """A tempting mistake: try each child against p itself, never removing the rejected
+    children's mass, which gives later children less than their share."""
+    tokens, path, row = [], [], 0
+    kids = tree.children()
+    for _ in range(probs.shape[0]):
+        accepted = None
+        for node in kids[row]:
+            if float(torch.rand((), generator=default)) < float(probs[row][tree.tokens[node]]):
+                accepted = node
+                break
+        if accepted is None:
+            residual = probs[row].clone()
+            for node in kids[row]:
+                residual[tree.tokens[node]] = 0
+            tokens.append(int(torch.multinomial(residual / residual.sum(), 1, generator=default)))
+            break
+        tokens.append(tree.tokens[accepted])
+        path.append(accepted)
+        row = accepted + 1
+    return TreeVerdict(tokens, len(path), path)
+
+
+def test_the_check_catches_a_rule_that_keeps_the_rejected_mass() -> None:
+    draws = 8000
+    (p0, _), first, _ = _rule_samples(_keeps_rejected_mass, draws)
+    assert chi_square_p_value(first, dict(enumerate(p0.tolist())), draws) < 1e-6
