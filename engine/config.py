@@ -162,11 +162,12 @@ class EngineConfig:
     # Plain decode steps launch the next step before reading their tokens (engine/overlap.py).
     overlap_schedule: bool = False
     seed: int = 0
-    # Draft chains per greedy request when speculating (spec/worker.py): each alternative chain
-    # is verified in a request-table row of its own, so the table has this many rows a request.
+    # Draft chains per request when speculating: the draft tree that branches at the first
+    # draft only (spec/tree.py).
     num_draft_chains: int = 1
     # A draft token tree instead (spec/tree.py): each expanded node's `speculative_topk`
-    # likeliest children, `num_draft_tokens` nodes verified (0: topk x depths); 1: chains.
+    # likeliest children, `num_draft_tokens` nodes verified (0: topk x depths, at most
+    # MAX_DRAFT_TREE_TOKENS); 1: chains.
     speculative_topk: int = 1
     num_draft_tokens: int = 0
     # float32 linear layers on CPU run through oneDNN with prepacked weights (see cpu_linear.py).
@@ -200,9 +201,9 @@ class EngineConfig:
         )
 
     @property
-    def num_request_rows(self) -> int:
-        """Rows of the request table (and of each draft depth's): max_num_seqs for requests, the
-        rest for the forks of draft trees."""
+    def draft_request_rows(self) -> int:
+        """Rows of each draft depth's request table: max_num_seqs for requests, the rest for
+        the forks of draft trees (spec/tree_extender.py), as many as a level expands."""
         return self.max_num_seqs * max(self.num_draft_chains, self.speculative_topk)
 
 

@@ -64,8 +64,8 @@ class EngineCore:
         self.speculator = speculator
         self.tracing = tracing
         self.handoff = handoff
-        # A decode node admits by free rows: the cap keeps the alternatives' rows free. A
-        # prefill node's rows are also held by prompts whose KV is being sent: all of them.
+        # A decode node admits by free rows, at most max_num_seqs. A prefill node's rows are
+        # also held by prompts whose KV is being sent: all of them.
         self.kv_cache = KVCacheManager(
             runner.kv_pool,
             runner.req_to_token_pool,

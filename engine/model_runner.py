@@ -65,7 +65,7 @@ class ModelRunner:
             self.device,
         )
         self.req_to_token_pool = ReqToTokenPool(
-            engine_config.num_request_rows,
+            engine_config.max_num_seqs,
             engine_config.max_model_len,
             self.device,
         )

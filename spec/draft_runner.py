@@ -107,7 +107,7 @@ class DraftRunner:
         )
         # As many as the target's: each alternative chain forks a row in every depth too.
         self.req_to_token_pool = ReqToTokenPool(
-            config.num_request_rows, config.max_model_len, self.device
+            config.draft_request_rows, config.max_model_len, self.device
         )
         self.dumper = tensor_dumper(config.tensor_dump, draft_role(depth), module)
         self.graphs: CudaGraphs | None = None

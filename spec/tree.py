@@ -1,8 +1,8 @@
 """The draft token tree: its shape, its nodes, and the rules that verify it.
 
 A draft extend grows each request's tree level by level (spec/tree_extender.py): depth 0
-proposes the root's likeliest tokens, and at each deeper level the `beam_width` best nodes by
-cumulative draft log-probability (the draft's greedy path among them) are run through the next
+proposes the root's likeliest tokens, and at each deeper level the draft's greedy node and the
+`beam_width - 1` best other nodes by cumulative draft log-probability are run through the next
 depth, each proposing its `node_width` likeliest children. The `budget` best nodes of all those
 proposed are verified in one target forward, each node seeing the cached prefix, its ancestors
 and itself (a tree attention mask); the longest path the target agrees with is kept.
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-import torch
 
 from spec.acceptance import Verdict
 
@@ -162,9 +160,17 @@ class TreeVerdict(Verdict):
     path: list[int] = field(default_factory=list)  # the accepted nodes, level 1 first
 
 
-def accept_tree_greedy(tree: DraftTree, targets: list[int]) -> TreeVerdict:
-    """targets[r]: the target's argmax at span row r. Follows the child whose token is the
-    target's choice for as long as there is one."""
+def accept_tree(tree: DraftTree, targets: list[int]) -> TreeVerdict:
+    """targets[r]: the token the target chose at span row r, its argmax for a greedy request or
+    its draw for a sampled one (each row drawn from its own distribution as plain decoding
+    would draw that output token). Follows the child whose token is the target's choice for as
+    long as there is one, then adds the target's choice where it stopped.
+
+    For sampled requests this keeps the target's distribution exactly: every committed token is
+    the target's own draw at its position, the drafts only decide how many positions one
+    forward reaches. A node's children are tried all at once, so a tree accepts a child with
+    probability p(c1) + p(c2) + ..., the most any rule can, and seeded requests commit the
+    tokens plain decoding would, whatever the tree's shape or the batch."""
     kids = tree.children()
     row, path = 0, []
     while True:
@@ -175,50 +181,4 @@ def accept_tree_greedy(tree: DraftTree, targets: list[int]) -> TreeVerdict:
         path.append(node)
         row = node + 1
     tokens = [tree.tokens[n] for n in path] + [targets[row]]
-    return TreeVerdict(tokens, len(path), path)
-
-
-def accept_tree_sampled(
-    tree: DraftTree,
-    probs: torch.Tensor,
-    generators: list[torch.Generator | None],
-    default_generator: torch.Generator,
-) -> TreeVerdict:
-    """probs [rows, V] on the host: the target's filtered distribution at each span row;
-    generators[j] draws output token j (None: the default generator).
-
-    At a node whose children the draft chose deterministically, each child c in turn is
-    accepted with probability r(c), r being the target's distribution with the children
-    already rejected removed and renormalised; when every child is rejected the token is drawn
-    from r. The committed token has probability p(x) whatever the children: accepting the
-    first child has p(c1); reaching the second, (1 - p(c1)) * p(c2) / (1 - p(c1)) = p(c2);
-    and so on, the rest drawn from p without the rejected mass. So the output keeps the
-    target's distribution exactly, as chains do (spec.acceptance)."""
-    kids = tree.children()
-    row, path, tokens = 0, [], []
-    for j in range(tree.depth + 1):
-        generator = generators[j] or default_generator
-        residual = probs[row].clone()
-        accepted = None
-        for node in kids[row]:
-            token = tree.tokens[node]
-            mass = float(residual.sum())
-            if mass > 0 and float(torch.rand((), generator=generator)) * mass < float(
-                residual[token]
-            ):
-                accepted = node
-                break
-            residual[token] = 0.0
-        if accepted is not None:
-            path.append(accepted)
-            tokens.append(tree.tokens[accepted])
-            row = accepted + 1
-            continue
-        if float(residual.sum()) <= 0:  # rounding left no mass: the likeliest token
-            tokens.append(int(probs[row].argmax()))
-        else:
-            tokens.append(
-                int(torch.multinomial(residual / residual.sum(), 1, generator=generator)[0])
-            )
-        break
     return TreeVerdict(tokens, len(path), path)

@@ -70,7 +70,7 @@ class TreeGrowth:
         self.candidates: list[Candidate] = []
         self.main_node = -1  # the greedy chain's node at the level being expanded (-1: root)
 
-    def add_children(self, parent: int, ids: list[float], probs: list[float]) -> list[int]:
+    def add_children(self, parent: int, ids: list[int], probs: list[float]) -> list[int]:
         """The proposals of `parent`'s expansion as candidates; their indices."""
         base = self.candidates[parent].score if parent >= 0 else 0.0
         level = self.candidates[parent].level + 1 if parent >= 0 else 1

@@ -18,6 +18,7 @@ class TreeSlots:
         self.kv_pool = kv_pool
         self.pool = pool
         self.slots: list[int] = []
+        self.writes: list[tuple[int, int, list[int]]] = []  # row-table writes, one copy for all
 
     def span_slots(self, req: Request, num_nodes: int) -> list[int]:
         """Slots for `req`'s newest token and up to `num_nodes` nodes after it: the request's
@@ -30,8 +31,13 @@ class TreeSlots:
             return own
         extra = self.kv_pool.allocator.allocate(wanted)
         self.slots += extra
-        self.pool.write_many([(req.row, m + len(own), extra)])
+        self.writes.append((req.row, m + len(own), extra))
         return own + extra
+
+    def write(self) -> None:
+        """The new slots into the requests' rows, before the forward that reads them."""
+        self.pool.write_many(self.writes)
+        self.writes = []
 
     def keep_path(self, req: Request, span_slots: list[int], path: list[int]) -> tuple | None:
         """`req` keeps the KV of the accepted nodes `path` (level 1 first): their slots go to

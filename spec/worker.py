@@ -1,7 +1,8 @@
 """The multi-layer EAGLE worker: draft extend after the target's prefill, then per decode step
-verify -> accept -> draft extend. One worker for any number of depths and draft chains; the
-alignment of tokens, hidden states and positions across depths is spec.draft_extend's, and the
-alternative chains' place in the verify forward spec.alternatives'.
+verify -> accept -> draft extend. One worker for any number of depths and any draft tree
+shape (spec/tree.py; one chain is a tree too); the alignment of tokens, hidden states and
+positions across depths is spec.draft_extend's, the growth of trees spec.tree_extender's, and
+the slots of a tree's verify spec.tree_verify's.
 
 A prefill node calls `draft_extend_prefill` after the target's prefill, then sends
 `export_state` and each depth's KV (`depth_kv`). A decode node calls `reserve` before receiving
@@ -13,18 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import MAX_DRAFT_TREE_TOKENS, EngineConfig
 from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request, SpecStats
-from engine.sampler import TokenLogprob, compute_logprobs, filtered_probs_batch
+from engine.sampler import TokenLogprob, compute_logprobs, sample_on_device
 from engine.step_sampling import position_generator
 from spec.acceptance import (
     Verdict,
     accept_greedy,
-    accept_sampled,
     grammar_masked_verify_logits,
     processed_verify_logits,
 )
@@ -36,7 +36,7 @@ from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
 from spec.state import DraftState, SpecRequestState
-from spec.tree import DraftTree, TreeShape, accept_tree_greedy, accept_tree_sampled
+from spec.tree import DraftTree, TreeShape, accept_tree
 from spec.tree_extender import TreeExtender
 from spec.tree_verify import TreeSlots
 
@@ -192,6 +192,7 @@ class MultiLayerEagleWorker:
                 span, tree = self._span(req, self._tree(req), taken)
                 spans.append(span)
                 trees.append(tree)
+            taken.write()
             return self._verify(requests, trees, spans, taken, default_generator)
         finally:
             taken.free()
@@ -274,46 +275,45 @@ class MultiLayerEagleWorker:
         # One device-to-host copy for every greedy request's targets, not one per request.
         argmax = logits.argmax(dim=-1).tolist()
         starts = _starts(lens)
-        all_logits, all_hidden = logits.split(lens), hidden.split(lens)
+        draws = _tree_draws(requests, trees, logits, starts, default_generator)
+        all_hidden = hidden.split(lens)
         # Log-probabilities are the model's own, before any penalty (as `sample`'s caller).
         all_raw = raw_logits.split(lens)
         result = VerifyResult([], [], [], [], [], [], [])
         writes = []  # row-table writes of requests that keep a tree's branch
+        kept_rows: list[list[int]] = []
         for i, (req, tree, span) in enumerate(zip(requests, trees, spans)):
             targets = argmax[starts[i] : starts[i] + lens[i]]
-            generators = _generators(req, tree.depth + 1)
-            if tree.is_chain:
-                if req.params.greedy:
-                    verdict = accept_greedy(targets, tree.tokens)
-                else:
-                    verdict = accept_sampled(
-                        all_logits[i], tree.tokens, req.params, generators, default_generator
-                    )
+            if tree.is_chain and req.params.greedy:
+                verdict = accept_greedy(targets, tree.tokens)
                 path = list(range(verdict.num_accepted))
             else:
-                if req.params.greedy:
-                    verdict = accept_tree_greedy(tree, targets)
-                else:
-                    probs = filtered_probs_batch(all_logits[i], [req.params] * lens[i]).cpu()
-                    verdict = accept_tree_sampled(tree, probs, generators, default_generator)
+                # A sampled request walks its drafts along the target's own draws.
+                verdict = accept_tree(tree, draws.get(i, targets))
                 path = verdict.path
+            if not tree.is_chain:
                 write = taken.keep_path(req, span.slots, path)
                 if write is not None:
                     writes.append(write)
-            rows = [0] + [node + 1 for node in path]
-            kept_logits, kept_hidden = all_raw[i], all_hidden[i]
-            if not tree.is_chain:
-                index = int_tensor(rows, hidden.device)
-                kept_logits = kept_logits.index_select(0, index)
-                kept_hidden = kept_hidden.index_select(0, index)
+            # The rows of the kept path: a chain's are its span's first, a tree's gathered.
+            rows = list(range(lens[i])) if tree.is_chain else [0] + [n + 1 for n in path]
+            kept_rows.append(rows)
+            kept_logits = all_raw[i]
+            if req.params.logprobs is not None and not tree.is_chain:
+                kept_logits = kept_logits[rows]
             result.tokens.append(verdict.tokens)
             result.logprobs.append(_logprobs(req, kept_logits, verdict.tokens))
             result.verdicts.append(verdict)
             result.num_drafts.append(tree.depth)
             result.num_proposed.append(len(tree))
-            result.hidden.append(kept_hidden)
             result.num_outputs_before.append(len(req.output_token_ids))
         runner.req_to_token_pool.write_many(writes)
+        if all(tree.is_chain for tree in trees):
+            result.hidden = list(all_hidden)
+        else:  # one gather for every request's kept rows
+            flat = [start + r for start, rows in zip(starts, kept_rows) for r in rows]
+            kept = hidden.index_select(0, int_tensor(flat, hidden.device))
+            result.hidden = list(kept.split([len(rows) for rows in kept_rows]))
         return result
 
     @torch.inference_mode()
@@ -396,8 +396,14 @@ def tree_shape(config: EngineConfig, num_draft_steps: int) -> TreeShape:
     """The draft tree an engine's config asks for: `speculative_topk` k > 1 gives SGLang's
     top-k tree of `num_draft_tokens` nodes, `num_draft_chains` N > 1 N chains."""
     if config.speculative_topk > 1:
-        budget = config.num_draft_tokens or config.speculative_topk * num_draft_steps
-        return TreeShape.top_k(config.speculative_topk, budget)
+        default = min(config.speculative_topk * num_draft_steps, MAX_DRAFT_TREE_TOKENS)
+        return TreeShape.top_k(config.speculative_topk, config.num_draft_tokens or default)
+    nodes = config.num_draft_chains * num_draft_steps
+    if nodes > MAX_DRAFT_TREE_TOKENS:
+        raise ValueError(
+            f"{config.num_draft_chains} draft chains of {num_draft_steps} drafts are {nodes} "
+            f"tokens a step; at most {MAX_DRAFT_TREE_TOKENS} are verified at once"
+        )
     return TreeShape.chains(config.num_draft_chains, num_draft_steps)
 
 
@@ -409,10 +415,38 @@ def _starts(lens: list[int]) -> list[int]:
     return starts
 
 
-def _generators(req: Request, count: int) -> list[torch.Generator | None]:
-    """Output token number len(output) + j draws from generator j, as `sample` would."""
-    seed, done = req.params.seed, len(req.output_token_ids)
-    return [None if seed is None else position_generator(seed, done + j) for j in range(count)]
+def _tree_draws(
+    requests: list[Request],
+    trees: list[DraftTree],
+    logits: torch.Tensor,
+    starts: list[int],
+    default_generator: torch.Generator,
+) -> dict[int, list[int]]:
+    """For each sampled request (by its index), the token the target draws at every row of its
+    span: a row of level l draws output token l of this step, from the generator plain decoding
+    would use for it. One draw for all rows of all requests."""
+    rows: list[int] = []
+    params, generators = [], []
+    owners: list[int] = []
+    for i, (req, tree) in enumerate(zip(requests, trees)):
+        if req.params.greedy:
+            continue
+        seed, done = req.params.seed, len(req.output_token_ids)
+        for r, level in enumerate([0, *tree.levels]):
+            rows.append(starts[i] + r)
+            params.append(req.params)
+            generators.append(None if seed is None else position_generator(seed, done + level))
+        owners.append(i)
+    if not rows:
+        return {}
+    index = int_tensor(rows, logits.device)
+    drawn = sample_on_device(logits.index_select(0, index), params, generators, default_generator)
+    flat = drawn.tolist()
+    draws, offset = {}, 0
+    for i in owners:
+        count = len(trees[i]) + 1
+        draws[i], offset = flat[offset : offset + count], offset + count
+    return draws
 
 
 def _logprobs(req: Request, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob | None]:

@@ -56,11 +56,17 @@ async def _run(router, max_tokens: int) -> list[tuple[list[int], dict]]:
 
 
 @pytest.mark.parametrize(
-    ("draft", "num_draft_steps", "prefill", "decode", "chains"),
-    [("good", 3, 2, 2, 1), ("good", 1, 1, 1, 1), ("random", 4, 1, 1, 1), ("random", 3, 1, 1, 3)],
+    ("draft", "num_draft_steps", "prefill", "decode", "shape"),
+    [
+        ("good", 3, 2, 2, {}),
+        ("good", 1, 1, 1, {}),
+        ("random", 4, 1, 1, {}),
+        ("random", 3, 1, 1, {"num_draft_chains": 3}),
+        ("good", 3, 1, 1, {"speculative_topk": 3, "num_draft_tokens": 7}),
+    ],
 )
 def test_speculative_cluster_is_lossless(
-    folders, reference, draft, num_draft_steps, prefill, decode, chains
+    folders, reference, draft, num_draft_steps, prefill, decode, shape
 ):
     cluster = launch(
         str(folders / "target"),
@@ -69,7 +75,7 @@ def test_speculative_cluster_is_lossless(
         speculative_algorithm="multi-layer-eagle",
         draft_model=str(folders / draft),
         num_draft_steps=num_draft_steps,
-        num_draft_chains=chains,
+        **shape,
         **ENGINE,
     )
     try:
@@ -96,7 +102,7 @@ def test_speculative_cluster_is_lossless(
                         + details["rejected_prediction_tokens"]
                     )
                     assert proposed >= usage["spec_verify_steps"]
-                    if chains > 1:  # the decode node verified alternatives after the first step
+                    if shape:  # the decode node verified trees after the first step
                         assert proposed > num_draft_steps * usage["spec_verify_steps"]
         accepted = sum(
             u["completion_tokens_details"]["accepted_prediction_tokens"] for _, u in results[20]

@@ -1,7 +1,7 @@
-"""Sampling with speculation keeps the target's distribution. Unit level: the acceptance rule's
-committed tokens are distributed as p. Engine level: the first tokens of many seeded requests
-follow the exact distribution that a reference (HF transformers) gives, and a broken acceptance
-rule fails that same check, so the check has the power to see one."""
+"""Sampling with speculation keeps the target's distribution: the first tokens of many seeded
+requests, with chains and with trees, follow the exact distribution that a reference (HF
+transformers) gives, and a broken acceptance rule fails that same check, so the check has the
+power to see one. The rule itself: tests/test_spec_tree_rules.py."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ import torch
 from tiny_drafts import make_good_draft, make_predictable_llama
 from transformers import LlamaForCausalLM
 
-import spec.acceptance
 import spec.tree
 from engine import LLM, SamplingParams
 from engine.sampler import filtered_probs
-from spec.acceptance import accept_chain
+from spec.acceptance import accept_greedy
 
 VOCAB = 16
 PROMPT = [1, 5, 7, 3]
@@ -46,52 +45,15 @@ def chi_square_p_value(observed: Counter, expected: dict, total: int) -> float:
 
 
 def test_greedy_accepts_the_matching_prefix_then_adds_the_target_token() -> None:
-    logits = torch.zeros(4, 8)
-    for j, best in enumerate([3, 5, 1, 6]):
-        logits[j, best] = 1.0
-    greedy = SamplingParams(temperature=0)
-    gens = [None] * 4
-    default = torch.Generator()
-    all_right = accept_chain(logits, [3, 5, 1], greedy, gens, default)
+    targets = [3, 5, 1, 6]  # the target's argmax at the newest token and each draft
+    all_right = accept_greedy(targets, [3, 5, 1])
     assert (all_right.tokens, all_right.num_accepted) == ([3, 5, 1, 6], 3)
-    second_wrong = accept_chain(logits, [3, 4, 1], greedy, gens, default)
+    second_wrong = accept_greedy(targets, [3, 4, 1])
     assert (second_wrong.tokens, second_wrong.num_accepted) == ([3, 5], 1)
-    first_wrong = accept_chain(logits, [0, 5, 1], greedy, gens, default)
+    first_wrong = accept_greedy(targets, [0, 5, 1])
     assert (first_wrong.tokens, first_wrong.num_accepted) == ([3], 0)
-    no_drafts = accept_chain(logits[:1], [], greedy, [None], default)
+    no_drafts = accept_greedy(targets[:1], [])
     assert (no_drafts.tokens, no_drafts.num_accepted) == ([3], 0)
-
-
-def test_committed_tokens_are_distributed_as_the_target() -> None:
-    """With drafts d1, d2: the first token ~ p0; after an accepted d1, the second ~ p1."""
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 6, generator=generator) * 1.5
-    params = SamplingParams(temperature=1.0)
-    p = [filtered_probs(row, params) for row in logits]
-    drafts = [int(p[0].argmax()), int(p[1].argmin())]  # a likely and an unlikely proposal
-    draws = 8000
-    first: Counter = Counter()
-    second: Counter = Counter()
-    default = torch.Generator().manual_seed(1)
-    for _ in range(draws):
-        tokens = accept_chain(logits, drafts, params, [None] * 3, default).tokens
-        first[tokens[0]] += 1
-        if tokens[0] == drafts[0]:
-            second[tokens[1]] += 1
-    assert chi_square_p_value(first, dict(enumerate(p[0].tolist())), draws) > 1e-3
-    n = sum(second.values())
-    assert chi_square_p_value(second, dict(enumerate(p[1].tolist())), n) > 1e-3
-
-
-def test_seeded_acceptance_is_reproducible() -> None:
-    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(2))
-    params = SamplingParams(temperature=1.0, seed=5)
-
-    def run() -> list[int]:
-        gens = [torch.Generator().manual_seed(100 + j) for j in range(4)]
-        return accept_chain(logits, [1, 2, 3], params, gens, torch.Generator()).tokens
-
-    assert run() == run()
 
 
 # --- the engine, against the exact distribution ----------------------------------------------
@@ -181,46 +143,27 @@ def test_speculative_sampling_keeps_the_target_distribution(
     assert min(p_values.values()) > 1e-3, p_values
 
 
-def _resample_from_p(logits, draft_ids, params, generators, default_generator):
-    """A classic mistake: on rejection, sample from p again instead of from p minus the draft's
-    mass, which gives draft tokens more than their share."""
-    verdict = _correct_rule(logits, draft_ids, params, generators, default_generator)
-    if verdict.num_accepted < len(draft_ids) and not params.greedy:
-        j = verdict.num_accepted
-        probs = filtered_probs(logits[j], params)
-        generator = generators[j] or default_generator
-        verdict.tokens[j] = int(torch.multinomial(probs, 1, generator=generator)[0])
-    return verdict
-
-
-_correct_rule = spec.acceptance.accept_sampled
-
-
-def test_the_check_catches_a_broken_acceptance_rule(folders, monkeypatch) -> None:
-    monkeypatch.setattr("spec.worker.accept_sampled", _resample_from_p)
-    params = SETTINGS["temperature-1"]
-    p_values = _p_values(_sample_runs(folders, params), _exact_distribution(folders[0], params))
-    assert min(p_values.values()) < 1e-6, p_values
-
-
-def _tree_resample_from_p(tree, probs, generators, default_generator):
-    """The same mistake in a tree: when every child is rejected, sample from p again."""
-    verdict = _correct_tree_rule(tree, probs, generators, default_generator)
-    kids = tree.children()
+def _tree_second_chance(tree, targets):
+    """A rule that favours drafts: where the walk stops at a node with children, take the
+    first child anyway."""
+    verdict = _correct_tree_rule(tree, targets)
     row = verdict.path[-1] + 1 if verdict.path else 0
-    if kids[row]:
-        j = verdict.num_accepted
-        generator = generators[j] or default_generator
-        verdict.tokens[j] = int(torch.multinomial(probs[row], 1, generator=generator)[0])
+    kids = tree.children()[row]
+    if kids:
+        child = kids[0]
+        path = [*verdict.path, child]
+        tokens = [tree.tokens[n] for n in path] + [targets[child + 1]]
+        return spec.tree.TreeVerdict(tokens, len(path), path)
     return verdict
 
 
-_correct_tree_rule = spec.tree.accept_tree_sampled
+_correct_tree_rule = spec.tree.accept_tree
 
 
-def test_the_check_catches_a_broken_tree_acceptance_rule(folders, monkeypatch) -> None:
-    monkeypatch.setattr("spec.worker.accept_tree_sampled", _tree_resample_from_p)
+@pytest.mark.parametrize("topk", [None, 4])
+def test_the_check_catches_a_broken_acceptance_rule(folders, monkeypatch, topk) -> None:
+    monkeypatch.setattr("spec.worker.accept_tree", _tree_second_chance)
     params = SETTINGS["temperature-1"]
-    runs = _sample_runs(folders, params, topk=4)
+    runs = _sample_runs(folders, params, topk=topk)
     p_values = _p_values(runs, _exact_distribution(folders[0], params))
     assert min(p_values.values()) < 1e-6, p_values

@@ -23,6 +23,7 @@ from engine.errors import PdclusterError
 from engine.loader import DEFAULT_DRAFT_CHAINS, EngineArgs, resolve
 from spec.draft_vocab import DraftHead
 from spec.train.dense import draft_forward, target_forward
+from spec.tree_verify import TreeSlots
 
 SPEC = "multi-layer-eagle"
 
@@ -77,6 +78,7 @@ def _accepted(outputs) -> int:
 # (chains, topk, num_draft_tokens)
 SHAPES = {
     "2 chains": (2, None, None),
+    "3 chains": (3, None, None),
     "4 chains": (4, None, None),
     "top-2 tree": (None, 2, None),
     "top-4 tree of 10": (None, 4, 10),
@@ -91,7 +93,9 @@ def _shaped_llm(target: Path, draft: Path, shape: str, **kw) -> LLM:
 
 @pytest.mark.parametrize("batch_size", [1, 6])
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize(
+    "shape", ["2 chains", "4 chains", "top-2 tree", "top-4 tree of 10", "top-3 tree of 3"]
+)
 @pytest.mark.parametrize("kind", ["random", "fair"])
 def test_greedy_output_with_a_draft_tree_equals_the_target_alone(
     models, kind: str, shape: str, k: int, batch_size: int
@@ -170,16 +174,24 @@ def _dense(worker, runner, tokens: torch.Tensor, hidden: torch.Tensor) -> list[t
     return draft_forward(Draft, runner.model, runner.rotary, tokens[None], hidden)
 
 
-def test_seeded_sampled_requests_with_trees_repeat_their_output(models) -> None:
-    """Sampled requests verify trees too (their distribution: test_spec_sampling.py); a seed
-    fixes every draw of the acceptance walk."""
+@pytest.mark.parametrize("shape", ["3 chains", "top-4 tree of 10"])
+def test_seeded_sampled_trees_commit_what_plain_decoding_draws(models, shape: str) -> None:
+    """Each committed token of a sampled request is the target's own draw at its position,
+    from the generator plain decoding would use there: seeded output is plain decoding's,
+    whatever the tree, the batch, or the room the pool left for the trees."""
     target, draft = models["fair"]
-    prompts, _ = _workload(4, seed=5)
-    params = SamplingParams(max_tokens=20, temperature=0.8, seed=11, ignore_eos=True)
-    first = _tree_llm(target, draft, 3).generate(prompts, params)
-    again = _tree_llm(target, draft, 3).generate(prompts, params)
-    assert [o.token_ids for o in first] == [o.token_ids for o in again]
-    assert _accepted(first) > 0
+    prompts = [[3 + i] * 10 for i in range(3)]
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.8, seed=11 + i, ignore_eos=True)
+        for i in range(3)
+    ]
+    expected = [o.token_ids for o in _llm(target).generate(prompts, params)]
+    short = _shaped_llm(target, draft, shape, kv_cache_tokens=3 * (10 + 24) + 2)
+    outputs = short.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected
+    assert _accepted(outputs) > 0
+    alone = _shaped_llm(target, draft, shape)
+    assert [alone.generate([p], q)[0].token_ids for p, q in zip(prompts, params)] == expected
 
 
 def test_every_verified_alternative_draft_counts_as_proposed(models) -> None:
@@ -205,16 +217,28 @@ def test_trees_give_way_when_the_pool_is_short(models, shape: str) -> None:
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected = [o.token_ids for o in _llm(target).generate(prompts, params)]
     llm = _shaped_llm(target, draft, shape, kv_cache_tokens=3 * (10 + 24) + 2)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    cuts = []
+    span_slots = TreeSlots.span_slots
+
+    def counted(self, req, num_nodes):
+        slots = span_slots(self, req, num_nodes)
+        cuts.append(len(slots) < 1 + num_nodes)
+        return slots
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TreeSlots, "span_slots", counted)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert any(cuts) and not all(cuts)  # some trees were cut to the room left, some not
     _assert_clean(llm)
 
 
 def test_the_request_table_has_a_row_per_expanded_node(models) -> None:
     target, draft = models["random"]
     llm = _llm(target, draft, 3, max_num_seqs=5)
-    assert llm.engine.runner.req_to_token_pool.max_reqs == 15
+    assert llm.engine.runner.req_to_token_pool.max_reqs == 5  # the target's rows: requests
     assert all(d.req_to_token_pool.max_reqs == 15 for d in llm.engine.speculator.depths)
     tree = _tree_llm(target, draft, 4, max_num_seqs=5)
+    assert tree.engine.runner.req_to_token_pool.max_reqs == 5
     assert all(d.req_to_token_pool.max_reqs == 20 for d in tree.engine.speculator.depths)
 
 
@@ -227,7 +251,7 @@ def test_chains_default_to_one_on_every_device(models) -> None:
     # Resolving touches no device, so a GPU engine's settings can be checked without one.
     gpu = resolve(dataclasses.replace(args, device="cuda", dtype="bfloat16")).engine_config
     assert gpu.num_draft_chains == DEFAULT_DRAFT_CHAINS == 1
-    assert gpu.num_request_rows == gpu.max_num_seqs
+    assert gpu.draft_request_rows == gpu.max_num_seqs
     plain = EngineArgs(model=str(target), kv_cache_tokens=256, device="cuda", dtype="bfloat16")
     assert resolve(plain).engine_config.num_draft_chains == 1
     explicit = dataclasses.replace(args, device="cuda", dtype="bfloat16", num_draft_chains=2)
@@ -297,11 +321,11 @@ def test_a_failed_forward_gives_back_every_fork_and_node(models, where: str, sha
 
 
 def test_requests_hold_at_most_max_num_seqs_rows(models) -> None:
-    """The tables have a row per expanded node and request; a decode node admits by free rows,
-    and the cap keeps the other rows free."""
+    """The target's table has a row per request (the draft depths' have the forks'); a decode
+    node admits by free rows, at most max_num_seqs."""
     target, draft = models["random"]
     cache = _llm(target, draft, 3, max_num_seqs=2).engine.kv_cache
-    assert cache.req_to_token_pool.max_reqs == 6 and cache.max_requests == 2
+    assert cache.req_to_token_pool.max_reqs == 2 and cache.max_requests == 2
     holders = [SimpleNamespace(row=None, slots=[]) for _ in range(2)]
     for holder in holders:
         assert cache.can_grow(4, 1)
@@ -357,3 +381,19 @@ def test_rejected_nodes_leave_no_kv_behind(models) -> None:
 
 def _accepted_stats(requests) -> int:
     return sum(req.spec_stats.accepted_tokens for req in requests if req.spec_stats)
+
+
+@pytest.mark.parametrize("settings", [{"num_draft_chains": 22}, {"speculative_topk": 21}])
+def test_trees_past_the_mask_width_are_refused_or_capped(models, settings) -> None:
+    """A verify span carries each token's mask in 64 bits: 22 chains of 3 drafts are refused
+    when the engine starts, a top-21 tree's default budget (63) is capped at 62."""
+    target, draft = models["random"]
+    if "num_draft_chains" in settings:
+        with pytest.raises(ValueError, match="at most 62 are verified at once"):
+            _llm(target, draft, settings["num_draft_chains"])
+        return
+    llm = _llm(target, draft, **settings)
+    assert llm.engine.speculator.shape.budget == 62
+    prompts, params = _workload(2, seed=4)
+    expected = [o.token_ids for o in _llm(target).generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected

@@ -18,8 +18,7 @@ from spec.tree import (
     DraftTree,
     TreeShape,
     TreeVerdict,
-    accept_tree_greedy,
-    accept_tree_sampled,
+    accept_tree,
     select_tree,
 )
 
@@ -55,8 +54,10 @@ def test_a_cut_tree_keeps_every_kept_node_s_ancestors() -> None:
     rng = random.Random(1)
     for _ in range(50):
         tree = _random_tree(rng, 20)
-        cut = tree.pruned(rng.randint(1, 5), rng.randint(1, 20))
-        assert all(level <= max(cut.levels, default=0) for level in cut.levels)
+        max_level, max_nodes = rng.randint(1, 5), rng.randint(1, 20)
+        cut = tree.pruned(max_level, max_nodes)
+        assert all(level <= max_level for level in cut.levels) and len(cut) <= max_nodes
+        assert len(cut) == min(max_nodes, sum(level <= max_level for level in tree.levels))
         for node in range(len(cut)):
             assert cut.parents[node] < node
             # The kept node's path is the same tokens as in the whole tree.
@@ -100,70 +101,70 @@ TREE = DraftTree([10, 11, 12, 13, 14, 15], [-1, -1, 0, 0, 1, 3])
 def test_greedy_follows_the_target_s_choices_down_the_tree() -> None:
     targets = [0] * 7
     targets[0], targets[1], targets[4], targets[6] = 10, 13, 15, 99  # root, a, d, f
-    verdict = accept_tree_greedy(TREE, targets)
+    verdict = accept_tree(TREE, targets)
     assert (verdict.tokens, verdict.num_accepted, verdict.path) == ([10, 13, 15, 99], 3, [0, 3, 5])
     targets[0] = 11  # b, then b's row wants 77: no child
     targets[2] = 77
-    verdict = accept_tree_greedy(TREE, targets)
+    verdict = accept_tree(TREE, targets)
     assert (verdict.tokens, verdict.path) == ([11, 77], [1])
     targets[0] = 42
-    assert accept_tree_greedy(TREE, targets).tokens == [42]
+    assert accept_tree(TREE, targets).tokens == [42]
 
 
-def _rule_samples(rule, draws: int) -> tuple[list[torch.Tensor], Counter, Counter]:
+def _tree_and_probs() -> tuple[DraftTree, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 16, generator=generator) * 1.5
     params = SamplingParams(temperature=1.0)
     probs = torch.stack([filtered_probs(row, params) for row in logits])
-    # The root's children are the target's two likeliest tokens: a rule that mishandles the
-    # rejected mass then shifts the output a lot.
+    # The root's children are the target's two likeliest tokens: a rule that favours or
+    # shortchanges children then shifts the output a lot.
     first_two = probs[0].topk(2).indices.tolist()
-    tree = DraftTree([*first_two, 3, 4, 5, 6], TREE.parents)
-    default = torch.Generator().manual_seed(1)
+    return DraftTree([*first_two, 3, 4, 5, 6], TREE.parents), probs
+
+
+def _rule_samples(rule, draws: int) -> tuple[torch.Tensor, torch.Tensor, Counter, Counter]:
+    """The first two committed tokens of `draws` verifies: rule(tree, probs, generator)."""
+    tree, probs = _tree_and_probs()
+    generator = torch.Generator().manual_seed(1)
     first: Counter = Counter()
     second: Counter = Counter()
     for _ in range(draws):
-        tokens = rule(tree, probs, [None] * 4, default).tokens
+        tokens = rule(tree, probs, generator).tokens
         first[tokens[0]] += 1
         if tokens[0] == tree.tokens[0]:
             second[tokens[1]] += 1
-    return [probs[0], probs[1]], first, second
+    return probs[0], probs[1], first, second
+
+
+def _draw_every_row(tree, probs, generator):
+    """What the engine does: every row draws from its own distribution, then the walk."""
+    targets = [int(torch.multinomial(row, 1, generator=generator)) for row in probs]
+    return accept_tree(tree, targets)
 
 
 def test_tree_sampling_commits_tokens_distributed_as_the_target() -> None:
-    """The first token ~ p at the root, whichever children were tried; after the first child
-    was accepted, the second ~ p at that child's row."""
+    """The first token ~ p at the root, whichever children the root has; after the first
+    child was accepted, the second ~ p at that child's row."""
     draws = 8000
-    (p0, p_a), first, second = _rule_samples(accept_tree_sampled, draws)
+    p0, p_a, first, second = _rule_samples(_draw_every_row, draws)
     assert chi_square_p_value(first, dict(enumerate(p0.tolist())), draws) > 1e-3
     n = sum(second.values())
     assert chi_square_p_value(second, dict(enumerate(p_a.tolist())), n) > 1e-3
 
 
-def _keeps_rejected_mass(tree, probs, generators, default):
-    """A tempting mistake: try each child against p itself, never removing the rejected
-    children's mass, which gives later children less than their share."""
-    tokens, path, row = [], [], 0
-    kids = tree.children()
-    for _ in range(probs.shape[0]):
-        accepted = None
-        for node in kids[row]:
-            if float(torch.rand((), generator=default)) < float(probs[row][tree.tokens[node]]):
-                accepted = node
-                break
-        if accepted is None:
-            residual = probs[row].clone()
-            for node in kids[row]:
-                residual[tree.tokens[node]] = 0
-            tokens.append(int(torch.multinomial(residual / residual.sum(), 1, generator=default)))
-            break
-        tokens.append(tree.tokens[accepted])
-        path.append(accepted)
-        row = accepted + 1
-    return TreeVerdict(tokens, len(path), path)
+def _second_chance(tree, probs, generator):
+    """A tempting mistake: when the root's draw is no child, draw again and take a child if
+    that draw is one, which gives children more than their share."""
+    verdict = _draw_every_row(tree, probs, generator)
+    if not verdict.path:
+        again = int(torch.multinomial(probs[0], 1, generator=generator))
+        child = next((n for n in tree.children()[0] if tree.tokens[n] == again), None)
+        if child is not None:
+            return TreeVerdict([again, int(probs[child + 1].argmax())], 1, [child])
+    return verdict
 
 
-def test_the_check_catches_a_rule_that_keeps_the_rejected_mass() -> None:
+def test_the_check_catches_a_rule_that_favours_children() -> None:
     draws = 8000
-    (p0, _), first, _ = _rule_samples(_keeps_rejected_mass, draws)
+    p0, _, first, _ = _rule_samples(_second_chance, draws)
     assert chi_square_p_value(first, dict(enumerate(p0.tolist())), draws) < 1e-6

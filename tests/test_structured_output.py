@@ -214,7 +214,9 @@ def _allowed(bitmask: torch.Tensor, vocab: int) -> set[int]:
 
 
 def test_forbidden_draft_is_rejected_by_acceptance(default_llm):
-    from spec.acceptance import accept_greedy, accept_sampled
+    from engine.sampler import sample
+    from spec.acceptance import accept_greedy
+    from spec.tree import DraftTree, accept_tree
 
     tokenizer = default_llm.tokenizer
     matcher = _matcher(default_llm, SCHEMAS[0])
@@ -229,7 +231,8 @@ def test_forbidden_draft_is_rejected_by_acceptance(default_llm):
     assert greedy.num_accepted == 0 and greedy.tokens[0] != forbidden
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0)
-    sampled = accept_sampled(masked, [forbidden], params, [generator, generator], generator)
+    draws = sample(masked, [params] * 2, [generator, generator], generator).tolist()
+    sampled = accept_tree(DraftTree.chain([forbidden]), draws)
     assert sampled.num_accepted == 0 and sampled.tokens[0] != forbidden
 
 

@@ -16,7 +16,7 @@ from devices import DEVICES
 from test_attention_backend import CAPACITY, HEAD_DIM, NUM_LAYERS, _assign_rows, _new_tokens
 
 from engine.attention.torch_backend import BatchedGroups, PerRequestMetadata, TorchAttentionBackend
-from engine.forward_batch import TREE_MAX_TOKENS, ForwardBatch, Span, extend_batch
+from engine.forward_batch import TREE_MAX_TOKENS, ForwardBatch, Span, extend_batch, tree_bits
 from engine.kernels import triton_runs_on
 from engine.kv_pool import KVPool, ReqToTokenPool
 
@@ -254,7 +254,7 @@ def test_triton_matches_torch_backend_on_trees(case, num_heads, num_kv_heads, dt
 
 
 @needs_gpu
-def test_trees_run_eagerly_rather_than_in_a_cuda_graph() -> None:
+def test_only_graphs_of_trees_take_tree_spans() -> None:
     from engine.attention.triton_backend import TritonAttentionBackend
     from engine.cuda_graph import CudaGraphs
 
@@ -269,3 +269,24 @@ def test_trees_run_eagerly_rather_than_in_a_cuda_graph() -> None:
     assert graphs.fits(spans)
     meta = backend.prepare_for_capture(*graphs.inputs[3:7, :4], 4)
     assert meta.tree_bits is None
+    trees = CudaGraphs(
+        "verify", lambda batch, hidden: (), backend, kv_pool, req_pool, [64], 16, trees=True
+    )
+    assert trees.fits(_spans([tree(10, 5, seed=1), chain(4, 3)], req_pool, seed=2))
+
+
+def test_tree_graph_columns_carry_positions_and_masks_and_pad_causally() -> None:
+    """A tree graph's static input: each span's rotary positions and masks, then padding
+    tokens at position 0 with the causal mask (-1)."""
+    from engine.cuda_graph import padded_columns
+
+    _, req_pool = _pools(2, seed=0, device="cpu")
+    spans = _spans([tree(10, 5, seed=1), chain(4, 3)], req_pool, seed=2)
+    columns = padded_columns(16, spans, req_pool.padding_row, trees=True)
+    assert len(columns) == 9
+    ids, positions, *_, bits = columns
+    real = sum(len(span.token_ids) for span in spans)
+    assert positions[:real] == spans[0].positions + list(range(4, 7))
+    assert bits[:real] == tree_bits(spans)
+    assert bits[real:] == [-1] * (16 - real) and positions[real:] == [0] * (16 - real)
+    assert len(padded_columns(16, spans, req_pool.padding_row)) == 8
