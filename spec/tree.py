@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.config import MAX_DRAFT_TREE_TOKENS, EngineConfig
 from spec.acceptance import Verdict
 
 
@@ -182,3 +183,18 @@ def accept_tree(tree: DraftTree, targets: list[int]) -> TreeVerdict:
         row = node + 1
     tokens = [tree.tokens[n] for n in path] + [targets[row]]
     return TreeVerdict(tokens, len(path), path)
+
+
+def tree_shape(config: EngineConfig, num_draft_steps: int) -> TreeShape:
+    """The draft tree an engine's config asks for: `speculative_topk` k > 1 gives SGLang's
+    top-k tree of `num_draft_tokens` nodes, `num_draft_chains` N > 1 N chains."""
+    if config.speculative_topk > 1:
+        default = min(config.speculative_topk * num_draft_steps, MAX_DRAFT_TREE_TOKENS)
+        return TreeShape.top_k(config.speculative_topk, config.num_draft_tokens or default)
+    nodes = config.num_draft_chains * num_draft_steps
+    if nodes > MAX_DRAFT_TREE_TOKENS:
+        raise ValueError(
+            f"{config.num_draft_chains} draft chains of {num_draft_steps} drafts are {nodes} "
+            f"tokens a step; at most {MAX_DRAFT_TREE_TOKENS} are verified at once"
+        )
+    return TreeShape.chains(config.num_draft_chains, num_draft_steps)

@@ -1,14 +1,24 @@
-"""KV slots of a tree's verify. A request holds slots for the positions after its newest token
-as far as its lookahead; a tree's nodes past those take slots of their own for the step. The
-nodes of the accepted path then hold the KV the request keeps, at the positions of their
-levels: the request takes over their slots there, and gives the ones they replace to be freed
-with the nodes it does not keep. No KV moves, so no queued copy reads slots that are already
-free (on a decode node, a transfer on another stream may be writing them)."""
+"""A verify's draws and KV slots.
+
+`target_draws`: the token the target draws at each row of a sampled request's span.
+
+`TreeSlots`: a request holds slots for the positions after its newest token as far as its
+lookahead; a tree's nodes past those take slots of their own for the step. The nodes of the
+accepted path then hold the KV the request keeps, at the positions of their levels: the
+request takes over their slots there, and gives the ones they replace to be freed with the
+nodes it does not keep. No KV moves, so no queued copy reads slots that are already free (on
+a decode node, a transfer on another stream may be writing them)."""
 
 from __future__ import annotations
 
+import torch
+
+from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
+from engine.sampler import sample_on_device
+from engine.step_sampling import position_generator
+from spec.tree import DraftTree
 
 
 class TreeSlots:
@@ -62,3 +72,37 @@ class TreeSlots:
         if self.slots:
             self.kv_pool.allocator.free(self.slots)
             self.slots = []
+
+
+def target_draws(
+    requests: list[Request],
+    trees: list[DraftTree],
+    logits: torch.Tensor,
+    starts: list[int],
+    default_generator: torch.Generator,
+) -> dict[int, list[int]]:
+    """For each sampled request (by its index), the token the target draws at every row of its
+    span: a row of level l draws output token l of this step, from the generator plain decoding
+    would use for it. One draw for all rows of all requests."""
+    rows: list[int] = []
+    params, generators = [], []
+    owners: list[int] = []
+    for i, (req, tree) in enumerate(zip(requests, trees)):
+        if req.params.greedy:
+            continue
+        seed, done = req.params.seed, len(req.output_token_ids)
+        for r, level in enumerate([0, *tree.levels]):
+            rows.append(starts[i] + r)
+            params.append(req.params)
+            generators.append(None if seed is None else position_generator(seed, done + level))
+        owners.append(i)
+    if not rows:
+        return {}
+    index = int_tensor(rows, logits.device)
+    drawn = sample_on_device(logits.index_select(0, index), params, generators, default_generator)
+    flat = drawn.tolist()
+    draws, offset = {}, 0
+    for i in owners:
+        count = len(trees[i]) + 1
+        draws[i], offset = flat[offset : offset + count], offset + count
+    return draws

@@ -10,18 +10,17 @@ and `adopt` after; EngineCore.step then drives `verify` and `finish_round` every
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
-from engine.config import MAX_DRAFT_TREE_TOKENS, EngineConfig
 from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.prompt_embeds import InputEmbeds
-from engine.request import Request, SpecStats
-from engine.sampler import TokenLogprob, compute_logprobs, sample_on_device
-from engine.step_sampling import position_generator
+from engine.request import Request
+from engine.sampler import TokenLogprob, compute_logprobs
 from spec.acceptance import (
     Verdict,
     accept_greedy,
@@ -35,10 +34,11 @@ from spec.draft_extend import DraftExtend
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
+from spec.round_stats import count_round
 from spec.state import DraftState, SpecRequestState
-from spec.tree import DraftTree, TreeShape, accept_tree
+from spec.tree import DraftTree, TreeShape, accept_tree, tree_shape
 from spec.tree_extender import TreeExtender
-from spec.tree_verify import TreeSlots
+from spec.tree_verify import TreeSlots, target_draws
 
 
 @dataclass
@@ -274,8 +274,8 @@ class MultiLayerEagleWorker:
         lens = batch.extend_lens
         # One device-to-host copy for every greedy request's targets, not one per request.
         argmax = logits.argmax(dim=-1).tolist()
-        starts = _starts(lens)
-        draws = _tree_draws(requests, trees, logits, starts, default_generator)
+        starts = [0, *itertools.accumulate(lens)][:-1]
+        draws = target_draws(requests, trees, logits, starts, default_generator)
         all_hidden = hidden.split(lens)
         # Log-probabilities are the model's own, before any penalty (as `sample`'s caller).
         all_raw = raw_logits.split(lens)
@@ -325,7 +325,7 @@ class MultiLayerEagleWorker:
             committed = len(req.output_token_ids) - verified.num_outputs_before[i]
             if verified.num_drafts[i]:
                 drafts, proposed = verified.num_drafts[i], verified.num_proposed[i]
-                _count(req, drafts, proposed, verified.verdicts[i], committed)
+                count_round(req, drafts, proposed, verified.verdicts[i], committed)
             if req.finished or req.spec_state is None or not req.lookahead:
                 continue
             going_on.append((i, req, committed))
@@ -392,83 +392,8 @@ class MultiLayerEagleWorker:
         )
 
 
-def tree_shape(config: EngineConfig, num_draft_steps: int) -> TreeShape:
-    """The draft tree an engine's config asks for: `speculative_topk` k > 1 gives SGLang's
-    top-k tree of `num_draft_tokens` nodes, `num_draft_chains` N > 1 N chains."""
-    if config.speculative_topk > 1:
-        default = min(config.speculative_topk * num_draft_steps, MAX_DRAFT_TREE_TOKENS)
-        return TreeShape.top_k(config.speculative_topk, config.num_draft_tokens or default)
-    nodes = config.num_draft_chains * num_draft_steps
-    if nodes > MAX_DRAFT_TREE_TOKENS:
-        raise ValueError(
-            f"{config.num_draft_chains} draft chains of {num_draft_steps} drafts are {nodes} "
-            f"tokens a step; at most {MAX_DRAFT_TREE_TOKENS} are verified at once"
-        )
-    return TreeShape.chains(config.num_draft_chains, num_draft_steps)
-
-
-def _starts(lens: list[int]) -> list[int]:
-    starts, total = [], 0
-    for n in lens:
-        starts.append(total)
-        total += n
-    return starts
-
-
-def _tree_draws(
-    requests: list[Request],
-    trees: list[DraftTree],
-    logits: torch.Tensor,
-    starts: list[int],
-    default_generator: torch.Generator,
-) -> dict[int, list[int]]:
-    """For each sampled request (by its index), the token the target draws at every row of its
-    span: a row of level l draws output token l of this step, from the generator plain decoding
-    would use for it. One draw for all rows of all requests."""
-    rows: list[int] = []
-    params, generators = [], []
-    owners: list[int] = []
-    for i, (req, tree) in enumerate(zip(requests, trees)):
-        if req.params.greedy:
-            continue
-        seed, done = req.params.seed, len(req.output_token_ids)
-        for r, level in enumerate([0, *tree.levels]):
-            rows.append(starts[i] + r)
-            params.append(req.params)
-            generators.append(None if seed is None else position_generator(seed, done + level))
-        owners.append(i)
-    if not rows:
-        return {}
-    index = int_tensor(rows, logits.device)
-    drawn = sample_on_device(logits.index_select(0, index), params, generators, default_generator)
-    flat = drawn.tolist()
-    draws, offset = {}, 0
-    for i in owners:
-        count = len(trees[i]) + 1
-        draws[i], offset = flat[offset : offset + count], offset + count
-    return draws
-
-
 def _logprobs(req: Request, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob | None]:
     if req.params.logprobs is None:
         return [None] * len(tokens)
     rows = logits[: len(tokens)]
     return compute_logprobs(rows, torch.tensor(tokens), [req.params] * len(tokens))
-
-
-def _count(
-    req: Request, num_drafts: int, num_proposed: int, verdict: Verdict, committed: int
-) -> None:
-    stats = req.spec_stats
-    if stats is None:  # a request built without EngineCore.make_request
-        stats = req.spec_stats = SpecStats()
-    if len(stats.accepted_per_position) < num_drafts:
-        stats.accepted_per_position.extend([0] * (num_drafts - len(stats.accepted_per_position)))
-    # A stop condition may cut the committed tokens short of the accepted drafts.
-    accepted = min(verdict.num_accepted, committed)
-    stats.verify_steps += 1
-    stats.proposed_tokens += num_proposed
-    stats.accepted_tokens += accepted
-    stats.emitted_tokens += committed
-    for j in range(accepted):
-        stats.accepted_per_position[j] += 1
