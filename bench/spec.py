@@ -188,13 +188,9 @@ def main() -> None:
 
 
 def _shape_name(llm: LLM) -> str:
-    config = llm.config
+    config, shape = llm.config, llm.engine.speculator.shape
     if config.speculative_topk > 1:
-        nodes = (
-            config.num_draft_tokens
-            or config.speculative_topk * llm.engine.speculator.num_draft_steps
-        )
-        return f"top-{config.speculative_topk} tree of {nodes}"
+        return f"top-{config.speculative_topk} tree of {shape.budget}"
     chains = config.num_draft_chains
     return f"{chains} chain{'s' if chains > 1 else ''}"
 

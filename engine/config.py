@@ -10,6 +10,7 @@ import torch
 
 from engine.debug_dump import TensorDumpConfig, refuse_cuda_graphs
 from engine.errors import UnsupportedModelError
+from engine.forward_batch import TREE_MAX_TOKENS
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -207,9 +208,9 @@ class EngineConfig:
         return self.max_num_seqs * max(self.num_draft_chains, self.speculative_topk)
 
 
-# A tree's verify span (the newest token and the nodes) carries each token's visible rows as a
-# 64-bit mask (engine.forward_batch.Span.visible).
-MAX_DRAFT_TREE_TOKENS = 62
+# A tree's verify span is the newest token then the nodes, each token's visible rows a 64-bit
+# mask (engine.forward_batch.Span.visible).
+MAX_DRAFT_TREE_TOKENS = TREE_MAX_TOKENS - 1
 
 
 def check_draft_tree(topk: int, num_draft_tokens: int | None, num_chains: int | None) -> None:

@@ -1,12 +1,13 @@
 """The verify forward's logits as plain decoding would see them at each position (penalties
-and grammars along the drafts before it), and the greedy rule for a chain: a draft token is
-accepted iff it is the target's argmax. Trees, and every sampled request, follow the target's
-own choices down the drafts (spec.tree.accept_tree): each committed token is the target's
-draw at its position, so speculation changes speed, never the output distribution."""
+and grammars along the drafts before it), and a verify's `Verdict`. Acceptance follows the
+target's own choices down the drafts (spec.tree.accept_tree, chains included): each committed
+token is the target's argmax or draw at its position, so speculation changes speed, never the
+output distribution."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from engine.grammar_mask import mask_verify_logits
 from engine.logits_processors import TokenHistory, process_logits
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # spec.tree builds on this module's Verdict
+    from spec.tree import DraftTree
 
 
 @dataclass
@@ -25,20 +29,20 @@ class Verdict:
 def processed_verify_logits(
     logits: torch.Tensor,
     requests: list[Request],
-    row_drafts: list[list[list[int]]],
+    trees: list[DraftTree],
     eos_token_ids: tuple[int, ...],
 ) -> torch.Tensor:
     """The verify forward's logits [T, V] after each request's logits processors, in the
-    forward's row order; row_drafts[i][r]: the drafts before request i's row r (for a chain,
-    its first r drafts; in a tree, the path down to the row's node). Each row sees the penalty
-    state after those drafts, the ones that must be accepted before it: what plain decoding
-    would see there, so acceptance stays lossless."""
+    forward's row order (each request's newest token, then its tree's nodes). Each row sees the
+    penalty state after the drafts before it (`DraftTree.row_drafts`: for a chain its first
+    drafts, in a tree the path down to the row's node), the ones that must be accepted before
+    it: what plain decoding would see there, so acceptance stays lossless."""
     if not any(req.params.penalized for req in requests):
         return logits
     params: list[SamplingParams] = []
     histories: list[TokenHistory | None] = []
-    for req, rows in zip(requests, row_drafts):
-        for drafts in rows:
+    for req, tree in zip(requests, trees):
+        for drafts in tree.row_drafts():
             params.append(req.params)
             penalized = req.params.penalized
             generated = req.output_token_ids + drafts if penalized else []
@@ -64,12 +68,3 @@ def grammar_masked_verify_logits(
         return logits
     matchers = [req.grammar for req in requests]
     return mask_verify_logits(logits, matchers, [(chain, 0) for chain in chains], unprocessed)
-
-
-def accept_greedy(target_ids: list[int], draft_ids: list[int]) -> Verdict:
-    """target_ids [k+1]: the target's argmax at the newest token and at each draft token."""
-    assert len(target_ids) == len(draft_ids) + 1
-    accepted = 0
-    while accepted < len(draft_ids) and draft_ids[accepted] == target_ids[accepted]:
-        accepted += 1
-    return Verdict(draft_ids[:accepted] + [target_ids[accepted]], accepted)

@@ -36,7 +36,7 @@ class DraftExtend:
         (given vectors), which every depth reads in place of those tokens' embeddings too;
         shape: the tree to draft (None: one chain)."""
         self.state = state
-        self.shape = shape or TreeShape(1, 1, 1, len(state.seqs))
+        self.shape = shape or TreeShape.chains(1, len(state.seqs))
         self.input_embeds = input_embeds
         self.embeds_start = state.seqs[0].valid_len
         self.tokens = tokens

@@ -188,52 +188,43 @@ class TreeExtender:
         num_items = len(growths)
         host = torch.cat([best.double(), best_p.double()], dim=1).tolist()
         width = best.shape[1]
-        expanded: list[tuple[TreeGrowth, int, int]] = []  # (growth, node, row in the batch)
+        # Each expanded node: its tree, its batch row, and its output rows of this depth.
+        expanded: list[tuple[TreeGrowth, int, int, torch.Tensor]] = []
         for i, growth in enumerate(growths):
             if growth is not None:
-                expanded.append((growth, growth.main_node, i))
+                expanded.append((growth, growth.main_node, i, outputs[i]))
         for j, fork in enumerate(forks):
-            expanded.append((fork.growth, fork.node, num_items + j))
-        new: dict[int, list[int]] = {}  # per growth (by id), its new nodes
-        for growth, node, row in expanded:
+            assert fork.output is not None
+            expanded.append((fork.growth, fork.node, num_items + j, fork.output))
+        rows_of: dict[tuple[int, int], torch.Tensor] = {}
+        for growth, node, row, out in expanded:
             count = growth.item.shape.width_at(depth)
             kids = growth.add_children(node, host[row][:count], host[row][width : width + count])
-            new.setdefault(id(growth), []).extend(kids)
+            rows_of[id(growth), node] = out
             if node == growth.main_node:
                 growth.main_node = kids[0]  # the chain's next draft is the likeliest
         if depth + 1 >= self.k:
             return []
         next_forks = []
-        for i, growth in enumerate(growths):
+        for growth in growths:
             if growth is None:
                 continue
-            main = growth.main_node
-            others = [n for n in new[id(growth)] if n != main]
+            level = depth + 1  # the level this depth's proposals are at
+            others = [
+                n
+                for n, cand in enumerate(growth.candidates)
+                if cand.level == level and n != growth.main_node
+            ]
             others.sort(key=lambda n: -growth.candidates[n].score)
+            m = growth.item.m
+            # The node reads its parent's rows at [max(0, m - level + 1), m - 1]: the last of
+            # the parent's expansion (all of a fork's, the main chain's newest).
+            count = m - max(0, m - level + 1)
             for node in others[: growth.item.shape.beam_width - 1]:
-                rows = self._parent_rows(growth, node, forks, outputs, i)
+                parent_out = rows_of[id(growth), growth.candidates[node].parent]
+                rows = parent_out[parent_out.shape[0] - count :]
                 next_forks.append(TreeFork(growth, node, growth.path(node), rows))
         return next_forks
-
-    def _parent_rows(
-        self,
-        growth: TreeGrowth,
-        node: int,
-        forks: list[TreeFork],
-        outputs: tuple[torch.Tensor, ...],
-        index: int,
-    ) -> torch.Tensor:
-        """The output rows of `node`'s parent's expansion at the positions the node's level
-        reads after its boundary: [max(0, m - level + 1), m - 1]."""
-        parent = growth.candidates[node].parent
-        m, level = growth.item.m, growth.candidates[node].level
-        count = m - max(0, m - level + 1)
-        for fork in forks:
-            if fork.growth is growth and fork.node == parent:
-                assert fork.output is not None and fork.output.shape[0] == count
-                return fork.output
-        main = outputs[index]  # the parent is the main chain's node (or the root)
-        return main[main.shape[0] - count :]
 
 
 def _draft_token_patch(

@@ -58,12 +58,12 @@ class TreeSlots:
         own_count = min(len(req.slots) - m - 1, len(span_slots) - 1)
         own = span_slots[1 : 1 + own_count]
         kept = [span_slots[node + 1] for node in path]
-        chosen = set(kept)
+        chosen, owned = set(kept), set(own)
         rest = [slot for slot in own if slot not in chosen]
         new = kept + rest[: own_count - len(kept)]
         placed = set(new)
         given = [slot for slot in own if slot not in placed]
-        gained = {slot for slot in kept if slot not in set(own)}
+        gained = {slot for slot in kept if slot not in owned}
         self.slots = [slot for slot in self.slots if slot not in gained] + given
         req.slots[m + 1 : m + 1 + own_count] = new
         return req.row, m + 1, new

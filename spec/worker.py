@@ -23,7 +23,6 @@ from engine.request import Request
 from engine.sampler import TokenLogprob, compute_logprobs
 from spec.acceptance import (
     Verdict,
-    accept_greedy,
     grammar_masked_verify_logits,
     processed_verify_logits,
 )
@@ -209,21 +208,14 @@ class MultiLayerEagleWorker:
         return DraftTree.chain(state.chain[:k])
 
     def _chain_spans(self, requests: list[Request]) -> list[Span]:
-        spans = []
-        for req in requests:
-            m, k = req.num_tokens - 1, req.lookahead
-            tokens = [req.all_token_ids[-1], *req.spec_state.chain[:k]]
-            spans.append(Span(req.row, m, tokens, req.slots[m : m + k + 1]))
-        return spans
+        return [_chain_span(req, self._tree(req)) for req in requests]
 
     def _span(self, req: Request, tree: DraftTree, taken: TreeSlots) -> tuple[Span, DraftTree]:
         """`req`'s verify span, its newest token then the tree's nodes in the cache positions
         after it, and the tree as verified: cut to the slots it found room for."""
         m = req.num_tokens - 1
-        assert req.kv_len == m
         if tree.is_chain:
-            tokens = [req.all_token_ids[-1], *tree.tokens]
-            return Span(req.row, m, tokens, req.slots[m : m + len(tokens)]), tree
+            return _chain_span(req, tree), tree
         slots = taken.span_slots(req, len(tree))
         tree = tree.pruned(tree.depth, len(slots) - 1)
         tokens = [req.all_token_ids[-1], *tree.tokens]
@@ -266,9 +258,8 @@ class MultiLayerEagleWorker:
             spans, runner.kv_pool, runner.req_to_token_pool, runner.attention, runner.device
         )
         raw_logits, hidden = runner.forward_every_token(batch)
-        row_drafts = [tree.row_drafts() for tree in trees]
         eos_token_ids = runner.model_config.eos_token_ids
-        logits = processed_verify_logits(raw_logits, requests, row_drafts, eos_token_ids)
+        logits = processed_verify_logits(raw_logits, requests, trees, eos_token_ids)
         chains = [tree.tokens for tree in trees]  # trees under a grammar are chains
         logits = grammar_masked_verify_logits(logits, requests, chains, unprocessed=raw_logits)
         lens = batch.extend_lens
@@ -283,14 +274,10 @@ class MultiLayerEagleWorker:
         writes = []  # row-table writes of requests that keep a tree's branch
         kept_rows: list[list[int]] = []
         for i, (req, tree, span) in enumerate(zip(requests, trees, spans)):
-            targets = argmax[starts[i] : starts[i] + lens[i]]
-            if tree.is_chain and req.params.greedy:
-                verdict = accept_greedy(targets, tree.tokens)
-                path = list(range(verdict.num_accepted))
-            else:
-                # A sampled request walks its drafts along the target's own draws.
-                verdict = accept_tree(tree, draws.get(i, targets))
-                path = verdict.path
+            # A greedy request follows the target's argmax, a sampled one its own draws.
+            targets = draws.get(i) or argmax[starts[i] : starts[i] + lens[i]]
+            verdict = accept_tree(tree, targets)
+            path = verdict.path
             if not tree.is_chain:
                 write = taken.keep_path(req, span.slots, path)
                 if write is not None:
@@ -390,6 +377,14 @@ class MultiLayerEagleWorker:
             seqs=[DraftSeq() for _ in self.depths],
             boundary=[None] * (self.num_draft_steps - 1),
         )
+
+
+def _chain_span(req: Request, chain: DraftTree) -> Span:
+    """The newest token then the chain, in the request's own slots after it."""
+    m = req.num_tokens - 1
+    assert req.kv_len == m
+    tokens = [req.all_token_ids[-1], *chain.tokens]
+    return Span(req.row, m, tokens, req.slots[m : m + len(tokens)])
 
 
 def _logprobs(req: Request, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob | None]:

@@ -16,7 +16,7 @@ from transformers import LlamaForCausalLM
 import spec.tree
 from engine import LLM, SamplingParams
 from engine.sampler import filtered_probs
-from spec.acceptance import accept_greedy
+from spec.tree import DraftTree, accept_tree
 
 VOCAB = 16
 PROMPT = [1, 5, 7, 3]
@@ -46,6 +46,10 @@ def chi_square_p_value(observed: Counter, expected: dict, total: int) -> float:
 
 def test_greedy_accepts_the_matching_prefix_then_adds_the_target_token() -> None:
     targets = [3, 5, 1, 6]  # the target's argmax at the newest token and each draft
+
+    def accept_greedy(targets: list[int], drafts: list[int]):
+        return accept_tree(DraftTree.chain(drafts), targets)
+
     all_right = accept_greedy(targets, [3, 5, 1])
     assert (all_right.tokens, all_right.num_accepted) == ([3, 5, 1, 6], 3)
     second_wrong = accept_greedy(targets, [3, 4, 1])

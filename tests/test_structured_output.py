@@ -215,7 +215,6 @@ def _allowed(bitmask: torch.Tensor, vocab: int) -> set[int]:
 
 def test_forbidden_draft_is_rejected_by_acceptance(default_llm):
     from engine.sampler import sample
-    from spec.acceptance import accept_greedy
     from spec.tree import DraftTree, accept_tree
 
     tokenizer = default_llm.tokenizer
@@ -227,7 +226,7 @@ def test_forbidden_draft_is_rejected_by_acceptance(default_llm):
     logits = torch.zeros(2, vocab)
     logits[:, forbidden] = 50.0
     masked = mask_verify_logits(logits, [matcher], [([forbidden], 0)])
-    greedy = accept_greedy(masked.argmax(-1).tolist(), [forbidden])
+    greedy = accept_tree(DraftTree.chain([forbidden]), masked.argmax(-1).tolist())
     assert greedy.num_accepted == 0 and greedy.tokens[0] != forbidden
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0)
