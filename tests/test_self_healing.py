@@ -249,8 +249,11 @@ def test_a_replacement_pairs_with_every_decode_node_and_the_others_go_on(model):
                     await asyncio.sleep(0.05)
                 ray.kill(cluster.prefill_actors[1])
                 await wait_for_node(router, "prefill-1", "ok", KILL_TO_SERVED_S, restarts=1)
-                # Round robin over the prefill nodes, least load over the decode nodes: a few
-                # requests at a time until the replacement has served with each decode node.
+                # The stream ran through the replacement; it stops now so that the decode
+                # nodes' load is ours alone. Round robin over the prefill nodes and least load
+                # over idle decode nodes then send the replacement to both within two batches
+                # of three (a stream still running kept it on one decode node for 60 requests).
+                await stream.stop()
                 after, pairs = [], set()
                 while len(after) < 60 and not THROUGH_REPLACEMENT <= pairs:
                     batch = [
