@@ -19,7 +19,7 @@ from typing import Any
 
 from cluster.backend import BackendError, TokenDelta, make_usage
 from cluster.detokenizer import IncrementalDetokenizer
-from cluster.metrics import ClusterMetrics
+from cluster.metrics import ClusterMetrics, RequestTimer
 from engine import LLM, RequestRejectedError, SamplingParams, TokenLogprob
 from engine.prompt_embeds import PromptEmbeds
 from engine.request import Request
@@ -106,7 +106,7 @@ class LocalBackend:
         )
         stream = _Stream(request, asyncio.get_running_loop(), asyncio.Queue())
         self._submit("add", stream)
-        async for delta in self._deltas(stream):
+        async for delta in self._deltas(stream, self.metrics.request()):
             yield delta
 
     def generate_samples(
@@ -125,22 +125,22 @@ class LocalBackend:
             for rid, p in zip(request_ids, params, strict=True)
         ]
         group: list[_Stream] = []
+        timers = self.metrics.samples(len(requests))
 
         async def sample(index: int) -> AsyncIterator[TokenDelta]:
             if not group:
                 loop = asyncio.get_running_loop()
                 group.extend(_Stream(req, loop, asyncio.Queue()) for req in requests)
                 self._submit("add_samples", group)
-            async for delta in self._deltas(group[index]):
+            async for delta in self._deltas(group[index], timers[index]):
                 yield delta
 
         return [sample(i) for i in range(len(requests))]
 
-    async def _deltas(self, stream: _Stream) -> AsyncIterator[TokenDelta]:
+    async def _deltas(self, stream: _Stream, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
         """The deltas of a request handed to the engine thread, until its last; closed early,
         the request is aborted."""
         request = stream.request
-        timer = self.metrics.request()
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop_strings)
         finished = False
         try:

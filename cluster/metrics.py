@@ -125,7 +125,9 @@ class ClusterMetrics:
         for kind in FAILURE_KINDS:
             self.failures.labels(kind)  # every kind is visible at 0 from the start
         self.prompt_tokens = Counter(
-            "pdcluster_prompt_tokens", "Prompt tokens of finished requests.", registry=registry
+            "pdcluster_prompt_tokens",
+            "Prompt tokens of finished requests, a prompt's parallel samples counted once.",
+            registry=registry,
         )
         self.generation_tokens = Counter(
             "pdcluster_generation_tokens", "Tokens streamed to clients.", registry=registry
@@ -135,7 +137,13 @@ class ClusterMetrics:
 
     def request(self) -> RequestTimer:
         """Start timing one request, now."""
-        return RequestTimer(self)
+        return self.samples(1)[0]
+
+    def samples(self, count: int) -> list[RequestTimer]:
+        """Start timing a prompt's `count` parallel samples, now: each is a request, and the
+        prompt they share is counted once, when the first of them finishes."""
+        prompt = _PromptTokens(self.prompt_tokens)
+        return [RequestTimer(self, prompt=prompt) for _ in range(count)]
 
     def failure(self, kind: str) -> None:
         self.failures.labels(kind).inc()
@@ -146,12 +154,31 @@ class ClusterMetrics:
         return _generate_latest(self.registry)
 
 
+class _PromptTokens:
+    """A prompt's tokens, counted once however many of its samples finish."""
+
+    def __init__(self, counter: Counter) -> None:
+        self._counter = counter
+        self._counted = False
+
+    def count(self, tokens: int) -> None:
+        if not self._counted:
+            self._counted = True
+            self._counter.inc(tokens)
+
+
 class RequestTimer:
     """One request's latencies, observed into its ClusterMetrics as the tokens arrive."""
 
-    def __init__(self, metrics: ClusterMetrics, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        metrics: ClusterMetrics,
+        clock: Callable[[], float] = time.perf_counter,
+        prompt: _PromptTokens | None = None,
+    ):
         self._metrics = metrics
         self._clock = clock
+        self._prompt = prompt or _PromptTokens(metrics.prompt_tokens)
         self.started = self._last = clock()
         self.first_token_at: float | None = None
 
@@ -178,7 +205,7 @@ class RequestTimer:
         metrics = self._metrics
         metrics.e2e.observe(self._clock() - self.started)
         metrics.requests.labels(finish_reason).inc()
-        metrics.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+        self._prompt.count(usage.get("prompt_tokens", 0))
         accept_length = usage.get("spec_accept_length")
         if accept_length is not None:
             metrics.accept_length.observe(accept_length)

@@ -261,7 +261,7 @@ class Router:
             for request_id in request_ids
         ]
         await self.start()
-        timers = [self.metrics.request() for _ in request_ids]
+        timers = self.metrics.samples(len(request_ids))
         decode_node = self._pick(self.decode_nodes, self.decode_policy, self._decode_role)
         prefill = None
         if not self.aggregated:

@@ -139,6 +139,24 @@ def test_cluster_metrics_cover_latency_nodes_and_transfers(plain):
         assert value(after, "pdcluster_node_transfer_gigabytes_per_second", **labels) > 0
 
 
+def test_parallel_samples_count_their_prompt_once(plain):
+    cluster, server = plain
+    before = scrape(server.url)
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "n": 3, "seed": 1, "ignore_eos": True}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    after = scrape(server.url)
+
+    def grew(name: str, **labels: str) -> float:
+        counted = [s for s in before.get(name, []) if s.labels == labels]
+        return value(after, name, **labels) - (counted[0].value if counted else 0.0)
+
+    assert usage["completion_tokens"] == grew("pdcluster_generation_tokens_total") == 12
+    assert grew("pdcluster_prompt_tokens_total") == usage["prompt_tokens"] > 0
+    assert grew("pdcluster_requests_total", finish_reason="length") == 3
+
+
 def test_cluster_counts_rejected_and_aborted_requests(plain):
     cluster, server = plain
 
@@ -277,6 +295,18 @@ def test_request_timer_observes_ttft_then_each_token_after_it():
     assert value(samples, "pdcluster_prompt_tokens_total") == 7
     assert value(samples, "pdcluster_request_failures_total", kind="aborted") == 1
     assert value(samples, "pdcluster_request_failures_total", kind="transfer") == 0
+
+
+def test_a_prompts_parallel_samples_count_its_tokens_once():
+    metrics = ClusterMetrics([])
+    for timer in metrics.samples(3):
+        timer.tokens(2)
+        timer.finished("length", {"prompt_tokens": 7})
+    metrics.request().finished("stop", {"prompt_tokens": 5})
+    samples = parse(asyncio.run(metrics.render()).decode())
+    assert value(samples, "pdcluster_prompt_tokens_total") == 12
+    assert value(samples, "pdcluster_requests_total", finish_reason="length") == 3
+    assert value(samples, "pdcluster_generation_tokens_total") == 6
 
 
 def test_node_stats_are_cached_between_scrapes_and_registries_are_separate():
