@@ -23,6 +23,10 @@ class StopChecker:
         last = req.output_token_ids[-1]
         if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
             return "stop"
+        if last in self.eos_token_ids and req.grammar is not None and req.grammar.finished:
+            # Under ignore_eos too: a grammar that has ended allows end-of-sequence only, so
+            # going on would pad the answer with it up to max_tokens.
+            return "stop"
         if params.stop_strings:
             # A character can take up to one token per UTF-8 byte.
             window = max(len(s.encode()) for s in params.stop_strings) + _STOP_WINDOW_SLACK

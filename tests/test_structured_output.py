@@ -301,3 +301,21 @@ def test_a_complete_grammar_ends_the_answer_before_min_tokens(request, llm_name)
         assert len(bounded.token_ids) < 20
         assert bounded.token_ids == free.token_ids
         jsonschema.validate(json.loads(bounded.text), DIGIT_OBJECT)
+
+
+@pytest.mark.parametrize("llm_name", ["default_llm", "speculative_llm"])
+def test_ignore_eos_ends_the_answer_where_the_grammar_ends(request, llm_name):
+    """ignore_eos lets generation go past end-of-sequence, but a grammar that took its end
+    allows nothing more: the answer stops there, with the end-of-sequence token, the answer
+    it gives without ignore_eos, rather than repeating that token up to max_tokens."""
+    llm = request.getfixturevalue(llm_name)
+    eos = llm.engine.runner.model_config.eos_token_ids
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Give x as JSON."}])
+    grammar = json_schema_grammar(DIGIT_OBJECT, "response_format")
+    for temperature in (0.0, 0.8):
+        ask = dict(max_tokens=30, temperature=temperature, seed=1, grammar=grammar)
+        [free] = llm.generate(prompt, SamplingParams(**ask))
+        [ignoring] = llm.generate(prompt, SamplingParams(**ask, ignore_eos=True))
+        assert ignoring.finish_reason == "stop" and ignoring.token_ids[-1] in eos
+        assert ignoring.token_ids == free.token_ids
+        jsonschema.validate(json.loads(ignoring.text), DIGIT_OBJECT)
