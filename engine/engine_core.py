@@ -30,6 +30,10 @@ from engine.validation import validate_request
 # How long a step with nothing to run waits for a grammar still compiling.
 GRAMMAR_WAIT_S = 0.01
 
+# What the draft extend for prefill reads of a request: the target's hidden states and input
+# rows over its prompt, and the request whose prompt it is another parallel sample of (None).
+PromptForDraft = tuple[Request, torch.Tensor, InputEmbeds | None, Request | None]
+
 
 def _drafts(req: Request) -> bool:
     """This decode step verifies draft tokens for `req` (before its tokens are committed)."""
@@ -285,9 +289,9 @@ class EngineCore:
         drafting = []
         if keep_hidden:
             drafting = self._prompt_rows_for_draft(batch, forward_batch.extend_lens, output)
-            prompt_rows = {id(req): (h, e) for req, h, e in drafting}
+            prompt_rows = {id(req): (h, e) for req, h, e, _ in drafting}
             drafting += [
-                (fork, *prompt_rows[id(source)])
+                (fork, *prompt_rows[id(source)], source)
                 for fork, source in batch.forks
                 if id(source) in prompt_rows
             ]
@@ -309,7 +313,7 @@ class EngineCore:
 
     def _prompt_rows_for_draft(
         self, batch: ScheduledBatch, extend_lens: list[int], output: ForwardOutput
-    ) -> list[tuple[Request, torch.Tensor, InputEmbeds | None]]:
+    ) -> list[PromptForDraft]:
         """For each request that speculates: holds a chunk's hidden states and input rows until
         its prompt completes; returns, for those whose prompt completes now, the whole
         prompt's (the draft extend for prefill reads them)."""
@@ -328,27 +332,32 @@ class EngineCore:
             if req.held_chunks is not None:
                 h, e = req.held_chunks.join(h, e)
                 req.held_chunks = None
-            complete.append((req, h, e))
+            complete.append((req, h, e, None))
         return complete
 
-    def _draft_extend_prefill(
-        self, prompts: list[tuple[Request, torch.Tensor, InputEmbeds | None]]
-    ) -> list[Request]:
+    def _draft_extend_prefill(self, prompts: list[PromptForDraft]) -> list[Request]:
         """Returns the requests it failed."""
         assert self.speculator is not None
         items = [
-            (req, h, e)
-            for req, h, e in prompts
+            item
+            for item in prompts
             # No chain is worth drafting for a request that has one token left to emit.
-            if not req.finished and req.lookahead
+            if not item[0].finished and item[0].lookahead
         ]
         if not items:
             return []
-        requests = [req for req, _, _ in items]
+        requests = [req for req, _, _, _ in items]
+        # The parallel samples of a prompt share the draft KV of the first of them drafted.
+        first_of: dict[int, int] = {}
+        sources = []
+        for i, (req, _, _, sampled_from) in enumerate(items):
+            prompt = id(sampled_from or req)
+            sources.append(first_of.get(prompt))
+            first_of.setdefault(prompt, i)
         set_time_batch(requests, "draft_extend_start")
         try:
             self.speculator.draft_extend_prefill(
-                requests, [h for _, h, _ in items], [e for _, _, e in items]
+                requests, [h for _, h, _, _ in items], [e for _, _, e, _ in items], sources
             )
         except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only
             return self._fail(requests, "draft extend (prefill)", err)

@@ -22,10 +22,13 @@ class Speculator(Protocol):
         requests: list[Request],
         hidden: list[torch.Tensor],
         input_embeds: list[InputEmbeds | None] | None = None,
+        prompt_sources: list[int | None] | None = None,
     ) -> None:
         """Run every draft depth over freshly prefilled prompts (hidden: the target's, per
         request, at every prompt position; input_embeds: the rows the target read in place of
-        token embeddings there, if any) and build each request's first draft chain."""
+        token embeddings there, if any) and build each request's first draft chain.
+        prompt_sources[i]: the index of an earlier request of the same prompt whose draft KV
+        request i, another parallel sample, shares (None: its own)."""
 
     def verify(self, requests: list[Request], default_generator: torch.Generator) -> Any:
         """One target forward over each request's newest token and draft chain; returns the

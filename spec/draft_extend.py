@@ -30,11 +30,13 @@ class DraftExtend:
         target_hidden: torch.Tensor,
         input_embeds: InputEmbeds | None = None,
         shape: TreeShape | None = None,
+        keep_prompt_boundary: bool = False,
     ) -> None:
         """tokens: committed x_0..x_m; target_hidden: the target's at [valid_0, m-1];
         input_embeds: the rows the target read in place of the embeddings of x_{valid_0}, ...
         (given vectors), which every depth reads in place of those tokens' embeddings too;
-        shape: the tree to draft (None: one chain)."""
+        shape: the tree to draft (None: one chain); keep_prompt_boundary: keep
+        `prompt_boundary`, for other samples of this prompt."""
         self.state = state
         self.shape = shape or TreeShape.chains(1, len(state.seqs))
         self.input_embeds = input_embeds
@@ -45,6 +47,12 @@ class DraftExtend:
         # Depth d+1 reads the boundary that depth d kept last time, so keep those before
         # depth d overwrites them with this extend's.
         self.old_boundary = list(state.boundary)
+        # Depth d's output at m-d-2: the boundary of the state this extend would leave with
+        # x_0..x_{m-1} alone, which another sample of the prompt x_0..x_{m-1}, whose x_m is its
+        # own, extends from (spec/sample_extend.py).
+        self.prompt_boundary: list[torch.Tensor | None] | None = None
+        if keep_prompt_boundary:
+            self.prompt_boundary = [None] * len(state.boundary)
         self.chain: list[int] = []
         self.chain_probs: list[float] = []
         self.prev_output = target_hidden  # the hidden states the next depth reads
@@ -88,6 +96,9 @@ class DraftExtend:
             # A view: the depth's output is a tensor of its own (out of any graph buffer), kept
             # alive by the views until the next extend replaces them.
             self.state.boundary[depth] = output[self.m - depth - 1 - seq.valid_len]
+        if self.prompt_boundary is not None and not last_depth:
+            if self.m - depth - 2 >= seq.valid_len:
+                self.prompt_boundary[depth] = output[self.m - depth - 2 - seq.valid_len]
         self.prev_start, self.prev_output = seq.valid_len, output
         seq.valid_len = max(0, self.m - depth)
 

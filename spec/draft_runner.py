@@ -8,7 +8,11 @@ recomputed by the next forward of this depth, which starts at valid_len.
 
 A fork (`DraftRunner.fork`) is a sequence of its own row whose first positions are another
 sequence's slots: it reads that KV and computes only its own later positions, for an alternative
-draft chain. It lives within one draft extend and never frees the slots it shares."""
+draft chain. It lives within one draft extend and never frees the slots it shares.
+
+Parallel samples of one prompt hold one copy of its KV in every depth, as in the target
+(`DraftRunner.share_prefix`): each sample's sequence holds the first sample's slots for the
+positions whose inputs are the prompt's alone, counted by the allocator, and its own after."""
 
 from __future__ import annotations
 
@@ -165,6 +169,17 @@ class DraftRunner:
                 self.release(fork)
             raise
         return forks
+
+    def share_prefix(self, source: DraftSeq, length: int) -> DraftSeq:
+        """A sequence in a row of its own whose positions [0, length) are `source`'s slots,
+        valid there. Unlike a fork's, they are held (`SlotAllocator.share`) and freed with the
+        sequence: the last holder's free releases them."""
+        assert source.row is not None and min(len(source.slots), source.valid_len) >= length
+        slots = source.slots[:length]
+        row = self.req_to_token_pool.allocate_row()
+        self.kv_pool.allocator.share(slots)
+        self.req_to_token_pool.write(row, 0, slots)
+        return DraftSeq(row, list(slots), length)
 
     def can_fork(self, num_forks: int, num_slots: int) -> bool:
         """Whether `num_forks` forks with `num_slots` positions of their own fit now."""

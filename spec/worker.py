@@ -34,6 +34,7 @@ from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
 from spec.round_stats import count_round
+from spec.sample_extend import sample_extend
 from spec.state import DraftState, SpecRequestState
 from spec.tree import DraftTree, TreeShape, accept_tree, tree_shape
 from spec.tree_extender import TreeExtender
@@ -96,6 +97,7 @@ class MultiLayerEagleWorker:
         requests: list[Request],
         hidden: list[torch.Tensor],
         input_embeds: list[InputEmbeds | None] | None = None,
+        prompt_sources: list[int | None] | None = None,
     ) -> None:
         """Run every depth over positions [0, n-1] of freshly prefilled requests, whose first
         sampled token x_n is already appended (kv_len == n); `hidden[i]`: the target's hidden
@@ -103,17 +105,30 @@ class MultiLayerEagleWorker:
         `input_embeds[i]` the input-embedding rows that forward read there, if any
         (ForwardOutput.input_embeds): a depth reading a token given as a vector reads these
         rows, not the placeholder's embedding. Builds each request's first chain and boundary
-        states, taking draft slots for n positions."""
-        items = []
+        states, taking draft slots for n positions. `prompt_sources[i]`, when not None, is
+        the index of an earlier request that request i is another parallel sample of: its draft
+        shares that one's prompt KV (spec/sample_extend.py)."""
         embeds = input_embeds or [None] * len(requests)
-        for req, h, e in zip(requests, hidden, embeds, strict=True):
+        sources = prompt_sources or [None] * len(requests)
+        followed = {source for source in sources if source is not None}
+        items: dict[int, DraftExtend] = {}
+        for i, (req, h, e) in enumerate(zip(requests, hidden, embeds, strict=True)):
             assert req.kv_len == req.num_tokens - 1 == h.shape[0], "prefill starts at 0"
             assert e is None or len(e) == h.shape[0], "one input row per prefilled position"
             if req.spec_state is not None:
                 self.release(req)
-            req.spec_state = self._new_state()
-            items.append(DraftExtend(req.spec_state, req.all_token_ids, h, e, self._shape(req)))
-        self.extender.run(items)
+            if sources[i] is None:
+                req.spec_state = self._new_state()
+                items[i] = DraftExtend(
+                    req.spec_state, req.all_token_ids, h, e, self._shape(req), i in followed
+                )
+        self.extender.run(list(items.values()))
+        samples = [
+            sample_extend(self.depths, items[source], req, h, self._shape(req))
+            for req, h, source in zip(requests, hidden, sources)
+            if source is not None
+        ]
+        self.extender.run(samples)
 
     def export_state(self, req: Request) -> DraftState:
         """What a prefill node sends for `req` right after `draft_extend_prefill`."""

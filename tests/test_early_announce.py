@@ -127,7 +127,7 @@ class FakeSpeculator:
             for _ in range(num_draft_steps)
         ]
 
-    def draft_extend_prefill(self, requests, hidden, input_embeds) -> None:
+    def draft_extend_prefill(self, requests, hidden, input_embeds, prompt_sources) -> None:
         raise RuntimeError("injected draft extend failure")
 
     def release(self, req: Request) -> None:

@@ -137,10 +137,10 @@ def test_preemption_reprefill_reads_the_vectors_again(models, plain):
     received: dict[str, list[InputEmbeds | None]] = {}
     extend_prefill = worker.draft_extend_prefill
 
-    def recording(requests, hidden, input_embeds=None):
+    def recording(requests, hidden, input_embeds=None, prompt_sources=None):
         for req, rows in zip(requests, input_embeds or [None] * len(requests)):
             received.setdefault(req.request_id, []).append(rows)
-        return extend_prefill(requests, hidden, input_embeds)
+        return extend_prefill(requests, hidden, input_embeds, prompt_sources)
 
     worker.draft_extend_prefill = recording
     requests = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_drafts import make_good_draft, make_predictable_llama
 from tiny_models import make_tiny_llama
 
@@ -177,4 +178,57 @@ def test_more_samples_than_max_num_seqs_share_a_prefill_per_group(models):
     outputs = llm.generate(PROMPTS[:1], params)
     assert [o.token_ids for o in outputs] == expected
     assert sum(counted) == 3 * len(PROMPTS[0])  # groups of 3, 3 and 1
+    assert _clean(llm)
+
+
+def test_speculating_samples_share_each_depths_prompt_kv(models):
+    """Every depth keeps one copy of the prompt's draft KV too: a sample's draft reads the
+    first sample's up to the positions its own first token changes (depth d: n - 1 - d), so
+    pools as large as the target's, which holds the prompt once, fit every depth."""
+    _, target, draft = models
+    prompt = [3 + (7 * j) % 250 for j in range(60)]
+    params = SamplingParams(n=4, max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
+    llm = _llm(target, draft)
+    engine = llm.engine
+    samples = [engine.make_request(str(s), prompt, params.for_sample(s)) for s in range(params.n)]
+    engine.add_samples(samples)
+    engine.step()
+    depths = engine.speculator.depths
+    for d, runner in enumerate(depths):
+        first, *others = [s.spec_state.seqs[d] for s in samples]
+        shared = len(prompt) - 1 - d
+        assert all(seq.slots[:shared] == first.slots[:shared] for seq in others)
+        assert all(seq.valid_len == first.valid_len == len(prompt) - d for seq in others)
+        own = sum(len(seq.slots) - shared for seq in others)
+        assert runner.kv_pool.allocator.num_used == len(first.slots) + own
+    # Each sample drafts what it drafts alone: the same chain from the same boundary states.
+    alone = _llm(target, draft).engine
+    singles = [alone.make_request(str(s), prompt, params.for_sample(s)) for s in range(params.n)]
+    for req in singles:
+        alone.add_request(req)
+    alone.step()
+    for shared, single in zip(samples, singles):
+        assert shared.output_token_ids == single.output_token_ids
+        assert shared.spec_state.chain == single.spec_state.chain
+        for mine, theirs in zip(shared.spec_state.boundary, single.spec_state.boundary):
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+    while engine.has_work():
+        engine.step()
+    assert _clean(llm)
+
+
+@pytest.mark.parametrize("tree", [{}, {"speculative_topk": 3, "num_draft_tokens": 6}])
+def test_speculating_samples_fit_draft_pools_as_small_as_the_targets(models, tree):
+    """Four samples of a 60-token prompt in pools of 160 slots: four copies of the prompt
+    would not fit a depth's pool, one does. Each sample draws what it draws alone, with a
+    chain or a tree."""
+    _, target, draft = models
+    params = SamplingParams(n=4, max_tokens=24, temperature=0.9, seed=11, ignore_eos=True)
+    prompts = [[3 + (7 * j) % 250 for j in range(60)]]
+    expected = _alone(_llm(target, draft, **tree), prompts, params)
+    llm = _llm(target, draft, kv_cache_tokens=160, **tree)
+    outputs = llm.generate(prompts, params)
+    assert [o.finish_reason for o in outputs] == ["length"] * 4
+    assert [o.token_ids for o in outputs] == expected
+    assert all(o.usage.spec_verify_steps for o in outputs)
     assert _clean(llm)

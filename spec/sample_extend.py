@@ -1,0 +1,40 @@
+"""The draft extend for prefill of a prompt's other parallel samples: they share its KV in every
+depth, as in the target, and compute only the positions their own first token changes.
+
+Right after a prompt x_0..x_{n-1} is prefilled, each sample has its own first token x_n. Depth d
+at position i reads x_{i+d+1}, and depth d-1's output at i, which read tokens up to x_{i+d}: the
+positions [0, n-1-d) read the prompt alone and are the same for every sample. A sample that
+follows another thus starts where an extend over x_0..x_{n-1} would have left it: depth d valid
+up to n-1-d over the other's slots, and the boundary that extend would have kept (depth d's
+output at n-d-2, `DraftExtend.prompt_boundary`). Its own extend over x_0..x_n then runs each
+depth over [n-1-d, n-1] only, reading no prompt embeddings (every token read is x_n or a draft)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request
+from spec.draft_extend import DraftExtend
+from spec.draft_runner import DraftRunner
+from spec.state import SpecRequestState
+from spec.tree import TreeShape
+
+
+def sample_extend(
+    depths: list[DraftRunner],
+    source: DraftExtend,
+    req: Request,
+    target_hidden: torch.Tensor,
+    shape: TreeShape,
+) -> DraftExtend:
+    """`req`'s extend after `source` ran (an extend with `keep_prompt_boundary`, over the same
+    prompt); `target_hidden`: the target's hidden states over the prompt. The state is on
+    `req` as its sequences are made, so that releasing `req` frees what was taken."""
+    assert source.prompt_boundary is not None, "the source keeps the prompt's boundary"
+    n = len(req.all_token_ids) - 1
+    assert n == source.m and req.all_token_ids[:n] == source.tokens[:n], "one prompt"
+    state = SpecRequestState(seqs=[], boundary=list(source.prompt_boundary))
+    req.spec_state = state
+    for d, (runner, seq) in enumerate(zip(depths, source.state.seqs)):
+        state.seqs.append(runner.share_prefix(seq, max(0, n - 1 - d)))
+    return DraftExtend(state, req.all_token_ids, target_hidden[n - 1 :], None, shape)
