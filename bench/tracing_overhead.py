@@ -10,9 +10,9 @@ Two measurements:
 2. Whole decode steps of the offline engine, speculating (a one-layer tiny Llama and a draft
    that copies it, from tests/tiny_drafts.py, so a step is short and any overhead shows): the
    engine as built with tracing off, the same engine with tracing on, and a build with no
-   tracing calls at all (engine/engine_core.py compiled with every stamping line removed),
-   twice, to show how far two runs of one build land apart. The variants take turns on one
-   runner and one speculator; medians of `--repeats` runs.
+   tracing calls at all (engine/engine_core.py and engine/speculative_steps.py compiled with
+   every stamping line removed), twice, to show how far two runs of one build land apart. The
+   variants take turns on one runner and one speculator; medians of `--repeats` runs.
 
 Prints a table and rewrites the "Tracing overhead" section of docs/BENCHMARKS.md (raw figures
 in docs/bench/tracing_overhead.json)."""
@@ -20,12 +20,12 @@ in docs/bench/tracing_overhead.json)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import tempfile
 import time
 import timeit
+import types
 from pathlib import Path
 
 import torch
@@ -41,20 +41,35 @@ from engine.request import Request  # noqa: E402
 from engine.tracing import RequestTrace, set_correct_drafts, set_time_batch  # noqa: E402
 
 K = 3
-SPEC_STEP_CALLS = 7  # set_time_batch x 6 + set_correct_drafts in EngineCore._speculative_decode
+SPEC_STEP_CALLS = 7  # set_time_batch x 6 + set_correct_drafts in SpeculativeSteps.decode
 STAMPING = ("set_time_batch(", "set_correct_drafts(", "set_time(", "started, ended = ")
 
 
+def _untraced(name: str) -> tuple[types.ModuleType, int]:
+    """engine/`name`.py compiled with each stamping line made a `pass` (a loop may hold
+    nothing else); and how many it had."""
+    source = (ROOT / "engine" / f"{name}.py").read_text().splitlines(keepends=True)
+    kept, removed = [], 0
+    for line in source:
+        stripped = line.lstrip()
+        if stripped.startswith(STAMPING):
+            line, removed = line[: len(line) - len(stripped)] + "pass\n", removed + 1
+        kept.append(line)
+    module = types.ModuleType(f"{name}_untraced")
+    exec(compile("".join(kept), f"{name}_untraced", "exec"), module.__dict__)
+    return module, removed
+
+
 def untraced_engine_class() -> type:
-    """EngineCore compiled from engine/engine_core.py without a single tracing call."""
-    source = (ROOT / "engine" / "engine_core.py").read_text().splitlines(keepends=True)
-    kept = [line for line in source if not line.strip().startswith(STAMPING)]
-    removed = len(source) - len(kept)
-    assert removed >= SPEC_STEP_CALLS + 4, f"expected the stamping lines, removed {removed}"
-    spec = importlib.util.spec_from_loader("engine_core_untraced", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    exec(compile("".join(kept), "engine_core_untraced", "exec"), module.__dict__)
-    return module.EngineCore
+    """EngineCore compiled from engine/engine_core.py and engine/speculative_steps.py without
+    a single tracing call."""
+    steps, removed = _untraced("speculative_steps")
+    # The decode step's, and two around the draft extend for prefill.
+    assert removed == SPEC_STEP_CALLS + 2, f"expected the stamping lines, removed {removed}"
+    core, removed = _untraced("engine_core")
+    assert removed >= 4, f"expected the stamping lines, removed {removed}"
+    core.SpeculativeSteps = steps.SpeculativeSteps  # read when an EngineCore is made
+    return core.EngineCore
 
 
 def call_ns(batch: int) -> dict[str, float]:
@@ -166,7 +181,8 @@ def main() -> None:
         f"per request, greedy; median ms per decode step of {args.repeats} runs, the builds "
         "taking turns on one runner).\n\n"
         + table
-        + "\n\n*No calls* is engine/engine_core.py compiled with every stamping line removed. "
+        + "\n\n*No calls* is engine/engine_core.py and engine/speculative_steps.py compiled "
+        "with every stamping line removed. "
         "With tracing off each call returns at its first test (`requests[0].trace is None`): "
         f"a speculative decode step makes {SPEC_STEP_CALLS} of them, which *stamps per step, "
         "off* adds up from a million-call loop (in % of the step). That is far below what "

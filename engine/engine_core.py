@@ -4,7 +4,7 @@ the serving nodes, which drive `step()` from their own loops.
 With a speculator (spec.MultiLayerEagleWorker, handed in by whoever builds the engine: engine
 never imports spec, which depends on it), a prefill step also runs the draft over the prompt, and
 a decode step verifies each request's draft chain, commits the accepted tokens, then extends the
-draft over them."""
+draft over them (engine.speculative_steps)."""
 
 from __future__ import annotations
 
@@ -15,38 +15,20 @@ import torch
 from engine.engine_hooks import PrefillHandoff, Speculator
 from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCacheManager
-from engine.model_runner import ForwardOutput, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.overlap import OverlapDecoder, overlappable
-from engine.prefill_chunks import HeldChunks
-from engine.prompt_embeds import InputEmbeds, PromptEmbeds
+from engine.prompt_embeds import PromptEmbeds
 from engine.request import Request, RequestOutput, SpecStats, Usage
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
+from engine.speculative_steps import SpeculativeSteps
 from engine.step_sampling import sample_next_tokens, sample_overlapped
 from engine.stopping import StopChecker
-from engine.tracing import RequestTrace, set_correct_drafts, set_time, set_time_batch
+from engine.tracing import RequestTrace, set_time, set_time_batch
 from engine.validation import validate_request
 
 # How long a step with nothing to run waits for a grammar still compiling.
 GRAMMAR_WAIT_S = 0.01
-
-# What the draft extend for prefill reads of a request: the target's hidden states and input
-# rows over its prompt, and the request whose prompt it is another parallel sample of (None).
-PromptForDraft = tuple[Request, torch.Tensor, InputEmbeds | None, Request | None]
-
-
-def _drafts(req: Request) -> bool:
-    """This decode step verifies draft tokens for `req` (before its tokens are committed)."""
-    return req.lookahead > 0
-
-
-def _decodes_plainly(req: Request) -> bool:
-    return req.lookahead == 0
-
-
-def _extends(req: Request) -> bool:
-    """finish_round extends the draft of `req` (after this step's tokens were committed)."""
-    return not req.finished and req.lookahead > 0
 
 
 class EngineCore:
@@ -103,6 +85,11 @@ class EngineCore:
                 lambda logits, requests, in_flight: sample_overlapped(
                     logits, requests, in_flight, self.default_generator
                 ),
+            )
+        self.speculative: SpeculativeSteps | None = None
+        if speculator is not None:
+            self.speculative = SpeculativeSteps(
+                speculator, self.scheduler, self.stop_checker, self._fail
             )
         self.grammars: GrammarCompiler | None = None
         # Tokens that prefill forwards ran (chunks and re-prefills included; a prompt that
@@ -235,7 +222,8 @@ class EngineCore:
         if batch.is_prefill:
             return self._prefill(batch)
         if any(req.num_draft_tokens for req in batch.requests):
-            return self._speculative_decode(batch)
+            assert self.speculative is not None
+            return self.speculative.decode(batch, self.default_generator)
         if self.overlap is not None and all(overlappable(req) for req in batch.requests):
             try:
                 self.overlap.launch(batch.requests, self.runner.build_batch(batch.requests))
@@ -288,18 +276,13 @@ class EngineCore:
             return self._fail(batch.requests + forks, "prefill", err)
         drafting = []
         if keep_hidden:
-            drafting = self._prompt_rows_for_draft(batch, forward_batch.extend_lens, output)
-            prompt_rows = {id(req): (h, e) for req, h, e, _ in drafting}
-            drafting += [
-                (fork, *prompt_rows[id(source)], source)
-                for fork, source in batch.forks
-                if id(source) in prompt_rows
-            ]
+            assert self.speculative is not None
+            drafting = self.speculative.prompts_for_draft(batch, forward_batch.extend_lens, output)
         finished = self.scheduler.process_prefill(
             batch, tokens.tolist(), logprobs, self.stop_checker, forks
         )
         set_time_batch(completing + forks, "prefill_end")
-        failed = self._draft_extend_prefill(drafting) if drafting else []
+        failed = self.speculative.draft_extend_prefill(drafting) if drafting else []
         if self.handoff is not None:
             gone = {id(req) for req in failed}
             done = completing + forks
@@ -310,84 +293,6 @@ class EngineCore:
                 output.last_hidden[[rows[i] for i in sent]],
             )
         return finished + failed
-
-    def _prompt_rows_for_draft(
-        self, batch: ScheduledBatch, extend_lens: list[int], output: ForwardOutput
-    ) -> list[PromptForDraft]:
-        """For each request that speculates: holds a chunk's hidden states and input rows until
-        its prompt completes; returns, for those whose prompt completes now, the whole
-        prompt's (the draft extend for prefill reads them)."""
-        assert output.hidden is not None
-        embeds = output.input_embeds
-        per_request = embeds.split(extend_lens) if embeds else [None] * len(extend_lens)
-        hidden = output.hidden.split(extend_lens)
-        complete = []
-        for req, done, h, e in zip(batch.requests, batch.completes(), hidden, per_request):
-            if not req.num_draft_tokens:
-                continue
-            if not done:
-                req.held_chunks = req.held_chunks or HeldChunks()
-                req.held_chunks.add(h, e)
-                continue
-            if req.held_chunks is not None:
-                h, e = req.held_chunks.join(h, e)
-                req.held_chunks = None
-            complete.append((req, h, e, None))
-        return complete
-
-    def _draft_extend_prefill(self, prompts: list[PromptForDraft]) -> list[Request]:
-        """Returns the requests it failed."""
-        assert self.speculator is not None
-        items = [
-            item
-            for item in prompts
-            # No chain is worth drafting for a request that has one token left to emit.
-            if not item[0].finished and item[0].lookahead
-        ]
-        if not items:
-            return []
-        requests = [req for req, _, _, _ in items]
-        # The parallel samples of a prompt share the draft KV of the first of them drafted.
-        first_of: dict[int, int] = {}
-        sources = []
-        for i, (req, _, _, sampled_from) in enumerate(items):
-            prompt = id(sampled_from or req)
-            sources.append(first_of.get(prompt))
-            first_of.setdefault(prompt, i)
-        set_time_batch(requests, "draft_extend_start")
-        try:
-            self.speculator.draft_extend_prefill(
-                requests, [h for _, h, _, _ in items], [e for _, _, e, _ in items], sources
-            )
-        except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only
-            return self._fail(requests, "draft extend (prefill)", err)
-        set_time_batch(requests, "draft_extend_end")
-        return []
-
-    def _speculative_decode(self, batch: ScheduledBatch) -> list[Request]:
-        assert self.speculator is not None
-        # The chain this step verifies already exists (drafted by the last draft extend, or by
-        # the draft extend for prefill): its draft span is empty. docs/architecture.md, Tracing.
-        set_time_batch(batch.requests, "draft_start", "draft_end", "verify_start", where=_drafts)
-        set_time_batch(batch.requests, "decode_start", where=_decodes_plainly)
-        try:
-            verified = self.speculator.verify(batch.requests, self.default_generator)
-        except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
-            return self._fail(batch.requests, "verify", err)
-        set_time_batch(batch.requests, "verify_end", where=_drafts)
-        set_time_batch(batch.requests, "decode_end", where=_decodes_plainly)
-        finished = self.scheduler.process_tokens(
-            batch, verified.tokens, verified.logprobs, self.stop_checker
-        )
-        set_time_batch(batch.requests, "draft_extend_start", where=_extends)
-        try:
-            self.speculator.finish_round(batch.requests, verified)
-        except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only
-            alive = [req for req in batch.requests if not req.finished]
-            return finished + self._fail(alive, "draft extend", err)
-        set_time_batch(batch.requests, "draft_extend_end", where=_extends)
-        set_correct_drafts(batch.requests)
-        return finished
 
     def _fail(self, requests: list[Request], stage: str, err: Exception) -> list[Request]:
         error = f"{stage} forward failed: {type(err).__name__}: {err}"

@@ -1,0 +1,138 @@
+"""The speculator's part of the engine's steps: the draft extend over freshly prefilled
+prompts (with each parallel sample pointed at the prompt it shares), and the speculative decode
+step: verify each request's draft, commit the accepted tokens, extend the draft over them.
+
+The speculator is spec.MultiLayerEagleWorker, handed in by whoever builds the engine: engine
+never imports spec, which depends on it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.engine_hooks import Speculator
+from engine.model_runner import ForwardOutput
+from engine.prefill_chunks import HeldChunks
+from engine.prompt_embeds import InputEmbeds
+from engine.request import Request
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.stopping import StopChecker
+from engine.tracing import set_correct_drafts, set_time_batch
+
+# What the draft extend for prefill reads of a request: the target's hidden states and input
+# rows over its prompt, and the request whose prompt it is another parallel sample of (None).
+PromptForDraft = tuple[Request, torch.Tensor, InputEmbeds | None, Request | None]
+
+# Ends `requests` after a failed forward of the given stage; returns the requests it ended.
+FailBatch = Callable[[list[Request], str, Exception], list[Request]]
+
+
+def _drafts(req: Request) -> bool:
+    """This decode step verifies draft tokens for `req` (before its tokens are committed)."""
+    return req.lookahead > 0
+
+
+def _decodes_plainly(req: Request) -> bool:
+    return req.lookahead == 0
+
+
+def _extends(req: Request) -> bool:
+    """finish_round extends the draft of `req` (after this step's tokens were committed)."""
+    return not req.finished and req.lookahead > 0
+
+
+class SpeculativeSteps:
+    def __init__(
+        self,
+        speculator: Speculator,
+        scheduler: Scheduler,
+        stop_checker: StopChecker | None,
+        fail: FailBatch,
+    ) -> None:
+        self.speculator = speculator
+        self.scheduler = scheduler
+        self.stop_checker = stop_checker
+        self.fail = fail
+
+    # --- after a prefill forward ---
+    def prompts_for_draft(
+        self, batch: ScheduledBatch, extend_lens: list[int], output: ForwardOutput
+    ) -> list[PromptForDraft]:
+        """For each request that speculates: holds a chunk's hidden states and input rows until
+        its prompt completes; returns, for those whose prompt completes now and the parallel
+        samples that share their prompt, the whole prompt's."""
+        assert output.hidden is not None
+        embeds = output.input_embeds
+        per_request = embeds.split(extend_lens) if embeds else [None] * len(extend_lens)
+        hidden = output.hidden.split(extend_lens)
+        complete: list[PromptForDraft] = []
+        for req, done, h, e in zip(batch.requests, batch.completes(), hidden, per_request):
+            if not req.num_draft_tokens:
+                continue
+            if not done:
+                req.held_chunks = req.held_chunks or HeldChunks()
+                req.held_chunks.add(h, e)
+                continue
+            if req.held_chunks is not None:
+                h, e = req.held_chunks.join(h, e)
+                req.held_chunks = None
+            complete.append((req, h, e, None))
+        rows = {id(req): (h, e) for req, h, e, _ in complete}
+        complete += [
+            (fork, *rows[id(source)], source) for fork, source in batch.forks if id(source) in rows
+        ]
+        return complete
+
+    def draft_extend_prefill(self, prompts: list[PromptForDraft]) -> list[Request]:
+        """Returns the requests it failed."""
+        items = [
+            item
+            for item in prompts
+            # No chain is worth drafting for a request that has one token left to emit.
+            if not item[0].finished and item[0].lookahead
+        ]
+        if not items:
+            return []
+        requests = [req for req, _, _, _ in items]
+        # The parallel samples of a prompt share the draft KV of the first of them drafted.
+        first_of: dict[int, int] = {}
+        sources = []
+        for i, (req, _, _, sampled_from) in enumerate(items):
+            prompt = id(sampled_from or req)
+            sources.append(first_of.get(prompt))
+            first_of.setdefault(prompt, i)
+        set_time_batch(requests, "draft_extend_start")
+        try:
+            self.speculator.draft_extend_prefill(
+                requests, [h for _, h, _, _ in items], [e for _, _, e, _ in items], sources
+            )
+        except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only
+            return self.fail(requests, "draft extend (prefill)", err)
+        set_time_batch(requests, "draft_extend_end")
+        return []
+
+    # --- a decode step ---
+    def decode(self, batch: ScheduledBatch, default_generator: torch.Generator) -> list[Request]:
+        # The chain this step verifies already exists (drafted by the last draft extend, or by
+        # the draft extend for prefill): its draft span is empty. docs/architecture.md, Tracing.
+        set_time_batch(batch.requests, "draft_start", "draft_end", "verify_start", where=_drafts)
+        set_time_batch(batch.requests, "decode_start", where=_decodes_plainly)
+        try:
+            verified = self.speculator.verify(batch.requests, default_generator)
+        except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
+            return self.fail(batch.requests, "verify", err)
+        set_time_batch(batch.requests, "verify_end", where=_drafts)
+        set_time_batch(batch.requests, "decode_end", where=_decodes_plainly)
+        finished = self.scheduler.process_tokens(
+            batch, verified.tokens, verified.logprobs, self.stop_checker
+        )
+        set_time_batch(batch.requests, "draft_extend_start", where=_extends)
+        try:
+            self.speculator.finish_round(batch.requests, verified)
+        except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only
+            alive = [req for req in batch.requests if not req.finished]
+            return finished + self.fail(alive, "draft extend", err)
+        set_time_batch(batch.requests, "draft_extend_end", where=_extends)
+        set_correct_drafts(batch.requests)
+        return finished
