@@ -1,13 +1,14 @@
 """What a decode node takes for a request before asking a prefill node to run it: target slots
 for its prompt and first decode step, each draft depth's as many, and a metadata row. Parallel
-samples of one prompt preallocate together, the others sharing the first one's prompt slots
-(decode_node.samples)."""
+samples of one prompt preallocate together, the others sharing the first one's prompt slots,
+in the target and in every draft depth (decode_node.samples)."""
 
 from __future__ import annotations
 
 from engine.engine_core import EngineCore
 from engine.request import Request
 from metadata.buffers import MetadataBuffers
+from spec.sample_extend import shared_prompt_len
 
 
 def first_step_slots(req: Request) -> int:
@@ -35,10 +36,17 @@ def fits(requests: list[Request], engine: EngineCore, metadata: MetadataBuffers)
         return False
     if not forks or not first.num_draft_tokens:
         return True
-    # Each sample's draft depths hold the whole prompt: the target's check does not cover them.
-    drafts = len(requests) * first_step_slots(first)
+    # The samples share the prompt in each depth only up to `shared_prompt_len`, one position
+    # more at each depth: the target's check does not cover them.
+    n = len(first.prompt_token_ids)
     depths = engine.speculator.depths  # type: ignore[union-attr]
-    return all(depth.kv_pool.allocator.can_allocate(drafts) for depth in depths)
+    return all(
+        depth.kv_pool.allocator.can_allocate(
+            first_step_slots(first)
+            + sum(first_step_slots(req) - shared_prompt_len(n, d) for req in forks)
+        )
+        for d, depth in enumerate(depths)
+    )
 
 
 def preallocate(
@@ -53,5 +61,8 @@ def preallocate(
         kv_cache.grow_many([(req, fork_step_slots(req)) for req in forks])
     for req in requests:
         if req.num_draft_tokens:
-            engine.speculator.reserve(req, first_step_slots(req))  # type: ignore[union-attr]
+            prompt_of = None if req is first else first
+            engine.speculator.reserve(  # type: ignore[union-attr]
+                req, first_step_slots(req), prompt_of
+            )
     return [metadata.allocate() for _ in requests]

@@ -14,6 +14,7 @@ from metadata.messages import TransferAnnounce
 from metadata.transfer import TransferState
 from metadata.wire import kv_nbytes
 from spec import DraftState, MultiLayerEagleWorker
+from spec.sample_extend import shared_prompt_len
 
 
 def receive_pools(
@@ -29,7 +30,7 @@ def receive_pools(
     if announce.prompt_room == 0:  # not a parallel sample's (the carrier's brings its KV)
         pools.append((kv_pool, req.slots[:prompt_len]))
     if announce.num_draft_tokens:
-        pools += speculator.depth_kv(req, prompt_len)
+        pools += speculator.depth_kv(req, prompt_len, announce.prompt_room != 0)
     elif req.num_draft_tokens:
         # The prefill node drafted nothing (one token left to emit after the first): this
         # request decodes plainly, and its reserved draft slots go back now.
@@ -47,7 +48,8 @@ def scratch_sizes(
     """The sizes of the messages of an announced transfer that no request takes, to receive
     into scratch (`KVReceiver.discard`); or why this node cannot receive it at all (draft
     depths it does not have), which leaves the channel from its rank out of order."""
-    pools = [kv_pool] if announce.prompt_room == 0 else []
+    n, carries_prompt = announce.num_tokens, announce.prompt_room == 0
+    sizes = [kv_nbytes(kv_pool, n)] if carries_prompt else []
     if announce.num_draft_tokens:
         depths = speculator.depths if speculator is not None else []
         if len(depths) != announce.num_draft_tokens:
@@ -56,8 +58,9 @@ def scratch_sizes(
                 f"which this node ({len(depths)} of its own) cannot receive"
             )
             return [], reason
-        pools += [depth.kv_pool for depth in depths]
-    sizes = [kv_nbytes(pool, announce.num_tokens) for pool in pools]
+        for d, depth in enumerate(depths):
+            first = 0 if carries_prompt else shared_prompt_len(n, d)
+            sizes.append(kv_nbytes(depth.kv_pool, n - first))
     return sizes + [row_nbytes], None
 
 

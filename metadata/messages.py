@@ -118,8 +118,9 @@ class TransferAnnounce:
     # Draft depths whose KV and chain follow the target's KV (0: this request does not draft).
     num_draft_tokens: int = 0
     # A parallel sample that shares its prompt's KV: the room whose transfer carries the
-    # prompt's target KV (this one then carries no target KV, only its draft depths' and its
-    # row). 0: this transfer carries its own prompt's.
+    # prompt's target KV and each draft depth's (this one then carries no target KV, only each
+    # depth's positions from spec.sample_extend.shared_prompt_len on, and its row). 0: this
+    # transfer carries its own prompt's.
     prompt_room: int = 0
 
 

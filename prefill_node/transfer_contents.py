@@ -14,6 +14,7 @@ from metadata.buffers import MetadataBuffers
 from metadata.wire import PoolMessages
 from prefill_node.pending import Pending
 from spec import MultiLayerEagleWorker
+from spec.sample_extend import shared_prompt_len
 
 
 def prepare_early_kv(batch: list[Pending], kv_pool: KVPool) -> None:
@@ -52,7 +53,7 @@ def write_transfer(
     draft_fields = {}
     if pending.drafted:
         state = speculator.export_state(req)
-        pools += speculator.depth_kv(req, prompt_len)
+        pools += speculator.depth_kv(req, prompt_len, not pending.carries_prompt)
         last_hidden = state.target_hidden
         draft_fields = {
             "topk_index": torch.tensor(state.draft_token_ids),
@@ -77,11 +78,13 @@ def void_pools(
     drafted: bool,
     carries_prompt: bool = True,
 ) -> list[tuple[KVPool, list[int]]]:
-    """The announced pools, each with slots [1, num_tokens]: they exist whatever state the
-    failure left (the target's pool holds the request's num_tokens slots, and each depth's
-    pool is as large), and are only read."""
-    pools = [kv_pool] if carries_prompt else []
+    """The announced pools, each with slots [1, count]: as many as a transfer that ran
+    (num_tokens, and a parallel sample's depths from `shared_prompt_len` on). They exist
+    whatever state the failure left (the target's pool holds the request's num_tokens slots,
+    and each depth's pool is as large), and are only read."""
+    pools = [(kv_pool, num_tokens)] if carries_prompt else []
     if drafted:
-        pools += [runner.kv_pool for runner in speculator.depths]
-    slots = list(range(1, num_tokens + 1))
-    return [(pool, slots) for pool in pools]
+        for d, runner in enumerate(speculator.depths):
+            first = 0 if carries_prompt else shared_prompt_len(num_tokens, d)
+            pools.append((runner.kv_pool, num_tokens - first))
+    return [(pool, list(range(1, count + 1))) for pool, count in pools]

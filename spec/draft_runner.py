@@ -172,14 +172,15 @@ class DraftRunner:
 
     def share_prefix(self, source: DraftSeq, length: int) -> DraftSeq:
         """A sequence in a row of its own whose positions [0, length) are `source`'s slots,
-        valid there. Unlike a fork's, they are held (`SlotAllocator.share`) and freed with the
+        valid there as far as they are in `source` (a decode node shares them before the KV
+        lands). Unlike a fork's, they are held (`SlotAllocator.share`) and freed with the
         sequence: the last holder's free releases them."""
-        assert source.row is not None and min(len(source.slots), source.valid_len) >= length
+        assert source.row is not None and len(source.slots) >= length
         slots = source.slots[:length]
         row = self.req_to_token_pool.allocate_row()
         self.kv_pool.allocator.share(slots)
         self.req_to_token_pool.write(row, 0, slots)
-        return DraftSeq(row, list(slots), length)
+        return DraftSeq(row, list(slots), min(length, source.valid_len))
 
     def can_fork(self, num_forks: int, num_slots: int) -> bool:
         """Whether `num_forks` forks with `num_slots` positions of their own fit now."""

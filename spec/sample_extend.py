@@ -7,7 +7,11 @@ positions [0, n-1-d) read the prompt alone and are the same for every sample. A 
 follows another thus starts where an extend over x_0..x_{n-1} would have left it: depth d valid
 up to n-1-d over the other's slots, and the boundary that extend would have kept (depth d's
 output at n-d-2, `DraftExtend.prompt_boundary`). Its own extend over x_0..x_n then runs each
-depth over [n-1-d, n-1] only, reading no prompt embeddings (every token read is x_n or a draft)."""
+depth over [n-1-d, n-1] only, reading no prompt embeddings (every token read is x_n or a draft).
+
+Through a cluster the same holds on the decode node: a sample reserves the carrier's slots for
+the shared positions (`share_prompt`), and its transfer brings each depth's positions from
+`shared_prompt_len` on, the carrier's the rest."""
 
 from __future__ import annotations
 
@@ -18,6 +22,25 @@ from spec.draft_extend import DraftExtend
 from spec.draft_runner import DraftRunner
 from spec.state import SpecRequestState
 from spec.tree import TreeShape
+
+
+def shared_prompt_len(num_prompt: int, depth: int) -> int:
+    """Depth `depth`'s positions whose KV the parallel samples of a prompt of `num_prompt`
+    tokens share: those whose inputs are the prompt's alone."""
+    return max(0, num_prompt - 1 - depth)
+
+
+def share_prompt(depths: list[DraftRunner], source: Request, req: Request) -> None:
+    """Make `req`'s sequences in every depth (it holds none yet) hold `source`'s slots for the
+    positions they share, on `req` as they are made, so that releasing `req` frees what was
+    taken."""
+    n = len(req.prompt_token_ids)
+    assert req.prompt_token_ids == source.prompt_token_ids, "one prompt"
+    state: SpecRequestState = req.spec_state
+    assert not any(seq.row is not None for seq in state.seqs), "req holds nothing yet"
+    sources = source.spec_state.seqs
+    for d, (runner, seq) in enumerate(zip(depths, sources)):
+        state.seqs[d] = runner.share_prefix(seq, shared_prompt_len(n, d))
 
 
 def sample_extend(
@@ -36,5 +59,5 @@ def sample_extend(
     state = SpecRequestState(seqs=[], boundary=list(source.prompt_boundary))
     req.spec_state = state
     for d, (runner, seq) in enumerate(zip(depths, source.state.seqs)):
-        state.seqs.append(runner.share_prefix(seq, max(0, n - 1 - d)))
+        state.seqs.append(runner.share_prefix(seq, shared_prompt_len(n, d)))
     return DraftExtend(state, req.all_token_ids, target_hidden[n - 1 :], None, shape)

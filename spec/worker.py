@@ -34,7 +34,7 @@ from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
 from spec.round_stats import count_round
-from spec.sample_extend import sample_extend
+from spec.sample_extend import sample_extend, share_prompt, shared_prompt_len
 from spec.state import DraftState, SpecRequestState
 from spec.tree import DraftTree, TreeShape, accept_tree, tree_shape
 from spec.tree_extender import TreeExtender
@@ -151,22 +151,30 @@ class MultiLayerEagleWorker:
             boundary,
         )
 
-    def depth_kv(self, req: Request, num_positions: int) -> list[tuple[KVPool, list[int]]]:
+    def depth_kv(
+        self, req: Request, num_positions: int, shares_prompt: bool = False
+    ) -> list[tuple[KVPool, list[int]]]:
         """Each depth's pool and the slots of positions [0, num_positions), depth 0 first:
-        what a transfer sends after the target's KV, or receives into."""
+        what a transfer sends after the target's KV, or receives into. `shares_prompt`: the
+        transfer of a parallel sample whose prompt another's transfer carries: positions
+        from `shared_prompt_len` on only."""
         state: SpecRequestState = req.spec_state
         return [
-            (runner.kv_pool, seq.slots[:num_positions])
-            for runner, seq in zip(self.depths, state.seqs)
+            (runner.kv_pool, seq.slots[_first(shares_prompt, num_positions, d) : num_positions])
+            for d, (runner, seq) in enumerate(zip(self.depths, state.seqs))
         ]
 
     # --- on a decode node, before and after receiving ---
-    def reserve(self, req: Request, num_positions: int) -> None:
+    def reserve(self, req: Request, num_positions: int, prompt_of: Request | None = None) -> None:
         """Take slots for positions [0, num_positions) in every depth: a decode node reserves
         the prompt (what the transfer fills) and the first step's draft extend, as many as it
-        takes in the target; later extends grow each depth themselves."""
+        takes in the target; later extends grow each depth themselves. `prompt_of`: the
+        parallel sample whose transfer carries the prompt `req` shares, reserved already: `req`
+        holds its slots for the positions the samples share (`shared_prompt_len`)."""
         if req.spec_state is None:
             req.spec_state = self._new_state()
+            if prompt_of is not None:
+                share_prompt(self.depths, prompt_of, req)
         for runner, seq in zip(self.depths, req.spec_state.seqs):
             runner.grow_to(seq, num_positions)
 
@@ -407,3 +415,7 @@ def _logprobs(req: Request, logits: torch.Tensor, tokens: list[int]) -> list[Tok
         return [None] * len(tokens)
     rows = logits[: len(tokens)]
     return compute_logprobs(rows, torch.tensor(tokens), [req.params] * len(tokens))
+
+
+def _first(shares_prompt: bool, num_prompt: int, depth: int) -> int:
+    return shared_prompt_len(num_prompt, depth) if shares_prompt else 0

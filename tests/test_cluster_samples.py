@@ -137,6 +137,51 @@ def test_speculating_samples_share_a_prefill_and_abort_alone(models):
         cluster.shutdown()
 
 
+def test_speculating_samples_hold_and_send_the_prompts_draft_kv_once(models):
+    """Four samples of a 100-token prompt on nodes whose pools hold 256 positions: four
+    copies of the prompt in each draft depth would never fit, and the samples would wait
+    for room forever. Each depth holds the prompt once on both nodes, the carrier's transfer
+    brings it, and the others' bring only the positions their own first token changes."""
+    target, draft = str(models / "target"), str(models / "draft")
+    engine = dict(ENGINE, kv_cache_tokens=256)
+    offline = LLM(target, device="cpu", draft_model=draft, **SPEC, **engine)
+    prompt = [3 + (7 * j) % 250 for j in range(100)]
+    params = SamplingParams(n=4, max_tokens=16, temperature=0.8, seed=9, ignore_eos=True)
+    expected = [o.token_ids for o in offline.generate([prompt], params)]
+    cluster = launch(target, prefill=1, decode=1, draft_model=draft, **SPEC, **engine)
+    router = cluster.router
+
+    async def run() -> list[tuple[list[int], dict | None]]:
+        async def collect(stream) -> tuple[list[int], dict | None]:
+            tokens, usage = [], None
+            async for delta in stream:
+                tokens += delta.token_ids
+                usage = delta.usage or usage
+            return tokens, usage
+
+        try:
+            samples = [params.for_sample(s) for s in range(4)]
+            streams = router.generate_samples([f"s{i}" for i in range(4)], prompt, samples)
+            return await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 120)
+        finally:
+            await router.close()
+
+    try:
+        outcomes = asyncio.run(run())
+        assert [tokens for tokens, _ in outcomes] == expected
+        assert all(usage["spec_verify_steps"] for _, usage in outcomes)
+        (prefill,) = _stats(cluster, "prefill")
+        depths = [depth.kv_pool for depth in offline.engine.speculator.depths]
+        target_kv = kv_nbytes(offline.engine.runner.kv_pool, len(prompt))
+        depths_kv = sum(kv_nbytes(pool, len(prompt)) for pool in depths)
+        tails = sum(kv_nbytes(pool, d + 1) for d, pool in enumerate(depths))
+        sent = prefill["transfers"]["bytes"]
+        assert target_kv + depths_kv + 3 * tails <= sent < target_kv + depths_kv + 3 * tails * 2
+        assert wait_for(cluster.kv_pools_empty, 30)
+    finally:
+        cluster.shutdown()
+
+
 def test_an_aggregated_replica_prefills_the_samples_prompt_once(models):
     tiny = str(models / "tiny")
     offline = LLM(tiny, device="cpu", **ENGINE)
