@@ -4,6 +4,7 @@ their prefill node to run them."""
 
 from __future__ import annotations
 
+from decode_node.prealloc import never_fits
 from decode_node.samples import check_shareable, parallel_samples
 from decode_node.tracked import Tracked
 from engine.engine_core import EngineCore
@@ -34,6 +35,9 @@ def admitted_requests(
         for m in messages
     ]
     check_shareable(msg, max_shared)
+    if (reason := never_fits(requests, engine)) is not None:
+        # Waiting could not help, and would hold up every request queued behind it.
+        raise ValueError(reason)
     return requests
 
 

@@ -6,6 +6,7 @@ in the target and in every draft depth (decode_node.samples)."""
 from __future__ import annotations
 
 from engine.engine_core import EngineCore
+from engine.kv_pool import KVPool
 from engine.request import Request
 from metadata.buffers import MetadataBuffers
 from spec.sample_extend import shared_prompt_len
@@ -26,27 +27,44 @@ def fork_step_slots(req: Request) -> int:
     return 1 + req.lookahead
 
 
+def group_needs(requests: list[Request], engine: EngineCore) -> list[tuple[KVPool, int]]:
+    """The slots a request (`requests`: it, then the parallel samples that share its prompt)
+    takes at preallocation in the target's pool, then in each draft depth's when it drafts.
+    In depth d the samples share the prompt only up to `shared_prompt_len`, one position less
+    at each depth than in the target."""
+    first, forks = requests[0], requests[1:]
+    target = first_step_slots(first) + sum(fork_step_slots(req) for req in forks)
+    needs = [(engine.kv_cache.kv_pool, target)]
+    if first.num_draft_tokens:
+        n = len(first.prompt_token_ids)
+        for d, depth in enumerate(engine.speculator.depths):  # type: ignore[union-attr]
+            own = sum(first_step_slots(req) - shared_prompt_len(n, d) for req in forks)
+            needs.append((depth.kv_pool, first_step_slots(first) + own))
+    return needs
+
+
+def never_fits(requests: list[Request], engine: EngineCore) -> str | None:
+    """Why the request's first step can never be preallocated on this node, even with every
+    pool empty (None: it can be)."""
+    for pool, need in group_needs(requests, engine):
+        if need > pool.capacity:
+            what = f"{len(requests)} parallel samples" if len(requests) > 1 else "the request"
+            return (
+                f"{what} of a {len(requests[0].prompt_token_ids)}-token prompt need "
+                f"{need} KV slots for their first step, more than this node's pool of "
+                f"{pool.capacity}; ask for fewer samples"
+            )
+    return None
+
+
 def fits(requests: list[Request], engine: EngineCore, metadata: MetadataBuffers) -> bool:
     """Whether a request (`requests`: it, then the parallel samples that share its prompt) can
     preallocate now, keeping one decode step of the running requests free."""
-    first, forks = requests[0], requests[1:]
-    need = first_step_slots(first) + sum(fork_step_slots(req) for req in forks)
-    room = need + engine.scheduler.step_reserve()
+    (_, target), *depths = group_needs(requests, engine)
+    room = target + engine.scheduler.step_reserve()
     if metadata.num_free < len(requests) or not engine.kv_cache.can_grow(room, len(requests)):
         return False
-    if not forks or not first.num_draft_tokens:
-        return True
-    # The samples share the prompt in each depth only up to `shared_prompt_len`, one position
-    # more at each depth: the target's check does not cover them.
-    n = len(first.prompt_token_ids)
-    depths = engine.speculator.depths  # type: ignore[union-attr]
-    return all(
-        depth.kv_pool.allocator.can_allocate(
-            first_step_slots(first)
-            + sum(first_step_slots(req) - shared_prompt_len(n, d) for req in forks)
-        )
-        for d, depth in enumerate(depths)
-    )
+    return all(pool.allocator.can_allocate(need) for pool, need in depths)
 
 
 def preallocate(

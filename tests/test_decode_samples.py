@@ -8,6 +8,7 @@ back."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from types import SimpleNamespace
 
@@ -145,6 +146,23 @@ def test_samples_preallocate_together_and_share_the_prompts_slots():
     assert ("discarded", ROOMS[2], 2) in recorder.messages
     (refused,) = recorder.of(TokenUpdate)
     assert refused.room == ROOMS[2] and "prompt KV" in refused.error
+
+
+def test_samples_whose_first_step_can_never_fit_are_refused_not_queued():
+    """62 prompt tokens and three first tokens exceed a pool of 64 even when it is empty:
+    waiting for room would hold up every request behind them. Each sample ends with the
+    reason; a request queued after them preallocates."""
+    decode, recorder = node()
+    long = dataclasses.replace(generate(), prompt_token_ids=list(range(3, 65)))
+    decode._handle(long)
+    errors = {update.room: update.error for update in recorder.of(TokenUpdate)}
+    assert sorted(errors) == ROOMS
+    assert all("more than this node's pool of 64" in error for error in errors.values())
+    assert not decode.prealloc and not decode.rooms
+    decode._handle(dataclasses.replace(generate(), room=200, samples=[]))
+    decode._preallocate()
+    assert [request.room for request in recorder.of(PrefillRequest)] == [200]
+    assert decode.kv_cache.kv_pool.allocator.num_used == len(PROMPT) + 1
 
 
 def test_a_sample_runs_once_the_prompt_landed_and_every_slot_comes_back():
