@@ -17,6 +17,7 @@ from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
+from engine.models.linear import Linear
 from engine.models.llama import DecoderLayer, RMSNorm
 from spec.config import DraftConfig
 from spec.draft_vocab import check_draft_vocab
@@ -34,7 +35,7 @@ class DraftDepth(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(in_width, config.rms_norm_eps)
-        self.fc = nn.Linear(config.hidden_size + in_width, config.hidden_size, bias=False)
+        self.fc = Linear(config.hidden_size + in_width, config.hidden_size, bias=False)
         # Layer index 0: the depth's KV pool has exactly one layer.
         self.layer = DecoderLayer(config, 0)
 

@@ -14,6 +14,7 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
 from engine.kernels import triton_usable
+from engine.models.linear import Linear
 from engine.models.rope import RotaryEmbedding
 
 
@@ -55,10 +56,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
     def forward(
         self,
@@ -79,12 +80,10 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -134,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.layer_class)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,0 +1,36 @@
+"""The decoder's linear layer: nn.Linear, with a Triton matrix-vector product for one row of a
+large weight on a GPU (engine.kernels.gemv), where cuBLAS leaves memory bandwidth unused."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels import triton_usable
+
+# Smaller weights are read in a few microseconds either way; launch costs dominate there.
+GEMV_MIN_ELEMENTS = 1 << 24
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    k = weight.shape[-1]
+    return (
+        x.numel() == k
+        and weight.numel() >= GEMV_MIN_ELEMENTS
+        and k % 512 == 0
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and triton_usable(x)
+    )
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None and gemv_applies(x, self.weight):
+            from engine.kernels.gemv import gemv
+
+            return gemv(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
