@@ -98,11 +98,13 @@ class DraftRunner:
             model_config.num_kv_heads,
             model_config.head_dim,
         )
-        # As many slots and rows as the target: a depth never holds more positions of a request
-        # than the target does, so it cannot run out where the target did not. Forks hold more
-        # within a draft extend, and only where `can_fork` found room.
+        # As many slots as the target, and depth + 1 for each request: a depth holds a
+        # request's positions where the target does, but a parallel sample's own positions in
+        # depth d start depth + 1 before its own in the target (spec.sample_extend), so only
+        # with those can it not run out where the target did not. Forks hold more within a
+        # draft extend, and only where `can_fork` found room.
         self.kv_pool = KVPool(
-            config.kv_cache_tokens,
+            config.kv_cache_tokens + (depth + 1) * config.max_num_seqs,
             1,
             model_config.num_kv_heads,
             model_config.head_dim,

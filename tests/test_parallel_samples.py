@@ -219,16 +219,32 @@ def test_speculating_samples_share_each_depths_prompt_kv(models):
 
 @pytest.mark.parametrize("tree", [{}, {"speculative_topk": 3, "num_draft_tokens": 6}])
 def test_speculating_samples_fit_draft_pools_as_small_as_the_targets(models, tree):
-    """Four samples of a 60-token prompt in pools of 160 slots: four copies of the prompt
-    would not fit a depth's pool, one does. Each sample draws what it draws alone, with a
-    chain or a tree."""
+    """Four samples of a 60-token prompt in pools of 160 slots (a few more in each depth):
+    four copies of the prompt would not fit a depth's pool, one does. Each sample draws what
+    it draws alone, with a chain or a tree."""
     _, target, draft = models
     params = SamplingParams(n=4, max_tokens=24, temperature=0.9, seed=11, ignore_eos=True)
     prompts = [[3 + (7 * j) % 250 for j in range(60)]]
     expected = _alone(_llm(target, draft, **tree), prompts, params)
-    llm = _llm(target, draft, kv_cache_tokens=160, **tree)
+    llm = _llm(target, draft, kv_cache_tokens=160, max_num_seqs=4, **tree)
+    assert all(depth.kv_pool.capacity < 4 * 60 for depth in llm.engine.speculator.depths)
     outputs = llm.generate(prompts, params)
     assert [o.finish_reason for o in outputs] == ["length"] * 4
     assert [o.token_ids for o in outputs] == expected
     assert all(o.usage.spec_verify_steps for o in outputs)
+    assert _clean(llm)
+
+
+def test_speculating_samples_run_their_pools_full_without_a_draft_running_short(models):
+    """Four samples of a 60-token prompt and 30 tokens each fill a pool of 160 slots, and one
+    is retracted. A sample's own positions in depth d start d + 1 before its own in the
+    target, which the depths' pools make room for: no draft extend runs out of slots."""
+    _, target, draft = models
+    params = SamplingParams(n=4, max_tokens=30, temperature=0.9, seed=11, ignore_eos=True)
+    prompts = [[3 + (7 * j) % 250 for j in range(60)]]
+    expected = _alone(_llm(target, draft), prompts, params)
+    llm = _llm(target, draft, kv_cache_tokens=160, max_num_seqs=4)
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected
+    assert llm.engine.scheduler.num_retractions > 0
     assert _clean(llm)
