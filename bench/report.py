@@ -19,16 +19,19 @@ def device_description(device: str) -> str:
     return f"{torch.cuda.get_device_name()}, bfloat16"
 
 
-def write_section(title: str, body: str, raw: dict, json_name: str) -> None:
-    """Replace (or append) the section `## title` of BENCHMARKS.md; keep the other sections."""
+def write_section(
+    title: str, body: str, raw: dict, json_name: str, document: Path = BENCHMARKS
+) -> None:
+    """Replace (or append) the section `## title` of `document` (BENCHMARKS.md unless given);
+    keep the other sections."""
     (DOCS / "bench").mkdir(parents=True, exist_ok=True)
     (DOCS / "bench" / json_name).write_text(json.dumps(raw, indent=2) + "\n")
-    text = BENCHMARKS.read_text() if BENCHMARKS.exists() else "# Benchmarks\n"
+    text = document.read_text() if document.exists() else "# Benchmarks\n"
     section = f"## {title}\n\n{body.rstrip()}\n"
     pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(text):
         text = pattern.sub(lambda _: section + "\n", text).rstrip() + "\n"
     else:
         text = text.rstrip() + "\n\n" + section
-    BENCHMARKS.write_text(text)
-    print(f"wrote {BENCHMARKS.relative_to(DOCS.parent)} and docs/bench/{json_name}")
+    document.write_text(text)
+    print(f"wrote {document.relative_to(DOCS.parent)} and docs/bench/{json_name}")

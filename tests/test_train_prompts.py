@@ -1,6 +1,14 @@
 import pytest
 
-from spec.train.prompts import heldout_prompts, max_training_prompts, training_prompts
+from spec.train.prompts import (
+    HELDOUT_CODE,
+    HELDOUT_FOREIGN,
+    HELDOUT_KINDS,
+    heldout_kinds,
+    heldout_prompts,
+    max_training_prompts,
+    training_prompts,
+)
 
 TRAINING_SET_SIZE = 20_000
 
@@ -84,6 +92,26 @@ def test_heldout_conversations_are_well_formed_and_varied():
     assert len({frozen(c) for c in heldout}) == len(heldout)
     assert sum(c[0]["role"] == "system" for c in heldout) >= 4
     assert sum(any(m["role"] == "assistant" for m in c) for c in heldout) >= 4
+
+
+def test_each_heldout_conversation_has_a_kind_that_fits_it():
+    conversations, kinds = heldout_prompts(), heldout_kinds()
+    assert len(kinds) == len(conversations)
+    assert set(kinds) == set(HELDOUT_KINDS)
+    # Every code message names a held-out conversation, so no code kind is lost to a typo.
+    assert HELDOUT_CODE <= user_messages(conversations)
+    for conversation, kind in zip(conversations, kinds):
+        roles = [m["role"] for m in conversation]
+        if kind == "code":
+            assert user_messages([conversation]) & HELDOUT_CODE
+        elif kind == "multi-turn":
+            assert roles == ["user", "assistant", "user"]
+        elif kind == "system prompt":
+            assert roles == ["system", "user"]
+        elif kind == "single turn":
+            assert roles == ["user"]
+        else:
+            assert conversation[-1]["content"] in {text for _, text in HELDOUT_FOREIGN}
 
 
 def test_heldout_is_disjoint_from_training(training):

@@ -918,6 +918,34 @@ HELDOUT_FOREIGN = [
 ]
 
 
+# Held-out user messages that ask for or about code: their kind is "code" whatever their form.
+HELDOUT_CODE = {
+    "Write a Python class that implements a simple LRU cache.",
+    "Explain what a SQL JOIN is using an example with customers and orders.",
+    "Write a regular expression that matches US phone numbers, and explain each part.",
+    "Convert this shell command to Python: find . -name '*.log' | xargs wc -l",
+    "Review this:\n\ndef avg(xs):\n    return sum(xs) / len(xs)",
+    "I wrote this: def add(a, b): return a - b",
+}
+HELDOUT_KINDS = ("single turn", "system prompt", "other language", "multi-turn", "code")
+
+
+def heldout_kinds() -> list[str]:
+    """The kind of each of `heldout_prompts()`, in its order: "code" for a conversation about
+    code, else "other language" (not English), "multi-turn", "system prompt" or "single turn"."""
+    kinds = ["single turn"] * len(HELDOUT_SINGLE)
+    kinds += ["system prompt"] * len(HELDOUT_SYSTEM) + ["other language"] * len(HELDOUT_FOREIGN)
+    kinds += ["multi-turn"] * len(HELDOUT_MULTI_TURN)
+    users = [
+        [m["content"] for m in conversation if m["role"] == "user"]
+        for conversation in heldout_prompts()
+    ]
+    return [
+        "code" if any(text in HELDOUT_CODE for text in texts) else kind
+        for kind, texts in zip(kinds, users, strict=True)
+    ]
+
+
 def heldout_prompts() -> list[Conversation]:
     conversations = [[{"role": "user", "content": text}] for text in HELDOUT_SINGLE]
     for system, text in HELDOUT_SYSTEM + HELDOUT_FOREIGN:
