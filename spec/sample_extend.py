@@ -19,7 +19,7 @@ import torch
 
 from engine.request import Request
 from spec.draft_extend import DraftExtend
-from spec.draft_runner import DraftRunner
+from spec.draft_runner import DraftRunner, DraftSeq
 from spec.state import SpecRequestState
 from spec.tree import TreeShape
 
@@ -30,17 +30,16 @@ def shared_prompt_len(num_prompt: int, depth: int) -> int:
     return max(0, num_prompt - 1 - depth)
 
 
-def share_prompt(depths: list[DraftRunner], source: Request, req: Request) -> None:
-    """Make `req`'s sequences in every depth (it holds none yet) hold `source`'s slots for the
-    positions they share, on `req` as they are made, so that releasing `req` frees what was
-    taken."""
-    n = len(req.prompt_token_ids)
-    assert req.prompt_token_ids == source.prompt_token_ids, "one prompt"
-    state: SpecRequestState = req.spec_state
-    assert not any(seq.row is not None for seq in state.seqs), "req holds nothing yet"
-    sources = source.spec_state.seqs
-    for d, (runner, seq) in enumerate(zip(depths, sources)):
-        state.seqs[d] = runner.share_prefix(seq, shared_prompt_len(n, d))
+def share_prompt(
+    depths: list[DraftRunner], source: list[DraftSeq], state: SpecRequestState, num_prompt: int
+) -> None:
+    """Make `state`'s sequence in every depth (each holding nothing yet) hold the `source`
+    sequence's slots there for the positions that the samples of a prompt of `num_prompt`
+    tokens share. Each is in `state` as soon as it is made, so that releasing the request
+    frees what was taken."""
+    assert not any(seq.row is not None for seq in state.seqs), "the request holds nothing yet"
+    for d, (runner, seq) in enumerate(zip(depths, source)):
+        state.seqs[d] = runner.share_prefix(seq, shared_prompt_len(num_prompt, d))
 
 
 def sample_extend(
@@ -56,8 +55,7 @@ def sample_extend(
     assert source.prompt_boundary is not None, "the source keeps the prompt's boundary"
     n = len(req.all_token_ids) - 1
     assert n == source.m and req.all_token_ids[:n] == source.tokens[:n], "one prompt"
-    state = SpecRequestState(seqs=[], boundary=list(source.prompt_boundary))
+    state = SpecRequestState([DraftSeq() for _ in depths], boundary=list(source.prompt_boundary))
     req.spec_state = state
-    for d, (runner, seq) in enumerate(zip(depths, source.state.seqs)):
-        state.seqs.append(runner.share_prefix(seq, shared_prompt_len(n, d)))
+    share_prompt(depths, source.state.seqs, state, n)
     return DraftExtend(state, req.all_token_ids, target_hidden[n - 1 :], None, shape)

@@ -174,7 +174,9 @@ class MultiLayerEagleWorker:
         if req.spec_state is None:
             req.spec_state = self._new_state()
             if prompt_of is not None:
-                share_prompt(self.depths, prompt_of, req)
+                assert req.prompt_token_ids == prompt_of.prompt_token_ids, "one prompt"
+                shared = prompt_of.spec_state.seqs
+                share_prompt(self.depths, shared, req.spec_state, len(req.prompt_token_ids))
         for runner, seq in zip(self.depths, req.spec_state.seqs):
             runner.grow_to(seq, num_positions)
 
