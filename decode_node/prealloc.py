@@ -48,11 +48,16 @@ def never_fits(requests: list[Request], engine: EngineCore) -> str | None:
     pool empty (None: it can be)."""
     for pool, need in group_needs(requests, engine):
         if need > pool.capacity:
-            what = f"{len(requests)} parallel samples" if len(requests) > 1 else "the request"
+            prompt = f"a {len(requests[0].prompt_token_ids)}-token prompt"
+            if len(requests) == 1:
+                return (
+                    f"the request for {prompt} needs {need} KV slots for its first step, "
+                    f"more than this node's pool of {pool.capacity}"
+                )
             return (
-                f"{what} of a {len(requests[0].prompt_token_ids)}-token prompt need "
-                f"{need} KV slots for their first step, more than this node's pool of "
-                f"{pool.capacity}; ask for fewer samples"
+                f"{len(requests)} parallel samples of {prompt} need {need} KV slots for "
+                f"their first step, more than this node's pool of {pool.capacity}; ask for "
+                "fewer samples"
             )
     return None
 

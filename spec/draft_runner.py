@@ -180,8 +180,12 @@ class DraftRunner:
         assert source.row is not None and len(source.slots) >= length
         slots = source.slots[:length]
         row = self.req_to_token_pool.allocate_row()
-        self.kv_pool.allocator.share(slots)
-        self.req_to_token_pool.write(row, 0, slots)
+        try:
+            self.req_to_token_pool.write(row, 0, slots)
+            self.kv_pool.allocator.share(slots)  # last: nothing to undo after it
+        except BaseException:
+            self.req_to_token_pool.free_row(row)
+            raise
         return DraftSeq(row, list(slots), min(length, source.valid_len))
 
     def can_fork(self, num_forks: int, num_slots: int) -> bool:

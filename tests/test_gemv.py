@@ -46,6 +46,7 @@ def test_linear_takes_the_gemv_for_one_row_of_a_large_weight_only():
     one, two = (torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16) for rows in (1, 2))
     with torch.inference_mode():
         assert gemv_applies(one, layer.weight) and not gemv_applies(two, layer.weight)
+        assert not gemv_applies(one.view(2, 2048), layer.weight)  # K elements, not one row
         torch.testing.assert_close(layer(one), F.linear(one, layer.weight), rtol=1e-2, atol=1e-2)
         assert torch.equal(layer(two), F.linear(two, layer.weight))
     # Gradients (the draft trainer) and small or oddly sized weights stay with cuBLAS.

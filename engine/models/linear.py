@@ -16,7 +16,8 @@ GEMV_MIN_ELEMENTS = 1 << 24
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     k = weight.shape[-1]
     return (
-        x.numel() == k
+        x.shape[-1] == k
+        and x.numel() == k
         and weight.numel() >= GEMV_MIN_ELEMENTS
         and k % 512 == 0
         and x.dtype == weight.dtype
