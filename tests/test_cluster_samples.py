@@ -42,6 +42,15 @@ def _ids(choice) -> list[int]:
     return choice.model_extra["token_ids"]
 
 
+async def collect(stream) -> tuple[list[int], dict | None]:
+    """A sample's stream read to its end: its tokens and its last usage."""
+    tokens, usage = [], None
+    async for delta in stream:
+        tokens += delta.token_ids
+        usage = delta.usage or usage
+    return tokens, usage
+
+
 def test_samples_share_one_prefill_and_transfer_through_the_cluster(models):
     tiny = str(models / "tiny")
     offline = LLM(tiny, device="cpu", **ENGINE)
@@ -99,13 +108,6 @@ def test_speculating_samples_share_a_prefill_and_abort_alone(models):
     cluster = launch(target, prefill=1, decode=1, draft_model=draft, **SPEC, **ENGINE)
     router = cluster.router
 
-    async def collect(stream) -> tuple[list[int], dict | None]:
-        tokens, usage = [], None
-        async for delta in stream:
-            tokens += delta.token_ids
-            usage = delta.usage or usage
-        return tokens, usage
-
     async def run() -> tuple[list, list]:
         try:
             samples = [params.for_sample(s) for s in range(3)]
@@ -152,13 +154,6 @@ def test_speculating_samples_hold_and_send_the_prompts_draft_kv_once(models):
     router = cluster.router
 
     async def run() -> list[tuple[list[int], dict | None]]:
-        async def collect(stream) -> tuple[list[int], dict | None]:
-            tokens, usage = [], None
-            async for delta in stream:
-                tokens += delta.token_ids
-                usage = delta.usage or usage
-            return tokens, usage
-
         try:
             samples = [params.for_sample(s) for s in range(4)]
             streams = router.generate_samples([f"s{i}" for i in range(4)], prompt, samples)

@@ -284,6 +284,20 @@ DIGIT_OBJECT = {
 }
 
 
+def _digit_answers(llm: LLM, **extra) -> list[tuple]:
+    """(the answer, the answer with `extra` in its params) to "Give x as JSON." under
+    DIGIT_OBJECT, greedy then sampled."""
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Give x as JSON."}])
+    grammar = json_schema_grammar(DIGIT_OBJECT, "response_format")
+    pairs = []
+    for temperature in (0.0, 0.8):
+        ask = dict(max_tokens=30, temperature=temperature, seed=1, grammar=grammar)
+        [free] = llm.generate(prompt, SamplingParams(**ask))
+        [constrained] = llm.generate(prompt, SamplingParams(**ask, **extra))
+        pairs.append((free, constrained))
+    return pairs
+
+
 @pytest.mark.parametrize("llm_name", ["default_llm", "speculative_llm"])
 def test_a_complete_grammar_ends_the_answer_before_min_tokens(request, llm_name):
     """Once the JSON is complete the grammar allows end-of-sequence only, which min_tokens
@@ -291,12 +305,7 @@ def test_a_complete_grammar_ends_the_answer_before_min_tokens(request, llm_name)
     (not padded with tokens no mask allowed), greedy and sampled, with speculation too."""
     llm = request.getfixturevalue(llm_name)
     eos = llm.engine.runner.model_config.eos_token_ids
-    prompt = llm.apply_chat_template([{"role": "user", "content": "Give x as JSON."}])
-    grammar = json_schema_grammar(DIGIT_OBJECT, "response_format")
-    for temperature in (0.0, 0.8):
-        ask = dict(max_tokens=30, temperature=temperature, seed=1, grammar=grammar)
-        [free] = llm.generate(prompt, SamplingParams(**ask))
-        [bounded] = llm.generate(prompt, SamplingParams(**ask, min_tokens=20))
+    for free, bounded in _digit_answers(llm, min_tokens=20):
         assert bounded.finish_reason == "stop" and bounded.token_ids[-1] in eos
         assert len(bounded.token_ids) < 20
         assert bounded.token_ids == free.token_ids
@@ -310,12 +319,7 @@ def test_ignore_eos_ends_the_answer_where_the_grammar_ends(request, llm_name):
     it gives without ignore_eos, rather than repeating that token up to max_tokens."""
     llm = request.getfixturevalue(llm_name)
     eos = llm.engine.runner.model_config.eos_token_ids
-    prompt = llm.apply_chat_template([{"role": "user", "content": "Give x as JSON."}])
-    grammar = json_schema_grammar(DIGIT_OBJECT, "response_format")
-    for temperature in (0.0, 0.8):
-        ask = dict(max_tokens=30, temperature=temperature, seed=1, grammar=grammar)
-        [free] = llm.generate(prompt, SamplingParams(**ask))
-        [ignoring] = llm.generate(prompt, SamplingParams(**ask, ignore_eos=True))
+    for free, ignoring in _digit_answers(llm, ignore_eos=True):
         assert ignoring.finish_reason == "stop" and ignoring.token_ids[-1] in eos
         assert ignoring.token_ids == free.token_ids
         jsonschema.validate(json.loads(ignoring.text), DIGIT_OBJECT)
