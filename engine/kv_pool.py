@@ -11,8 +11,10 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine.allocator import SlotAllocator
@@ -113,12 +115,24 @@ class ReqToTokenPool:
             values = int_tensor(slots, self.req_to_token.device)
             self.req_to_token[row, start : start + len(slots)] = values
             return
-        rows, cols, values = [], [], []
-        for row, start, slots in entries:
-            rows += [row] * len(slots)
-            cols += range(start, start + len(slots))
-            values += slots
-        index = int_tensor([rows, cols, values], self.req_to_token.device)
+        rows, starts, slots = zip(*entries)
+        self.write_runs(list(rows), list(starts), [len(s) for s in slots], sum(slots, []))
+
+    def write_runs(
+        self, rows: list[int], starts: list[int], counts: list[int], slots: Sequence[int]
+    ) -> None:
+        """Row rows[i] gets the next counts[i] of `slots` for its tokens starts[i]..: the
+        entries of `write_many`, already concatenated, in one indexed write."""
+        lengths = np.array(counts, dtype=np.int64)
+        total = int(lengths.sum())
+        if not total:
+            return
+        # Each slot's column: its run's start, plus its place in the run.
+        run_of = np.repeat(np.arange(len(counts)), lengths)
+        first = np.cumsum(lengths) - lengths  # where each run begins among the slots
+        cols = np.asarray(starts, dtype=np.int64)[run_of] + np.arange(total) - first[run_of]
+        index = np.stack([np.asarray(rows, dtype=np.int64)[run_of], cols, np.asarray(slots)])
+        index = int_tensor(index, self.req_to_token.device)
         self.req_to_token[index[0], index[1]] = index[2]
 
 
@@ -132,13 +146,20 @@ class SlotHolder(Protocol):
 def grow_holders(
     kv_pool: KVPool, req_to_token_pool: ReqToTokenPool, grants: list[tuple[SlotHolder, int]]
 ) -> None:
-    """Give each holder `num_slots` more slots (taking a row first if it has none), with one
-    write to the row table for all of them."""
-    writes = []
-    for holder, num_slots in grants:
+    """Give each holder `num_slots` more slots (taking a row first if it has none): one
+    allocation for all of them, in grant order, and one write to the row table. No slot is
+    taken when they do not all fit."""
+    for holder, _ in grants:
         if holder.row is None:
             holder.row = req_to_token_pool.allocate_row()
-        slots = kv_pool.allocator.allocate(num_slots)
-        writes.append((holder.row, len(holder.slots), slots))
-        holder.slots.extend(slots)
-    req_to_token_pool.write_many(writes)
+    slots = kv_pool.allocator.allocate(sum(n for _, n in grants))
+    rows, starts, counts = [], [], []
+    taken = 0
+    for holder, n in grants:
+        if n:
+            rows.append(holder.row)
+            starts.append(len(holder.slots))
+            counts.append(n)
+            holder.slots.extend(slots[taken : taken + n])
+            taken += n
+    req_to_token_pool.write_runs(rows, starts, counts, slots)

@@ -103,18 +103,16 @@ class Scheduler:
         # Alone, a request always fits where nothing else holds slots (admission checked prompt +
         # max_tokens against the pool); on a decode node, slots held for transfers still on
         # their way may leave even the last running request short: it waits like the others.
-        while self.running and not self.kv_cache.can_grow(self._slots_for_next_token()):
+        grants = [(req, _missing_slots(req)) for req in self.running]
+        while grants and not self.kv_cache.can_grow(sum(n for _, n in grants)):
             victim = retraction_victim(self.running)
             self.running.remove(victim)
             self._retract(victim)
+            grants = [(req, n) for req, n in grants if req is not victim]
         if not self.running:
             return None
-        grants = [(req, _missing_slots(req)) for req in self.running]
         self.kv_cache.grow_many([(req, n) for req, n in grants if n])
         return ScheduledBatch(list(self.running), is_prefill=False)
-
-    def _slots_for_next_token(self) -> int:
-        return sum(_missing_slots(req) for req in self.running)
 
     def step_reserve(self) -> int:
         """Slots to keep free when admitting more work: one decode step (newest token and

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.allocator import PADDING_SLOT, SlotAllocator
-from engine.kv_pool import ReqToTokenPool
+from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -151,3 +151,22 @@ def test_a_requests_token_slice_spans_prompt_and_output() -> None:
     for start in range(6):
         for end in range(start, 6):
             assert req.token_ids(start, end) == req.all_token_ids[start:end]
+
+
+def test_growing_several_holders_takes_all_their_slots_or_none() -> None:
+    """One allocation for every holder of a step, in order, each one's new slots written after
+    its old ones in its row; when they do not all fit, nobody's slots change."""
+    pool = KVPool(12, 1, 1, 2, torch.float32, "cpu")
+    table = ReqToTokenPool(3, 16, "cpu")
+    first, second = Request("a", [1], SamplingParams()), Request("b", [1], SamplingParams())
+    grow_holders(pool, table, [(first, 3), (second, 0)])
+    grow_holders(pool, table, [(first, 2), (second, 4)])
+    assert first.slots == [1, 2, 3, 4, 5] and second.slots == [6, 7, 8, 9]
+    assert second.row is not None  # a holder granted nothing yet still has its row
+    assert table.req_to_token[first.row, :5].tolist() == first.slots
+    assert table.req_to_token[second.row, :4].tolist() == second.slots
+    with pytest.raises(MemoryError):
+        grow_holders(pool, table, [(first, 2), (second, 2)])  # 4 asked, 3 free
+    assert first.slots == [1, 2, 3, 4, 5] and second.slots == [6, 7, 8, 9]
+    assert pool.allocator.num_free == 3
+    pool.allocator.check_integrity()
