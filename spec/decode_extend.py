@@ -25,12 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.cuda_graph import PADDING_SLOT, batch_size_buckets, bucket_for
+from engine.cuda_graph import batch_size_buckets, bucket_for
 from engine.forward_batch import ForwardBatch
-from engine.host_copy import int_tensor
 from spec.draft_runner import DraftRunner
 from spec.draft_vocab import DraftHead
-from spec.state import SpecRequestState
+from spec.state import BatchRows, SpecRequestState, whole_batch
 
 
 @dataclass
@@ -50,33 +49,78 @@ class FixedExtendItem:
 
 
 class _Buffers:
-    """The inputs one batch size reads, on the device: one int64 block filled by one copy
-    (per depth its tokens, positions and slots, then per request its row, cache length, first
-    token, token count; then every request's accepted count), the verify's hidden states and
-    the boundary states."""
+    """The inputs one batch size reads, on the device: one int64 block filled by one copy from a
+    pinned host mirror (per depth its tokens and positions, then per request its row, cache
+    length, first token, token count; then every request's accepted count), the verify's
+    hidden states and the boundary states. Each depth's KV slots are read from its row table
+    on the device, rows and positions being known there."""
 
-    def __init__(self, size: int, k: int, widths: list[int], in_width: int, hidden: int,
-                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        size: int,
+        k: int,
+        widths: list[int],
+        padding_rows: list[int],
+        in_width: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.size = size
         self.layout: list[tuple[int, int]] = []  # per depth: (offset, tokens)
         offset = 0
         for width in widths:
             tokens = size * width
             self.layout.append((offset, tokens))
-            offset += 3 * tokens + 4 * size
+            offset += 2 * tokens + 4 * size
         self.accepted_offset = offset
         self.length = offset + size
         self.ints = torch.zeros(self.length, dtype=torch.int64, device=device)
+        on_gpu = device.type == "cuda"
+        self.host = torch.zeros(self.length, dtype=torch.int64, pin_memory=on_gpu)
+        self.copied: torch.cuda.Event | None = None  # the last copy from `host`, once queued
+        # Every request a padding one: token 0 from position 0 over the padding row.
+        self.padding = np.zeros(self.length, dtype=np.int64)
+        for (offset, tokens), width, row in zip(self.layout, widths, padding_rows):
+            block = self.padding[offset : offset + 2 * tokens + 4 * size]
+            block[tokens : 2 * tokens] = np.tile(np.arange(width), size)
+            block[2 * tokens :] = np.concatenate(
+                [np.full(size, row), np.full(size, width), np.arange(size) * width,
+                 np.full(size, width)]
+            )  # fmt: skip
         self.verify_hidden = torch.zeros((size, k + 1, in_width), dtype=dtype, device=device)
         self.boundary = torch.zeros((max(k - 1, 1), size, hidden), dtype=dtype, device=device)
 
     def depth_views(self, d: int) -> tuple[torch.Tensor, ...]:
-        """(ids, positions, slots, rows, seq_lens, q_starts, q_lens) of depth d."""
+        """(ids, positions, rows, seq_lens, q_starts, q_lens) of depth d."""
         offset, tokens = self.layout[d]
-        token_rows = self.ints[offset : offset + 3 * tokens].view(3, tokens)
-        request_rows = self.ints[offset + 3 * tokens : offset + 3 * tokens + 4 * self.size]
+        token_rows = self.ints[offset : offset + 2 * tokens].view(2, tokens)
+        request_rows = self.ints[offset + 2 * tokens : offset + 2 * tokens + 4 * self.size]
         request_rows = request_rows.view(4, self.size)
         return (*token_rows, *request_rows)
+
+    def host_views(self, d: int, width: int) -> tuple[np.ndarray, ...]:
+        """The host mirror's (ids [size, width], positions [size, width], rows, seq_lens)."""
+        offset, tokens = self.layout[d]
+        values = self.host.numpy()  # after `writable_host`
+        ids, positions = values[offset : offset + 2 * tokens].reshape(2, self.size, width)
+        request_rows = values[offset + 2 * tokens : offset + 2 * tokens + 2 * self.size]
+        rows, seq_lens = request_rows.reshape(2, self.size)
+        return ids, positions, rows, seq_lens
+
+    def writable_host(self) -> np.ndarray:
+        """The host mirror, once the last copy from it has read it."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+        return self.host.numpy()
+
+    def load(self) -> None:
+        """Queue the host mirror's copy to the device."""
+        self.ints.copy_(self.host, non_blocking=True)
+        if self.ints.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
     @property
     def accepted(self) -> torch.Tensor:
@@ -93,7 +137,7 @@ class FixedDecodeExtend:
         self.k = len(depths)
         self.widths = [self.k + 1 + d for d in range(self.k)]
         first = depths[0]
-        self.device = first.device
+        self.device = torch.device(first.device)
         self.dtype = first.kv_pool.dtype
         self.in_width = first.module.hnorm.weight.shape[0]
         self.hidden_size = first.module.fc.weight.shape[0]
@@ -120,10 +164,11 @@ class FixedDecodeExtend:
     @torch.inference_mode()
     def run(self, items: list[FixedExtendItem]) -> None:
         """Extend every depth over `items` and give each its next chain and boundary states."""
-        chains, probs, boundary = self.launch(items)
+        chains, probs, boundary, last_hidden = self.launch(items)
         # One copy to the host (ids are exact in float64).
         host = torch.cat([chains.double(), probs.double()], dim=1).tolist()
-        self.apply(items, [len(item.committed) for item in items], host, boundary)
+        counts = [len(item.committed) for item in items]
+        self.apply(items, counts, host, boundary, last_hidden)
 
     @torch.inference_mode()
     def launch(
@@ -131,12 +176,15 @@ class FixedDecodeExtend:
         items: list[FixedExtendItem],
         committed: torch.Tensor | None = None,
         accepted: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        verify_hidden: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queue the extend of every depth over `items`; returns, on the device, the next
-        chains [n, K], their probabilities [n, K] and the boundary states [K-1, n, hidden].
+        chains [n, K], their probabilities [n, K], the boundary states [K-1, n, hidden] and
+        the target's hidden state at each request's newest position after the step [n, width].
         With `committed` [n, K+1] (row i: the verify's targets, the first accepted[i] + 1 of
-        them committed) and `accepted` [n] on the device, the items' own `committed` lists are
-        not read: the host need not have seen the verify's outcome."""
+        them committed), `accepted` [n] and `verify_hidden` [n, K+1, width] on the device, the
+        items' own `committed` and `verify_hidden` are not read: the host need not have seen
+        the verify's outcome."""
         k = self.k
         for d, runner in enumerate(self.depths):
             # Slots up to position m+k: the padding rows write there too.
@@ -144,16 +192,18 @@ class FixedDecodeExtend:
         size = bucket_for(self.buckets, len(items)) if self.buckets else None
         if size is not None:
             graph, buffers, outputs = self.graphs[size]
-            self._fill(buffers, items, committed, accepted)
+            self._fill(buffers, items, committed, accepted, verify_hidden)
             graph.replay()
             chains, probs, boundary = outputs
         else:
             buffers = self._buffers(len(items))
-            self._fill(buffers, items, committed, accepted)
+            self._fill(buffers, items, committed, accepted, verify_hidden)
             chains, probs, boundary = self._forward(buffers, eager_items=items)
         n = len(items)
+        every = torch.arange(n, device=self.device)
+        last_hidden = buffers.verify_hidden[every, buffers.accepted[:n]]
         # Out of the graph's buffers: kept as views until the next extend.
-        return chains[:n], probs[:n], boundary[:, :n].clone()
+        return chains[:n], probs[:n], boundary[:, :n].clone(), last_hidden
 
     def apply(
         self,
@@ -161,9 +211,11 @@ class FixedDecodeExtend:
         counts: list[int],
         host: list[list[float]],
         boundary: torch.Tensor,
+        last_hidden: torch.Tensor,
     ) -> None:
         """Give each item its next chain and boundary states after `launch`: `counts[i]`
-        tokens committed by its verify, `host[i]` its chain then the chain's probabilities."""
+        tokens committed by its verify, `host[i]` its chain then the chain's probabilities,
+        and row i of `boundary` [K-1, n, hidden] and of `last_hidden` [n, width]."""
         k = self.k
         for i, (item, count, row) in enumerate(zip(items, counts, host)):
             state = item.state
@@ -171,14 +223,15 @@ class FixedDecodeExtend:
             state.chain = [int(t) for t in row[:k]]
             state.chain_probs = row[k : 2 * k]
             state.tree = None
-            state.boundary = [boundary[d, i] for d in range(k - 1)]
-            state.target_hidden = item.verify_hidden[count - 1]
+            state.boundary = BatchRows(boundary, i)
+            state.hidden_at = (last_hidden, i)
             for d, seq in enumerate(state.seqs):
                 seq.valid_len = max(0, m_next - d)
 
     def _buffers(self, size: int) -> _Buffers:
-        return _Buffers(size, self.k, self.widths, self.in_width, self.hidden_size, self.dtype,
-                        self.device)  # fmt: skip
+        padding_rows = [runner.req_to_token_pool.padding_row for runner in self.depths]
+        return _Buffers(size, self.k, self.widths, padding_rows, self.in_width, self.hidden_size,
+                        self.dtype, self.device)  # fmt: skip
 
     def _fill(
         self,
@@ -186,57 +239,54 @@ class FixedDecodeExtend:
         items: list[FixedExtendItem],
         committed: torch.Tensor | None = None,
         accepted: torch.Tensor | None = None,
+        verify_hidden: torch.Tensor | None = None,
     ) -> None:
         """Every input of the batch, padded to the buffers' size: one copy of the integers, one
-        of the verify's hidden states, one of the boundary states; then, when given (on the
+        of the verify's hidden states, one of the boundary states (none per request when the
+        requests are those of the last extend, in its order); then, when given (on the
         device), the committed tokens of every depth and the accepted counts over the
         integers' placeholders."""
         n = len(items)
-        buffers.ints.copy_(int_tensor(self._int_values(buffers, items), self.device))
+        self._int_values(buffers, items)
+        buffers.load()
         if committed is not None and accepted is not None:
             for d, width in enumerate(self.widths):
                 ids = buffers.depth_views(d)[0].view(buffers.size, width)
                 ids[:n, : self.k + 1] = committed
             buffers.accepted[:n] = accepted
-        buffers.verify_hidden[:n].copy_(torch.stack([item.verify_hidden for item in items]))
+        if verify_hidden is None:
+            verify_hidden = torch.stack([item.verify_hidden for item in items])
+        buffers.verify_hidden[:n].copy_(verify_hidden)
         if self.k > 1:
-            old = [
-                torch.stack([item.state.boundary[d] for item in items]) for d in range(self.k - 1)
-            ]
-            buffers.boundary[:, :n].copy_(torch.stack(old))
+            boundaries = [item.state.boundary for item in items]
+            old = whole_batch(boundaries)
+            if old is None:
+                old = torch.stack(
+                    [torch.stack([b[d] for b in boundaries]) for d in range(self.k - 1)]
+                )
+            buffers.boundary[:, :n].copy_(old)
 
-    def _int_values(self, buffers: _Buffers, items: list[FixedExtendItem]) -> np.ndarray:
-        """The integer block: the items' rows first, padding requests after (token 0 from
-        position 0, over the padding row, writing the padding slot)."""
-        size, n, k = buffers.size, len(items), self.k
-        values = np.zeros(buffers.length, dtype=np.int64)
+    def _int_values(self, buffers: _Buffers, items: list[FixedExtendItem]) -> None:
+        """The integer block, in the host mirror: the items' rows first, padding requests after
+        (token 0 from position 0, over the padding row)."""
+        n, k = len(items), self.k
+        values = buffers.writable_host()
+        values[:] = buffers.padding
+        if not n:
+            return
         committed = np.zeros((n, k + 1), dtype=np.int64)
         for i, item in enumerate(items):
             committed[i, : len(item.committed)] = item.committed
         newest = np.array([item.m for item in items], dtype=np.int64)
-        for d, (runner, width) in enumerate(zip(self.depths, self.widths)):
-            offset, tokens = buffers.layout[d]
-            ids = np.zeros((size, width), dtype=np.int64)
+        for d, width in enumerate(self.widths):
+            ids, positions, rows, seq_lens = buffers.host_views(d, width)
             ids[:n, : k + 1] = committed
-            starts = np.zeros(size, dtype=np.int64)
-            starts[:n] = newest - d
-            positions = starts[:, None] + np.arange(width)
-            slots = np.full((size, width), PADDING_SLOT, dtype=np.int64)
-            rows = np.full(size, runner.req_to_token_pool.padding_row, dtype=np.int64)
-            if n:
-                seqs = [item.state.seqs[d] for item in items]
-                slots[:n] = [seq.slots[s : s + width] for seq, s in zip(seqs, starts[:n].tolist())]
-                rows[:n] = [seq.row for seq in seqs]
-            per_request = [rows, starts + width, np.arange(size) * width, np.full(size, width)]
-            block = values[offset : offset + 3 * tokens + 4 * size]
-            block[:tokens] = ids.ravel()
-            block[tokens : 2 * tokens] = positions.ravel()
-            block[2 * tokens : 3 * tokens] = slots.ravel()
-            block[3 * tokens :] = np.concatenate(per_request)
+            positions[:n] = (newest - d)[:, None] + np.arange(width)
+            rows[:n] = [item.state.seqs[d].row for item in items]
+            seq_lens[:n] = newest - d + width
         values[buffers.accepted_offset : buffers.accepted_offset + n] = [
             item.accepted for item in items
         ]
-        return values
 
     def _forward(
         self,
@@ -281,8 +331,12 @@ class FixedDecodeExtend:
 
     def _batch(self, buffers: _Buffers, d: int, runner: DraftRunner,
                eager_items: list[FixedExtendItem] | None) -> ForwardBatch:  # fmt: skip
-        ids, positions, slots, rows, *_ = buffers.depth_views(d)
+        ids, positions, rows, *_ = buffers.depth_views(d)
         size, width = buffers.size, self.widths[d]
+        # Each token's slot, from its row and position in the depth's row table (a padding
+        # request's row holds only the padding slot).
+        table = runner.req_to_token_pool.req_to_token
+        slots = table[rows[:, None], positions.view(size, width)].view(-1)
         return ForwardBatch(
             input_ids=ids,
             positions=positions,
@@ -300,6 +354,7 @@ class FixedDecodeExtend:
             return [width] * size
         return [item.m - d + width for item in items] + [width] * (size - len(items))
 
+    @torch.inference_mode()  # as every forward: the kernels' fast paths need no autograd
     def _capture(self) -> None:
         """A graph per bucket, largest first, sharing one memory pool; the outputs stay in the
         pool (each graph's own), read right after its replay."""
@@ -308,10 +363,11 @@ class FixedDecodeExtend:
         pool = None
         for size in sorted(self.buckets, reverse=True):
             buffers = self._buffers(size)
-            buffers.ints.copy_(int_tensor(self._int_values(buffers, []), self.device))
+            self._int_values(buffers, [])
+            buffers.load()
             metadata = []
             for d, runner in enumerate(self.depths):
-                _, _, _, rows, seq_lens, q_starts, q_lens = buffers.depth_views(d)
+                _, _, rows, seq_lens, q_starts, q_lens = buffers.depth_views(d)
                 metadata.append(
                     runner.attention.prepare_for_capture(
                         rows, seq_lens, q_starts, q_lens, self.widths[d]

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.host_copy import int_tensor
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
 from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
@@ -48,6 +47,7 @@ class DeviceRound:
     items: list[FixedExtendItem]
     chains: list[list[float]]  # per request its next chain, then the chain's probabilities
     boundary: torch.Tensor  # [K-1, n, hidden]
+    last_hidden: torch.Tensor  # [n, width]: the target's at each newest position after it
 
 
 def placeholder_items(requests: list[Request], k: int) -> list[FixedExtendItem]:
@@ -74,12 +74,13 @@ def run_device_round(
     logits, hidden = forward_every_token(forward)
     n = len(requests)
     targets = logits.argmax(dim=-1).view(n, k + 1)
-    chains = int_tensor([req.spec_state.chain[:k] for req in requests], targets.device)
+    # Each request's span is its newest token then its chain: the chains are on the device.
+    chains = forward.input_ids[: n * (k + 1)].view(n, k + 1)[:, 1:]
     accepted = (targets[:, :k] == chains).long().cumprod(dim=1).sum(dim=1)
     hidden = hidden.view(n, k + 1, -1)
-    for i, item in enumerate(items):
-        item.verify_hidden = hidden[i]
-    next_chains, next_probs, boundary = fixed_extend.launch(items, targets, accepted)
+    next_chains, next_probs, boundary, last_hidden = fixed_extend.launch(
+        items, targets, accepted, hidden
+    )
     # One copy for the whole round (ids are exact in float64).
     host = torch.cat(
         [targets.double(), accepted.double()[:, None], next_chains.double(), next_probs.double()],
@@ -91,4 +92,4 @@ def run_device_round(
         tokens.append([int(t) for t in row[: count + 1]])
         counts.append(count)
         rounds.append(row[k + 2 :])
-    return DeviceRound(tokens, counts, items, rounds, boundary)
+    return DeviceRound(tokens, counts, items, rounds, boundary, last_hidden)

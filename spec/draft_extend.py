@@ -47,6 +47,7 @@ class DraftExtend:
         # Depth d+1 reads the boundary that depth d kept last time, so keep those before
         # depth d overwrites them with this extend's.
         self.old_boundary = list(state.boundary)
+        state.boundary = list(self.old_boundary)  # a list of its own, which `take` writes
         # Depth d's output at m-d-2: the boundary of the state this extend would leave with
         # x_0..x_{m-1} alone, which another sample of the prompt x_0..x_{m-1}, whose x_m is its
         # own, extends from (spec/sample_extend.py).

@@ -91,7 +91,10 @@ class DraftHead:
         vocabulary, most likely first; their probabilities [B, n]), from one evaluation of the
         head."""
         probs = torch.softmax(self._logits(hidden), dim=-1)
-        top_p, top = probs.topk(min(n, probs.shape[-1]), dim=-1)
+        if n == 1:  # one reduction, where a top-k over the vocabulary sorts in several passes
+            top_p, top = probs.max(dim=-1, keepdim=True)
+        else:
+            top_p, top = probs.topk(min(n, probs.shape[-1]), dim=-1)
         if self.vocab is not None:
             top = self.vocab[top]
         return top, top_p

@@ -3,6 +3,7 @@ node, and `SpecRequestState`, what the engine keeps on `Request.spec_state`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,39 @@ class DraftState:
     boundary_hidden: torch.Tensor
 
 
+class BatchRows(Sequence[torch.Tensor]):
+    """One request's row of each of a batch's tensors: `batch[d, index]` for d in order. The
+    decode step's extend leaves every request's boundary states in one tensor [K-1, n, hidden];
+    a request keeps its index there instead of K-1 views of its own, so that neither keeping
+    them nor reading a whole batch of them back costs an operation per request."""
+
+    __slots__ = ("batch", "index")
+
+    def __init__(self, batch: torch.Tensor, index: int) -> None:
+        self.batch = batch
+        self.index = index
+
+    def __len__(self) -> int:
+        return self.batch.shape[0]
+
+    def __getitem__(self, d: int) -> torch.Tensor:  # type: ignore[override]
+        if not -len(self) <= d < len(self):
+            raise IndexError(d)
+        return self.batch[d, self.index]
+
+
+def whole_batch(rows: Sequence[BatchRows | Sequence[torch.Tensor | None]]) -> torch.Tensor | None:
+    """The batch tensor that holds `rows` as its rows 0..n-1 in order, when one does."""
+    first = rows[0]
+    if not isinstance(first, BatchRows) or first.batch.shape[1] != len(rows):
+        return None
+    batch = first.batch
+    for i, row in enumerate(rows):
+        if not isinstance(row, BatchRows) or row.batch is not batch or row.index != i:
+            return None
+    return batch
+
+
 @dataclass
 class SpecRequestState:
     seqs: list[DraftSeq]  # one per depth, each in that depth's own pools
@@ -39,6 +73,20 @@ class SpecRequestState:
     # None: `chain` alone.
     tree: DraftTree | None = None
     # boundary[d] (d < K-1): depth d's output at position m-d-1 (m: the newest token's
-    # position), None while m-d-1 < 0. Depth d+1's next extend starts there.
-    boundary: list[torch.Tensor | None] = field(default_factory=list)
-    target_hidden: torch.Tensor | None = None  # the target's at position m-1
+    # position), None while m-d-1 < 0. Depth d+1's next extend starts there. A list, or the
+    # request's rows of the batch the decode step's extend ran in.
+    boundary: list[torch.Tensor | None] | BatchRows = field(default_factory=list)
+    # The target's at position m-1, or (batch [n, hidden], index) to read it from.
+    hidden_at: torch.Tensor | tuple[torch.Tensor, int] | None = None
+
+    @property
+    def target_hidden(self) -> torch.Tensor | None:
+        """The target's hidden state at position m-1."""
+        if isinstance(self.hidden_at, tuple):
+            batch, index = self.hidden_at
+            return batch[index]
+        return self.hidden_at
+
+    @target_hidden.setter
+    def target_hidden(self, value: torch.Tensor | None) -> None:
+        self.hidden_at = value

@@ -344,11 +344,16 @@ class MultiLayerEagleWorker:
         done = verified.extended
         if done is not None:  # the extend ran with the verify: its chains go to those going on
             indices = [i for i, _, _ in going_on]
+            boundary, last_hidden = done.boundary, done.last_hidden
+            if len(indices) < len(requests):
+                kept = int_tensor(indices, boundary.device)
+                boundary, last_hidden = boundary[:, kept], last_hidden[kept]
             self.fixed_extend.apply(
                 [done.items[i] for i in indices],
                 [committed for _, _, committed in going_on],
                 [done.chains[i] for i in indices],
-                done.boundary[:, indices],
+                boundary,
+                last_hidden,
             )
             return
         hidden = verified.hidden  # per request: the target's at the newest token and kept path

@@ -155,3 +155,22 @@ def test_decode_goes_on_from_a_transferred_draft_state(models, kind: str) -> Non
         decode.step()
     assert [r.output_token_ids for r in received] == [o.token_ids for o in expected]
     assert decode.kv_cache.is_empty() and decode.speculator.is_empty()
+
+
+def test_boundary_rows_of_one_batch_are_read_back_whole_only_in_that_batchs_order() -> None:
+    """A decode step's extend leaves each request the index of its row in one batch tensor;
+    the next extend copies that tensor whole only when its requests are the same, in order."""
+    from spec.state import BatchRows, whole_batch
+
+    batch = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)  # [K-1, n, hidden]
+    rows = [BatchRows(batch, i) for i in range(3)]
+    assert len(rows[1]) == 2 and torch.equal(rows[1][0], batch[0, 1])
+    assert [r.tolist() for r in rows[2]] == [batch[0, 2].tolist(), batch[1, 2].tolist()]
+    with pytest.raises(IndexError):
+        rows[0][2]
+    assert whole_batch(rows) is batch
+    assert whole_batch(rows[::-1]) is None  # the same requests in another order
+    assert whole_batch(rows[:2]) is None  # some of them finished
+    assert whole_batch([list(rows[0]), *rows[1:]]) is None  # one drafted elsewhere
+    other = [BatchRows(batch.clone(), 0), *rows[1:]]
+    assert whole_batch(other) is None
