@@ -32,3 +32,25 @@ def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return values.to(device)
     return values.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's copy to the host, queued behind the work already on its stream:
+    `tolist` waits for that copy alone, not for work queued after it."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        on_gpu = values.is_cuda
+        self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=on_gpu)
+        self.host.copy_(values, non_blocking=on_gpu)
+        self.copied: torch.cuda.Event | None = None
+        if on_gpu:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def wait(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def tolist(self) -> list:
+        self.wait()
+        return self.host.tolist()

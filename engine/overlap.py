@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.forward_batch import ForwardBatch, Span
-from engine.host_copy import int_tensor
+from engine.host_copy import HostCopy, int_tensor
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import Request
@@ -52,8 +52,7 @@ class StepInFlight:
 
     requests: list[Request]
     tokens: torch.Tensor  # [B] on the device: the next step's input
-    host: torch.Tensor  # [B] on the host, valid once `copied` has happened
-    copied: torch.cuda.Event | None
+    host: HostCopy  # of `tokens`
 
 
 class OverlapDecoder:
@@ -85,14 +84,7 @@ class OverlapDecoder:
         set_time_batch(requests, "decode_start")
         output = self.runner.forward(batch)
         tokens = self.sample(output.logits, requests, in_flight or [0] * len(requests))
-        if tokens.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            host, copied = tokens, None
-        self.in_flight = StepInFlight(requests, tokens, host, copied)
+        self.in_flight = StepInFlight(requests, tokens, HostCopy(tokens))
 
     def step(self) -> list[Request] | None:
         """Launch the step after the one in flight, then read that one; returns the requests
@@ -144,10 +136,8 @@ class OverlapDecoder:
         """Commit a launched step's tokens (waiting for its copy); returns the requests it
         finished. Requests that ended meanwhile (aborted, finished by the step before) are
         skipped: their token is dropped."""
-        if step.copied is not None:
-            step.copied.synchronize()
-        self._release_finished()
         tokens = step.host.tolist()
+        self._release_finished()
         kept = [(req, t) for req, t in zip(step.requests, tokens) if not req.finished]
         requests = [req for req, _ in kept]
         finished = self.scheduler.process_result(
@@ -167,10 +157,8 @@ class OverlapDecoder:
         """Wait until the step in flight is done on the device if it runs the request
         `request_id` (before its slots are freed, as an abort does)."""
         step = self.in_flight
-        if step is None or step.copied is None:
-            return
-        if any(req.request_id == request_id for req in step.requests):
-            step.copied.synchronize()
+        if step is not None and any(req.request_id == request_id for req in step.requests):
+            step.host.wait()
 
     def _release_finished(self) -> None:
         for req in self.finished_in_flight:

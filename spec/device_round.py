@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.forward_batch import ForwardBatch
+from engine.host_copy import HostCopy
+from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
 from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
@@ -39,15 +41,19 @@ def runs_on_device(requests: list[Request], k: int) -> bool:
 @dataclass
 class DeviceRound:
     """A round read back from the device: per request its committed tokens (accepted drafts
-    and the target's token) and accepted count; the extend's items and next chains, applied
-    once the tokens are committed (`FixedDecodeExtend.apply`)."""
+    and the target's token) and accepted count; the extend's items, next chains and states,
+    applied once the tokens are committed (`FixedDecodeExtend.apply`)."""
 
     tokens: list[list[int]]
     accepted: list[int]
     items: list[FixedExtendItem]
-    chains: list[list[float]]  # per request its next chain, then the chain's probabilities
+    chains_copy: HostCopy  # per request its next chain, then the chain's probabilities
     boundary: torch.Tensor  # [K-1, n, hidden]
     last_hidden: torch.Tensor  # [n, width]: the target's at each newest position after it
+
+    def chains(self) -> list[list[float]]:
+        """The next chains, once the extend is done on the device."""
+        return self.chains_copy.tolist()
 
 
 def placeholder_items(requests: list[Request], k: int) -> list[FixedExtendItem]:
@@ -67,29 +73,50 @@ def run_device_round(
     items: list[FixedExtendItem],
     fixed_extend: FixedDecodeExtend,
     k: int,
+    target_pools: tuple[KVPool, ReqToTokenPool],
 ) -> DeviceRound:
     """Verify `forward` (each request's newest token and chain of `k` drafts, in request
     order), accept on the device, extend over `items` (`placeholder_items` of the requests,
-    which `FixedDecodeExtend.fits`), and read everything back in one copy."""
+    which `FixedDecodeExtend.fits`). The host reads the committed tokens as soon as the verify
+    is done, while the device runs the extend; the next chains are read after."""
     logits, hidden = forward_every_token(forward)
     n = len(requests)
     targets = logits.argmax(dim=-1).view(n, k + 1)
     # Each request's span is its newest token then its chain: the chains are on the device.
     chains = forward.input_ids[: n * (k + 1)].view(n, k + 1)[:, 1:]
     accepted = (targets[:, :k] == chains).long().cumprod(dim=1).sum(dim=1)
+    verdicts = HostCopy(torch.cat([targets, accepted[:, None]], dim=1))
     hidden = hidden.view(n, k + 1, -1)
+    # The host's share of the next round, while the device verifies this one.
+    grow_for_next_round(requests, k, *target_pools)
     next_chains, next_probs, boundary, last_hidden = fixed_extend.launch(
         items, targets, accepted, hidden
     )
-    # One copy for the whole round (ids are exact in float64).
-    host = torch.cat(
-        [targets.double(), accepted.double()[:, None], next_chains.double(), next_probs.double()],
-        dim=1,
-    ).tolist()
-    tokens, counts, rounds = [], [], []
-    for row in host:
-        count = int(row[k + 1])
-        tokens.append([int(t) for t in row[: count + 1]])
+    # Ids are exact in float64.
+    next_rounds = HostCopy(torch.cat([next_chains.double(), next_probs.double()], dim=1))
+    tokens, counts = [], []
+    for row in verdicts.tolist():
+        count = row[k + 1]
+        tokens.append(row[: count + 1])
         counts.append(count)
-        rounds.append(row[k + 2 :])
-    return DeviceRound(tokens, counts, items, rounds, boundary, last_hidden)
+    return DeviceRound(tokens, counts, items, next_rounds, boundary, last_hidden)
+
+
+def grow_for_next_round(
+    requests: list[Request], k: int, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool
+) -> None:
+    """Slots for the next round's verify whatever this one accepts (at most k + 1 tokens
+    committed, then the newest and k drafts), within each request's own bound (prompt +
+    max_tokens, the row's length), where the pool keeps room for another step of every
+    request after them: the scheduler then finds them held, and its step does not wait for
+    the row-table write."""
+    grants = []
+    for req in requests:
+        bound = min(
+            len(req.prompt_token_ids) + req.params.max_tokens, req_to_token_pool.max_context_len
+        )
+        want = min(req.num_tokens + 2 * k + 1, bound)
+        grants.append((req, max(0, want - len(req.slots))))
+    total = sum(n for _, n in grants)
+    if total and kv_pool.allocator.num_free - total >= (k + 1) * len(requests):
+        grow_holders(kv_pool, req_to_token_pool, grants)

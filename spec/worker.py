@@ -257,7 +257,13 @@ class MultiLayerEagleWorker:
         )
         outputs_before = [len(req.output_token_ids) for req in requests]
         done = run_device_round(
-            batch, runner.forward_every_token, requests, items, self.fixed_extend, k
+            batch,
+            runner.forward_every_token,
+            requests,
+            items,
+            self.fixed_extend,
+            k,
+            (runner.kv_pool, runner.req_to_token_pool),
         )
         return VerifyResult(
             tokens=done.tokens,
@@ -344,6 +350,7 @@ class MultiLayerEagleWorker:
         done = verified.extended
         if done is not None:  # the extend ran with the verify: its chains go to those going on
             indices = [i for i, _, _ in going_on]
+            chains = done.chains()
             boundary, last_hidden = done.boundary, done.last_hidden
             if len(indices) < len(requests):
                 kept = int_tensor(indices, boundary.device)
@@ -351,7 +358,7 @@ class MultiLayerEagleWorker:
             self.fixed_extend.apply(
                 [done.items[i] for i in indices],
                 [committed for _, _, committed in going_on],
-                [done.chains[i] for i in indices],
+                [chains[i] for i in indices],
                 boundary,
                 last_hidden,
             )

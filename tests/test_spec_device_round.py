@@ -9,11 +9,15 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_drafts import make_good_draft, make_predictable_llama, make_random_draft
 from tiny_models import make_tiny_llama
 
 import spec.worker
 from engine import LLM, SamplingParams
+from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
+from engine.request import Request
+from spec.device_round import grow_for_next_round
 
 SPEC = "multi-layer-eagle"
 
@@ -111,3 +115,27 @@ def test_requests_that_need_the_host_take_the_host_round(models, monkeypatch):
     assert device == host
     steps = max(steps for _, _, steps, _ in device)
     assert 0 < rounds < steps
+
+
+def test_the_next_rounds_slots_are_taken_while_the_device_verifies() -> None:
+    """Slots for the next verify whatever this round accepts (k + 1 tokens, then the newest and
+    k drafts: num_tokens + 2k + 1), never past prompt + max_tokens, and only where the pool
+    keeps a step's room for every request after them."""
+    def setup(capacity: int) -> tuple[KVPool, ReqToTokenPool, list[Request]]:
+        pool, table = KVPool(capacity, 1, 1, 2, torch.float32, "cpu"), ReqToTokenPool(4, 64, "cpu")
+        short = Request("short", [1] * 5, SamplingParams(max_tokens=6))  # bound 11
+        long = Request("long", [1] * 5, SamplingParams(max_tokens=50))
+        for req in (short, long):
+            req.output_token_ids = [2, 2]  # num_tokens 7
+            grow_holders(pool, table, [(req, req.num_tokens + 3)])  # this round's verify
+        return pool, table, [short, long]
+
+    pool, table, (short, long) = setup(capacity=100)
+    grow_for_next_round([short, long], 3, pool, table)
+    assert len(short.slots) == 11 and len(long.slots) == 7 + 2 * 3 + 1
+    assert table.req_to_token[long.row, : len(long.slots)].tolist() == long.slots
+    pool.allocator.check_integrity()
+
+    pool, table, (short, long) = setup(capacity=20 + 1 + 8 - 1)  # 8 free once grown: too few
+    grow_for_next_round([short, long], 3, pool, table)
+    assert len(short.slots) == len(long.slots) == 10
