@@ -1,19 +1,24 @@
-"""Where one decode step's time goes on a GPU: kernels per step and per layer, GPU time per step,
-and the kernels that take it, from a torch.profiler trace of plain greedy decode steps.
+"""Where one decode step's time goes on a GPU: kernels per step and per layer, GPU time per step
+against wall time per step, and the kernels that take it, from a torch.profiler trace of greedy
+decode steps.
 
     python bench/gpu_profile.py [--model PATH | --shape llama8b] [--batch-size 1] [--steps 20]
-        [--disable-cuda-graph]
+        [--disable-cuda-graph] [--spec [--draft-model PATH]]
 
 Without --model it builds random weights of SmolLM2-135M's shapes, or of another shape of
-bench/random_models.py (`--shape llama8b`). The
-trace covers `--steps` decode steps after the prompt: kernels launched from a replayed CUDA
-graph are counted as they run. Prints tables only; writes nothing."""
+bench/random_models.py (`--shape llama8b`). Per-step figures are the difference of two runs
+`--steps` steps apart over the same prompts: kernels launched from a replayed CUDA graph are
+counted as they run. With --spec each step is a speculative round (verify, acceptance, draft
+extend) with the shipped draft (made for SmolLM2's shapes) or --draft-model; random weights
+accept almost no draft, so each round emits about one token. Prints tables only; writes
+nothing."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -37,7 +42,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--spec", action="store_true", help="speculative rounds, not plain steps")
+    parser.add_argument("--draft-model", default=None, help="with --spec (default: shipped)")
     args = parser.parse_args()
+    spec_kw = {}
+    if args.spec:
+        from spec.default_draft import default_draft_path
+
+        draft = args.draft_model or default_draft_path()
+        if draft is None:
+            parser.error("--spec needs --draft-model: no shipped draft is installed")
+        spec_kw = dict(speculative_algorithm="multi-layer-eagle", draft_model=str(draft))
     path = args.model
     if path is None:
         path = tempfile.mkdtemp(prefix="gpu_profile_")
@@ -51,39 +66,54 @@ def main() -> None:
         max_model_len=1024,
         kv_cache_tokens=args.batch_size * 1024,
         disable_cuda_graph=args.disable_cuda_graph,
+        **spec_kw,
     )
     prompts = [
         [(11 * i + j) % 200 + 3 for j in range(args.prompt_len)] for i in range(args.batch_size)
     ]
 
-    def generate(new_tokens: int) -> None:
+    def generate(new_tokens: int) -> tuple[float, int]:
+        """Seconds taken, and the decode steps run (speculative rounds with --spec)."""
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - started
+        if not args.spec:
+            return elapsed, new_tokens
+        return elapsed, max(o.usage.spec_verify_steps for o in outputs)
 
-    generate(args.steps + 1)  # warm-up
+    # Two answers whose difference is `--steps` steps or more: the prompt, its first token and
+    # the draft's extend over the prompt cancel out.
+    lengths = (args.steps // 4 + 1, args.steps + args.steps // 4 + 1)
+    generate(lengths[1])  # warm-up
+    (short_s, short_steps), (long_s, long_steps) = (generate(n) for n in lengths)
+    steps = long_steps - short_steps
     counts = []
-    for new_tokens in (1, args.steps + 1):  # the prompt alone, then the prompt and the steps
+    for new_tokens in lengths:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             generate(new_tokens)
-            torch.cuda.synchronize()
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         counts.append((len(kernels), sum(e.device_time for e in kernels), kernels))
-    (prompt_n, prompt_us, _), (all_n, all_us, kernels) = counts
-    per_step = (all_n - prompt_n) / args.steps
+    (short_n, short_us, _), (long_n, long_us, kernels) = counts
+    per_step = (long_n - short_n) / steps
     layers = llm.model_config.num_layers
-    gpu_ms = (all_us - prompt_us) / args.steps / 1000
+    gpu_ms = (long_us - short_us) / steps / 1000
+    wall_ms = (long_s - short_s) / steps * 1000
     graphs = "off" if args.disable_cuda_graph else "on"
-    print(f"model {path}, batch {args.batch_size}, graphs {graphs}")
+    what = "speculative round" if args.spec else "decode step"
+    print(f"model {path}, batch {args.batch_size}, graphs {graphs}, {steps} {what}s")
     per_layer = per_step / layers
-    print(f"kernels per decode step: {per_step:.1f} ({per_layer:.1f} a layer of {layers})")
-    print(f"GPU time per decode step: {gpu_ms:.3f} ms")
+    print(f"kernels per {what}: {per_step:.1f} ({per_layer:.1f} a target layer of {layers})")
+    print(f"GPU time per {what}: {gpu_ms:.3f} ms; wall time: {wall_ms:.3f} ms")
     by_name: Counter[str] = Counter()
     time_by_name: Counter[str] = Counter()
     for e in kernels:
         by_name[e.name[:70]] += 1
         time_by_name[e.name[:70]] += e.device_time
     print(f"{'kernel':72} {'count':>6} {'total us':>10}")
-    for name, us in time_by_name.most_common(15):
+    for name, us in time_by_name.most_common(25):
         print(f"{name:72} {by_name[name]:6d} {us:10.0f}")
 
 
