@@ -1,17 +1,15 @@
 """The multi-layer EAGLE worker: draft extend after the target's prefill, then per decode step
 verify -> accept -> draft extend. One worker for any number of depths and any draft tree
 shape (spec/tree.py; one chain is a tree too); the alignment of tokens, hidden states and
-positions across depths is spec.draft_extend's, the growth of trees spec.tree_extender's, and
-the slots of a tree's verify spec.tree_verify's.
+positions across depths is spec.draft_extend's, the growth of trees spec.tree_extender's, the
+slots of a tree's verify spec.tree_verify's; a round is decided on the device where it can be
+(spec.device_round), on the host otherwise (spec.host_verify).
 
 A prefill node calls `draft_extend_prefill` after the target's prefill, then sends
 `export_state` and each depth's KV (`depth_kv`). A decode node calls `reserve` before receiving
 and `adopt` after; EngineCore.step then drives `verify` and `finish_round` every decode step."""
 
 from __future__ import annotations
-
-import itertools
-from dataclasses import dataclass
 
 import torch
 
@@ -20,38 +18,21 @@ from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
-from engine.sampler import TokenLogprob, compute_logprobs
-from spec.acceptance import (
-    Verdict,
-    grammar_masked_verify_logits,
-    processed_verify_logits,
-)
+from spec.acceptance import Verdict
 from spec.batching import Span, extend_batch
 from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
-from spec.device_round import DeviceRound, placeholder_items, run_device_round, runs_on_device
+from spec.device_round import placeholder_items, run_device_round, runs_on_device
 from spec.draft_extend import DraftExtend
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
+from spec.host_verify import VerifyResult, verify_on_host
 from spec.round_stats import count_round
 from spec.sample_extend import sample_extend, share_prompt, shared_prompt_len
 from spec.state import DraftState, SpecRequestState
-from spec.tree import DraftTree, TreeShape, accept_tree, tree_shape
+from spec.tree import DraftTree, TreeShape, tree_shape
 from spec.tree_extender import TreeExtender
-from spec.tree_verify import TreeSlots, target_draws
-
-
-@dataclass
-class VerifyResult:
-    tokens: list[list[int]]  # per request: the tokens to commit
-    logprobs: list[list[TokenLogprob | None]]
-    verdicts: list[Verdict]
-    num_drafts: list[int]  # per request: draft positions checked (0: no speculation this step)
-    num_proposed: list[int]  # per request: draft tokens checked, every node of its tree
-    hidden: list[torch.Tensor]  # per request: the target's at the newest token and kept path
-    num_outputs_before: list[int]
-    # Set when the round ran on the device (spec.device_round): the draft extend already ran.
-    extended: DeviceRound | None = None
+from spec.tree_verify import TreeSlots
 
 
 class MultiLayerEagleWorker:
@@ -217,7 +198,7 @@ class MultiLayerEagleWorker:
                 spans.append(span)
                 trees.append(tree)
             taken.write()
-            return self._verify(requests, trees, spans, taken, default_generator)
+            return verify_on_host(self.runner, requests, trees, spans, taken, default_generator)
         finally:
             taken.free()
 
@@ -275,64 +256,6 @@ class MultiLayerEagleWorker:
             num_outputs_before=outputs_before,
             extended=done,
         )
-
-    def _verify(
-        self,
-        requests: list[Request],
-        trees: list[DraftTree],
-        spans: list[Span],
-        taken: TreeSlots,
-        default_generator: torch.Generator,
-    ) -> VerifyResult:
-        runner = self.runner
-        batch = runner.graph_batch(spans) or extend_batch(
-            spans, runner.kv_pool, runner.req_to_token_pool, runner.attention, runner.device
-        )
-        raw_logits, hidden = runner.forward_every_token(batch)
-        eos_token_ids = runner.model_config.eos_token_ids
-        logits = processed_verify_logits(raw_logits, requests, trees, eos_token_ids)
-        chains = [tree.tokens for tree in trees]  # trees under a grammar are chains
-        logits = grammar_masked_verify_logits(logits, requests, chains, unprocessed=raw_logits)
-        lens = batch.extend_lens
-        # One device-to-host copy for every greedy request's targets, not one per request.
-        argmax = logits.argmax(dim=-1).tolist()
-        starts = [0, *itertools.accumulate(lens)][:-1]
-        draws = target_draws(requests, trees, logits, starts, default_generator)
-        all_hidden = hidden.split(lens)
-        # Log-probabilities are the model's own, before any penalty (as `sample`'s caller).
-        all_raw = raw_logits.split(lens)
-        result = VerifyResult([], [], [], [], [], [], [])
-        writes = []  # row-table writes of requests that keep a tree's branch
-        kept_rows: list[list[int]] = []
-        for i, (req, tree, span) in enumerate(zip(requests, trees, spans)):
-            # A greedy request follows the target's argmax, a sampled one its own draws.
-            targets = draws.get(i) or argmax[starts[i] : starts[i] + lens[i]]
-            verdict = accept_tree(tree, targets)
-            path = verdict.path
-            if not tree.is_chain:
-                write = taken.keep_path(req, span.slots, path)
-                if write is not None:
-                    writes.append(write)
-            # The rows of the kept path: a chain's are its span's first, a tree's gathered.
-            rows = list(range(lens[i])) if tree.is_chain else [0] + [n + 1 for n in path]
-            kept_rows.append(rows)
-            kept_logits = all_raw[i]
-            if req.params.logprobs is not None and not tree.is_chain:
-                kept_logits = kept_logits[rows]
-            result.tokens.append(verdict.tokens)
-            result.logprobs.append(_logprobs(req, kept_logits, verdict.tokens))
-            result.verdicts.append(verdict)
-            result.num_drafts.append(tree.depth)
-            result.num_proposed.append(len(tree))
-            result.num_outputs_before.append(len(req.output_token_ids))
-        runner.req_to_token_pool.write_many(writes)
-        if all(tree.is_chain for tree in trees):
-            result.hidden = list(all_hidden)
-        else:  # one gather for every request's kept rows
-            flat = [start + r for start, rows in zip(starts, kept_rows) for r in rows]
-            kept = hidden.index_select(0, int_tensor(flat, hidden.device))
-            result.hidden = list(kept.split([len(rows) for rows in kept_rows]))
-        return result
 
     @torch.inference_mode()
     def finish_round(self, requests: list[Request], verified: VerifyResult) -> None:
@@ -422,13 +345,6 @@ def _chain_span(req: Request, chain: DraftTree) -> Span:
     assert req.kv_len == m
     tokens = [req.all_token_ids[-1], *chain.tokens]
     return Span(req.row, m, tokens, req.slots[m : m + len(tokens)])
-
-
-def _logprobs(req: Request, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob | None]:
-    if req.params.logprobs is None:
-        return [None] * len(tokens)
-    rows = logits[: len(tokens)]
-    return compute_logprobs(rows, torch.tensor(tokens), [req.params] * len(tokens))
 
 
 def _first(shares_prompt: bool, num_prompt: int, depth: int) -> int:

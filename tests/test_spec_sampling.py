@@ -166,7 +166,7 @@ _correct_tree_rule = spec.tree.accept_tree
 
 @pytest.mark.parametrize("topk", [None, 4])
 def test_the_check_catches_a_broken_acceptance_rule(folders, monkeypatch, topk) -> None:
-    monkeypatch.setattr("spec.worker.accept_tree", _tree_second_chance)
+    monkeypatch.setattr("spec.host_verify.accept_tree", _tree_second_chance)
     params = SETTINGS["temperature-1"]
     runs = _sample_runs(folders, params, topk=topk)
     p_values = _p_values(runs, _exact_distribution(folders[0], params))
