@@ -121,6 +121,7 @@ def test_the_next_rounds_slots_are_taken_while_the_device_verifies() -> None:
     """Slots for the next verify whatever this round accepts (k + 1 tokens, then the newest and
     k drafts: num_tokens + 2k + 1), never past prompt + max_tokens, and only where the pool
     keeps a step's room for every request after them."""
+
     def setup(capacity: int) -> tuple[KVPool, ReqToTokenPool, list[Request]]:
         pool, table = KVPool(capacity, 1, 1, 2, torch.float32, "cpu"), ReqToTokenPool(4, 64, "cpu")
         short = Request("short", [1] * 5, SamplingParams(max_tokens=6))  # bound 11
