@@ -1,4 +1,5 @@
-"""A decode step's whole speculative round queued on the device, read by the host once.
+"""A decode step's whole speculative round queued on the device, with nothing for the host to
+decide between its parts.
 
 The general round reads the verify's targets on the host, walks each request's chain there,
 then queues the draft extend and reads its chains: two waits for the device a step, and the
@@ -7,8 +8,10 @@ need no processing (no penalty, bias, min_tokens or grammar), that speculate one
 and whose draft state the fixed-shape extend runs (spec/decode_extend.py), acceptance is a
 comparison on the device: the accepted count is the length of the prefix where the chain
 equals the target's argmax. The extend reads the targets and the counts where they are, so
-verify, acceptance and extend are queued back to back, and one copy brings the round home:
-each request's targets, its accepted count, its next chain and that chain's probabilities.
+verify, acceptance and extend are queued back to back. Two copies bring the round home: each
+request's targets and accepted count, read as soon as the verify is done so the host commits
+them while the device runs the extend; then each next chain and its probabilities, read when
+they are applied. While the device verifies, the host takes the next round's target slots.
 
 The extend then runs before the host commits: a request that the round ends (EOS, a stop
 string) has drafted a chain it will not use, and its draft KV is freed with its target KV.
