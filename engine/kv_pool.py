@@ -116,7 +116,8 @@ class ReqToTokenPool:
             self.req_to_token[row, start : start + len(slots)] = values
             return
         rows, starts, slots = zip(*entries)
-        self.write_runs(list(rows), list(starts), [len(s) for s in slots], sum(slots, []))
+        flat = [slot for run in slots for slot in run]
+        self.write_runs(list(rows), list(starts), [len(run) for run in slots], flat)
 
     def write_runs(
         self, rows: list[int], starts: list[int], counts: list[int], slots: Sequence[int]

@@ -164,11 +164,11 @@ class FixedDecodeExtend:
     @torch.inference_mode()
     def run(self, items: list[FixedExtendItem]) -> None:
         """Extend every depth over `items` and give each its next chain and boundary states."""
-        chains, probs, boundary, last_hidden = self.launch(items)
+        chains, probs, boundary, verify_hidden = self.launch(items)
         # One copy to the host (ids are exact in float64).
         host = torch.cat([chains.double(), probs.double()], dim=1).tolist()
         counts = [len(item.committed) for item in items]
-        self.apply(items, counts, host, boundary, last_hidden)
+        self.apply(items, counts, host, boundary, verify_hidden)
 
     @torch.inference_mode()
     def launch(
@@ -180,7 +180,7 @@ class FixedDecodeExtend:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queue the extend of every depth over `items`; returns, on the device, the next
         chains [n, K], their probabilities [n, K], the boundary states [K-1, n, hidden] and
-        the target's hidden state at each request's newest position after the step [n, width].
+        the verify's hidden states it read [n, K+1, width].
         With `committed` [n, K+1] (row i: the verify's targets, the first accepted[i] + 1 of
         them committed), `accepted` [n] and `verify_hidden` [n, K+1, width] on the device, the
         items' own `committed` and `verify_hidden` are not read: the host need not have seen
@@ -189,6 +189,8 @@ class FixedDecodeExtend:
         for d, runner in enumerate(self.depths):
             # Slots up to position m+k: the padding rows write there too.
             runner.grow_many([(item.state.seqs[d], item.m + k + 1) for item in items])
+        if verify_hidden is None:
+            verify_hidden = torch.stack([item.verify_hidden for item in items])
         size = bucket_for(self.buckets, len(items)) if self.buckets else None
         if size is not None:
             graph, buffers, outputs = self.graphs[size]
@@ -200,10 +202,8 @@ class FixedDecodeExtend:
             self._fill(buffers, items, committed, accepted, verify_hidden)
             chains, probs, boundary = self._forward(buffers, eager_items=items)
         n = len(items)
-        every = torch.arange(n, device=self.device)
-        last_hidden = buffers.verify_hidden[every, buffers.accepted[:n]]
         # Out of the graph's buffers: kept as views until the next extend.
-        return chains[:n], probs[:n], boundary[:, :n].clone(), last_hidden
+        return chains[:n], probs[:n], boundary[:, :n].clone(), verify_hidden
 
     def apply(
         self,
@@ -211,11 +211,11 @@ class FixedDecodeExtend:
         counts: list[int],
         host: list[list[float]],
         boundary: torch.Tensor,
-        last_hidden: torch.Tensor,
+        verify_hidden: torch.Tensor,
     ) -> None:
         """Give each item its next chain and boundary states after `launch`: `counts[i]`
         tokens committed by its verify, `host[i]` its chain then the chain's probabilities,
-        and row i of `boundary` [K-1, n, hidden] and of `last_hidden` [n, width]."""
+        and row i of `boundary` [K-1, n, hidden] and of `verify_hidden` [n, K+1, width]."""
         k = self.k
         for i, (item, count, row) in enumerate(zip(items, counts, host)):
             state = item.state
@@ -224,7 +224,7 @@ class FixedDecodeExtend:
             state.chain_probs = row[k : 2 * k]
             state.tree = None
             state.boundary = BatchRows(boundary, i)
-            state.hidden_at = (last_hidden, i)
+            state.hidden_at = (verify_hidden, (i, count - 1))
             for d, seq in enumerate(state.seqs):
                 seq.valid_len = max(0, m_next - d)
 
@@ -237,9 +237,9 @@ class FixedDecodeExtend:
         self,
         buffers: _Buffers,
         items: list[FixedExtendItem],
-        committed: torch.Tensor | None = None,
-        accepted: torch.Tensor | None = None,
-        verify_hidden: torch.Tensor | None = None,
+        committed: torch.Tensor | None,
+        accepted: torch.Tensor | None,
+        verify_hidden: torch.Tensor,
     ) -> None:
         """Every input of the batch, padded to the buffers' size: one copy of the integers, one
         of the verify's hidden states, one of the boundary states (none per request when the
@@ -254,8 +254,6 @@ class FixedDecodeExtend:
                 ids = buffers.depth_views(d)[0].view(buffers.size, width)
                 ids[:n, : self.k + 1] = committed
             buffers.accepted[:n] = accepted
-        if verify_hidden is None:
-            verify_hidden = torch.stack([item.verify_hidden for item in items])
         buffers.verify_hidden[:n].copy_(verify_hidden)
         if self.k > 1:
             boundaries = [item.state.boundary for item in items]

@@ -52,7 +52,7 @@ class DeviceRound:
     items: list[FixedExtendItem]
     chains_copy: HostCopy  # per request its next chain, then the chain's probabilities
     boundary: torch.Tensor  # [K-1, n, hidden]
-    last_hidden: torch.Tensor  # [n, width]: the target's at each newest position after it
+    verify_hidden: torch.Tensor  # [n, K+1, width]: the target's over each verify span
 
     def chains(self) -> list[list[float]]:
         """The next chains, once the extend is done on the device."""
@@ -92,7 +92,7 @@ def run_device_round(
     hidden = hidden.view(n, k + 1, -1)
     # The host's share of the next round, while the device verifies this one.
     grow_for_next_round(requests, k, *target_pools)
-    next_chains, next_probs, boundary, last_hidden = fixed_extend.launch(
+    next_chains, next_probs, boundary, hidden = fixed_extend.launch(
         items, targets, accepted, hidden
     )
     # Ids are exact in float64.
@@ -102,7 +102,7 @@ def run_device_round(
         count = row[k + 1]
         tokens.append(row[: count + 1])
         counts.append(count)
-    return DeviceRound(tokens, counts, items, next_rounds, boundary, last_hidden)
+    return DeviceRound(tokens, counts, items, next_rounds, boundary, hidden)
 
 
 def grow_for_next_round(

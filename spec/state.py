@@ -76,8 +76,9 @@ class SpecRequestState:
     # position), None while m-d-1 < 0. Depth d+1's next extend starts there. A list, or the
     # request's rows of the batch the decode step's extend ran in.
     boundary: list[torch.Tensor | None] | BatchRows = field(default_factory=list)
-    # The target's at position m-1, or (batch [n, hidden], index) to read it from.
-    hidden_at: torch.Tensor | tuple[torch.Tensor, int] | None = None
+    # The target's at position m-1, or (a batch's tensor, index) to read it from: the decode
+    # step's extend keeps its verify's hidden states whole, read only if someone asks.
+    hidden_at: torch.Tensor | tuple[torch.Tensor, tuple[int, int]] | None = None
 
     @property
     def target_hidden(self) -> torch.Tensor | None:

@@ -274,16 +274,16 @@ class MultiLayerEagleWorker:
         if done is not None:  # the extend ran with the verify: its chains go to those going on
             indices = [i for i, _, _ in going_on]
             chains = done.chains()
-            boundary, last_hidden = done.boundary, done.last_hidden
+            boundary, hidden = done.boundary, done.verify_hidden
             if len(indices) < len(requests):
                 kept = int_tensor(indices, boundary.device)
-                boundary, last_hidden = boundary[:, kept], last_hidden[kept]
+                boundary, hidden = boundary[:, kept], hidden[kept]
             self.fixed_extend.apply(
                 [done.items[i] for i in indices],
                 [committed for _, _, committed in going_on],
                 [chains[i] for i in indices],
                 boundary,
-                last_hidden,
+                hidden,
             )
             return
         hidden = verified.hidden  # per request: the target's at the newest token and kept path
