@@ -25,6 +25,7 @@ import torch
 
 from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch, Span, tree_bits
+from engine.host_copy import PinnedMirror
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.prompt_embeds import InputEmbeds, concat_input_embeds
 
@@ -155,10 +156,7 @@ class CudaGraphs:
         device = kv_pool.device
         num_rows = _NUM_ROWS + (1 if trees else 0)
         self.inputs = torch.zeros((num_rows, self.capacity), dtype=torch.int64, device=device)
-        self.host = torch.zeros((num_rows, self.capacity), dtype=torch.int64, pin_memory=True)
-        # The same memory as an array: numpy converts a list of ints several times faster than
-        # torch.tensor, and this is filled from lists every step.
-        self._host_array = self.host.numpy()
+        self.staged = PinnedMirror(self.inputs)  # filled from lists every step
         self.hidden: torch.Tensor | None = None
         if hidden_width is not None:
             self.hidden = torch.zeros(
@@ -173,7 +171,6 @@ class CudaGraphs:
             self.embeds_mask = torch.zeros(self.capacity, dtype=torch.bool, device=device)
         # Whether the batch loaded last gave vectors for some of its tokens.
         self.loaded_embeds = False
-        self._copied: torch.cuda.Event | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # What every graph's outputs are copied into, sized for the largest.
         self._outputs: GraphOutputs = ()
@@ -214,7 +211,8 @@ class CudaGraphs:
         desc = f"capturing {self.name} CUDA graphs"
         for size in tqdm(sizes, desc=desc, disable=not progress, leave=False):
             self._fill(size, [])  # every token a padding request of its own
-            self.inputs.copy_(self.host)
+            self.staged.upload()
+            stream.wait_stream(torch.cuda.current_stream(device))  # the copy lands first
             batch = self._static_batch(size)
             hidden = None if self.hidden is None else self.hidden[:size]
             with torch.cuda.stream(stream):
@@ -250,19 +248,13 @@ class CudaGraphs:
         num_tokens = sum(len(span.token_ids) for span in spans)
         size = self.bucket_for(num_tokens)
         assert size is not None, f"{num_tokens} tokens above the largest {self.name} graph"
-        if self._copied is not None:
-            self._copied.synchronize()  # the last copy has read the host buffer
         self._fill(size, spans)
-        # The whole buffer (a few KiB): a column slice is strided, and a strided copy from the
-        # host goes through a pageable staging copy that waits for the device.
-        self.inputs.copy_(self.host, non_blocking=True)
+        self.staged.upload()
         if self.hidden is not None:
             assert hidden is not None and hidden.shape[0] == num_tokens
             self.hidden[:num_tokens].copy_(hidden)
         if self.embeds is not None:
             self._load_embeds(size, spans, num_tokens)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
         return self._batch(
             size,
             [span.start + len(span.token_ids) for span in spans],
@@ -308,7 +300,7 @@ class CudaGraphs:
 
     def _fill(self, size: int, spans: list[Span]) -> None:
         columns = padded_columns(size, spans, self.req_to_token_pool.padding_row, self.trees)
-        self._host_array[:, :size] = columns
+        self.staged.writable()[:, :size] = columns
 
     def _static_batch(self, size: int) -> ForwardBatch:
         """The batch captured for `size`: every column, its metadata over the static buffers."""

@@ -54,3 +54,32 @@ class HostCopy:
     def tolist(self) -> list:
         self.wait()
         return self.host.tolist()
+
+
+class PinnedMirror:
+    """A device tensor of integers filled from a pinned host copy of it, one whole-buffer copy
+    a fill (a slice would be strided, and a strided copy from the host waits for the device):
+    `writable` hands out the host array once the last copy from it has read it, `upload`
+    queues the copy."""
+
+    def __init__(self, device_tensor: torch.Tensor) -> None:
+        self.device_tensor = device_tensor
+        self.host = torch.zeros(
+            device_tensor.shape, dtype=device_tensor.dtype, pin_memory=device_tensor.is_cuda
+        )
+        # The same memory as an array: numpy converts lists of ints several times faster than
+        # torch.tensor.
+        self.array = self.host.numpy()
+        self._copied: torch.cuda.Event | None = None
+
+    def writable(self) -> np.ndarray:
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        return self.array
+
+    def upload(self) -> None:
+        self.device_tensor.copy_(self.host, non_blocking=True)
+        if self.device_tensor.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()

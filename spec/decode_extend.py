@@ -27,6 +27,7 @@ import torch
 
 from engine.cuda_graph import batch_size_buckets, bucket_for
 from engine.forward_batch import ForwardBatch
+from engine.host_copy import PinnedMirror
 from spec.draft_runner import DraftRunner
 from spec.draft_vocab import DraftHead
 from spec.state import BatchRows, SpecRequestState, whole_batch
@@ -76,9 +77,7 @@ class _Buffers:
         self.accepted_offset = offset
         self.length = offset + size
         self.ints = torch.zeros(self.length, dtype=torch.int64, device=device)
-        on_gpu = device.type == "cuda"
-        self.host = torch.zeros(self.length, dtype=torch.int64, pin_memory=on_gpu)
-        self.copied: torch.cuda.Event | None = None  # the last copy from `host`, once queued
+        self.staged = PinnedMirror(self.ints)
         # Every request a padding one: token 0 from position 0 over the padding row.
         self.padding = np.zeros(self.length, dtype=np.int64)
         for (offset, tokens), width, row in zip(self.layout, widths, padding_rows):
@@ -102,25 +101,11 @@ class _Buffers:
     def host_views(self, d: int, width: int) -> tuple[np.ndarray, ...]:
         """The host mirror's (ids [size, width], positions [size, width], rows, seq_lens)."""
         offset, tokens = self.layout[d]
-        values = self.host.numpy()  # after `writable_host`
+        values = self.staged.array  # after `staged.writable`
         ids, positions = values[offset : offset + 2 * tokens].reshape(2, self.size, width)
         request_rows = values[offset + 2 * tokens : offset + 2 * tokens + 2 * self.size]
         rows, seq_lens = request_rows.reshape(2, self.size)
         return ids, positions, rows, seq_lens
-
-    def writable_host(self) -> np.ndarray:
-        """The host mirror, once the last copy from it has read it."""
-        if self.copied is not None:
-            self.copied.synchronize()
-            self.copied = None
-        return self.host.numpy()
-
-    def load(self) -> None:
-        """Queue the host mirror's copy to the device."""
-        self.ints.copy_(self.host, non_blocking=True)
-        if self.ints.is_cuda:
-            self.copied = torch.cuda.Event()
-            self.copied.record()
 
     @property
     def accepted(self) -> torch.Tensor:
@@ -248,7 +233,7 @@ class FixedDecodeExtend:
         integers' placeholders."""
         n = len(items)
         self._int_values(buffers, items)
-        buffers.load()
+        buffers.staged.upload()
         if committed is not None and accepted is not None:
             for d, width in enumerate(self.widths):
                 ids = buffers.depth_views(d)[0].view(buffers.size, width)
@@ -268,7 +253,7 @@ class FixedDecodeExtend:
         """The integer block, in the host mirror: the items' rows first, padding requests after
         (token 0 from position 0, over the padding row)."""
         n, k = len(items), self.k
-        values = buffers.writable_host()
+        values = buffers.staged.writable()
         values[:] = buffers.padding
         if not n:
             return
@@ -362,7 +347,8 @@ class FixedDecodeExtend:
         for size in sorted(self.buckets, reverse=True):
             buffers = self._buffers(size)
             self._int_values(buffers, [])
-            buffers.load()
+            buffers.staged.upload()
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the copy lands first
             metadata = []
             for d, runner in enumerate(self.depths):
                 _, _, rows, seq_lens, q_starts, q_lens = buffers.depth_views(d)
