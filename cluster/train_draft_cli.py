@@ -17,6 +17,7 @@ def run_train_draft(args: argparse.Namespace) -> None:
         device=args.device,
         dtype=args.dtype,
         num_draft_steps=args.num_draft_steps,
+        draft_intermediate_size=args.draft_intermediate_size,
         aux_layers=args.aux_layers or (),
         num_prompts=args.num_prompts,
         num_self_prompts=args.self_prompts,
@@ -77,6 +78,13 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
         parser, "target model folder or GGUF (default: the embedded one)", "the target's dtype"
     )
     parser.add_argument("--num-draft-steps", type=int, default=3, help="draft depths K")
+    parser.add_argument(
+        "--draft-intermediate-size",
+        type=int,
+        default=None,
+        help="width of each depth's MLP (default: the target's intermediate_size); a "
+        "narrower one fits more depths in the same bytes",
+    )
     parser.add_argument(
         "--aux-layers",
         type=layer_list,

@@ -40,6 +40,9 @@ class DraftConfig:
     aux_layers: tuple[int, ...] = ()
     # Tokens the draft may propose (the `draft_vocab` tensor); None: the target's whole vocabulary.
     draft_vocab_size: int | None = None
+    # Width of every depth's MLP; None: the target's `intermediate_size`. A narrower MLP buys
+    # more depths within the same bytes.
+    intermediate_size: int | None = None
 
     @classmethod
     def for_target(
@@ -48,7 +51,10 @@ class DraftConfig:
         num_draft_steps: int,
         name: str,
         draft_vocab_size: int | None = None,
+        intermediate_size: int | None = None,
     ) -> DraftConfig:
+        if intermediate_size == target.intermediate_size:
+            intermediate_size = None
         return cls(
             num_draft_steps=num_draft_steps,
             spec_hidden_size=target.spec_hidden_size,
@@ -56,6 +62,7 @@ class DraftConfig:
             target={"model": name, **target_shapes(target)},
             aux_layers=target.draft_aux_layers,
             draft_vocab_size=draft_vocab_size,
+            intermediate_size=intermediate_size,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -70,6 +77,8 @@ class DraftConfig:
             raw["aux_layers"] = list(self.aux_layers)
         if self.draft_vocab_size is not None:
             raw["draft_vocab_size"] = self.draft_vocab_size
+        if self.intermediate_size is not None:
+            raw["intermediate_size"] = self.intermediate_size
         return raw
 
     @classmethod
@@ -116,6 +125,13 @@ class DraftConfig:
             raise ModelLoadError(
                 f"{file}: draft_vocab_size must be a positive integer, got {draft_vocab_size!r}"
             )
+        intermediate_size = raw.get("intermediate_size")
+        if intermediate_size is not None and (
+            type(intermediate_size) is not int or intermediate_size < 1
+        ):
+            raise ModelLoadError(
+                f"{file}: intermediate_size must be a positive integer, got {intermediate_size!r}"
+            )
         return cls(
             int(raw["num_draft_steps"]),
             int(raw["spec_hidden_size"]),
@@ -123,6 +139,7 @@ class DraftConfig:
             dict(target),
             tuple(aux_layers),
             draft_vocab_size,
+            intermediate_size,
         )
 
     def check_target(self, target: ModelConfig, folder: Path) -> None:

@@ -4,6 +4,7 @@ folder format of docs/draft-format.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -32,6 +33,7 @@ class DraftDepth(nn.Module):
     output there, and its output g predicts x_{i+d+2} through the target's LM head."""
 
     def __init__(self, config: ModelConfig, in_width: int) -> None:
+        """`config`: the target's, with the draft's own MLP width."""
         super().__init__()
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(in_width, config.rms_norm_eps)
@@ -53,12 +55,22 @@ class DraftDepth(nn.Module):
 
 class MultiLayerEagleDraft(nn.Module):
     def __init__(
-        self, config: ModelConfig, num_draft_steps: int, vocab: torch.Tensor | None = None
+        self,
+        config: ModelConfig,
+        num_draft_steps: int,
+        vocab: torch.Tensor | None = None,
+        intermediate_size: int | None = None,
     ) -> None:
+        """`config`: the target's; `intermediate_size`: the depths' MLP width (None: the
+        target's)."""
         super().__init__()
         self.config = config
+        # The target's config with the depths' own MLP width: what each depth's layer is.
+        self.layer_config = dataclasses.replace(
+            config, intermediate_size=intermediate_size or config.intermediate_size
+        )
         self.depths = nn.ModuleList(
-            DraftDepth(config, config.spec_hidden_size if d == 0 else config.hidden_size)
+            DraftDepth(self.layer_config, config.spec_hidden_size if d == 0 else config.hidden_size)
             for d in range(num_draft_steps)
         )
         # Target token ids the draft may propose (spec.draft_vocab), ascending; None: all. Kept
@@ -68,6 +80,10 @@ class MultiLayerEagleDraft(nn.Module):
     @property
     def num_draft_steps(self) -> int:
         return len(self.depths)
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.layer_config.intermediate_size
 
 
 def save_draft(
@@ -86,6 +102,7 @@ def save_draft(
         draft.num_draft_steps,
         target_name,
         None if vocab is None else vocab.numel(),
+        draft.intermediate_size,
     )
     (folder / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
     tensors: dict[str, torch.Tensor] = {}
@@ -96,7 +113,7 @@ def save_draft(
         tensors[prefix + "enorm.weight"] = depth.enorm.weight
         tensors[prefix + "hnorm.weight"] = depth.hnorm.weight
         tensors[prefix + "fc.weight"] = depth.fc.weight
-        for name, tensor in _unfused_layer(depth.layer, draft.config).items():
+        for name, tensor in _unfused_layer(depth.layer, draft.layer_config).items():
             tensors[prefix + "layer." + name] = tensor
     save_file(
         {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
@@ -128,7 +145,7 @@ def load_draft(
             f"could not read draft weights {folder / WEIGHTS_FILE}: {err}"
         ) from err
     with torch.device("meta"):
-        draft = MultiLayerEagleDraft(target, steps)
+        draft = MultiLayerEagleDraft(target, steps, intermediate_size=config.intermediate_size)
     draft = draft.to_empty(device=device)
     expected = _expected_names(draft)
     if config.draft_vocab_size is not None:
@@ -215,6 +232,6 @@ def _expected_names(draft: MultiLayerEagleDraft) -> set[str]:
     for d, depth in enumerate(draft.depths):
         for name in ("enorm.weight", "hnorm.weight", "fc.weight"):
             names.add(f"depths.{d}.{name}")
-        for name in _unfused_layer(depth.layer, draft.config):
+        for name in _unfused_layer(depth.layer, draft.layer_config):
             names.add(f"depths.{d}.layer.{name}")
     return names

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from tiny_drafts import make_random_draft, target_config
 from tiny_models import make_tiny_llama
 
-from engine import LLM, ModelLoadError
+from engine import LLM, ModelLoadError, SamplingParams
 from spec import DraftMismatchError, MultiLayerEagleDraft, load_draft, save_draft
 from spec.config import DRAFT_ARCHITECTURE
 
@@ -50,6 +50,65 @@ def test_round_trip_keeps_every_weight(target: Path, tmp_path: Path) -> None:
     assert ours.keys() == theirs.keys()
     for name in ours:
         torch.testing.assert_close(theirs[name], ours[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_narrower_mlp_survives_the_round_trip_and_speculates(
+    target: Path, tmp_path: Path
+) -> None:
+    """Depths with their own MLP width (`intermediate_size` in config.json) load with it, and
+    speculation over them keeps the greedy output; the target's width is not written."""
+    config = target_config(target)
+    torch.manual_seed(5)
+    draft = MultiLayerEagleDraft(config, 2, intermediate_size=48)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(std=0.1)
+    save_draft(tmp_path / "narrow", draft, target_name="tiny")
+    raw = json.loads((tmp_path / "narrow" / "config.json").read_text())
+    assert raw["intermediate_size"] == 48
+    assert raw["target"]["intermediate_size"] == 128
+    tensors = load_file(str(tmp_path / "narrow" / "model.safetensors"))
+    assert tensors["depths.1.layer.mlp.gate_proj.weight"].shape == (48, 64)
+    assert tensors["depths.1.layer.mlp.down_proj.weight"].shape == (64, 48)
+    loaded = load_draft(tmp_path / "narrow", config, None, "cpu", torch.float32)
+    assert loaded.intermediate_size == 48
+    for name, tensor in draft.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    save_draft(tmp_path / "same", MultiLayerEagleDraft(config, 1, intermediate_size=128))
+    assert "intermediate_size" not in json.loads((tmp_path / "same" / "config.json").read_text())
+
+    prompts = [[5, 9, 14, 3], [7, 7, 2, 30, 31, 8]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = LLM(str(target), device="cpu", dtype="float32").generate(prompts, params)
+    spec = LLM(
+        str(target),
+        device="cpu",
+        dtype="float32",
+        speculative_algorithm="multi-layer-eagle",
+        draft_model=str(tmp_path / "narrow"),
+    ).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(o.usage.spec_verify_steps for o in spec)
+
+
+@pytest.mark.parametrize("value", [0, -3, 1.5, "768"])
+def test_a_broken_mlp_width_is_refused(target: Path, tmp_path: Path, value) -> None:
+    make_random_draft(tmp_path / "draft", target, 1)
+    raw = json.loads((tmp_path / "draft" / "config.json").read_text())
+    (tmp_path / "draft" / "config.json").write_text(json.dumps({**raw, "intermediate_size": value}))
+    with pytest.raises(ModelLoadError, match="intermediate_size must be a positive integer"):
+        load_draft(tmp_path / "draft", target_config(target), None, "cpu", torch.float32)
+
+
+def test_mlp_weights_of_another_width_than_declared_are_refused(
+    target: Path, tmp_path: Path
+) -> None:
+    save_draft(tmp_path / "draft", MultiLayerEagleDraft(target_config(target), 1, None, 48))
+    raw = json.loads((tmp_path / "draft" / "config.json").read_text())
+    del raw["intermediate_size"]
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match=r"layer\.mlp\..*has shape \(.*48.*\), expected"):
+        load_draft(tmp_path / "draft", target_config(target), None, "cpu", torch.float32)
 
 
 def test_files_follow_the_documented_names(target: Path, tmp_path: Path) -> None:

@@ -468,6 +468,8 @@ def test_cli_trains_a_draft(predictable_path: Path, tmp_path: Path, capsys) -> N
 def test_cli_refuses_zero_draft_steps(predictable_path: Path, tmp_path: Path, capsys) -> None:
     assert main(cli_args(tmp_path, predictable_path, "--num-draft-steps", "0")) == 2
     assert "num_draft_steps" in capsys.readouterr().err
+    assert main(cli_args(tmp_path, predictable_path, "--draft-intermediate-size", "0")) == 2
+    assert "draft_intermediate_size must be positive" in capsys.readouterr().err
     assert not (tmp_path / "answers.pt").exists()
 
 
@@ -487,7 +489,10 @@ def test_cli_trains_on_data_generated_by_other_runs(
     assert main(cli_args(alone, predictable_path)) == 0
     alone_tokens = json.loads((alone / "summary.json").read_text())["data"]["train_tokens"]
     out = tmp_path / "main"
-    assert main(cli_args(out, predictable_path, "--data-from", str(shard))) == 0
+    # With depths narrower than the target's MLP, which the saved draft declares.
+    narrow = ("--draft-intermediate-size", "40")
+    assert main(cli_args(out, predictable_path, "--data-from", str(shard), *narrow)) == 0
+    assert json.loads((out / "draft" / "config.json").read_text())["intermediate_size"] == 40
     data = json.loads((out / "summary.json").read_text())["data"]
     assert data["data_from_conversations"] == 4
     assert data["train_conversations"] == 24
@@ -496,9 +501,12 @@ def test_cli_trains_on_data_generated_by_other_runs(
     assert positions > sum(r["positions"] for r in read_log(alone) if "loss" in r)
     capsys.readouterr()
 
-    # The checkpoint belongs to a run with the shard's data: without it, it is refused.
-    assert main(cli_args(out, predictable_path)) == 2
+    # The checkpoint belongs to a run with the shard's data and these depths: without either,
+    # it is refused.
+    assert main(cli_args(out, predictable_path, *narrow)) == 2
     assert "(data_from)" in capsys.readouterr().err
+    assert main(cli_args(out, predictable_path, "--data-from", str(shard))) == 2
+    assert "(intermediate_size)" in capsys.readouterr().err
     other = tmp_path / "other-cap"
     assert main(cli_args(other, predictable_path, *only, "--max-tokens", "6")) == 0
     assert main(cli_args(tmp_path / "x", predictable_path, "--data-from", str(other))) == 2

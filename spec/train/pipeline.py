@@ -55,6 +55,8 @@ class TrainDraftConfig:
     device: str | None = None
     dtype: str = "auto"
     num_draft_steps: int = 3
+    # Width of each depth's MLP; None: the target's intermediate_size.
+    draft_intermediate_size: int | None = None
     # Target layers depth 0 reads side by side (EAGLE3 style); () for the last layer's output.
     aux_layers: tuple[int, ...] = ()
     num_prompts: int = 4000  # conversations from the written templates (spec.train.prompts)
@@ -106,6 +108,10 @@ class TrainDraftConfig:
             )
         if self.num_prompts + self.num_self_prompts < 1:
             raise ValueError("num_prompts and num_self_prompts add up to no training prompt")
+        if self.draft_intermediate_size is not None and self.draft_intermediate_size < 1:
+            raise ValueError(
+                f"draft_intermediate_size must be positive, got {self.draft_intermediate_size}"
+            )
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
         if self.schedule.epochs < 1 or self.schedule.tokens_per_batch < 2:
@@ -297,11 +303,14 @@ def train_draft(config: TrainDraftConfig) -> dict:
     )
     torch.manual_seed(config.schedule.seed)
     # Float32 master weights; steps run in bf16 autocast on GPU.
-    draft = MultiLayerEagleDraft(model_config, config.num_draft_steps).to(device)
+    draft = MultiLayerEagleDraft(
+        model_config, config.num_draft_steps, intermediate_size=config.draft_intermediate_size
+    ).to(device)
     run_key = {
         # By content: a checkpoint resumes after the folder moved or was converted again.
         "model": model_fingerprint(spec.path),
         "num_draft_steps": config.num_draft_steps,
+        "intermediate_size": draft.intermediate_size,
         "aux_layers": list(config.aux_layers),
         "num_prompts": config.num_prompts,
         "num_self_prompts": config.num_self_prompts,
@@ -325,7 +334,9 @@ def train_draft(config: TrainDraftConfig) -> dict:
         draft.vocab = vocab.to(device)
         replay = trainer.validate()
         vocab_summary["replay"] = asdict(replay) if replay is not None else None
-    saved = MultiLayerEagleDraft(model_config, config.num_draft_steps, vocab)
+    saved = MultiLayerEagleDraft(
+        model_config, config.num_draft_steps, vocab, config.draft_intermediate_size
+    )
     saved.load_state_dict(draft.state_dict())
     save_draft(draft_dir, saved.to(SAVE_DTYPES[config.save_dtype]), spec.path.name)
     summary = {
