@@ -3,7 +3,8 @@ against wall time per step, and the kernels that take it, from a torch.profiler 
 decode steps.
 
     python bench/gpu_profile.py [--model PATH | --shape llama8b] [--batch-size 1] [--steps 20]
-        [--disable-cuda-graph] [--spec [--draft-model PATH]]
+        [--disable-cuda-graph] [--spec [--draft-model PATH] [--num-draft-steps K]]
+        [--host-profile N]
 
 Without --model it builds random weights of SmolLM2-135M's shapes, or of another shape of
 bench/random_models.py (`--shape llama8b`). Per-step figures are the difference of two runs
@@ -11,11 +12,15 @@ bench/random_models.py (`--shape llama8b`). Per-step figures are the difference 
 counted as they run. With --spec each step is a speculative round (verify, acceptance, draft
 extend) with the shipped draft (made for SmolLM2's shapes) or --draft-model; random weights
 accept almost no draft, so each round emits about one token. Prints tables only; writes
-nothing."""
+nothing. `--host-profile N` adds the N host functions that take the most time of their own per
+step (cProfile over the longer run; the profiler slows the host, so compare its figures with
+each other, not with the wall time above)."""
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import tempfile
 import time
@@ -44,6 +49,12 @@ def main() -> None:
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--spec", action="store_true", help="speculative rounds, not plain steps")
     parser.add_argument("--draft-model", default=None, help="with --spec (default: shipped)")
+    parser.add_argument(
+        "--num-draft-steps", type=int, default=None, help="with --spec: draft depths used"
+    )
+    parser.add_argument(
+        "--host-profile", type=int, default=0, metavar="N", help="the N costliest host functions"
+    )
     args = parser.parse_args()
     spec_kw = {}
     if args.spec:
@@ -53,6 +64,8 @@ def main() -> None:
         if draft is None:
             parser.error("--spec needs --draft-model: no shipped draft is installed")
         spec_kw = dict(speculative_algorithm="multi-layer-eagle", draft_model=str(draft))
+        if args.num_draft_steps is not None:
+            spec_kw["num_draft_steps"] = args.num_draft_steps
     path = args.model
     if path is None:
         path = tempfile.mkdtemp(prefix="gpu_profile_")
@@ -115,6 +128,20 @@ def main() -> None:
     print(f"{'kernel':72} {'count':>6} {'total us':>10}")
     for name, us in time_by_name.most_common(25):
         print(f"{name:72} {by_name[name]:6d} {us:10.0f}")
+    if args.host_profile:
+        print_host_profile(lambda: generate(lengths[1]), long_steps, args.host_profile)
+
+
+def print_host_profile(run, steps: int, top: int) -> None:
+    """The `top` functions by time of their own, per step, over one call of `run`."""
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, _, own s, cumulative s, _)}
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    print(f"{'host function (own time)':72} {'calls/step':>10} {'us/step':>8}")
+    for (file, line, name), (_, calls, own, _, _) in rows:
+        where = f"{Path(file).name}:{line} {name}"[:72]
+        print(f"{where:72} {calls / steps:10.1f} {own / steps * 1e6:8.1f}")
 
 
 if __name__ == "__main__":
