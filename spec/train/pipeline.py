@@ -28,20 +28,18 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
-from engine.loader import EngineArgs, ModelSpec, resolve
+from engine.loader import EngineArgs, resolve
 from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.request import spec_totals
 from engine.weights import iter_safetensors, model_fingerprint
 from spec.draft_model import MultiLayerEagleDraft, save_draft
 from spec.draft_vocab import choose_draft_vocab, count_tokens, coverage
-from spec.train.data import Sequences, differing_settings, model_meta, target_answers
-from spec.train.prompts import Conversation, heldout_prompts, training_prompts
-from spec.train.self_prompts import self_written_followups, self_written_prompts
+from spec.train.data import Sequences
+from spec.train.generate import generate_data, load_data_from
+from spec.train.prompts import heldout_prompts
 from spec.train.trainer import CHECKPOINT_FILE, DraftTrainer, Schedule
 
-# The training answers a run generates (heldout.pt is never trained on).
-ANSWER_FILES = ("answers.pt", "self_answers.pt", "followup_answers.pt")
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # The second held-out measurement verifies this many chains a step, to show what they add.
@@ -118,95 +116,6 @@ class TrainDraftConfig:
             raise ValueError("epochs must be >= 1 and tokens_per_batch >= 2")
 
 
-def _generate(
-    config: TrainDraftConfig, args: EngineArgs, spec: ModelSpec
-) -> tuple[Sequences, Sequences]:
-    conversations = training_prompts(config.num_prompts, config.schedule.seed)
-    heldout = heldout_prompts()[: config.num_heldout]
-    # Room for every sequence of a full batch: the answers, and prompts of a few hundred tokens;
-    # a follow-up's prompt also holds a first message and its whole answer.
-    prompt_room = 1024 + (
-        config.max_tokens + config.self_prompt_max_tokens if config.num_self_followups else 0
-    )
-    kv_tokens = config.generate_batch * (config.max_tokens + prompt_room // 2)
-    llm = LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=config.generate_batch,
-        max_model_len=min(spec.engine_config.max_model_len, config.max_tokens + prompt_room),
-        kv_cache_tokens=kv_tokens,
-        seed=config.schedule.seed,
-    )
-
-    def answers(conversations: list[Conversation], file: str) -> Sequences:
-        return target_answers(
-            llm,
-            conversations,
-            config.out_dir / file,
-            config.max_tokens,
-            chunk=config.generate_batch,
-            progress=config.progress,
-        )
-
-    parts = []
-    if conversations:
-        parts.append(answers(conversations, "answers.pt"))
-    if config.num_self_prompts:
-        written = self_written_prompts(
-            llm,
-            config.num_self_prompts,
-            config.out_dir / "self_prompts.json",
-            seed=config.schedule.seed,
-            max_tokens=config.self_prompt_max_tokens,
-            chunk=config.generate_batch,
-            progress=config.progress,
-            other_languages=config.self_other_languages,
-        )
-        answered = answers(written, "self_answers.pt")
-        parts.append(answered)
-        if config.num_self_followups:
-            texts = [
-                llm.tokenizer.decode(answer, skip_special_tokens=True).strip()
-                for answer in answered.answers()
-            ]
-            followups = self_written_followups(
-                llm,
-                written,
-                texts,
-                config.num_self_followups,
-                config.out_dir / "self_followups.json",
-                seed=config.schedule.seed,
-                max_tokens=config.self_prompt_max_tokens,
-                chunk=config.generate_batch,
-                progress=config.progress,
-            )
-            parts.append(answers(followups, "followup_answers.pt"))
-    train = Sequences.joined(parts)
-    held = answers(heldout, "heldout.pt")
-    return train, held
-
-
-def load_data_from(folders: tuple[Path, ...], model_path: Path, max_tokens: int) -> list[Sequences]:
-    """The answer files of `folders`, refused unless the same target made them with the same
-    answer length cap. A folder's generation may have stopped half way: what it holds counts."""
-    wanted = {**model_meta(model_path), "max_tokens": max_tokens}
-    parts = []
-    for folder in folders:
-        found = [folder / name for name in ANSWER_FILES if (folder / name).exists()]
-        if not found:
-            raise ValueError(f"{folder} holds none of {', '.join(ANSWER_FILES)}")
-        for path in found:
-            part = Sequences.load(path)
-            differ = differing_settings(part.meta, wanted, ("max_tokens",))
-            if differ:
-                raise ValueError(
-                    f"{path} was generated with other settings than this run ({', '.join(differ)})"
-                )
-            parts.append(part)
-    return parts
-
-
 def evaluate_draft(
     model: str | None,
     draft_dir: Path,
@@ -256,7 +165,7 @@ def train_draft(config: TrainDraftConfig) -> dict:
     args = EngineArgs(model=config.model, device=config.device, dtype=config.dtype)
     spec = resolve(args)
     started = time.perf_counter()
-    own, held = _generate(config, args, spec)
+    own, held = generate_data(config, args, spec)
     generate_s = time.perf_counter() - started
     extra = (
         []
