@@ -9,32 +9,31 @@ engine that prefills its own prompts), with no pairing and no process group.
 from __future__ import annotations
 
 import logging
-import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 
 from cluster.config import ClusterConfig
-from cluster.node_factory import CPU_NODE_SHARE, NodeFactory
+from cluster.node_factory import NodeFactory
 from cluster.node_state import NodeState
 from cluster.pairing import NodeSlot, PairEpochs, pair_cluster, pair_replacement
+from cluster.placement import (
+    ClusterStartError,
+    cluster_device,
+    describe_nodes,
+    place_nodes,
+)
 from cluster.ray_start import forwarded_env, init_ray
 from cluster.router import Router
 from cluster.supervisor import NodeRestartPolicy, Supervisor, kill_for_good
 from cluster.tracing import clock_offset_ns
-from engine.errors import PdclusterError
 from engine.loader import EngineArgs, ModelSpec, resolve
 from metadata.control_auth import new_control_key
 from metadata.node_common import AUTO_HOST
 from metadata.process_group import create_store_server
 
 log = logging.getLogger(__name__)
-
-
-class ClusterStartError(PdclusterError, RuntimeError):
-    """The cluster could not start; the message says which node or step failed."""
 
 
 @dataclass
@@ -80,7 +79,7 @@ class Cluster:
             # store the driver's, each node its own (resolved inside the node).
             joined = config.ray_address is not None
             host = ray.util.get_node_ip_address() if joined else "127.0.0.1"
-            placement = _place(config, on_gpu)
+            placement = place_nodes(config, on_gpu)
             factory = NodeFactory(
                 config,
                 placement,
@@ -267,110 +266,10 @@ def _supervise(
     return supervisor
 
 
-def cluster_device(requested: str | None) -> str:
-    """The device the nodes run on: the one asked for, else cuda when the Ray cluster has GPUs
-    (the head that runs this may have none), else cpu."""
-    if requested:
-        return requested
-    return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-
-
 def _driver_engine_args(args: EngineArgs, device: str) -> EngineArgs:
     # The driver needs the tokenizer and the model's shape, not a KV pool: each node sizes its
     # own, and the head may have no GPU to measure (a placeholder skips the measurement).
     return replace(args, device=device, kv_cache_tokens=args.kv_cache_tokens or 1)
-
-
-@dataclass(frozen=True)
-class RoleDemand:
-    """What the nodes of one role ask Ray for: `count` bundles of `bundle` each."""
-
-    role: str
-    count: int
-    bundle: dict[str, float]
-
-
-def describe_nodes(config: ClusterConfig) -> str:
-    if config.aggregated:
-        return f"{config.replicas} aggregated replica{'s' if config.replicas != 1 else ''}"
-    return f"{config.prefill_nodes} prefill + {config.decode_nodes} decode nodes"
-
-
-def role_demands(
-    config: ClusterConfig, on_gpu: bool, cluster_resources: dict[str, float]
-) -> list[RoleDemand]:
-    share = config.gpus_per_node
-    gpus = int(share) if float(share).is_integer() else share  # a whole GPU reads "1"
-    base = {"GPU": gpus, "CPU": 1} if on_gpu else {"CPU": CPU_NODE_SHARE}
-    if config.aggregated:
-        # A replica is both roles: it asks for no role's resource.
-        return [RoleDemand("replica", config.replicas, base)]
-    demands = []
-    for role, count, resource in (
-        ("prefill", config.prefill_nodes, config.prefill_resource),
-        ("decode", config.decode_nodes, config.decode_resource),
-    ):
-        declared = bool(resource) and cluster_resources.get(resource, 0) > 0
-        demands.append(RoleDemand(role, count, {resource: 1, **base} if declared else base))
-    return demands
-
-
-def shortfall(demands: list[RoleDemand], cluster_resources: dict[str, float]) -> str | None:
-    """Why the cluster can never hold `demands` (its totals fall short), or None if it might."""
-    asked: Counter[str] = Counter()
-    for demand in demands:
-        for name, amount in demand.bundle.items():
-            asked[name] += amount * demand.count
-    short = {name for name, amount in asked.items() if cluster_resources.get(name, 0) < amount}
-    if not short:
-        return None
-    asked_for = ", ".join(
-        f"{d.count} {d.role} node{'s' if d.count != 1 else ''} with {d.bundle} each"
-        for d in demands
-        if short & d.bundle.keys()
-    )
-    has = ", ".join(f"{name}={cluster_resources.get(name, 0):g}" for name in sorted(short))
-    return f"asked for {asked_for}; the cluster has {has} in all"
-
-
-def _wait_for_capacity(config: ClusterConfig, on_gpu: bool) -> list[RoleDemand]:
-    deadline = time.monotonic() + config.node_wait_s
-    announced = False
-    while True:
-        resources = ray.cluster_resources()
-        demands = role_demands(config, on_gpu, resources)
-        missing = shortfall(demands, resources)
-        if missing is None:
-            return demands
-        if time.monotonic() >= deadline:
-            waited = f" after waiting {config.node_wait_s:g} s" if config.node_wait_s else ""
-            raise ClusterStartError(
-                f"the Ray cluster is too small{waited}: {missing}. Add nodes that carry these "
-                "resources, ask for fewer nodes, or wait for workers still joining "
-                "(--wait-for-nodes SECONDS)"
-            )
-        if not announced:
-            log.info("waiting up to %g s for the Ray cluster: %s", config.node_wait_s, missing)
-            announced = True
-        time.sleep(1.0)
-
-
-def _place(config: ClusterConfig, on_gpu: bool) -> PlacementGroup:
-    """One bundle per node, in rank order: prefill nodes first, then decode nodes."""
-    demands = _wait_for_capacity(config, on_gpu)
-    bundles = [dict(d.bundle) for d in demands for _ in range(d.count)]
-    # PACK fills as few hosts as it can (GPUs of one host share the fastest links) and spills
-    # over to more hosts when the bundles do not fit on one; STRICT_PACK would never spill.
-    placement = placement_group(bundles, "PACK")
-    done, _ = ray.wait([placement.ready()], timeout=config.startup_timeout_s)
-    if not done:
-        remove_placement_group(placement)
-        wanted = "; ".join(f"{d.count} x {d.bundle}" for d in demands)
-        raise ClusterStartError(
-            f"Ray could not place the nodes ({wanted}) within {config.startup_timeout_s:.0f} s: "
-            f"{ray.available_resources()} available"
-        )
-    return placement
 
 
 def _start_nodes(config: ClusterConfig, factory: NodeFactory) -> tuple[list, list]:

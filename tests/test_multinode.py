@@ -21,8 +21,9 @@ from tiny_models import make_tiny_llama
 
 from cluster.client import Client
 from cluster.config import ClusterConfig
-from cluster.launcher import Cluster, ClusterStartError, init_ray, role_demands, shortfall
+from cluster.launcher import Cluster, ClusterStartError, init_ray
 from cluster.openai_api import BackgroundServer, create_app
+from cluster.placement import role_demands, shortfall
 from engine import LLM, SamplingParams
 from engine.loader import EngineArgs
 
@@ -130,7 +131,7 @@ def test_too_few_role_hosts_fail_at_once_naming_the_resource(ray_cluster, tiny_m
 
 def test_launch_waits_for_a_role_host_that_joins_late(ray_cluster, tiny_model, caplog):
     cluster_, node_ids = ray_cluster
-    caplog.set_level(logging.INFO, logger="cluster.launcher")
+    caplog.set_level(logging.INFO, logger="cluster.placement")
     config = config_for(tiny_model, cluster_.address, decode_nodes=2, node_wait_s=60)
     launched: dict = {}
 
