@@ -1,32 +1,29 @@
 """`pdcluster train-draft` (spec/train): the dense teacher-forced forwards equal the engine's,
 training raises the held-out accept length and its replay equals the engine's own count, runs
-resume exactly, and the CLI and draft resolution behave as documented (the generated data:
-test_train_data.py)."""
+resume exactly, and the CLI behaves as documented (the generated data: test_train_data.py;
+batching and the replay's rules: test_trainer_rules.py; which draft an engine speculates with:
+test_draft_resolution.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from tiny_drafts import make_eagle3_draft, make_random_draft
 from tiny_models import make_tiny_llama
 
-import spec.default_draft as default_draft
-import spec.train.trainer as trainer_module
 from cluster.cli import main
 from engine import LLM
 from engine.loader import EngineArgs, resolve
 from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.weights import iter_safetensors
-from spec import load_draft, resolve_draft_model
+from spec import load_draft
 from spec.batching import Span, extend_batch
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftInput, DraftSeq
@@ -36,12 +33,8 @@ from spec.train.pipeline import HELDOUT_CHAINS, TrainDraftConfig, train_draft
 from spec.train.trainer import (
     CHECKPOINT_FILE,
     LOG_FILE,
-    Block,
     DraftTrainer,
     Schedule,
-    drafted_positions,
-    make_batches,
-    validate,
 )
 
 NUM_DRAFT_STEPS = 3
@@ -328,107 +321,7 @@ def test_trainer_refuses_a_checkpoint_whose_batches_differ(
         trainer(other).resume()
 
 
-# --- 4. batches and the positions each depth is trained on --------------------------------
-
-
-def test_make_batches_covers_every_sequence_within_the_token_budget() -> None:
-    rng = random.Random(0)
-    lengths = [rng.randint(1, 300) for _ in range(60)] + [700, 513, 512]
-    budget = 512
-    orders = {}
-    for seed in (0, 1):
-        for epoch in (0, 1, 2):
-            batches = make_batches(lengths, budget, seed, epoch)
-            assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
-            for batch in batches:
-                padded = max(lengths[i] for i in batch) * len(batch)
-                assert padded <= budget or len(batch) == 1
-            assert batches == make_batches(lengths, budget, seed, epoch)
-            orders[seed, epoch] = batches
-    assert orders[0, 0] != orders[0, 1] != orders[0, 2]
-    assert orders[0, 0] != orders[1, 0]
-    assert [len(b) for b in make_batches([600, 700], budget, 0, 0)] == [1, 1]
-
-
-def test_drafted_positions_are_those_predicting_answer_tokens() -> None:
-    lens, prompt_lens = [10, 7, 4], [3, 4, 4]
-    block = Block(
-        torch.zeros(3, 10, dtype=torch.int64), torch.tensor(lens), torch.tensor(prompt_lens)
-    )
-    for depth in range(3):
-        mask = drafted_positions(block, depth)
-        assert mask.shape == (3, 10)
-        for b in range(3):
-            # depth d at i predicts x[i+d+2]: it must be an answer token, inside the sequence
-            expected = [prompt_lens[b] <= i + depth + 2 <= lens[b] - 1 for i in range(10)]
-            assert mask[b].tolist() == expected, (depth, b)
-    # By hand: a 10-token row with a 3-token prompt; depth 1 predicts x[3..9] from i = 0..6.
-    assert drafted_positions(block, 1)[0].tolist() == [True] * 7 + [False] * 3
-    assert not drafted_positions(block, 0)[2].any()  # a prompt with no answer
-
-
-# --- 5. the replay's rules on a draft whose proposals are chosen --------------------------
-
-
-def replay(
-    monkeypatch: pytest.MonkeyPatch,
-    row: list[int],
-    prompt_len: int,
-    correct: list[set[int]],
-    max_tokens: int,
-):
-    """validate() on one sequence, with depth d's top-1 at position i right (x[i+d+2]) exactly
-    where i is in correct[d], and a token that is never right elsewhere."""
-    vocab, wrong = 64, 0
-    length = len(row)
-
-    def fake_draft_forward(draft, target, rotary, tokens, target_hidden, *args):
-        outputs = []
-        for d, right in enumerate(correct):
-            preds = [row[i + d + 2] if i in right else wrong for i in range(length)]
-            outputs.append(torch.nn.functional.one_hot(torch.tensor(preds), vocab).float())
-        return outputs
-
-    monkeypatch.setattr(trainer_module, "target_forward", lambda *args: (None, None))
-    monkeypatch.setattr(trainer_module, "draft_forward", fake_draft_forward)
-    data = Sequences([row], [prompt_len], {"max_tokens": max_tokens})
-    identity_head = SimpleNamespace(lm_head_logits=lambda hidden: hidden)
-    draft = SimpleNamespace(num_draft_steps=len(correct), vocab=None)
-    return validate(draft, identity_head, None, data, 4096, 1024, torch.device("cpu"), False)
-
-
-ROW = [5, 6, 7, 10, 11, 12, 13, 14, 15]  # a 3-token prompt, then answer tokens x[3..8]
-
-
-def test_replay_accepts_leading_matches_and_commits_a_bonus(monkeypatch) -> None:
-    # Chain 1 from i = 2 (the prompt's last position): both drafts right, 3 tokens (x4 x5 x6).
-    # Chain 2 from i = 5: depth 0 wrong, 1 token (x7). Chain 3 from i = 6: depth 0 right (x8),
-    # the answer ends there, so no bonus: 1 token.
-    result = replay(monkeypatch, ROW, 3, [{2, 6}, {2}], max_tokens=100)
-    assert result.verify_steps == 3
-    assert result.answer_tokens == 5
-    assert result.accept_length == pytest.approx(5 / 3)
-    assert result.acceptance == pytest.approx([2 / 3, 1 / 3])
-    # Depth 0 is checked at i = 1..6 (predicting x3..x8), depth 1 at i = 0..5.
-    assert result.depth_accuracy == pytest.approx([2 / 6, 1 / 6])
-
-
-def test_replay_drafts_no_further_than_max_tokens_allows(monkeypatch) -> None:
-    # An answer cut by max_tokens = 6: chain 2 (after 4 answer tokens) has room for one draft,
-    # and the last token is a plain decode step, not a verify step.
-    result = replay(monkeypatch, ROW, 3, [{2, 6}, {2}], max_tokens=6)
-    assert result.verify_steps == 2
-    assert result.answer_tokens == 4
-    assert result.acceptance == pytest.approx([1 / 2, 1 / 2])
-
-
-def test_replay_of_a_draft_that_is_never_right(monkeypatch) -> None:
-    result = replay(monkeypatch, ROW, 3, [set(), set()], max_tokens=100)
-    assert result.verify_steps == 5  # x4 .. x8, one per step
-    assert result.accept_length == 1.0 and result.acceptance == [0.0, 0.0]
-
-
-# --- 6. the command line ------------------------------------------------------------------
+# --- 4. the command line ------------------------------------------------------------------
 
 
 def cli_args(out: Path, model: Path, *extra: str) -> list[str]:
@@ -513,48 +406,3 @@ def test_cli_trains_on_data_generated_by_other_runs(
     assert "other settings than this run (max_tokens)" in capsys.readouterr().err
     assert main(cli_args(out, predictable_path, "--data-from", str(out))) == 2
     assert "data_from" in capsys.readouterr().err
-
-
-# --- 7. which draft an engine speculates with ---------------------------------------------
-
-
-def test_an_explicit_draft_wins() -> None:
-    assert resolve_draft_model("some/model", "my/draft") == "my/draft"
-    assert resolve_draft_model(None, Path("my/draft")) == "my/draft"
-
-
-def test_the_default_model_gets_the_shipped_draft() -> None:
-    shipped = default_draft.DEFAULT_DRAFT_DIR
-    if not (shipped / "model.safetensors").exists():
-        pytest.skip("the package was installed without the shipped draft")
-    assert default_draft.default_draft_path() == shipped
-    assert resolve_draft_model(None, None) == str(shipped)
-
-
-def test_the_shipped_draft_fits_the_embedded_model() -> None:
-    """What the issue asks of the shipped weights: 16-bit, at most 32 MB, K >= 3, loadable
-    against the default model; and a vocabulary that can end a turn."""
-    shipped = default_draft.default_draft_path()
-    if shipped is None:
-        pytest.skip("the package was installed without the shipped draft")
-    weights = shipped / "model.safetensors"
-    assert weights.stat().st_size <= 32 * 10**6
-    target = resolve(EngineArgs(device="cpu")).model_config
-    draft = load_draft(shipped, target, None, "cpu", torch.float32)
-    assert draft.num_draft_steps >= 3
-    dtypes = {t.dtype for name, t in load_file(str(weights)).items() if name != "draft_vocab"}
-    assert dtypes <= {torch.bfloat16, torch.float16}
-    assert draft.vocab is not None
-    assert set(target.eos_token_ids) <= set(draft.vocab.tolist())
-
-
-def test_no_draft_without_a_shipped_one(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(default_draft, "DEFAULT_DRAFT_DIR", tmp_path)  # no weights there
-    assert default_draft.default_draft_path() is None
-    assert resolve_draft_model(None, None) is None
-
-
-def test_another_model_needs_a_trained_draft(tiny_model_path: Path) -> None:
-    assert resolve_draft_model(str(tiny_model_path), None) is None
-    with pytest.raises(ValueError, match="train-draft"):
-        LLM(str(tiny_model_path), device="cpu", speculative_algorithm="multi-layer-eagle")
