@@ -118,28 +118,14 @@ class DraftConfig:
                 f"{file}: aux_layers must be a list of distinct target layer indices, "
                 f"got {aux_layers!r}"
             )
-        draft_vocab_size = raw.get("draft_vocab_size")
-        if draft_vocab_size is not None and (
-            type(draft_vocab_size) is not int or draft_vocab_size < 1
-        ):
-            raise ModelLoadError(
-                f"{file}: draft_vocab_size must be a positive integer, got {draft_vocab_size!r}"
-            )
-        intermediate_size = raw.get("intermediate_size")
-        if intermediate_size is not None and (
-            type(intermediate_size) is not int or intermediate_size < 1
-        ):
-            raise ModelLoadError(
-                f"{file}: intermediate_size must be a positive integer, got {intermediate_size!r}"
-            )
         return cls(
             int(raw["num_draft_steps"]),
             int(raw["spec_hidden_size"]),
             int(raw["hidden_size"]),
             dict(target),
             tuple(aux_layers),
-            draft_vocab_size,
-            intermediate_size,
+            _optional_positive_int(raw, "draft_vocab_size", file),
+            _optional_positive_int(raw, "intermediate_size", file),
         )
 
     def check_target(self, target: ModelConfig, folder: Path) -> None:
@@ -164,6 +150,13 @@ class DraftConfig:
             raise DraftMismatchError(
                 f"draft {folder} does not fit the target model ({'; '.join(differ)})"
             )
+
+
+def _optional_positive_int(raw: dict[str, Any], key: str, file: Path) -> int | None:
+    value = raw.get(key)
+    if value is not None and (type(value) is not int or value < 1):
+        raise ModelLoadError(f"{file}: {key} must be a positive integer, got {value!r}")
+    return value
 
 
 def draft_target_config(target: ModelConfig, draft_model: str | os.PathLike | None) -> ModelConfig:

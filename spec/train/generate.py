@@ -54,6 +54,13 @@ def generate_data(
             progress=config.progress,
         )
 
+    # How the target writes user messages, for the self-written ones and their follow-ups.
+    writing = dict(
+        seed=config.schedule.seed,
+        max_tokens=config.self_prompt_max_tokens,
+        chunk=config.generate_batch,
+        progress=config.progress,
+    )
     parts = []
     if conversations:
         parts.append(answers(conversations, "answers.pt"))
@@ -62,11 +69,8 @@ def generate_data(
             llm,
             config.num_self_prompts,
             config.out_dir / "self_prompts.json",
-            seed=config.schedule.seed,
-            max_tokens=config.self_prompt_max_tokens,
-            chunk=config.generate_batch,
-            progress=config.progress,
             other_languages=config.self_other_languages,
+            **writing,
         )
         answered = answers(written, "self_answers.pt")
         parts.append(answered)
@@ -81,10 +85,7 @@ def generate_data(
                 texts,
                 config.num_self_followups,
                 config.out_dir / "self_followups.json",
-                seed=config.schedule.seed,
-                max_tokens=config.self_prompt_max_tokens,
-                chunk=config.generate_batch,
-                progress=config.progress,
+                **writing,
             )
             parts.append(answers(followups, "followup_answers.pt"))
     train = Sequences.joined(parts)
