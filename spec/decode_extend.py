@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.allocator import PADDING_SLOT
 from engine.cuda_graph import batch_size_buckets, bucket_for
 from engine.forward_batch import ForwardBatch
 from engine.host_copy import PinnedMirror
-from spec.draft_runner import DraftRunner
+from spec.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
 from spec.state import BatchRows, SpecRequestState, whole_batch
 
@@ -37,12 +38,16 @@ from spec.state import BatchRows, SpecRequestState, whole_batch
 class FixedExtendItem:
     """One request going on speculating after a verify step: its state, the position of its
     newest token before the step (m), the tokens the step committed (a accepted drafts and the
-    target's token) and the target's hidden states over its verify span [K+1, width]."""
+    target's token) and the target's hidden states over its verify span [K+1, width].
+    `num_positions`: the positions [0, num_positions) it may hold draft slots for, when fewer
+    than the extend's m + K + 1 (a request near its max_tokens); its rows past them write the
+    padding slot."""
 
     state: SpecRequestState
     m: int
     committed: list[int]
     verify_hidden: torch.Tensor
+    num_positions: int | None = None
 
     @property
     def accepted(self) -> int:
@@ -112,6 +117,19 @@ class _Buffers:
         return self.ints[self.accepted_offset : self.accepted_offset + self.size]
 
 
+def _pad_row_tables(runner: DraftRunner, seqs: list[DraftSeq], ends: list[int]) -> None:
+    """Each sequence's row-table entries from its last slot to `ends[i]` point at the padding
+    slot: the extend reads its KV slots from the table, and those entries may hold a slot that
+    another request owns now. They are overwritten when the sequence grows."""
+    short = [
+        (seq.row, len(seq.slots), [PADDING_SLOT] * (end - len(seq.slots)))
+        for seq, end in zip(seqs, ends)
+        if len(seq.slots) < end
+    ]
+    if short:
+        runner.req_to_token_pool.write_many(short)
+
+
 class FixedDecodeExtend:
     """Runs the decode step's draft extend for batches of `FixedExtendItem`s (see the module's
     docstring), eagerly or, with `graph_max_bs`, replaying a graph per batch-size bucket."""
@@ -171,9 +189,16 @@ class FixedDecodeExtend:
         items' own `committed` and `verify_hidden` are not read: the host need not have seen
         the verify's outcome."""
         k = self.k
+        # Slots up to position m+k: the padding rows write there too.
+        ends = [item.m + k + 1 for item in items]
+        held = [
+            end if item.num_positions is None else min(end, item.num_positions)
+            for item, end in zip(items, ends)
+        ]
         for d, runner in enumerate(self.depths):
-            # Slots up to position m+k: the padding rows write there too.
-            runner.grow_many([(item.state.seqs[d], item.m + k + 1) for item in items])
+            seqs = [item.state.seqs[d] for item in items]
+            runner.grow_many(list(zip(seqs, held)))
+            _pad_row_tables(runner, seqs, ends)
         if verify_hidden is None:
             verify_hidden = torch.stack([item.verify_hidden for item in items])
         size = bucket_for(self.buckets, len(items)) if self.buckets else None

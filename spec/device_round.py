@@ -15,7 +15,13 @@ they are applied. While the device verifies, the host takes the next round's tar
 
 The extend then runs before the host commits: a request that the round ends (EOS, a stop
 string) has drafted a chain it will not use, and its draft KV is freed with its target KV.
-Output and statistics are those of the general round: acceptance is the same rule."""
+Output and statistics are those of the general round: acceptance is the same rule.
+
+A request near its max_tokens may verify fewer drafts than K (`Request.lookahead`): it still
+runs the round's fixed shape, its whole chain, and acceptance stops at its lookahead on the
+device. Its positions past what it may commit write the padding slot, in the target and in
+every depth; no real position attends to them (they come later). A round decided on the host
+instead would cost the whole batch the general path each time one request nears its end."""
 
 from __future__ import annotations
 
@@ -23,21 +29,44 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.forward_batch import ForwardBatch
-from engine.host_copy import HostCopy
+from engine.allocator import PADDING_SLOT
+from engine.forward_batch import ForwardBatch, Span
+from engine.host_copy import HostCopy, int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
 from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
 
 
-def runs_on_device(requests: list[Request], k: int) -> bool:
+def runs_on_device(requests: list[Request], k: int, max_context_len: int) -> bool:
     """Whether every request's round can be decided on the device (see the module's doc), for
-    an engine that drafts chains; the fixed extend's own conditions are
-    `FixedDecodeExtend.fits`'s."""
+    an engine that drafts chains of `k` into row tables of `max_context_len` positions; the
+    fixed extend's own conditions are `FixedDecodeExtend.fits`'s."""
     return all(
-        req.lookahead == k and req.params.greedy and samples_from_logits_alone(req)
+        req.num_draft_tokens == k
+        and req.spec_state is not None
+        and len(req.spec_state.chain) == k
+        # The round's fixed shape reaches position num_tokens - 1 + k in every row table.
+        and req.num_tokens + k <= max_context_len
+        and req.params.greedy
+        and samples_from_logits_alone(req)
         for req in requests
+    )
+
+
+def round_span(req: Request, k: int) -> Span:
+    """`req`'s verify span: its newest token then its whole chain, in its own slots after it;
+    positions past its lookahead (which it holds no slots for) write the padding slot."""
+    m = req.num_tokens - 1
+    assert req.kv_len == m
+    state = req.spec_state
+    assert state is not None and len(state.chain) == k
+    slots = req.slots[m : m + 1 + req.lookahead]
+    return Span(
+        req.row,
+        m,
+        [req.all_token_ids[-1], *state.chain],
+        slots + [PADDING_SLOT] * (k + 1 - len(slots)),
     )
 
 
@@ -61,10 +90,17 @@ class DeviceRound:
 
 def placeholder_items(requests: list[Request], k: int) -> list[FixedExtendItem]:
     """The extend's items before the verify ran: committed tokens and hidden states are filled
-    on the device (`FixedDecodeExtend.launch`); these serve `fits` and the host's inputs."""
+    on the device (`FixedDecodeExtend.launch`); these serve `fits` and the host's inputs. Each
+    holds draft slots up to the positions its round may commit."""
     empty = torch.empty(k + 1, 0)
     return [
-        FixedExtendItem(req.spec_state, req.num_tokens - 1, [0] * (k + 1), empty)
+        FixedExtendItem(
+            req.spec_state,
+            req.num_tokens - 1,
+            [0] * (k + 1),
+            empty,
+            num_positions=req.num_tokens + req.lookahead,
+        )
         for req in requests
     ]
 
@@ -78,16 +114,19 @@ def run_device_round(
     k: int,
     target_pools: tuple[KVPool, ReqToTokenPool],
 ) -> DeviceRound:
-    """Verify `forward` (each request's newest token and chain of `k` drafts, in request
-    order), accept on the device, extend over `items` (`placeholder_items` of the requests,
-    which `FixedDecodeExtend.fits`). The host reads the committed tokens as soon as the verify
-    is done, while the device runs the extend; the next chains are read after."""
+    """Verify `forward` (each request's `round_span`, in request order), accept on the device,
+    extend over `items` (`placeholder_items` of the requests, which `FixedDecodeExtend.fits`).
+    The host reads the committed tokens as soon as the verify is done, while the device runs
+    the extend; the next chains are read after."""
     logits, hidden = forward_every_token(forward)
     n = len(requests)
     targets = logits.argmax(dim=-1).view(n, k + 1)
     # Each request's span is its newest token then its chain: the chains are on the device.
     chains = forward.input_ids[: n * (k + 1)].view(n, k + 1)[:, 1:]
     accepted = (targets[:, :k] == chains).long().cumprod(dim=1).sum(dim=1)
+    lookaheads = [req.lookahead for req in requests]
+    if min(lookaheads) < k:
+        accepted = torch.minimum(accepted, int_tensor(lookaheads, accepted.device))
     verdicts = HostCopy(torch.cat([targets, accepted[:, None]], dim=1))
     hidden = hidden.view(n, k + 1, -1)
     # The host's share of the next round, while the device verifies this one.

@@ -21,7 +21,7 @@ from engine.request import Request
 from spec.acceptance import Verdict
 from spec.batching import Span, extend_batch
 from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
-from spec.device_round import placeholder_items, run_device_round, runs_on_device
+from spec.device_round import placeholder_items, round_span, run_device_round, runs_on_device
 from spec.draft_extend import DraftExtend
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftRunner, DraftSeq
@@ -185,10 +185,11 @@ class MultiLayerEagleWorker:
         speculating bring just their newest token): a chain, or a tree whose nodes see their
         ancestors only; then acceptance."""
         k = self.num_draft_steps
-        if self.shape.is_chain and runs_on_device(requests, k):
+        rows = self.runner.req_to_token_pool.max_context_len
+        if self.shape.is_chain and runs_on_device(requests, k, rows):
             items = placeholder_items(requests, k)
             if self.fixed_extend.fits(items):
-                return self._device_round(requests, self._chain_spans(requests), items)
+                return self._device_round(requests, [round_span(req, k) for req in requests], items)
         runner = self.runner
         taken = TreeSlots(runner.kv_pool, runner.req_to_token_pool)
         try:
@@ -212,9 +213,6 @@ class MultiLayerEagleWorker:
         if state.tree is not None:
             return state.tree.pruned(k, len(state.tree))
         return DraftTree.chain(state.chain[:k])
-
-    def _chain_spans(self, requests: list[Request]) -> list[Span]:
-        return [_chain_span(req, self._tree(req)) for req in requests]
 
     def _span(self, req: Request, tree: DraftTree, taken: TreeSlots) -> tuple[Span, DraftTree]:
         """`req`'s verify span, its newest token then the tree's nodes in the cache positions
@@ -250,8 +248,8 @@ class MultiLayerEagleWorker:
             tokens=done.tokens,
             logprobs=[[None] * len(tokens) for tokens in done.tokens],
             verdicts=[Verdict(t, a) for t, a in zip(done.tokens, done.accepted)],
-            num_drafts=[k] * len(requests),
-            num_proposed=[k] * len(requests),
+            num_drafts=[req.lookahead for req in requests],
+            num_proposed=[req.lookahead for req in requests],
             hidden=[],
             num_outputs_before=outputs_before,
             extended=done,
@@ -261,16 +259,20 @@ class MultiLayerEagleWorker:
     def finish_round(self, requests: list[Request], verified: VerifyResult) -> None:
         """After the scheduler committed the verified tokens: statistics, then draft extend
         over the newly committed tokens for the requests that go on speculating."""
+        done = verified.extended
         going_on = []  # (index in the batch, request, tokens committed this step)
         for i, req in enumerate(requests):
             committed = len(req.output_token_ids) - verified.num_outputs_before[i]
             if verified.num_drafts[i]:
                 drafts, proposed = verified.num_drafts[i], verified.num_proposed[i]
                 count_round(req, drafts, proposed, verified.verdicts[i], committed)
-            if req.finished or req.spec_state is None or not req.lookahead:
+            if req.finished or req.spec_state is None:
                 continue
-            going_on.append((i, req, committed))
-        done = verified.extended
+            # After a round on the device every request has its next chain (one with no
+            # lookahead left verifies it with acceptance stopped at 0); elsewhere only those
+            # that go on drafting are extended.
+            if done is not None or req.lookahead:
+                going_on.append((i, req, committed))
         if done is not None:  # the extend ran with the verify: its chains go to those going on
             indices = [i for i, _, _ in going_on]
             chains = done.chains()

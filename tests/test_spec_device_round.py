@@ -15,6 +15,7 @@ from tiny_models import make_tiny_llama
 
 import spec.worker
 from engine import LLM, SamplingParams
+from engine.allocator import PADDING_SLOT
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 from spec.device_round import grow_for_next_round
@@ -140,3 +141,67 @@ def test_the_next_rounds_slots_are_taken_while_the_device_verifies() -> None:
     pool, table, (short, long) = setup(capacity=20 + 1 + 8 - 1)  # 8 free once grown: too few
     grow_for_next_round([short, long], 3, pool, table)
     assert len(short.slots) == len(long.slots) == 10
+
+
+def test_requests_near_their_max_tokens_stay_on_the_device(models, monkeypatch):
+    """A request with fewer tokens left than K verifies its whole chain with acceptance stopped
+    at its lookahead: no round of a greedy workload falls to the host, and output and
+    statistics are the host round's."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(4, 12))] for _ in range(8)]
+    params = [
+        # At least 3: a request with one token left after its prefill drafts no first chain.
+        SamplingParams(max_tokens=rng.randint(3, 12), temperature=0, ignore_eos=True)
+        for _ in prompts
+    ]
+    llm = _llm(models, "good", 3)
+
+    def no_host_round(*args, **kwargs):
+        raise AssertionError("a round was decided on the host")
+
+    monkeypatch.setattr(spec.worker, "verify_on_host", no_host_round)
+    device, rounds = _run(llm, prompts, params, True, monkeypatch)
+    host, _ = _run(_llm(models, "good", 3), prompts, params, False, monkeypatch)
+    assert device == host
+    # Rounds where every request had one token left verify no draft and count no step.
+    assert rounds >= max(steps for _, _, steps, _ in device)
+    assert sum(len(tokens) < 5 for tokens, *_ in device) >= 2
+
+
+def test_a_draft_extend_near_max_tokens_writes_only_its_own_slots(models, monkeypatch):
+    """The fixed extend's rows past what a request may commit write the padding slot, never
+    a slot its row tables held for an earlier request and that another one owns now: every
+    depth's tables are poisoned with real slots, and each request's KV writes are checked
+    against the slots its own sequence holds."""
+    llm = _llm(models, "good", 3)
+    worker = llm.engine.speculator
+    writes: dict[int, list[list[int]]] = {}
+    for d, depth in enumerate(worker.depths):
+        table = depth.req_to_token_pool.req_to_token
+        table[:] = torch.arange(1, table.shape[1] + 1)
+        write = depth.kv_pool.write
+
+        def recorded(layer, slots, k, v, d=d, write=write):
+            writes.setdefault(d, []).append(slots.tolist())
+            return write(layer, slots, k, v)
+
+        monkeypatch.setattr(depth.kv_pool, "write", recorded)
+    launch = worker.fixed_extend.launch
+    checked = {"tail": 0}
+
+    def checked_launch(items, *args):
+        writes.clear()
+        out = launch(items, *args)
+        for d, per_call in writes.items():
+            width = worker.fixed_extend.widths[d]
+            for i, item in enumerate(items):
+                own = set(item.state.seqs[d].slots) | {PADDING_SLOT}
+                assert set(per_call[-1][i * width : (i + 1) * width]) <= own
+                if item.num_positions is not None and item.num_positions < item.m + 4:
+                    checked["tail"] += 1
+        return out
+
+    monkeypatch.setattr(worker.fixed_extend, "launch", checked_launch)
+    prompts = [[5 + i] * 6 for i in range(6)]
+    llm.generate(prompts, [SamplingParams(max_tokens=3 + i, temperature=0) for i in range(6)])
+    assert checked["tail"] > 0

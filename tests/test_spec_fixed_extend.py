@@ -56,13 +56,15 @@ def _run(llm: LLM, prompts, params, fixed: bool) -> tuple[list, int]:
     worker = llm.engine.speculator
     runs = {"n": 0}
     if fixed:
-        original = worker.fixed_extend.run
+        # Both of its callers launch it: a round decided on the device, and `run` after one
+        # decided on the host.
+        original = worker.fixed_extend.launch
 
-        def counted(items):
+        def counted(items, *args):
             runs["n"] += 1
-            return original(items)
+            return original(items, *args)
 
-        worker.fixed_extend.run = counted
+        worker.fixed_extend.launch = counted
     else:
         worker.fixed_extend.fits = lambda items: False
     outputs = llm.generate(prompts, params)
