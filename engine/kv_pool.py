@@ -150,6 +150,8 @@ def grow_holders(
     """Give each holder `num_slots` more slots (taking a row first if it has none): one
     allocation for all of them, in grant order, and one write to the row table. No slot is
     taken when they do not all fit."""
+    if not grants:
+        return
     for holder, _ in grants:
         if holder.row is None:
             holder.row = req_to_token_pool.allocate_row()

@@ -39,9 +39,10 @@ class FixedExtendItem:
     """One request going on speculating after a verify step: its state, the position of its
     newest token before the step (m), the tokens the step committed (a accepted drafts and the
     target's token) and the target's hidden states over its verify span [K+1, width].
-    `num_positions`: the positions [0, num_positions) it may hold draft slots for, when fewer
-    than the extend's m + K + 1 (a request near its max_tokens); its rows past them write the
-    padding slot."""
+    `num_positions`: the positions [0, num_positions) it may hold draft slots for, those it
+    holds in the target: a depth that must grow takes all of them at once, so that its row
+    table is written once every few steps, not every step; near max_tokens, where they end
+    before the extend's m + K + 1, its rows past them write the padding slot. None: m + K + 1."""
 
     state: SpecRequestState
     m: int
@@ -191,13 +192,19 @@ class FixedDecodeExtend:
         k = self.k
         # Slots up to position m+k: the padding rows write there too.
         ends = [item.m + k + 1 for item in items]
-        held = [
-            end if item.num_positions is None else min(end, item.num_positions)
+        caps = [
+            end if item.num_positions is None else item.num_positions
             for item, end in zip(items, ends)
         ]
         for d, runner in enumerate(self.depths):
             seqs = [item.state.seqs[d] for item in items]
-            runner.grow_many(list(zip(seqs, held)))
+            grants = [
+                (seq, cap)
+                for seq, end, cap in zip(seqs, ends, caps)
+                if len(seq.slots) < min(end, cap)
+            ]
+            if grants:
+                runner.grow_many(grants)
             _pad_row_tables(runner, seqs, ends)
         if verify_hidden is None:
             verify_hidden = torch.stack([item.verify_hidden for item in items])

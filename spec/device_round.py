@@ -91,7 +91,8 @@ class DeviceRound:
 def placeholder_items(requests: list[Request], k: int) -> list[FixedExtendItem]:
     """The extend's items before the verify ran: committed tokens and hidden states are filled
     on the device (`FixedDecodeExtend.launch`); these serve `fits` and the host's inputs. Each
-    holds draft slots up to the positions its round may commit."""
+    may hold draft slots where the request holds target slots (at least up to the positions its
+    round may commit)."""
     empty = torch.empty(k + 1, 0)
     return [
         FixedExtendItem(
@@ -99,7 +100,7 @@ def placeholder_items(requests: list[Request], k: int) -> list[FixedExtendItem]:
             req.num_tokens - 1,
             [0] * (k + 1),
             empty,
-            num_positions=req.num_tokens + req.lookahead,
+            num_positions=len(req.slots),
         )
         for req in requests
     ]
@@ -144,21 +145,28 @@ def run_device_round(
     return DeviceRound(tokens, counts, items, next_rounds, boundary, hidden)
 
 
+# Positions a request's slots grow by beyond what the next round needs, when they must grow:
+# each growth is a row-table write (a copy to the device and an indexed write, tens of
+# microseconds of host time), which a round would otherwise pay in the target and every depth.
+GROW_AHEAD = 16
+
+
 def grow_for_next_round(
     requests: list[Request], k: int, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool
 ) -> None:
     """Slots for the next round's verify whatever this one accepts (at most k + 1 tokens
-    committed, then the newest and k drafts), within each request's own bound (prompt +
-    max_tokens, the row's length), where the pool keeps room for another step of every
-    request after them: the scheduler then finds them held, and its step does not wait for
-    the row-table write."""
+    committed, then the newest and k drafts), and GROW_AHEAD more when they must grow, within
+    each request's own bound (prompt + max_tokens, the row's length), where the pool keeps
+    room for another step of every request after them: the scheduler then finds them held,
+    and its step does not wait for the row-table write."""
     grants = []
     for req in requests:
         bound = min(
             len(req.prompt_token_ids) + req.params.max_tokens, req_to_token_pool.max_context_len
         )
-        want = min(req.num_tokens + 2 * k + 1, bound)
-        grants.append((req, max(0, want - len(req.slots))))
+        need = min(req.num_tokens + 2 * k + 1, bound)
+        if len(req.slots) < need:
+            grants.append((req, min(need + GROW_AHEAD, bound) - len(req.slots)))
     total = sum(n for _, n in grants)
     if total and kv_pool.allocator.num_free - total >= (k + 1) * len(requests):
         grow_holders(kv_pool, req_to_token_pool, grants)

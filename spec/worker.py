@@ -296,6 +296,7 @@ class MultiLayerEagleWorker:
                     req.num_tokens - 1 - committed,
                     req.all_token_ids[-committed:],
                     hidden[i],
+                    num_positions=len(req.slots),
                 )
                 for i, req, committed in going_on
             ]

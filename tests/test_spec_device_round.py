@@ -18,7 +18,7 @@ from engine import LLM, SamplingParams
 from engine.allocator import PADDING_SLOT
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
-from spec.device_round import grow_for_next_round
+from spec.device_round import GROW_AHEAD, grow_for_next_round
 
 SPEC = "multi-layer-eagle"
 
@@ -120,8 +120,9 @@ def test_requests_that_need_the_host_take_the_host_round(models, monkeypatch):
 
 def test_the_next_rounds_slots_are_taken_while_the_device_verifies() -> None:
     """Slots for the next verify whatever this round accepts (k + 1 tokens, then the newest and
-    k drafts: num_tokens + 2k + 1), never past prompt + max_tokens, and only where the pool
-    keeps a step's room for every request after them."""
+    k drafts: num_tokens + 2k + 1) and GROW_AHEAD more when they must grow, never past prompt +
+    max_tokens, and only where the pool keeps a step's room for every request after them; a
+    request that holds enough is left alone."""
 
     def setup(capacity: int) -> tuple[KVPool, ReqToTokenPool, list[Request]]:
         pool, table = KVPool(capacity, 1, 1, 2, torch.float32, "cpu"), ReqToTokenPool(4, 64, "cpu")
@@ -134,9 +135,16 @@ def test_the_next_rounds_slots_are_taken_while_the_device_verifies() -> None:
 
     pool, table, (short, long) = setup(capacity=100)
     grow_for_next_round([short, long], 3, pool, table)
-    assert len(short.slots) == 11 and len(long.slots) == 7 + 2 * 3 + 1
+    assert len(short.slots) == 11 and len(long.slots) == 7 + 2 * 3 + 1 + GROW_AHEAD
     assert table.req_to_token[long.row, : len(long.slots)].tolist() == long.slots
     pool.allocator.check_integrity()
+    long.output_token_ids += [2] * GROW_AHEAD  # num_tokens + 2k + 1 is what it holds now
+    free = pool.allocator.num_free
+    grow_for_next_round([short, long], 3, pool, table)
+    assert pool.allocator.num_free == free
+    long.output_token_ids.append(2)
+    grow_for_next_round([short, long], 3, pool, table)
+    assert len(long.slots) == long.num_tokens + 2 * 3 + 1 + GROW_AHEAD
 
     pool, table, (short, long) = setup(capacity=20 + 1 + 8 - 1)  # 8 free once grown: too few
     grow_for_next_round([short, long], 3, pool, table)
@@ -205,3 +213,34 @@ def test_a_draft_extend_near_max_tokens_writes_only_its_own_slots(models, monkey
     prompts = [[5 + i] * 6 for i in range(6)]
     llm.generate(prompts, [SamplingParams(max_tokens=3 + i, temperature=0) for i in range(6)])
     assert checked["tail"] > 0
+
+
+def test_slots_grow_a_few_rounds_ahead(models, monkeypatch):
+    """The target's slots grow GROW_AHEAD positions past the next round's when they must grow,
+    and each depth then takes all that the target holds: row tables are written once every
+    few rounds, not every round (each write is a copy to the device and an indexed write)."""
+    llm = _llm(models, "good", 3)
+    worker = llm.engine.speculator
+    tables = [llm.engine.runner.req_to_token_pool] + [d.req_to_token_pool for d in worker.depths]
+    writes = {"n": 0}
+    for table in tables:
+        original = table.write_runs
+
+        def counted(*args, original=original):
+            writes["n"] += 1
+            return original(*args)
+
+        monkeypatch.setattr(table, "write_runs", counted)
+    rounds = {"n": 0}
+    original_round = worker._device_round
+
+    def counted_round(*args):
+        rounds["n"] += 1
+        return original_round(*args)
+
+    monkeypatch.setattr(worker, "_device_round", counted_round)
+    prompt = list(range(5, 25))
+    llm.generate([prompt], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
+    assert rounds["n"] >= 30
+    # Every round writing every table would be 4 writes a round.
+    assert writes["n"] * 2 <= rounds["n"]
