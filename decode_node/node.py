@@ -321,6 +321,14 @@ class DecodeNode(ServingNode):
             # The transfer still comes (void): its slots are freed when it ends.
             self._fail(tracked, result.error)
 
+    def _unsettled_peers(self) -> set[int]:
+        # Called from the health probe's thread: a copy of the list the serving loop replaces.
+        return {
+            tracked.handle.peer
+            for tracked in list(self.receiving)
+            if tracked.handle is not None and tracked.handle.left_posted
+        }
+
     def _land_transfers(self) -> None:
         still = []
         # Carriers first: a parallel sample whose transfer ended waits for its prompt's.

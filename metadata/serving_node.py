@@ -130,13 +130,23 @@ class ServingNode:
 
     def health(self) -> NodeHealth:
         """The router's probe: raises when the serving loop is gone, else says whether the node
-        is degraded and which channels are broken."""
+        is degraded and which channels are broken. A channel that a timed-out transfer broke
+        is reported broken only once the serving loop has settled that transfer (its slots
+        held in the quarantine): the cluster then replaces the prefill end, which frees them,
+        so the report must not come first. Read in this order, since a transfer's thread
+        marks its handle before the channel, and the loop quarantines before it forgets."""
         self.ping()
         broken = self._channel.broken_peers() if self._channel is not None else {}
+        unsettled = self._unsettled_peers() if broken else set()
         reasons = [self.quarantine.degraded()]
         reasons += [f"channel with rank {rank}: {why}" for rank, why in sorted(broken.items())]
         degraded = "; ".join(r for r in reasons if r) or None
-        return NodeHealth(degraded, tuple(sorted(broken)))
+        return NodeHealth(degraded, tuple(sorted(set(broken) - unsettled)))
+
+    def _unsettled_peers(self) -> set[int]:
+        """The peers of transfers that timed out (operations left posted) and that the serving
+        loop has not settled yet. A node that holds nothing for its transfers has none."""
+        return set()
 
     def clock_ns(self) -> int:
         """This process's trace clock, for the router to align this node's timelines."""

@@ -100,9 +100,10 @@ def test_a_transfer_stuck_past_its_timeout_frees_its_slots_and_degrades_health(m
                 health = await router.health()
                 node = health["nodes"][1]
                 if node["status"] == "degraded":
-                    # The broken channel may show a probe before the held slots do: the
-                    # receive's timeout breaks it on the transfer's thread, and the serving
-                    # loop then holds the slots.
+                    # The channel may show broken a probe before the slots show held (the
+                    # receive's timeout breaks it on the transfer's thread, then the serving
+                    # loop holds them), but it is reported broken, which has the prefill node
+                    # replaced and the slots freed, only once they are held.
                     seen.setdefault("degraded", []).append(node["error"])
                 await asyncio.sleep(0.02)
 
