@@ -147,6 +147,7 @@ class FixedDecodeExtend:
         self.hidden_size = first.module.fc.weight.shape[0]
         self.buckets = batch_size_buckets(graph_max_bs) if graph_max_bs else []
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, _Buffers, tuple]] = {}
+        self.num_replays = 0
         if self.buckets:
             self._capture()
 
@@ -213,6 +214,7 @@ class FixedDecodeExtend:
             graph, buffers, outputs = self.graphs[size]
             self._fill(buffers, items, committed, accepted, verify_hidden)
             graph.replay()
+            self.num_replays += 1
             chains, probs, boundary = outputs
         else:
             buffers = self._buffers(len(items))
