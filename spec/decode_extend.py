@@ -29,7 +29,7 @@ from engine.allocator import PADDING_SLOT
 from engine.cuda_graph import batch_size_buckets, bucket_for
 from engine.forward_batch import ForwardBatch
 from engine.host_copy import PinnedMirror
-from spec.draft_runner import DraftRunner, DraftSeq
+from spec.draft_runner import DraftRunner
 from spec.draft_vocab import DraftHead
 from spec.state import BatchRows, SpecRequestState, whole_batch
 
@@ -42,13 +42,13 @@ class FixedExtendItem:
     `num_positions`: the positions [0, num_positions) it may hold draft slots for, those it
     holds in the target: a depth that must grow takes all of them at once, so that its row
     table is written once every few steps, not every step; near max_tokens, where they end
-    before the extend's m + K + 1, its rows past them write the padding slot. None: m + K + 1."""
+    before the extend's m + K + 1, its rows past them write the padding slot."""
 
     state: SpecRequestState
     m: int
     committed: list[int]
     verify_hidden: torch.Tensor
-    num_positions: int | None = None
+    num_positions: int
 
     @property
     def accepted(self) -> int:
@@ -118,17 +118,26 @@ class _Buffers:
         return self.ints[self.accepted_offset : self.accepted_offset + self.size]
 
 
-def _pad_row_tables(runner: DraftRunner, seqs: list[DraftSeq], ends: list[int]) -> None:
-    """Each sequence's row-table entries from its last slot to `ends[i]` point at the padding
-    slot: the extend reads its KV slots from the table, and those entries may hold a slot that
-    another request owns now. They are overwritten when the sequence grows."""
-    short = [
-        (seq.row, len(seq.slots), [PADDING_SLOT] * (end - len(seq.slots)))
-        for seq, end in zip(seqs, ends)
-        if len(seq.slots) < end
-    ]
-    if short:
-        runner.req_to_token_pool.write_many(short)
+def _grow_depth(runner: DraftRunner, items: list[FixedExtendItem], d: int, k: int) -> None:
+    """Depth d's slots up to position m+K of every item (the padding rows write there too):
+    a sequence short of them takes every position its item may hold; entries past those point
+    at the padding slot, since the extend reads its KV slots from the row table and an entry
+    there may hold a slot that another request owns now (they are overwritten when the
+    sequence grows)."""
+    grants, padding = [], []
+    for item in items:
+        seq, end = item.state.seqs[d], item.m + k + 1
+        if len(seq.slots) < min(end, item.num_positions):
+            grants.append((seq, item.num_positions))
+        held = max(len(seq.slots), min(end, item.num_positions))
+        if held < end:
+            padding.append((seq, held, end))
+    if grants:
+        runner.grow_many(grants)
+    if padding:
+        runner.req_to_token_pool.write_many(
+            [(seq.row, held, [PADDING_SLOT] * (end - held)) for seq, held, end in padding]
+        )
 
 
 class FixedDecodeExtend:
@@ -191,22 +200,8 @@ class FixedDecodeExtend:
         items' own `committed` and `verify_hidden` are not read: the host need not have seen
         the verify's outcome."""
         k = self.k
-        # Slots up to position m+k: the padding rows write there too.
-        ends = [item.m + k + 1 for item in items]
-        caps = [
-            end if item.num_positions is None else item.num_positions
-            for item, end in zip(items, ends)
-        ]
         for d, runner in enumerate(self.depths):
-            seqs = [item.state.seqs[d] for item in items]
-            grants = [
-                (seq, cap)
-                for seq, end, cap in zip(seqs, ends, caps)
-                if len(seq.slots) < min(end, cap)
-            ]
-            if grants:
-                runner.grow_many(grants)
-            _pad_row_tables(runner, seqs, ends)
+            _grow_depth(runner, items, d, k)
         if verify_hidden is None:
             verify_hidden = torch.stack([item.verify_hidden for item in items])
         size = bucket_for(self.buckets, len(items)) if self.buckets else None

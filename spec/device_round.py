@@ -54,20 +54,23 @@ def runs_on_device(requests: list[Request], k: int, max_context_len: int) -> boo
     )
 
 
-def round_span(req: Request, k: int) -> Span:
-    """`req`'s verify span: its newest token then its whole chain, in its own slots after it;
-    positions past its lookahead (which it holds no slots for) write the padding slot."""
+def chain_span(req: Request, drafts: list[int], num_held: int) -> Span:
+    """`req`'s newest token then `drafts`, in its own slots after it: the newest and the first
+    `num_held` drafts in slots it holds, the rest (which it holds no slots for) writing the
+    padding slot."""
     m = req.num_tokens - 1
     assert req.kv_len == m
+    slots = req.slots[m : m + 1 + num_held]
+    padding = [PADDING_SLOT] * (len(drafts) - num_held)
+    return Span(req.row, m, [req.all_token_ids[-1], *drafts], slots + padding)
+
+
+def round_span(req: Request, k: int) -> Span:
+    """`req`'s verify span in a round on the device: its whole chain of `k`, slots held up to
+    its lookahead."""
     state = req.spec_state
     assert state is not None and len(state.chain) == k
-    slots = req.slots[m : m + 1 + req.lookahead]
-    return Span(
-        req.row,
-        m,
-        [req.all_token_ids[-1], *state.chain],
-        slots + [PADDING_SLOT] * (k + 1 - len(slots)),
-    )
+    return chain_span(req, state.chain, req.lookahead)
 
 
 @dataclass
@@ -114,9 +117,11 @@ def run_device_round(
     fixed_extend: FixedDecodeExtend,
     k: int,
     target_pools: tuple[KVPool, ReqToTokenPool],
+    lookaheads: list[int],
 ) -> DeviceRound:
-    """Verify `forward` (each request's `round_span`, in request order), accept on the device,
-    extend over `items` (`placeholder_items` of the requests, which `FixedDecodeExtend.fits`).
+    """Verify `forward` (each request's `round_span`, in request order), accept on the device
+    (at most `lookaheads[i]` drafts of request i), extend over `items` (`placeholder_items`
+    of the requests, which `FixedDecodeExtend.fits`).
     The host reads the committed tokens as soon as the verify is done, while the device runs
     the extend; the next chains are read after."""
     logits, hidden = forward_every_token(forward)
@@ -125,7 +130,6 @@ def run_device_round(
     # Each request's span is its newest token then its chain: the chains are on the device.
     chains = forward.input_ids[: n * (k + 1)].view(n, k + 1)[:, 1:]
     accepted = (targets[:, :k] == chains).long().cumprod(dim=1).sum(dim=1)
-    lookaheads = [req.lookahead for req in requests]
     if min(lookaheads) < k:
         accepted = torch.minimum(accepted, int_tensor(lookaheads, accepted.device))
     verdicts = HostCopy(torch.cat([targets, accepted[:, None]], dim=1))

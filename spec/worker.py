@@ -21,7 +21,13 @@ from engine.request import Request
 from spec.acceptance import Verdict
 from spec.batching import Span, extend_batch
 from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
-from spec.device_round import placeholder_items, round_span, run_device_round, runs_on_device
+from spec.device_round import (
+    chain_span,
+    placeholder_items,
+    round_span,
+    run_device_round,
+    runs_on_device,
+)
 from spec.draft_extend import DraftExtend
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftRunner, DraftSeq
@@ -219,7 +225,7 @@ class MultiLayerEagleWorker:
         after it, and the tree as verified: cut to the slots it found room for."""
         m = req.num_tokens - 1
         if tree.is_chain:
-            return _chain_span(req, tree), tree
+            return chain_span(req, tree.tokens, len(tree)), tree
         slots = taken.span_slots(req, len(tree))
         tree = tree.pruned(tree.depth, len(slots) - 1)
         tokens = [req.all_token_ids[-1], *tree.tokens]
@@ -235,6 +241,7 @@ class MultiLayerEagleWorker:
             spans, runner.kv_pool, runner.req_to_token_pool, runner.attention, runner.device
         )
         outputs_before = [len(req.output_token_ids) for req in requests]
+        lookaheads = [req.lookahead for req in requests]
         done = run_device_round(
             batch,
             runner.forward_every_token,
@@ -243,13 +250,14 @@ class MultiLayerEagleWorker:
             self.fixed_extend,
             k,
             (runner.kv_pool, runner.req_to_token_pool),
+            lookaheads,
         )
         return VerifyResult(
             tokens=done.tokens,
             logprobs=[[None] * len(tokens) for tokens in done.tokens],
             verdicts=[Verdict(t, a) for t, a in zip(done.tokens, done.accepted)],
-            num_drafts=[req.lookahead for req in requests],
-            num_proposed=[req.lookahead for req in requests],
+            num_drafts=lookaheads,
+            num_proposed=lookaheads,
             hidden=[],
             num_outputs_before=outputs_before,
             extended=done,
@@ -340,14 +348,6 @@ class MultiLayerEagleWorker:
             seqs=[DraftSeq() for _ in self.depths],
             boundary=[None] * (self.num_draft_steps - 1),
         )
-
-
-def _chain_span(req: Request, chain: DraftTree) -> Span:
-    """The newest token then the chain, in the request's own slots after it."""
-    m = req.num_tokens - 1
-    assert req.kv_len == m
-    tokens = [req.all_token_ids[-1], *chain.tokens]
-    return Span(req.row, m, tokens, req.slots[m : m + len(tokens)])
 
 
 def _first(shares_prompt: bool, num_prompt: int, depth: int) -> int:
