@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
@@ -108,6 +109,39 @@ def padded_columns(
     columns = [ids, positions, slots, rows, seq_lens, starts, lens, lasts]
     if trees:
         columns.append(tree_bits(spans) + [-1] * padding)
+    return columns
+
+
+def uniform_columns(
+    size: int,
+    rows: np.ndarray,
+    starts: np.ndarray,
+    tokens: np.ndarray,
+    slots: np.ndarray,
+    padding_row: int,
+) -> np.ndarray:
+    """`padded_columns` of spans that all bring the same number of tokens, from arrays: request
+    i's span starts at `starts[i]` in row `rows[i]` with `tokens[i]` [width] writing `slots[i]`
+    [width]. A speculative round's verify: no walk over its requests in Python."""
+    n, width = tokens.shape
+    used = n * width
+    assert used <= size, f"{used} tokens in a graph of {size}"
+    padding = size - used
+    columns = np.zeros((_NUM_ROWS, size), dtype=np.int64)
+    columns[_IDS, :used] = tokens.ravel()
+    columns[_POSITIONS, :used] = (starts[:, None] + np.arange(width)).ravel()
+    columns[_SLOTS, :used] = slots.ravel()
+    columns[_SLOTS, used:] = PADDING_SLOT
+    reqs = columns[3:]
+    reqs[_ROWS, :n] = rows
+    reqs[_ROWS, n:] = padding_row
+    reqs[_SEQ_LENS, :n] = starts + width
+    reqs[_SEQ_LENS, n:] = 1
+    reqs[_Q_STARTS, :n] = np.arange(0, used, width)
+    reqs[_Q_STARTS, n : n + padding] = np.arange(used, size)
+    reqs[_Q_LENS, :n] = width
+    reqs[_Q_LENS, n : n + padding] = 1
+    reqs[_LAST] = reqs[_Q_STARTS] + np.maximum(reqs[_Q_LENS], 1) - 1
     return columns
 
 
@@ -259,6 +293,32 @@ class CudaGraphs:
             size,
             [span.start + len(span.token_ids) for span in spans],
             [len(span.token_ids) for span in spans],
+        )
+
+    def load_uniform(
+        self, rows: np.ndarray, starts: np.ndarray, tokens: np.ndarray, slots: np.ndarray
+    ) -> ForwardBatch:
+        """`load` of causal spans that all bring the same number of tokens, given as arrays
+        (`uniform_columns`), none as vectors; `fits_uniform` must hold."""
+        n, width = tokens.shape
+        size = self.bucket_for(n * width)
+        assert size is not None and self.embeds is None
+        staged = self.staged.writable()
+        staged[:_NUM_ROWS, :size] = uniform_columns(
+            size, rows, starts, tokens, slots, self.req_to_token_pool.padding_row
+        )
+        if self.trees:
+            staged[_TREE_BITS, :size] = -1  # every span causal
+        self.staged.upload()
+        return self._batch(size, (starts + width).tolist(), [width] * n)
+
+    def fits_uniform(self, num_requests: int, width: int) -> bool:
+        """Whether `load_uniform` takes `num_requests` spans of `width` tokens."""
+        return (
+            num_requests > 0
+            and 0 < width <= self.max_span
+            and self.embeds is None
+            and self.bucket_for(num_requests * width) is not None
         )
 
     def _load_embeds(self, size: int, spans: list[Span], num_tokens: int) -> None:

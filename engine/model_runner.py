@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, create_attention_backend
@@ -124,6 +125,16 @@ class ModelRunner:
         if self.verify_graphs is None or not self.verify_graphs.fits(spans):
             return None
         return self.verify_graphs.load(spans)
+
+    def uniform_graph_batch(
+        self, rows: np.ndarray, starts: np.ndarray, tokens: np.ndarray, slots: np.ndarray
+    ) -> ForwardBatch | None:
+        """`graph_batch` of causal spans that all bring the same number of tokens, given as
+        arrays (`CudaGraphs.load_uniform`): a speculative round's verify of full chains."""
+        graphs = self.verify_graphs
+        if graphs is None or not graphs.fits_uniform(*tokens.shape):
+            return None
+        return graphs.load_uniform(rows, starts, tokens, slots)
 
     def span_batch(self, spans: list[Span], graphs: CudaGraphs | None = None) -> ForwardBatch:
         """A batch of explicit spans: in the buffers of `graphs` (by default the decode

@@ -108,6 +108,11 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
     @property
+    def newest_token_id(self) -> int:
+        """`all_token_ids[-1]` without building the whole list."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

@@ -28,8 +28,8 @@ import torch
 from engine.allocator import PADDING_SLOT
 from engine.cuda_graph import batch_size_buckets, bucket_for
 from engine.forward_batch import ForwardBatch
-from engine.host_copy import PinnedMirror
-from spec.draft_runner import DraftRunner
+from engine.host_copy import HostCopy, PinnedMirror
+from spec.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
 from spec.state import BatchRows, SpecRequestState, whole_batch
 
@@ -118,25 +118,48 @@ class _Buffers:
         return self.ints[self.accepted_offset : self.accepted_offset + self.size]
 
 
-def _grow_depth(runner: DraftRunner, items: list[FixedExtendItem], d: int, k: int) -> None:
+@dataclass
+class _Gathered:
+    """The items' integers that a launch reads, gathered in one pass: per item the position m
+    of its newest token and the positions it may hold draft slots for; per depth and item the
+    sequence, its row and the slots it holds."""
+
+    newest: np.ndarray  # [n]
+    num_positions: np.ndarray  # [n]
+    seqs: list[tuple[DraftSeq, ...]]  # [K][n]
+    rows: np.ndarray  # [K, n]
+    held: np.ndarray  # [K, n]
+
+    @classmethod
+    def of(cls, items: list[FixedExtendItem]) -> _Gathered:
+        seqs = list(zip(*(item.state.seqs for item in items)))
+        return cls(
+            np.array([item.m for item in items], dtype=np.int64),
+            np.array([item.num_positions for item in items], dtype=np.int64),
+            seqs,
+            np.array([[seq.row for seq in depth] for depth in seqs], dtype=np.int64),
+            np.array([[len(seq.slots) for seq in depth] for depth in seqs], dtype=np.int64),
+        )
+
+
+def _grow_depth(runner: DraftRunner, items: _Gathered, d: int, k: int) -> None:
     """Depth d's slots up to position m+K of every item (the padding rows write there too):
     a sequence short of them takes every position its item may hold; entries past those point
     at the padding slot, since the extend reads its KV slots from the row table and an entry
     there may hold a slot that another request owns now (they are overwritten when the
     sequence grows)."""
-    grants, padding = [], []
-    for item in items:
-        seq, end = item.state.seqs[d], item.m + k + 1
-        if len(seq.slots) < min(end, item.num_positions):
-            grants.append((seq, item.num_positions))
-        held = max(len(seq.slots), min(end, item.num_positions))
-        if held < end:
-            padding.append((seq, held, end))
-    if grants:
-        runner.grow_many(grants)
+    seqs, held = items.seqs[d], items.held[d]
+    end = items.newest + k + 1
+    reach = np.minimum(end, items.num_positions)
+    short = np.flatnonzero(held < reach).tolist()
+    if short:
+        runner.grow_many([(seqs[i], int(items.num_positions[i])) for i in short])
+        items.rows[d, short] = [seqs[i].row for i in short]
+    held = np.maximum(held, reach)
+    padding = np.flatnonzero(held < end).tolist()
     if padding:
         runner.req_to_token_pool.write_many(
-            [(seq.row, held, [PADDING_SLOT] * (end - held)) for seq, held, end in padding]
+            [(seqs[i].row, int(held[i]), [PADDING_SLOT] * int(end[i] - held[i])) for i in padding]
         )
 
 
@@ -180,9 +203,9 @@ class FixedDecodeExtend:
         """Extend every depth over `items` and give each its next chain and boundary states."""
         chains, probs, boundary, verify_hidden = self.launch(items)
         # One copy to the host (ids are exact in float64).
-        host = torch.cat([chains.double(), probs.double()], dim=1).tolist()
+        ids, chain_probs = split_chains(HostCopy(torch.cat([chains.double(), probs.double()], 1)))
         counts = [len(item.committed) for item in items]
-        self.apply(items, counts, host, boundary, verify_hidden)
+        self.apply(items, counts, ids, chain_probs, boundary, verify_hidden)
 
     @torch.inference_mode()
     def launch(
@@ -200,20 +223,21 @@ class FixedDecodeExtend:
         items' own `committed` and `verify_hidden` are not read: the host need not have seen
         the verify's outcome."""
         k = self.k
+        gathered = _Gathered.of(items)
         for d, runner in enumerate(self.depths):
-            _grow_depth(runner, items, d, k)
+            _grow_depth(runner, gathered, d, k)
         if verify_hidden is None:
             verify_hidden = torch.stack([item.verify_hidden for item in items])
         size = bucket_for(self.buckets, len(items)) if self.buckets else None
         if size is not None:
             graph, buffers, outputs = self.graphs[size]
-            self._fill(buffers, items, committed, accepted, verify_hidden)
+            self._fill(buffers, items, gathered, committed, accepted, verify_hidden)
             graph.replay()
             self.num_replays += 1
             chains, probs, boundary = outputs
         else:
             buffers = self._buffers(len(items))
-            self._fill(buffers, items, committed, accepted, verify_hidden)
+            self._fill(buffers, items, gathered, committed, accepted, verify_hidden)
             chains, probs, boundary = self._forward(buffers, eager_items=items)
         n = len(items)
         # Out of the graph's buffers: kept as views until the next extend.
@@ -223,19 +247,20 @@ class FixedDecodeExtend:
         self,
         items: list[FixedExtendItem],
         counts: list[int],
-        host: list[list[float]],
+        chains: list[list[int]],
+        probs: list[list[float]],
         boundary: torch.Tensor,
         verify_hidden: torch.Tensor,
     ) -> None:
         """Give each item its next chain and boundary states after `launch`: `counts[i]`
-        tokens committed by its verify, `host[i]` its chain then the chain's probabilities,
-        and row i of `boundary` [K-1, n, hidden] and of `verify_hidden` [n, K+1, width]."""
-        k = self.k
-        for i, (item, count, row) in enumerate(zip(items, counts, host)):
+        tokens committed by its verify, `chains[i]` its chain and `probs[i]` the chain's
+        probabilities (`split_chains`), row i of `boundary` [K-1, n, hidden] and of
+        `verify_hidden` [n, K+1, width]."""
+        for i, (item, count, chain, chain_probs) in enumerate(zip(items, counts, chains, probs)):
             state = item.state
             m_next = item.m + count  # the newest position after the step
-            state.chain = [int(t) for t in row[:k]]
-            state.chain_probs = row[k : 2 * k]
+            state.chain = chain
+            state.chain_probs = chain_probs
             state.tree = None
             state.boundary = BatchRows(boundary, i)
             state.hidden_at = (verify_hidden, (i, count - 1))
@@ -251,6 +276,7 @@ class FixedDecodeExtend:
         self,
         buffers: _Buffers,
         items: list[FixedExtendItem],
+        gathered: _Gathered,
         committed: torch.Tensor | None,
         accepted: torch.Tensor | None,
         verify_hidden: torch.Tensor,
@@ -261,9 +287,10 @@ class FixedDecodeExtend:
         device), the committed tokens of every depth and the accepted counts over the
         integers' placeholders."""
         n = len(items)
-        self._int_values(buffers, items)
+        on_device = committed is not None and accepted is not None
+        self._int_values(buffers, None if on_device else items, gathered)
         buffers.staged.upload()
-        if committed is not None and accepted is not None:
+        if on_device:
             for d, width in enumerate(self.widths):
                 ids = buffers.depth_views(d)[0].view(buffers.size, width)
                 ids[:n, : self.k + 1] = committed
@@ -278,27 +305,37 @@ class FixedDecodeExtend:
                 )
             buffers.boundary[:, :n].copy_(old)
 
-    def _int_values(self, buffers: _Buffers, items: list[FixedExtendItem]) -> None:
-        """The integer block, in the host mirror: the items' rows first, padding requests after
-        (token 0 from position 0, over the padding row)."""
-        n, k = len(items), self.k
+    def _int_values(
+        self,
+        buffers: _Buffers,
+        items: list[FixedExtendItem] | None,
+        gathered: _Gathered | None,
+    ) -> None:
+        """The integer block, in the host mirror: the gathered items' rows first, padding
+        requests after (token 0 from position 0, over the padding row). Their committed tokens
+        and accepted counts are read from `items`, unless None (filled on the device)."""
+        k = self.k
         values = buffers.staged.writable()
         values[:] = buffers.padding
-        if not n:
+        if gathered is None:
             return
-        committed = np.zeros((n, k + 1), dtype=np.int64)
-        for i, item in enumerate(items):
-            committed[i, : len(item.committed)] = item.committed
-        newest = np.array([item.m for item in items], dtype=np.int64)
+        newest = gathered.newest
+        n = len(newest)
+        committed = None
+        if items is not None:
+            committed = np.zeros((n, k + 1), dtype=np.int64)
+            for i, item in enumerate(items):
+                committed[i, : len(item.committed)] = item.committed
+            values[buffers.accepted_offset : buffers.accepted_offset + n] = [
+                item.accepted for item in items
+            ]
         for d, width in enumerate(self.widths):
             ids, positions, rows, seq_lens = buffers.host_views(d, width)
-            ids[:n, : k + 1] = committed
+            if committed is not None:
+                ids[:n, : k + 1] = committed
             positions[:n] = (newest - d)[:, None] + np.arange(width)
-            rows[:n] = [item.state.seqs[d].row for item in items]
+            rows[:n] = gathered.rows[d]
             seq_lens[:n] = newest - d + width
-        values[buffers.accepted_offset : buffers.accepted_offset + n] = [
-            item.accepted for item in items
-        ]
 
     def _forward(
         self,
@@ -375,7 +412,7 @@ class FixedDecodeExtend:
         pool = None
         for size in sorted(self.buckets, reverse=True):
             buffers = self._buffers(size)
-            self._int_values(buffers, [])
+            self._int_values(buffers, None, None)
             buffers.staged.upload()
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the copy lands first
             metadata = []
@@ -396,3 +433,12 @@ class FixedDecodeExtend:
             self.graphs[size] = (graph, buffers, outputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+
+
+def split_chains(copy: HostCopy) -> tuple[list[list[int]], list[list[float]]]:
+    """Each request's chain and the chain's probabilities from a copy of the extend's [n, 2K]
+    float64 block (ids are exact in float64), once it has landed."""
+    copy.wait()
+    values = copy.host.numpy()
+    k = values.shape[1] // 2
+    return values[:, :k].astype(np.int64).tolist(), values[:, k:].tolist()

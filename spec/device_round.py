@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.allocator import PADDING_SLOT
@@ -35,22 +36,74 @@ from engine.host_copy import HostCopy, int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
-from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
+from spec.decode_extend import FixedDecodeExtend, FixedExtendItem, split_chains
 
 
-def runs_on_device(requests: list[Request], k: int, max_context_len: int) -> bool:
-    """Whether every request's round can be decided on the device (see the module's doc), for
-    an engine that drafts chains of `k` into row tables of `max_context_len` positions; the
-    fixed extend's own conditions are `FixedDecodeExtend.fits`'s."""
-    return all(
-        req.num_draft_tokens == k
-        and req.spec_state is not None
-        and len(req.spec_state.chain) == k
-        # The round's fixed shape reaches position num_tokens - 1 + k in every row table.
-        and req.num_tokens + k <= max_context_len
-        and req.params.greedy
-        and samples_from_logits_alone(req)
-        for req in requests
+@dataclass
+class RoundInputs:
+    """What a round on the device reads of its requests, gathered in one pass over them (at
+    batch 64, each further walk over the requests in Python costs the host tens of
+    microseconds a round): per request its row, the position m of its newest token, its
+    verify's tokens (the newest, then its chain of K) and KV slots (those it holds up to its
+    lookahead, the padding slot after), its lookahead, and its item for the extend."""
+
+    requests: list[Request]
+    rows: np.ndarray  # [n]
+    newest: np.ndarray  # [n]
+    tokens: np.ndarray  # [n, K+1]
+    slots: np.ndarray  # [n, K+1]
+    lookaheads: list[int]
+    items: list[FixedExtendItem]
+
+    def spans(self) -> list[Span]:
+        """The verify's spans, for a forward that no captured graph runs."""
+        return [
+            Span(row, m, tokens, slots)
+            for row, m, tokens, slots in zip(
+                self.rows.tolist(), self.newest.tolist(), self.tokens.tolist(), self.slots.tolist()
+            )
+        ]
+
+
+def gather_round(requests: list[Request], k: int, max_context_len: int) -> RoundInputs | None:
+    """The inputs of a round on the device for an engine that drafts chains of `k` into row
+    tables of `max_context_len` positions, or None where some request's round cannot be
+    decided on the device (see the module's doc; the fixed extend's own conditions are
+    `FixedDecodeExtend.fits`'s). Each item may hold draft slots where its request holds target
+    slots (at least up to the positions its round may commit); its committed tokens and hidden
+    states are filled on the device (`FixedDecodeExtend.launch`)."""
+    rows, newest, tokens, slots, lookaheads, items = [], [], [], [], [], []
+    padding = [PADDING_SLOT] * k
+    empty = torch.empty(k + 1, 0)
+    for req in requests:
+        state = req.spec_state
+        m = req.num_tokens - 1
+        if not (
+            state is not None
+            and req.num_draft_tokens == k
+            and len(state.chain) == k
+            # The round's fixed shape reaches position m + k in every row table.
+            and m + 1 + k <= max_context_len
+            and req.params.greedy
+            and samples_from_logits_alone(req)
+        ):
+            return None
+        assert req.kv_len == m
+        lookahead = req.lookahead
+        rows.append(req.row)
+        newest.append(m)
+        tokens.append([req.newest_token_id, *state.chain])
+        slots.append(req.slots[m : m + 1 + lookahead] + padding[: k - lookahead])
+        lookaheads.append(lookahead)
+        items.append(FixedExtendItem(state, m, [0] * (k + 1), empty, len(req.slots)))
+    return RoundInputs(
+        requests,
+        np.array(rows, dtype=np.int64),
+        np.array(newest, dtype=np.int64),
+        np.array(tokens, dtype=np.int64),
+        np.array(slots, dtype=np.int64),
+        lookaheads,
+        items,
     )
 
 
@@ -62,15 +115,7 @@ def chain_span(req: Request, drafts: list[int], num_held: int) -> Span:
     assert req.kv_len == m
     slots = req.slots[m : m + 1 + num_held]
     padding = [PADDING_SLOT] * (len(drafts) - num_held)
-    return Span(req.row, m, [req.all_token_ids[-1], *drafts], slots + padding)
-
-
-def round_span(req: Request, k: int) -> Span:
-    """`req`'s verify span in a round on the device: its whole chain of `k`, slots held up to
-    its lookahead."""
-    state = req.spec_state
-    assert state is not None and len(state.chain) == k
-    return chain_span(req, state.chain, req.lookahead)
+    return Span(req.row, m, [req.newest_token_id, *drafts], slots + padding)
 
 
 @dataclass
@@ -86,45 +131,27 @@ class DeviceRound:
     boundary: torch.Tensor  # [K-1, n, hidden]
     verify_hidden: torch.Tensor  # [n, K+1, width]: the target's over each verify span
 
-    def chains(self) -> list[list[float]]:
-        """The next chains, once the extend is done on the device."""
-        return self.chains_copy.tolist()
-
-
-def placeholder_items(requests: list[Request], k: int) -> list[FixedExtendItem]:
-    """The extend's items before the verify ran: committed tokens and hidden states are filled
-    on the device (`FixedDecodeExtend.launch`); these serve `fits` and the host's inputs. Each
-    may hold draft slots where the request holds target slots (at least up to the positions its
-    round may commit)."""
-    empty = torch.empty(k + 1, 0)
-    return [
-        FixedExtendItem(
-            req.spec_state,
-            req.num_tokens - 1,
-            [0] * (k + 1),
-            empty,
-            num_positions=len(req.slots),
-        )
-        for req in requests
-    ]
+    def chains(self) -> tuple[list[list[int]], list[list[float]]]:
+        """Each request's next chain and the chain's probabilities, once the extend is done on
+        the device."""
+        return split_chains(self.chains_copy)
 
 
 def run_device_round(
     forward: ForwardBatch,
     forward_every_token,
-    requests: list[Request],
-    items: list[FixedExtendItem],
+    inputs: RoundInputs,
     fixed_extend: FixedDecodeExtend,
     k: int,
     target_pools: tuple[KVPool, ReqToTokenPool],
-    lookaheads: list[int],
 ) -> DeviceRound:
-    """Verify `forward` (each request's `round_span`, in request order), accept on the device
-    (at most `lookaheads[i]` drafts of request i), extend over `items` (`placeholder_items`
-    of the requests, which `FixedDecodeExtend.fits`).
+    """Verify `forward` (the spans of `inputs`, in request order), accept on the device (at
+    most its lookahead's drafts a request), extend over `inputs.items` (which
+    `FixedDecodeExtend.fits`).
     The host reads the committed tokens as soon as the verify is done, while the device runs
     the extend; the next chains are read after."""
     logits, hidden = forward_every_token(forward)
+    requests, items, lookaheads = inputs.requests, inputs.items, inputs.lookaheads
     n = len(requests)
     targets = logits.argmax(dim=-1).view(n, k + 1)
     # Each request's span is its newest token then its chain: the chains are on the device.

@@ -21,13 +21,7 @@ from engine.request import Request
 from spec.acceptance import Verdict
 from spec.batching import Span, extend_batch
 from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
-from spec.device_round import (
-    chain_span,
-    placeholder_items,
-    round_span,
-    run_device_round,
-    runs_on_device,
-)
+from spec.device_round import RoundInputs, chain_span, gather_round, run_device_round
 from spec.draft_extend import DraftExtend
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftRunner, DraftSeq
@@ -190,12 +184,11 @@ class MultiLayerEagleWorker:
         """One target forward over each request's newest token and its drafts (requests not
         speculating bring just their newest token): a chain, or a tree whose nodes see their
         ancestors only; then acceptance."""
-        k = self.num_draft_steps
-        rows = self.runner.req_to_token_pool.max_context_len
-        if self.shape.is_chain and runs_on_device(requests, k, rows):
-            items = placeholder_items(requests, k)
-            if self.fixed_extend.fits(items):
-                return self._device_round(requests, [round_span(req, k) for req in requests], items)
+        if self.shape.is_chain:
+            rows = self.runner.req_to_token_pool.max_context_len
+            inputs = gather_round(requests, self.num_draft_steps, rows)
+            if inputs is not None and self.fixed_extend.fits(inputs.items):
+                return self._device_round(inputs)
         runner = self.runner
         taken = TreeSlots(runner.kv_pool, runner.req_to_token_pool)
         try:
@@ -228,30 +221,27 @@ class MultiLayerEagleWorker:
             return chain_span(req, tree.tokens, len(tree)), tree
         slots = taken.span_slots(req, len(tree))
         tree = tree.pruned(tree.depth, len(slots) - 1)
-        tokens = [req.all_token_ids[-1], *tree.tokens]
+        tokens = [req.newest_token_id, *tree.tokens]
         span = Span(req.row, m, tokens, slots, positions=tree.positions(m), visible=tree.visible())
         return span, tree
 
-    def _device_round(
-        self, requests: list[Request], spans: list[Span], items: list[FixedExtendItem]
-    ) -> VerifyResult:
+    def _device_round(self, inputs: RoundInputs) -> VerifyResult:
         """Verify, acceptance and the draft extend queued back to back (spec.device_round)."""
         runner, k = self.runner, self.num_draft_steps
-        batch = runner.graph_batch(spans) or extend_batch(
-            spans, runner.kv_pool, runner.req_to_token_pool, runner.attention, runner.device
-        )
-        outputs_before = [len(req.output_token_ids) for req in requests]
-        lookaheads = [req.lookahead for req in requests]
+        pools = (runner.kv_pool, runner.req_to_token_pool)
+        batch = runner.uniform_graph_batch(
+            inputs.rows, inputs.newest, inputs.tokens, inputs.slots
+        ) or extend_batch(inputs.spans(), *pools, runner.attention, runner.device)
+        outputs_before = [len(req.output_token_ids) for req in inputs.requests]
         done = run_device_round(
             batch,
             runner.forward_every_token,
-            requests,
-            items,
+            inputs,
             self.fixed_extend,
             k,
-            (runner.kv_pool, runner.req_to_token_pool),
-            lookaheads,
+            pools,
         )
+        lookaheads = inputs.lookaheads
         return VerifyResult(
             tokens=done.tokens,
             logprobs=[[None] * len(tokens) for tokens in done.tokens],
@@ -283,7 +273,7 @@ class MultiLayerEagleWorker:
                 going_on.append((i, req, committed))
         if done is not None:  # the extend ran with the verify: its chains go to those going on
             indices = [i for i, _, _ in going_on]
-            chains = done.chains()
+            chains, probs = done.chains()
             boundary, hidden = done.boundary, done.verify_hidden
             if len(indices) < len(requests):
                 kept = int_tensor(indices, boundary.device)
@@ -292,6 +282,7 @@ class MultiLayerEagleWorker:
                 [done.items[i] for i in indices],
                 [committed for _, _, committed in going_on],
                 [chains[i] for i in indices],
+                [probs[i] for i in indices],
                 boundary,
                 hidden,
             )

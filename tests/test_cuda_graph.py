@@ -9,6 +9,7 @@ import dataclasses
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
@@ -19,6 +20,7 @@ from engine.cuda_graph import (
     bucket_for,
     padded_columns,
     token_buckets,
+    uniform_columns,
 )
 from engine.forward_batch import Span
 from engine.kernels import triton_runs_on
@@ -71,6 +73,25 @@ def test_padding_columns_keep_every_real_token_and_send_padding_to_the_padding_s
     assert covered == list(range(12))
     with pytest.raises(AssertionError):
         padded_columns(6, spans, padding_row=9)
+
+
+@pytest.mark.parametrize("num_requests,width,size", [(2, 4, 12), (3, 4, 12), (1, 1, 8), (5, 3, 16)])
+def test_uniform_columns_equal_the_padded_columns_of_the_same_spans(num_requests, width, size):
+    """A round's verify fills its graph from arrays: what it loads is what `padded_columns`
+    builds from the same spans, padding included."""
+    rng = np.random.default_rng(num_requests * 100 + width)
+    rows = rng.integers(1, 50, num_requests)
+    starts = rng.integers(0, 300, num_requests)
+    tokens = rng.integers(0, 1000, (num_requests, width))
+    slots = rng.integers(1, 5000, (num_requests, width))
+    spans = [
+        Span(int(r), int(s), t.tolist(), sl.tolist())
+        for r, s, t, sl in zip(rows, starts, tokens, slots)
+    ]
+    expected = np.array(padded_columns(size, spans, padding_row=7))
+    got = uniform_columns(size, rows, starts, tokens, slots, padding_row=7)
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_attention_backend_choice() -> None:

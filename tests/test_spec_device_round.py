@@ -73,7 +73,7 @@ def _run(llm: LLM, prompts, params, on_device: bool, monkeypatch) -> tuple[list,
 
         monkeypatch.setattr(worker, "_device_round", counted)
     else:
-        monkeypatch.setattr(spec.worker, "runs_on_device", lambda *args: False)
+        monkeypatch.setattr(spec.worker, "gather_round", lambda *args: None)
     outputs = llm.generate(prompts, params)
     monkeypatch.undo()
     assert not llm.engine.has_work()
