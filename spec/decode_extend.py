@@ -93,6 +93,9 @@ class _Buffers:
                 [np.full(size, row), np.full(size, width), np.arange(size) * width,
                  np.full(size, width)]
             )  # fmt: skip
+        # The host mirror's views of each depth, kept: a fill writes through them.
+        self.host = [self.host_views(d, width) for d, width in enumerate(widths)]
+        self.columns = [np.arange(width) for width in widths]
         self.verify_hidden = torch.zeros((size, k + 1, in_width), dtype=dtype, device=device)
         self.boundary = torch.zeros((max(k - 1, 1), size, hidden), dtype=dtype, device=device)
 
@@ -105,9 +108,10 @@ class _Buffers:
         return (*token_rows, *request_rows)
 
     def host_views(self, d: int, width: int) -> tuple[np.ndarray, ...]:
-        """The host mirror's (ids [size, width], positions [size, width], rows, seq_lens)."""
+        """The host mirror's (ids [size, width], positions [size, width], rows, seq_lens),
+        written after `staged.writable`."""
         offset, tokens = self.layout[d]
-        values = self.staged.array  # after `staged.writable`
+        values = self.staged.array
         ids, positions = values[offset : offset + 2 * tokens].reshape(2, self.size, width)
         request_rows = values[offset + 2 * tokens : offset + 2 * tokens + 2 * self.size]
         rows, seq_lens = request_rows.reshape(2, self.size)
@@ -119,48 +123,72 @@ class _Buffers:
 
 
 @dataclass
-class _Gathered:
+class GatheredItems:
     """The items' integers that a launch reads, gathered in one pass: per item the position m
     of its newest token and the positions it may hold draft slots for; per depth and item the
-    sequence, its row and the slots it holds."""
+    sequence, its row, the slots it holds and its valid prefix."""
 
     newest: np.ndarray  # [n]
     num_positions: np.ndarray  # [n]
     seqs: list[tuple[DraftSeq, ...]]  # [K][n]
     rows: np.ndarray  # [K, n]
     held: np.ndarray  # [K, n]
+    valid: np.ndarray  # [K, n]
 
     @classmethod
-    def of(cls, items: list[FixedExtendItem]) -> _Gathered:
-        seqs = list(zip(*(item.state.seqs for item in items)))
-        return cls(
-            np.array([item.m for item in items], dtype=np.int64),
-            np.array([item.num_positions for item in items], dtype=np.int64),
-            seqs,
-            np.array([[seq.row for seq in depth] for depth in seqs], dtype=np.int64),
-            np.array([[len(seq.slots) for seq in depth] for depth in seqs], dtype=np.int64),
+    def of(cls, items: list[FixedExtendItem]) -> GatheredItems:
+        return cls.from_lists(
+            [item.m for item in items],
+            [item.num_positions for item in items],
+            [item.state.seqs for item in items],
         )
 
+    @classmethod
+    def from_lists(
+        cls, newest: list[int], num_positions: list[int], seqs: list[list[DraftSeq]]
+    ) -> GatheredItems:
+        """From per item its m, positions and sequences (one per depth)."""
+        by_depth = list(zip(*seqs))
+        return cls(
+            np.array(newest, dtype=np.int64),
+            np.array(num_positions, dtype=np.int64),
+            by_depth,
+            np.array([[seq.row for seq in depth] for depth in by_depth], dtype=np.int64),
+            np.array([[len(seq.slots) for seq in depth] for depth in by_depth], dtype=np.int64),
+            np.array([[seq.valid_len for seq in depth] for depth in by_depth], dtype=np.int64),
+        )
 
-def _grow_depth(runner: DraftRunner, items: _Gathered, d: int, k: int) -> None:
-    """Depth d's slots up to position m+K of every item (the padding rows write there too):
+    def aligned(self, k: int) -> bool:
+        """Whether every depth d is valid up to where this extend starts (m-d >= 1)."""
+        expected = self.newest[None, :] - np.arange(len(self.seqs))[:, None]
+        return bool(self.newest.min() >= k and (self.valid == expected).all())
+
+
+def _grow_depths(depths: list[DraftRunner], items: GatheredItems, k: int) -> None:
+    """Each depth's slots up to position m+K of every item (the padding rows write there too):
     a sequence short of them takes every position its item may hold; entries past those point
     at the padding slot, since the extend reads its KV slots from the row table and an entry
     there may hold a slot that another request owns now (they are overwritten when the
     sequence grows)."""
-    seqs, held = items.seqs[d], items.held[d]
     end = items.newest + k + 1
     reach = np.minimum(end, items.num_positions)
-    short = np.flatnonzero(held < reach).tolist()
-    if short:
-        runner.grow_many([(seqs[i], int(items.num_positions[i])) for i in short])
-        items.rows[d, short] = [seqs[i].row for i in short]
-    held = np.maximum(held, reach)
-    padding = np.flatnonzero(held < end).tolist()
-    if padding:
-        runner.req_to_token_pool.write_many(
-            [(seqs[i].row, int(held[i]), [PADDING_SLOT] * int(end[i] - held[i])) for i in padding]
-        )
+    short = items.held < reach
+    held = np.maximum(items.held, reach)
+    padding = held < end
+    if not (short.any() or padding.any()):
+        return
+    for d, runner in enumerate(depths):
+        seqs = items.seqs[d]
+        grown = np.flatnonzero(short[d]).tolist()
+        if grown:
+            runner.grow_many([(seqs[i], int(items.num_positions[i])) for i in grown])
+            items.rows[d, grown] = [seqs[i].row for i in grown]
+        padded = np.flatnonzero(padding[d]).tolist()
+        if padded:
+            runner.req_to_token_pool.write_many(
+                [(seqs[i].row, int(held[d, i]), [PADDING_SLOT] * int(end[i] - held[d, i]))
+                 for i in padded]
+            )  # fmt: skip
 
 
 class FixedDecodeExtend:
@@ -183,13 +211,17 @@ class FixedDecodeExtend:
         if self.buckets:
             self._capture()
 
-    def fits(self, items: list[FixedExtendItem]) -> bool:
+    def fits(self, items: list[FixedExtendItem], gathered: GatheredItems | None = None) -> bool:
         """Whether this path runs `items`: every request verified a full chain and holds
         every depth's KV up to where this extend starts (m-d >= 1, valid there); and no depth
-        dumps tensors (the general path records each depth's forward)."""
+        dumps tensors (the general path records each depth's forward). `gathered`: the items'
+        table, whose builder vouches for their committed tokens and hidden states (a round on
+        the device fills those there)."""
         k = self.k
         if any(runner.dumper is not None for runner in self.depths):
             return False
+        if gathered is not None:
+            return bool(items) and gathered.aligned(k)
         return bool(items) and all(
             len(item.verify_hidden) == k + 1
             and 1 <= len(item.committed) <= k + 1
@@ -214,6 +246,7 @@ class FixedDecodeExtend:
         committed: torch.Tensor | None = None,
         accepted: torch.Tensor | None = None,
         verify_hidden: torch.Tensor | None = None,
+        gathered: GatheredItems | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queue the extend of every depth over `items`; returns, on the device, the next
         chains [n, K], their probabilities [n, K], the boundary states [K-1, n, hidden] and
@@ -221,11 +254,11 @@ class FixedDecodeExtend:
         With `committed` [n, K+1] (row i: the verify's targets, the first accepted[i] + 1 of
         them committed), `accepted` [n] and `verify_hidden` [n, K+1, width] on the device, the
         items' own `committed` and `verify_hidden` are not read: the host need not have seen
-        the verify's outcome."""
+        the verify's outcome. `gathered`: the items' table, if their caller has it."""
         k = self.k
-        gathered = _Gathered.of(items)
-        for d, runner in enumerate(self.depths):
-            _grow_depth(runner, gathered, d, k)
+        if gathered is None:
+            gathered = GatheredItems.of(items)
+        _grow_depths(self.depths, gathered, k)
         if verify_hidden is None:
             verify_hidden = torch.stack([item.verify_hidden for item in items])
         size = bucket_for(self.buckets, len(items)) if self.buckets else None
@@ -276,7 +309,7 @@ class FixedDecodeExtend:
         self,
         buffers: _Buffers,
         items: list[FixedExtendItem],
-        gathered: _Gathered,
+        gathered: GatheredItems,
         committed: torch.Tensor | None,
         accepted: torch.Tensor | None,
         verify_hidden: torch.Tensor,
@@ -309,7 +342,7 @@ class FixedDecodeExtend:
         self,
         buffers: _Buffers,
         items: list[FixedExtendItem] | None,
-        gathered: _Gathered | None,
+        gathered: GatheredItems | None,
     ) -> None:
         """The integer block, in the host mirror: the gathered items' rows first, padding
         requests after (token 0 from position 0, over the padding row). Their committed tokens
@@ -329,13 +362,14 @@ class FixedDecodeExtend:
             values[buffers.accepted_offset : buffers.accepted_offset + n] = [
                 item.accepted for item in items
             ]
-        for d, width in enumerate(self.widths):
-            ids, positions, rows, seq_lens = buffers.host_views(d, width)
+        for d, (width, columns) in enumerate(zip(self.widths, buffers.columns)):
+            ids, positions, rows, seq_lens = buffers.host[d]
             if committed is not None:
                 ids[:n, : k + 1] = committed
-            positions[:n] = (newest - d)[:, None] + np.arange(width)
+            start = newest - d
+            positions[:n] = start[:, None] + columns
             rows[:n] = gathered.rows[d]
-            seq_lens[:n] = newest - d + width
+            seq_lens[:n] = start + width
 
     def _forward(
         self,

@@ -36,7 +36,7 @@ from engine.host_copy import HostCopy, int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
-from spec.decode_extend import FixedDecodeExtend, FixedExtendItem, split_chains
+from spec.decode_extend import FixedDecodeExtend, FixedExtendItem, GatheredItems, split_chains
 
 
 @dataclass
@@ -54,6 +54,7 @@ class RoundInputs:
     slots: np.ndarray  # [n, K+1]
     lookaheads: list[int]
     items: list[FixedExtendItem]
+    gathered: GatheredItems  # the items' table
 
     def spans(self) -> list[Span]:
         """The verify's spans, for a forward that no captured graph runs."""
@@ -73,6 +74,7 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
     slots (at least up to the positions its round may commit); its committed tokens and hidden
     states are filled on the device (`FixedDecodeExtend.launch`)."""
     rows, newest, tokens, slots, lookaheads, items = [], [], [], [], [], []
+    num_positions, seqs = [], []
     padding = [PADDING_SLOT] * k
     empty = torch.empty(k + 1, 0)
     for req in requests:
@@ -95,7 +97,10 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
         tokens.append([req.newest_token_id, *state.chain])
         slots.append(req.slots[m : m + 1 + lookahead] + padding[: k - lookahead])
         lookaheads.append(lookahead)
-        items.append(FixedExtendItem(state, m, [0] * (k + 1), empty, len(req.slots)))
+        held = len(req.slots)
+        items.append(FixedExtendItem(state, m, [0] * (k + 1), empty, held))
+        num_positions.append(held)
+        seqs.append(state.seqs)
     return RoundInputs(
         requests,
         np.array(rows, dtype=np.int64),
@@ -104,6 +109,7 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
         np.array(slots, dtype=np.int64),
         lookaheads,
         items,
+        GatheredItems.from_lists(newest, num_positions, seqs),
     )
 
 
@@ -164,7 +170,7 @@ def run_device_round(
     # The host's share of the next round, while the device verifies this one.
     grow_for_next_round(requests, k, *target_pools)
     next_chains, next_probs, boundary, hidden = fixed_extend.launch(
-        items, targets, accepted, hidden
+        items, targets, accepted, hidden, inputs.gathered
     )
     # Ids are exact in float64.
     next_rounds = HostCopy(torch.cat([next_chains.double(), next_probs.double()], dim=1))

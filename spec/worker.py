@@ -187,7 +187,7 @@ class MultiLayerEagleWorker:
         if self.shape.is_chain:
             rows = self.runner.req_to_token_pool.max_context_len
             inputs = gather_round(requests, self.num_draft_steps, rows)
-            if inputs is not None and self.fixed_extend.fits(inputs.items):
+            if inputs is not None and self.fixed_extend.fits(inputs.items, inputs.gathered):
                 return self._device_round(inputs)
         runner = self.runner
         taken = TreeSlots(runner.kv_pool, runner.req_to_token_pool)

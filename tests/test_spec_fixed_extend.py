@@ -66,7 +66,7 @@ def _run(llm: LLM, prompts, params, fixed: bool) -> tuple[list, int]:
 
         worker.fixed_extend.launch = counted
     else:
-        worker.fixed_extend.fits = lambda items: False
+        worker.fixed_extend.fits = lambda *args: False
     outputs = llm.generate(prompts, params)
     assert not llm.engine.has_work()
     assert llm.engine.kv_cache.is_empty() and worker.is_empty()
