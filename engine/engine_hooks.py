@@ -35,9 +35,11 @@ class Speculator(Protocol):
         tokens to commit (`.tokens`, `.logprobs`, one list per request) and what the draft
         extend needs."""
 
-    def finish_round(self, requests: list[Request], verified: Any) -> None:
+    def finish_round(self, requests: list[Request], verified: Any, launch_next: bool) -> None:
         """After the tokens were committed: count statistics, extend the draft of each request
-        still running over its new tokens, building its next chain."""
+        still running over its new tokens, building its next chain. `launch_next`: the next
+        step is expected to decode the same requests; their next verify may be queued now
+        (the speculator checks, when asked for it, that nothing changed)."""
 
     def release(self, req: Request) -> None:
         """Free the request's draft KV (called whenever its target KV is freed)."""

@@ -36,7 +36,8 @@ from engine.host_copy import HostCopy, int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
-from spec.decode_extend import FixedDecodeExtend, FixedExtendItem, GatheredItems, split_chains
+from spec.decode_extend import FixedDecodeExtend
+from spec.extend_items import FixedExtendItem, GatheredItems, split_chains
 
 
 @dataclass
@@ -80,6 +81,7 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
     for req in requests:
         state = req.spec_state
         m = req.num_tokens - 1
+        lookahead = req.lookahead
         if not (
             state is not None
             and req.num_draft_tokens == k
@@ -88,10 +90,11 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
             and m + 1 + k <= max_context_len
             and req.params.greedy
             and samples_from_logits_alone(req)
+            # A verify launched before the scheduler's step finds its slots held.
+            and len(req.slots) > m + lookahead
         ):
             return None
         assert req.kv_len == m
-        lookahead = req.lookahead
         rows.append(req.row)
         newest.append(m)
         tokens.append([req.newest_token_id, *state.chain])
@@ -134,6 +137,7 @@ class DeviceRound:
     accepted: list[int]
     items: list[FixedExtendItem]
     chains_copy: HostCopy  # per request its next chain, then the chain's probabilities
+    next_chains: torch.Tensor  # [n, K] the same chains, on the device
     boundary: torch.Tensor  # [K-1, n, hidden]
     verify_hidden: torch.Tensor  # [n, K+1, width]: the target's over each verify span
 
@@ -145,18 +149,19 @@ class DeviceRound:
 
 def run_device_round(
     forward: ForwardBatch,
-    forward_every_token,
+    outputs: tuple[torch.Tensor, torch.Tensor],
     inputs: RoundInputs,
     fixed_extend: FixedDecodeExtend,
     k: int,
     target_pools: tuple[KVPool, ReqToTokenPool],
 ) -> DeviceRound:
-    """Verify `forward` (the spans of `inputs`, in request order), accept on the device (at
-    most its lookahead's drafts a request), extend over `inputs.items` (which
+    """After the verify of `forward` (the spans of `inputs`, in request order) was queued,
+    its `outputs` (logits and hidden states at every token): accept on the device (at most its
+    lookahead's drafts a request), extend over `inputs.items` (which
     `FixedDecodeExtend.fits`).
     The host reads the committed tokens as soon as the verify is done, while the device runs
     the extend; the next chains are read after."""
-    logits, hidden = forward_every_token(forward)
+    logits, hidden = outputs
     requests, items, lookaheads = inputs.requests, inputs.items, inputs.lookaheads
     n = len(requests)
     targets = logits.argmax(dim=-1).view(n, k + 1)
@@ -179,7 +184,52 @@ def run_device_round(
         count = row[k + 1]
         tokens.append(row[: count + 1])
         counts.append(count)
-    return DeviceRound(tokens, counts, items, next_rounds, boundary, hidden)
+    return DeviceRound(tokens, counts, items, next_rounds, next_chains, boundary, hidden)
+
+
+@dataclass
+class LaunchedVerify:
+    """A round's verify queued before the engine's step asked for it: its inputs, each
+    request's token count when it was queued, its batch and its (queued) outputs."""
+
+    inputs: RoundInputs
+    num_tokens: list[int]
+    batch: ForwardBatch
+    outputs: tuple[torch.Tensor, torch.Tensor]
+    queued: torch.cuda.Event | None  # recorded behind it on a GPU
+
+    def settle(self) -> None:
+        """Wait until it has run: its KV writes land before its slots change hands (a
+        transfer may write freed slots from another stream)."""
+        if self.queued is not None:
+            self.queued.synchronize()
+
+    def runs(self, requests: list[Request]) -> bool:
+        """Whether it is the verify of `requests`: the same ones, in order, none of which has
+        committed a token since (nothing else verifies a request's tokens)."""
+        launched = self.inputs.requests
+        return len(launched) == len(requests) and all(
+            a is b and a.num_tokens == n for a, b, n in zip(launched, requests, self.num_tokens)
+        )
+
+
+def launch_verify(
+    inputs: RoundInputs, batch: ForwardBatch, done: DeviceRound, forward_every_token
+) -> LaunchedVerify:
+    """Queue the next round's verify (`batch`, loaded from `inputs`) behind the round `done`'s
+    extend, reading its chains on the device before the host has read them: the device goes
+    from one round to the next without waiting for the host's bookkeeping in between
+    (applying the chains, scheduling, gathering the next round)."""
+    n, width = inputs.tokens.shape
+    # The chains that gathering read are the round before's: the next ones are on the device.
+    batch.input_ids[: n * width].view(n, width)[:, 1:].copy_(done.next_chains)
+    outputs = forward_every_token(batch)
+    queued = None
+    if batch.input_ids.is_cuda:
+        queued = torch.cuda.Event()
+        queued.record()
+    num_tokens = [req.num_tokens for req in inputs.requests]
+    return LaunchedVerify(inputs, num_tokens, batch, outputs, queued)
 
 
 # Positions a request's slots grow by beyond what the next round needs, when they must grow:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.forward_batch import ForwardBatch
 from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
@@ -20,12 +21,21 @@ from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
 from spec.acceptance import Verdict
 from spec.batching import Span, extend_batch
-from spec.decode_extend import FixedDecodeExtend, FixedExtendItem
-from spec.device_round import RoundInputs, chain_span, gather_round, run_device_round
+from spec.decode_extend import FixedDecodeExtend
+from spec.device_round import (
+    DeviceRound,
+    LaunchedVerify,
+    RoundInputs,
+    chain_span,
+    gather_round,
+    launch_verify,
+    run_device_round,
+)
 from spec.draft_extend import DraftExtend
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
+from spec.extend_items import FixedExtendItem
 from spec.host_verify import VerifyResult, verify_on_host
 from spec.round_stats import count_round
 from spec.sample_extend import sample_extend, share_prompt, shared_prompt_len
@@ -56,6 +66,8 @@ class MultiLayerEagleWorker:
         )
         # The general draft extend: prefill, and decode steps the fixed shape does not fit.
         self.extender = TreeExtender(self.depths, self.head, runner.device)
+        # The next round's verify, queued before its step (`_launch_verify`).
+        self._launched: LaunchedVerify | None = None
 
     def _capture_graphs(self) -> None:
         """CUDA graphs for the forwards of every decode step. Verify: the newest token and a
@@ -184,11 +196,18 @@ class MultiLayerEagleWorker:
         """One target forward over each request's newest token and its drafts (requests not
         speculating bring just their newest token): a chain, or a tree whose nodes see their
         ancestors only; then acceptance."""
+        launched, self._launched = self._launched, None
         if self.shape.is_chain:
+            if launched is not None and launched.runs(requests):
+                # Its draft states moved on since (the last round's extend was applied).
+                launched.inputs.gathered.reread_valid()
+                if self.fixed_extend.fits(launched.inputs.items, launched.inputs.gathered):
+                    return self._device_round(launched.inputs, launched.batch, launched.outputs)
             rows = self.runner.req_to_token_pool.max_context_len
             inputs = gather_round(requests, self.num_draft_steps, rows)
             if inputs is not None and self.fixed_extend.fits(inputs.items, inputs.gathered):
-                return self._device_round(inputs)
+                batch = self._verify_batch(inputs)
+                return self._device_round(inputs, batch, self.runner.forward_every_token(batch))
         runner = self.runner
         taken = TreeSlots(runner.kv_pool, runner.req_to_token_pool)
         try:
@@ -225,21 +244,32 @@ class MultiLayerEagleWorker:
         span = Span(req.row, m, tokens, slots, positions=tree.positions(m), visible=tree.visible())
         return span, tree
 
-    def _device_round(self, inputs: RoundInputs) -> VerifyResult:
-        """Verify, acceptance and the draft extend queued back to back (spec.device_round)."""
-        runner, k = self.runner, self.num_draft_steps
+    def _verify_batch(self, inputs: RoundInputs) -> ForwardBatch:
+        """The verify of a round on the device: in the verify graphs' buffers where they hold
+        it, else eager."""
+        runner = self.runner
         pools = (runner.kv_pool, runner.req_to_token_pool)
-        batch = runner.uniform_graph_batch(
+        return runner.uniform_graph_batch(
             inputs.rows, inputs.newest, inputs.tokens, inputs.slots
         ) or extend_batch(inputs.spans(), *pools, runner.attention, runner.device)
+
+    def _device_round(
+        self,
+        inputs: RoundInputs,
+        batch: ForwardBatch,
+        outputs: tuple[torch.Tensor, torch.Tensor],
+    ) -> VerifyResult:
+        """Acceptance and the draft extend queued behind the verify of `batch`, whose
+        `outputs` are queued (spec.device_round)."""
+        runner, k = self.runner, self.num_draft_steps
         outputs_before = [len(req.output_token_ids) for req in inputs.requests]
         done = run_device_round(
             batch,
-            runner.forward_every_token,
+            outputs,
             inputs,
             self.fixed_extend,
             k,
-            pools,
+            (runner.kv_pool, runner.req_to_token_pool),
         )
         lookaheads = inputs.lookaheads
         return VerifyResult(
@@ -254,9 +284,14 @@ class MultiLayerEagleWorker:
         )
 
     @torch.inference_mode()
-    def finish_round(self, requests: list[Request], verified: VerifyResult) -> None:
+    def finish_round(
+        self, requests: list[Request], verified: VerifyResult, launch_next: bool = False
+    ) -> None:
         """After the scheduler committed the verified tokens: statistics, then draft extend
-        over the newly committed tokens for the requests that go on speculating."""
+        over the newly committed tokens for the requests that go on speculating.
+        `launch_next`: the engine's next step is a decode step of these same requests, unless
+        something changes in between: after a round on the device, their next verify is
+        queued behind this round's extend (`LaunchedVerify`)."""
         done = verified.extended
         going_on = []  # (index in the batch, request, tokens committed this step)
         for i, req in enumerate(requests):
@@ -272,6 +307,8 @@ class MultiLayerEagleWorker:
             if done is not None or req.lookahead:
                 going_on.append((i, req, committed))
         if done is not None:  # the extend ran with the verify: its chains go to those going on
+            if launch_next and len(going_on) == len(requests):
+                self._launch_verify(requests, done)
             indices = [i for i, _, _ in going_on]
             chains, probs = done.chains()
             boundary, hidden = done.boundary, done.verify_hidden
@@ -315,7 +352,21 @@ class MultiLayerEagleWorker:
             ]
         )
 
+    def _launch_verify(self, requests: list[Request], done: DeviceRound) -> None:
+        """Queue the next round's verify of `requests` now (spec.device_round.launch_verify);
+        the next `verify` takes it if it is of the same requests with the same tokens."""
+        inputs = gather_round(
+            requests, self.num_draft_steps, self.runner.req_to_token_pool.max_context_len
+        )
+        if inputs is not None:
+            batch = self._verify_batch(inputs)
+            self._launched = launch_verify(inputs, batch, done, self.runner.forward_every_token)
+
     def release(self, req: Request) -> None:
+        launched = self._launched
+        if launched is not None and any(r is req for r in launched.inputs.requests):
+            launched.settle()
+            self._launched = None
         state: SpecRequestState | None = req.spec_state
         if state is None:
             return
