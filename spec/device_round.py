@@ -21,7 +21,12 @@ A request near its max_tokens may verify fewer drafts than K (`Request.lookahead
 runs the round's fixed shape, its whole chain, and acceptance stops at its lookahead on the
 device. Its positions past what it may commit write the padding slot, in the target and in
 every depth; no real position attends to them (they come later). A round decided on the host
-instead would cost the whole batch the general path each time one request nears its end."""
+instead would cost the whole batch the general path each time one request nears its end.
+
+The round's inputs are gathered in one pass over its requests (`gather_round`) and read from
+arrays after that. When the next step will decode the same requests, their next verify is
+queued before the host reads this round's chains (`launch_verify`): the chains go from the
+extend's output into the verify's input on the device."""
 
 from __future__ import annotations
 
