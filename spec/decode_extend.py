@@ -75,6 +75,10 @@ class _Buffers:
         self.columns = [np.arange(width) for width in widths]
         self.verify_hidden = torch.zeros((size, k + 1, in_width), dtype=dtype, device=device)
         self.boundary = torch.zeros((max(k - 1, 1), size, hidden), dtype=dtype, device=device)
+        # The device views a fill writes through, kept: each slicing is a call into torch that
+        # costs microseconds of host time, every step.
+        self.ids = [self.depth_views(d)[0].view(size, width) for d, width in enumerate(widths)]
+        self.accepted = self.ints[self.accepted_offset : self.accepted_offset + size]
 
     def depth_views(self, d: int) -> tuple[torch.Tensor, ...]:
         """(ids, positions, rows, seq_lens, q_starts, q_lens) of depth d."""
@@ -93,10 +97,6 @@ class _Buffers:
         request_rows = values[offset + 2 * tokens : offset + 2 * tokens + 2 * self.size]
         rows, seq_lens = request_rows.reshape(2, self.size)
         return ids, positions, rows, seq_lens
-
-    @property
-    def accepted(self) -> torch.Tensor:
-        return self.ints[self.accepted_offset : self.accepted_offset + self.size]
 
 
 class FixedDecodeExtend:
@@ -141,9 +141,8 @@ class FixedDecodeExtend:
     @torch.inference_mode()
     def run(self, items: list[FixedExtendItem]) -> None:
         """Extend every depth over `items` and give each its next chain and boundary states."""
-        chains, probs, boundary, verify_hidden = self.launch(items)
-        # One copy to the host (ids are exact in float64).
-        ids, chain_probs = split_chains(HostCopy(torch.cat([chains.double(), probs.double()], 1)))
+        _, block, boundary, verify_hidden = self.launch(items)
+        ids, chain_probs = split_chains(HostCopy(block))
         counts = [len(item.committed) for item in items]
         self.apply(items, counts, ids, chain_probs, boundary, verify_hidden)
 
@@ -157,8 +156,9 @@ class FixedDecodeExtend:
         gathered: GatheredItems | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queue the extend of every depth over `items`; returns, on the device, the next
-        chains [n, K], their probabilities [n, K], the boundary states [K-1, n, hidden] and
-        the verify's hidden states it read [n, K+1, width].
+        chains [n, K], the same chains and their probabilities in one float64 block [n, 2K]
+        (what the host reads: ids are exact in float64; `split_chains`), the boundary states
+        [K-1, n, hidden] and the verify's hidden states it read [n, K+1, width].
         With `committed` [n, K+1] (row i: the verify's targets, the first accepted[i] + 1 of
         them committed), `accepted` [n] and `verify_hidden` [n, K+1, width] on the device, the
         items' own `committed` and `verify_hidden` are not read: the host need not have seen
@@ -175,14 +175,14 @@ class FixedDecodeExtend:
             self._fill(buffers, items, gathered, committed, accepted, verify_hidden)
             graph.replay()
             self.num_replays += 1
-            chains, probs, boundary = outputs
+            chains, block, boundary = outputs
         else:
             buffers = self._buffers(len(items))
             self._fill(buffers, items, gathered, committed, accepted, verify_hidden)
-            chains, probs, boundary = self._forward(buffers, eager_items=items)
+            chains, block, boundary = self._forward(buffers, eager_items=items)
         n = len(items)
         # Out of the graph's buffers: kept as views until the next extend.
-        return chains[:n], probs[:n], boundary[:, :n].clone(), verify_hidden
+        return chains[:n], block[:n], boundary[:, :n].clone(), verify_hidden
 
     def apply(
         self,
@@ -232,8 +232,7 @@ class FixedDecodeExtend:
         self._int_values(buffers, None if on_device else items, gathered)
         buffers.staged.upload()
         if on_device:
-            for d, width in enumerate(self.widths):
-                ids = buffers.depth_views(d)[0].view(buffers.size, width)
+            for ids in buffers.ids:
                 ids[:n, : self.k + 1] = committed
             buffers.accepted[:n] = accepted
         buffers.verify_hidden[:n].copy_(verify_hidden)
@@ -285,8 +284,9 @@ class FixedDecodeExtend:
         metadata: list | None = None,
         eager_items: list[FixedExtendItem] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every depth over the buffers: the chains [size, K], their probabilities [size, K]
-        and the new boundary states [K-1, size, hidden]. What a graph captures."""
+        """Every depth over the buffers: the chains [size, K], the chains and their
+        probabilities as one float64 block [size, 2K], and the new boundary states [K-1,
+        size, hidden]. What a graph captures."""
         size, k = buffers.size, self.k
         accepted = buffers.accepted
         every = torch.arange(size, device=self.device)
@@ -295,7 +295,7 @@ class FixedDecodeExtend:
         boundaries: list[torch.Tensor] = []
         previous: torch.Tensor | None = None
         for d, (runner, width) in enumerate(zip(self.depths, self.widths)):
-            ids = buffers.depth_views(d)[0].view(size, width)
+            ids = buffers.ids[d]
             for t, draft in enumerate(drafts, start=1):
                 ids.scatter_(1, (accepted + t)[:, None], draft[:, None])
             if d == 0:
@@ -318,7 +318,9 @@ class FixedDecodeExtend:
                 boundaries.append(out[every, accepted])
             previous = out
         boundary = torch.stack(boundaries) if boundaries else buffers.boundary[:0]
-        return torch.stack(drafts, dim=1), torch.stack(probs, dim=1), boundary
+        chains = torch.stack(drafts, dim=1)
+        block = torch.cat([chains.double(), torch.stack(probs, dim=1).double()], dim=1)
+        return chains, block, boundary
 
     def _batch(self, buffers: _Buffers, d: int, runner: DraftRunner,
                eager_items: list[FixedExtendItem] | None) -> ForwardBatch:  # fmt: skip

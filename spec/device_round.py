@@ -179,11 +179,10 @@ def run_device_round(
     hidden = hidden.view(n, k + 1, -1)
     # The host's share of the next round, while the device verifies this one.
     grow_for_next_round(requests, k, *target_pools)
-    next_chains, next_probs, boundary, hidden = fixed_extend.launch(
+    next_chains, block, boundary, hidden = fixed_extend.launch(
         items, targets, accepted, hidden, inputs.gathered
     )
-    # Ids are exact in float64.
-    next_rounds = HostCopy(torch.cat([next_chains.double(), next_probs.double()], dim=1))
+    next_rounds = HostCopy(block)
     tokens, counts = [], []
     for row in verdicts.tolist():
         count = row[k + 1]
