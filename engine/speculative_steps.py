@@ -128,9 +128,9 @@ class SpeculativeSteps:
             batch, verified.tokens, verified.logprobs, self.stop_checker
         )
         set_time_batch(batch.requests, "draft_extend_start", where=_extends)
-        # With none finished and nothing waiting for admission, the next step decodes these
-        # requests again (or something changes in between, which its verify sees).
-        launch_next = not finished and not self.scheduler.waiting
+        # With nothing waiting for admission, the next step decodes those of these requests
+        # that are still running (or something changes in between, which its verify sees).
+        launch_next = not self.scheduler.waiting
         try:
             self.speculator.finish_round(batch.requests, verified, launch_next)
         except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only

@@ -218,15 +218,15 @@ class LaunchedVerify:
 
 
 def launch_verify(
-    inputs: RoundInputs, batch: ForwardBatch, done: DeviceRound, forward_every_token
+    inputs: RoundInputs, batch: ForwardBatch, next_chains: torch.Tensor, forward_every_token
 ) -> LaunchedVerify:
-    """Queue the next round's verify (`batch`, loaded from `inputs`) behind the round `done`'s
-    extend, reading its chains on the device before the host has read them: the device goes
-    from one round to the next without waiting for the host's bookkeeping in between
-    (applying the chains, scheduling, gathering the next round)."""
+    """Queue the next round's verify (`batch`, loaded from `inputs`) behind the extend that
+    proposed `next_chains` [n, K], reading them on the device before the host has read them:
+    the device goes from one round to the next without waiting for the host's bookkeeping in
+    between (applying the chains, scheduling, gathering the next round)."""
     n, width = inputs.tokens.shape
     # The chains that gathering read are the round before's: the next ones are on the device.
-    batch.input_ids[: n * width].view(n, width)[:, 1:].copy_(done.next_chains)
+    batch.input_ids[: n * width].view(n, width)[:, 1:].copy_(next_chains)
     outputs = forward_every_token(batch)
     queued = None
     if batch.input_ids.is_cuda:

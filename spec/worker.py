@@ -23,7 +23,6 @@ from spec.acceptance import Verdict
 from spec.batching import Span, extend_batch
 from spec.decode_extend import FixedDecodeExtend
 from spec.device_round import (
-    DeviceRound,
     LaunchedVerify,
     RoundInputs,
     chain_span,
@@ -289,9 +288,9 @@ class MultiLayerEagleWorker:
     ) -> None:
         """After the scheduler committed the verified tokens: statistics, then draft extend
         over the newly committed tokens for the requests that go on speculating.
-        `launch_next`: the engine's next step is a decode step of these same requests, unless
-        something changes in between: after a round on the device, their next verify is
-        queued behind this round's extend (`LaunchedVerify`)."""
+        `launch_next`: the engine's next step is a decode step of those of these requests
+        that are still running, unless something changes in between: after a round on the
+        device, their next verify is queued behind this round's extend (`LaunchedVerify`)."""
         done = verified.extended
         going_on = []  # (index in the batch, request, tokens committed this step)
         for i, req in enumerate(requests):
@@ -307,14 +306,17 @@ class MultiLayerEagleWorker:
             if done is not None or req.lookahead:
                 going_on.append((i, req, committed))
         if done is not None:  # the extend ran with the verify: its chains go to those going on
-            if launch_next and len(going_on) == len(requests):
-                self._launch_verify(requests, done)
             indices = [i for i, _, _ in going_on]
-            chains, probs = done.chains()
-            boundary, hidden = done.boundary, done.verify_hidden
+            boundary, hidden, next_chains = done.boundary, done.verify_hidden, done.next_chains
             if len(indices) < len(requests):
                 kept = int_tensor(indices, boundary.device)
                 boundary, hidden = boundary[:, kept], hidden[kept]
+                next_chains = next_chains[kept] if launch_next else next_chains
+            # Those going on are all that the round leaves running, in order: the next step's
+            # batch when nothing joins.
+            if launch_next and going_on:
+                self._launch_verify([req for _, req, _ in going_on], next_chains)
+            chains, probs = done.chains()
             self.fixed_extend.apply(
                 [done.items[i] for i in indices],
                 [committed for _, _, committed in going_on],
@@ -352,15 +354,17 @@ class MultiLayerEagleWorker:
             ]
         )
 
-    def _launch_verify(self, requests: list[Request], done: DeviceRound) -> None:
-        """Queue the next round's verify of `requests` now (spec.device_round.launch_verify);
-        the next `verify` takes it if it is of the same requests with the same tokens."""
+    def _launch_verify(self, requests: list[Request], next_chains: torch.Tensor) -> None:
+        """Queue the next round's verify of `requests`, whose chains are `next_chains` on the
+        device, now (spec.device_round.launch_verify); the next `verify` takes it if it is of
+        the same requests with the same tokens."""
         inputs = gather_round(
             requests, self.num_draft_steps, self.runner.req_to_token_pool.max_context_len
         )
         if inputs is not None:
             batch = self._verify_batch(inputs)
-            self._launched = launch_verify(inputs, batch, done, self.runner.forward_every_token)
+            forward = self.runner.forward_every_token
+            self._launched = launch_verify(inputs, batch, next_chains, forward)
 
     def release(self, req: Request) -> None:
         launched = self._launched

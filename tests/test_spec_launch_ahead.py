@@ -43,7 +43,7 @@ def _llm(models, launch_ahead: bool, monkeypatch, device: str) -> tuple[LLM, dic
         num_draft_steps=3, kv_cache_tokens=8192, max_num_seqs=16,
     )  # fmt: skip
     worker = llm.engine.speculator
-    counts = {"launched": 0, "taken": 0}
+    counts = {"launched": 0, "taken": 0, "rounds": 0}
     launched_batches = []
     launch, device_round = worker._launch_verify, worker._device_round
 
@@ -54,6 +54,7 @@ def _llm(models, launch_ahead: bool, monkeypatch, device: str) -> tuple[LLM, dic
             launched_batches.append(worker._launched.batch)
 
     def counted_round(inputs, batch, outputs):
+        counts["rounds"] += 1
         counts["taken"] += any(batch is launched for launched in launched_batches)
         return device_round(inputs, batch, outputs)
 
@@ -77,17 +78,22 @@ def _check_empty(llm: LLM) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_next_verify_is_taken_and_changes_nothing(models, monkeypatch, device):
+    """Requests finish at different rounds (their max_tokens, EOS for some): each round but
+    the last queues the next one's verify, of the requests it leaves running."""
     prompts = _prompts(1, 6)
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = [
+        SamplingParams(max_tokens=12 + 7 * i, temperature=0, ignore_eos=i % 2 == 0)
+        for i in range(len(prompts))
+    ]
     plain, _ = _llm(models, False, monkeypatch, device)
     expected = [(o.token_ids, o.usage.spec_verify_steps) for o in plain.generate(prompts, params)]
     llm, counts = _llm(models, True, monkeypatch, device)
     got = [(o.token_ids, o.usage.spec_verify_steps) for o in llm.generate(prompts, params)]
     assert got == expected
     _check_empty(llm)
-    # Nothing changes between steps here: every verify launched ahead is taken (none after
-    # a round that finished a request).
-    assert 0 < counts["taken"] == counts["launched"]
+    # Nothing joins between steps here: every round but the last launched the next one's
+    # verify, and each was taken.
+    assert counts["taken"] == counts["launched"] == counts["rounds"] - 1 > 0
 
 
 def _stepped(llm: LLM, prompts, params, join_at: int, abort_at: int | None) -> dict[str, list]:
