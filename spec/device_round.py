@@ -24,9 +24,9 @@ every depth; no real position attends to them (they come later). A round decided
 instead would cost the whole batch the general path each time one request nears its end.
 
 The round's inputs are gathered in one pass over its requests (`gather_round`) and read from
-arrays after that. When the next step will decode the same requests, their next verify is
-queued before the host reads this round's chains (`launch_verify`): the chains go from the
-extend's output into the verify's input on the device."""
+arrays after that. When the next step will decode the requests this round leaves running,
+their next verify is queued before the host reads this round's chains (`launch_verify`): the
+chains go from the extend's output into the verify's input on the device."""
 
 from __future__ import annotations
 
