@@ -1,7 +1,8 @@
-"""The next speculative round's verify queued before its step (spec.worker.LaunchedVerify):
-behind the last round's extend, reading its chains on the device. The step takes it only if
-it is of the same requests with the same tokens; a request joining, leaving or aborted in
-between makes the step verify afresh, and the output is the same as without it."""
+"""The next speculative round's verify queued before its step (spec.device_round.LaunchedVerify):
+behind the last round's extend, for the requests that round leaves running, reading their
+chains on the device. The step takes it only if it is of the same requests with the same
+tokens; a request joining or aborted in between makes the step verify afresh, and the output
+is the same as without it."""
 
 from __future__ import annotations
 
