@@ -55,12 +55,16 @@ class RoundInputs:
 
     requests: list[Request]
     rows: np.ndarray  # [n]
-    newest: np.ndarray  # [n]
     tokens: np.ndarray  # [n, K+1]
     slots: np.ndarray  # [n, K+1]
     lookaheads: list[int]
     items: list[FixedExtendItem]
     gathered: GatheredItems  # the items' table
+
+    @property
+    def newest(self) -> np.ndarray:
+        """[n] each request's position m."""
+        return self.gathered.newest
 
     def spans(self) -> list[Span]:
         """The verify's spans, for a forward that no captured graph runs."""
@@ -112,7 +116,6 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
     return RoundInputs(
         requests,
         np.array(rows, dtype=np.int64),
-        np.array(newest, dtype=np.int64),
         np.array(tokens, dtype=np.int64),
         np.array(slots, dtype=np.int64),
         lookaheads,

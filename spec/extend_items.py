@@ -41,14 +41,13 @@ class FixedExtendItem:
 class GatheredItems:
     """The items' integers that a launch reads, gathered in one pass: per item the position m
     of its newest token and the positions it may hold draft slots for; per depth and item the
-    sequence, its row, the slots it holds and its valid prefix."""
+    sequence, its row and the slots it holds."""
 
     newest: np.ndarray  # [n]
     num_positions: np.ndarray  # [n]
     seqs: list[tuple[DraftSeq, ...]]  # [K][n]
     rows: np.ndarray  # [K, n]
     held: np.ndarray  # [K, n]
-    valid: np.ndarray  # [K, n]
 
     @classmethod
     def of(cls, items: list[FixedExtendItem]) -> GatheredItems:
@@ -70,19 +69,14 @@ class GatheredItems:
             by_depth,
             np.array([[seq.row for seq in depth] for depth in by_depth], dtype=np.int64),
             np.array([[len(seq.slots) for seq in depth] for depth in by_depth], dtype=np.int64),
-            np.array([[seq.valid_len for seq in depth] for depth in by_depth], dtype=np.int64),
-        )
-
-    def reread_valid(self) -> None:
-        """Each sequence's valid prefix again (an extend since the gathering moved them)."""
-        self.valid = np.array(
-            [[seq.valid_len for seq in depth] for depth in self.seqs], dtype=np.int64
         )
 
     def aligned(self, k: int) -> bool:
-        """Whether every depth d is valid up to where this extend starts (m-d >= 1)."""
+        """Whether every depth d is valid up to where this extend starts (m-d >= 1), read from
+        the sequences now: an extend applied since the gathering moves them."""
+        valid = np.array([[seq.valid_len for seq in depth] for depth in self.seqs])
         expected = self.newest[None, :] - np.arange(len(self.seqs))[:, None]
-        return bool(self.newest.min() >= k and (self.valid == expected).all())
+        return bool(self.newest.min() >= k and (valid == expected).all())
 
 
 def grow_depths(depths: list[DraftRunner], items: GatheredItems, k: int) -> None:

@@ -198,8 +198,6 @@ class MultiLayerEagleWorker:
         launched, self._launched = self._launched, None
         if self.shape.is_chain:
             if launched is not None and launched.runs(requests):
-                # Its draft states moved on since (the last round's extend was applied).
-                launched.inputs.gathered.reread_valid()
                 if self.fixed_extend.fits(launched.inputs.items, launched.inputs.gathered):
                     return self._device_round(launched.inputs, launched.batch, launched.outputs)
             rows = self.runner.req_to_token_pool.max_context_len

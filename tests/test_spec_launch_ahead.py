@@ -10,23 +10,12 @@ import random
 from pathlib import Path
 
 import pytest
+from devices import DEVICES
 from tiny_drafts import make_good_draft, make_predictable_llama
 
 from engine import LLM, SamplingParams
-from engine.kernels import triton_runs_on
 
 SPEC = "multi-layer-eagle"
-# On a GPU the verify is queued in the verify graphs' buffers, behind the extend's graph.
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not triton_runs_on("cuda"), reason="needs CUDA and Triton"),
-        ],
-    ),
-]
 
 
 @pytest.fixture(scope="module")
