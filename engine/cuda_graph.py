@@ -17,9 +17,11 @@ backend's kernels read the static buffers, so a replay needs no metadata work.""
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -31,6 +33,22 @@ from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.prompt_embeds import InputEmbeds, concat_input_embeds
 
 logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector kept from running while graphs are captured: a
+    collection then may free another engine's graphs or the tensors in their pools, and a
+    CUDA call of theirs in the middle of a capture invalidates it."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
 
 # The static input buffer: three rows of per-token values, then five of per-request values,
 # then for graphs of token trees each token's visibility mask (ForwardBatch.tree_bits).
@@ -233,16 +251,33 @@ class CudaGraphs:
         copying its outputs into buffers shared by all sizes (allocated outside the pool), so
         no graph keeps memory of its own once captured: the pool holds one graph's
         intermediates at a time, whatever the number of sizes."""
-        from tqdm import tqdm
-
         device = self.kv_pool.device
         start = time.perf_counter()
         before = torch.cuda.memory_allocated(device)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        pool = None
         sizes = sorted(self.buckets, reverse=True)
         desc = f"capturing {self.name} CUDA graphs"
+        with collection_paused():
+            self._capture_sizes(sizes, stream, desc, progress)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        used = torch.cuda.memory_allocated(device) - before
+        logger.info(
+            "captured %d %s CUDA graphs (%s tokens) in %.1f s, %.0f MiB",
+            len(sizes),
+            self.name,
+            ",".join(map(str, self.buckets)),
+            time.perf_counter() - start,
+            used / 2**20,
+        )
+
+    def _capture_sizes(self, sizes: list[int], stream, desc: str, progress: bool) -> None:
+        """One graph per size, largest first, sharing one memory pool."""
+        from tqdm import tqdm
+
+        device = self.kv_pool.device
+        pool = None
         for size in tqdm(sizes, desc=desc, disable=not progress, leave=False):
             self._fill(size, [])  # every token a padding request of its own
             self.staged.upload()
@@ -262,17 +297,6 @@ class CudaGraphs:
                     shared[:size].copy_(out)
             pool = graph.pool()
             self.graphs[size] = graph
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-        used = torch.cuda.memory_allocated(device) - before
-        logger.info(
-            "captured %d %s CUDA graphs (%s tokens) in %.1f s, %.0f MiB",
-            len(sizes),
-            self.name,
-            ",".join(map(str, self.buckets)),
-            time.perf_counter() - start,
-            used / 2**20,
-        )
 
     def load(self, spans: list[Span], hidden: torch.Tensor | None = None) -> ForwardBatch:
         """A batch of these spans (`fits` must hold), written into the static buffers with its
