@@ -23,13 +23,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.cuda_graph import batch_size_buckets, bucket_for
+from engine.cuda_graph import batch_size_buckets, bucket_for, collection_paused
 from engine.forward_batch import ForwardBatch
 from engine.host_copy import HostCopy, PinnedMirror
+from spec.device_tree import DeviceTree, ForkColumns, TreeLayout
 from spec.draft_runner import DraftRunner
 from spec.draft_vocab import DraftHead
-from spec.extend_items import FixedExtendItem, GatheredItems, grow_depths, split_chains
+from spec.extend_items import (
+    FixedExtendItem,
+    GatheredItems,
+    grow_depths,
+    split_chains,
+    split_trees,
+)
 from spec.state import BatchRows, whole_batch
+from spec.tree import DraftTree, TreeShape
 
 
 class _Buffers:
@@ -45,6 +53,7 @@ class _Buffers:
         k: int,
         widths: list[int],
         padding_rows: list[int],
+        fork_rows: list[int],
         in_width: int,
         hidden: int,
         dtype: torch.dtype,
@@ -78,7 +87,18 @@ class _Buffers:
         # The device views a fill writes through, kept: each slicing is a call into torch that
         # costs microseconds of host time, every step.
         self.ids = [self.depth_views(d)[0].view(size, width) for d, width in enumerate(widths)]
+        self.positions = [
+            self.depth_views(d)[1].view(size, width) for d, width in enumerate(widths)
+        ]
         self.accepted = self.ints[self.accepted_offset : self.accepted_offset + size]
+        # Each depth's span: its cache positions, from the first one (a request's start).
+        self.cache_columns = [torch.arange(width, device=device) for width in widths]
+        # Per depth with forks (a tree), each token's visibility bits: the main rows causal
+        # (-1), the fork rows' filled on the device each step (spec/device_tree.py).
+        self.bits = [
+            torch.full((size, width), -1, dtype=torch.int64, device=device) if forks else None
+            for width, forks in zip(widths, fork_rows)
+        ]
 
     def depth_views(self, d: int) -> tuple[torch.Tensor, ...]:
         """(ids, positions, rows, seq_lens, q_starts, q_lens) of depth d."""
@@ -101,15 +121,31 @@ class _Buffers:
 
 class FixedDecodeExtend:
     """Runs the decode step's draft extend for batches of `FixedExtendItem`s (see the module's
-    docstring), eagerly or, with `graph_max_bs`, replaying a graph per batch-size bucket."""
+    docstring), eagerly or, with `graph_max_bs`, replaying a graph per batch-size bucket.
+    With a tree `shape` (not a chain), each depth also expands the tree's other nodes and the
+    extend proposes each request's next tree (spec/device_tree.py)."""
 
-    def __init__(self, depths: list[DraftRunner], head: DraftHead, graph_max_bs: int) -> None:
+    def __init__(
+        self,
+        depths: list[DraftRunner],
+        head: DraftHead,
+        graph_max_bs: int,
+        shape: TreeShape | None = None,
+    ) -> None:
         self.depths = depths
         self.head = head
         self.k = len(depths)
-        self.widths = [self.k + 1 + d for d in range(self.k)]
+        self.widths = [self.k + 1 + d for d in range(self.k)]  # each depth's main rows
         first = depths[0]
         self.device = torch.device(first.device)
+        self.layout: TreeLayout | None = None
+        self.fork_columns: ForkColumns | None = None
+        self.fork_rows = [0] * self.k
+        if shape is not None and not shape.is_chain:
+            self.layout = TreeLayout(shape, self.k)
+            self.fork_columns = ForkColumns(self.layout, self.device)
+            self.fork_rows = self.layout.fork_rows
+        self.spans = [w + f for w, f in zip(self.widths, self.fork_rows)]
         self.dtype = first.kv_pool.dtype
         self.in_width = first.module.hnorm.weight.shape[0]
         self.hidden_size = first.module.fc.weight.shape[0]
@@ -121,16 +157,23 @@ class FixedDecodeExtend:
 
     def fits(self, items: list[FixedExtendItem], gathered: GatheredItems | None = None) -> bool:
         """Whether this path runs `items`: every request verified a full chain and holds
-        every depth's KV up to where this extend starts (m-d >= 1, valid there); and no depth
-        dumps tensors (the general path records each depth's forward). `gathered`: the items'
-        table, whose builder vouches for their committed tokens and hidden states (a round on
-        the device fills those there)."""
+        every depth's KV up to where this extend starts (m-d >= 1, valid there); its forks'
+        rows, if any, fit in each depth's row table; and no depth dumps tensors (the general
+        path records each depth's forward). `gathered`: the items' table, whose builder
+        vouches for their committed tokens and hidden states (a round on the device fills
+        those there)."""
         k = self.k
         if any(runner.dumper is not None for runner in self.depths):
             return False
+        if not items:
+            return False
+        if self.layout is not None:
+            reach = max(item.m for item in items) + k + 1 + max(self.fork_rows)
+            if reach > self.depths[0].req_to_token_pool.max_context_len:
+                return False
         if gathered is not None:
-            return bool(items) and gathered.aligned(k)
-        return bool(items) and all(
+            return gathered.aligned(k)
+        return all(
             len(item.verify_hidden) == k + 1
             and 1 <= len(item.committed) <= k + 1
             and item.m >= k
@@ -140,11 +183,14 @@ class FixedDecodeExtend:
 
     @torch.inference_mode()
     def run(self, items: list[FixedExtendItem]) -> None:
-        """Extend every depth over `items` and give each its next chain and boundary states."""
+        """Extend every depth over `items` and give each its next chain (and tree) and
+        boundary states."""
         _, block, boundary, verify_hidden = self.launch(items)
-        ids, chain_probs = split_chains(HostCopy(block))
+        copy = HostCopy(block)
+        ids, chain_probs = split_chains(copy, self.k)
+        trees = None if self.layout is None else split_trees(copy, self.k, self.layout.budget)
         counts = [len(item.committed) for item in items]
-        self.apply(items, counts, ids, chain_probs, boundary, verify_hidden)
+        self.apply(items, counts, ids, chain_probs, boundary, verify_hidden, trees)
 
     @torch.inference_mode()
     def launch(
@@ -157,7 +203,8 @@ class FixedDecodeExtend:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queue the extend of every depth over `items`; returns, on the device, the next
         chains [n, K], the same chains and their probabilities in one float64 block [n, 2K]
-        (what the host reads: ids are exact in float64; `split_chains`), the boundary states
+        (what the host reads: ids are exact in float64; `split_chains`) followed by the
+        trees' nodes when the shape is a tree (`split_trees`), the boundary states
         [K-1, n, hidden] and the verify's hidden states it read [n, K+1, width].
         With `committed` [n, K+1] (row i: the verify's targets, the first accepted[i] + 1 of
         them committed), `accepted` [n] and `verify_hidden` [n, K+1, width] on the device, the
@@ -166,7 +213,7 @@ class FixedDecodeExtend:
         k = self.k
         if gathered is None:
             gathered = GatheredItems.of(items)
-        grow_depths(self.depths, gathered, k)
+        grow_depths(self.depths, gathered, k, self.fork_rows)
         if verify_hidden is None:
             verify_hidden = torch.stack([item.verify_hidden for item in items])
         size = bucket_for(self.buckets, len(items)) if self.buckets else None
@@ -192,17 +239,18 @@ class FixedDecodeExtend:
         probs: list[list[float]],
         boundary: torch.Tensor,
         verify_hidden: torch.Tensor,
+        trees: list[DraftTree] | None = None,
     ) -> None:
-        """Give each item its next chain and boundary states after `launch`: `counts[i]`
-        tokens committed by its verify, `chains[i]` its chain and `probs[i]` the chain's
-        probabilities (`split_chains`), row i of `boundary` [K-1, n, hidden] and of
-        `verify_hidden` [n, K+1, width]."""
+        """Give each item its next chain (and tree) and boundary states after `launch`:
+        `counts[i]` tokens committed by its verify, `chains[i]` its chain and `probs[i]` the
+        chain's probabilities (`split_chains`), `trees[i]` its tree (`split_trees`), row i of
+        `boundary` [K-1, n, hidden] and of `verify_hidden` [n, K+1, width]."""
         for i, (item, count, chain, chain_probs) in enumerate(zip(items, counts, chains, probs)):
             state = item.state
             m_next = item.m + count  # the newest position after the step
             state.chain = chain
             state.chain_probs = chain_probs
-            state.tree = None
+            state.tree = None if trees is None else trees[i]
             state.boundary = BatchRows(boundary, i)
             state.hidden_at = (verify_hidden, (i, count - 1))
             for d, seq in enumerate(state.seqs):
@@ -210,8 +258,8 @@ class FixedDecodeExtend:
 
     def _buffers(self, size: int) -> _Buffers:
         padding_rows = [runner.req_to_token_pool.padding_row for runner in self.depths]
-        return _Buffers(size, self.k, self.widths, padding_rows, self.in_width, self.hidden_size,
-                        self.dtype, self.device)  # fmt: skip
+        return _Buffers(size, self.k, self.spans, padding_rows, self.fork_rows, self.in_width,
+                        self.hidden_size, self.dtype, self.device)  # fmt: skip
 
     def _fill(
         self,
@@ -269,7 +317,7 @@ class FixedDecodeExtend:
             values[buffers.accepted_offset : buffers.accepted_offset + n] = [
                 item.accepted for item in items
             ]
-        for d, (width, columns) in enumerate(zip(self.widths, buffers.columns)):
+        for d, (width, columns) in enumerate(zip(self.spans, buffers.columns)):
             ids, positions, rows, seq_lens = buffers.host[d]
             if committed is not None:
                 ids[:n, : k + 1] = committed
@@ -285,16 +333,20 @@ class FixedDecodeExtend:
         eager_items: list[FixedExtendItem] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every depth over the buffers: the chains [size, K], the chains and their
-        probabilities as one float64 block [size, 2K], and the new boundary states [K-1,
-        size, hidden]. What a graph captures."""
+        probabilities as one float64 block [size, 2K] (then the trees, for a tree shape), and
+        the new boundary states [K-1, size, hidden]. What a graph captures."""
         size, k = buffers.size, self.k
         accepted = buffers.accepted
         every = torch.arange(size, device=self.device)
+        tree = None
+        if self.layout is not None:
+            assert self.fork_columns is not None
+            tree = DeviceTree(self.layout, self.fork_columns, size, self.device)
         drafts: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         boundaries: list[torch.Tensor] = []
         previous: torch.Tensor | None = None
-        for d, (runner, width) in enumerate(zip(self.depths, self.widths)):
+        for d, (runner, width, span) in enumerate(zip(self.depths, self.widths, self.spans)):
             ids = buffers.ids[d]
             for t, draft in enumerate(drafts, start=1):
                 ids.scatter_(1, (accepted + t)[:, None], draft[:, None])
@@ -304,48 +356,91 @@ class FixedDecodeExtend:
                 assert previous is not None
                 boundary = buffers.boundary[d - 1][:, None]
                 hidden = torch.cat([boundary, previous[:, : width - 1]], dim=1)
+            if tree is not None and span > width:
+                assert previous is not None
+                hidden = torch.cat([hidden, self._fork_inputs(buffers, d, tree, previous)], 1)
             batch = self._batch(buffers, d, runner, eager_items)
             # A graph's metadata points at the buffers; an eager forward prepares its own.
             batch.attn_metadata = (
                 metadata[d] if metadata is not None else runner.attention.prepare(batch)
             )
-            (out,) = runner._forward_tokens(batch, hidden.reshape(size * width, -1))
-            out = out.view(size, width, -1)
-            top, top_p = self.head.propose_top(out[every, accepted + d], 1)
-            drafts.append(top[:, 0])
-            probs.append(top_p[:, 0])
+            (out,) = runner._forward_tokens(batch, hidden.reshape(size * span, -1))
+            out = out.view(size, span, -1)
+            proposing = out[every, accepted + d]
+            if tree is None:
+                top, top_p = self.head.propose_top(proposing, 1)
+                drafts.append(top[:, 0])
+                probs.append(top_p[:, 0])
+            else:
+                # The greedy node's row, then each fork's last.
+                nodes = proposing[:, None]
+                if span > width:
+                    nodes = torch.cat([nodes, tree.fork_last_rows(out, d)], dim=1)
+                node_width = self.layout.shape.width_at(d)
+                top, top_p = self.head.propose_top(nodes.flatten(0, 1), node_width)
+                top = top.view(size, nodes.shape[1], -1)
+                top_p = top_p.view(size, nodes.shape[1], -1)
+                drafts.append(top[:, 0, 0])
+                probs.append(top_p[:, 0, 0])
+                tree.add_level(d, top, top_p)
             if d < k - 1:
                 boundaries.append(out[every, accepted])
             previous = out
         boundary = torch.stack(boundaries) if boundaries else buffers.boundary[:0]
         chains = torch.stack(drafts, dim=1)
-        block = torch.cat([chains.double(), torch.stack(probs, dim=1).double()], dim=1)
-        return chains, block, boundary
+        parts = [chains.double(), torch.stack(probs, dim=1).double()]
+        if tree is not None:
+            parts.append(tree.select())
+        return chains, torch.cat(parts, dim=1), boundary
+
+    def _fork_inputs(
+        self, buffers: _Buffers, d: int, tree: DeviceTree, previous: torch.Tensor
+    ) -> torch.Tensor:
+        """Depth d's fork rows, after its main rows: their tokens, positions and visibility
+        bits into the buffers, and their hidden states [size, fork rows, width] (read from
+        depth d-1's output `previous`)."""
+        accepted = buffers.accepted
+        width = self.widths[d]
+        columns = self.fork_columns
+        assert columns is not None and columns.row[d] is not None
+        buffers.ids[d][:, width:] = tree.fork_tokens(d)
+        positions = buffers.positions[d]
+        # Fork row r sits at m'-d+r = (m-d) + a + 1 + r; m-d is the span's first position.
+        positions[:, width:] = positions[:, :1] + accepted[:, None] + 1 + columns.row[d]
+        bits = buffers.bits[d]
+        assert bits is not None
+        bits[:, width:] = tree.fork_bits(d, accepted)
+        rows = tree.fork_hidden_rows(d, accepted)
+        return previous.gather(1, rows[:, :, None].expand(-1, -1, previous.shape[2]))
 
     def _batch(self, buffers: _Buffers, d: int, runner: DraftRunner,
                eager_items: list[FixedExtendItem] | None) -> ForwardBatch:  # fmt: skip
         ids, positions, rows, *_ = buffers.depth_views(d)
-        size, width = buffers.size, self.widths[d]
-        # Each token's slot, from its row and position in the depth's row table (a padding
-        # request's row holds only the padding slot).
+        size, span = buffers.size, self.spans[d]
+        # Each token's slot, from its row and cache position in the depth's row table (a
+        # padding request's row holds only the padding slot). A span's cache positions
+        # follow from its first; a fork row's rotary position is its node's, not its cache's.
         table = runner.req_to_token_pool.req_to_token
-        slots = table[rows[:, None], positions.view(size, width)].view(-1)
+        starts = buffers.positions[d][:, :1]
+        slots = table[rows[:, None], starts + buffers.cache_columns[d]].view(-1)
+        bits = buffers.bits[d]
         return ForwardBatch(
             input_ids=ids,
             positions=positions,
             out_cache_loc=slots,
             req_pool_indices=rows,
             seq_lens=self._seq_lens(d, size, eager_items),
-            extend_lens=[width] * size,
+            extend_lens=[span] * size,
             kv_pool=runner.kv_pool,
             req_to_token_pool=runner.req_to_token_pool,
+            tree_bits=None if bits is None else bits.view(-1),
         )
 
     def _seq_lens(self, d: int, size: int, items: list[FixedExtendItem] | None) -> list[int]:
-        width = self.widths[d]
+        span = self.spans[d]
         if items is None:  # a graph's batch: its metadata reads the device buffers
-            return [width] * size
-        return [item.m - d + width for item in items] + [width] * (size - len(items))
+            return [span] * size
+        return [item.m - d + span for item in items] + [span] * (size - len(items))
 
     @torch.inference_mode()  # as every forward: the kernels' fast paths need no autograd
     def _capture(self) -> None:
@@ -353,6 +448,12 @@ class FixedDecodeExtend:
         pool (each graph's own), read right after its replay."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        with collection_paused():
+            self._capture_sizes(stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def _capture_sizes(self, stream: torch.cuda.Stream) -> None:
         pool = None
         for size in sorted(self.buckets, reverse=True):
             buffers = self._buffers(size)
@@ -362,11 +463,13 @@ class FixedDecodeExtend:
             metadata = []
             for d, runner in enumerate(self.depths):
                 _, _, rows, seq_lens, q_starts, q_lens = buffers.depth_views(d)
+                bits = buffers.bits[d]
                 metadata.append(
                     runner.attention.prepare_for_capture(
-                        rows, seq_lens, q_starts, q_lens, self.widths[d]
+                        rows, seq_lens, q_starts, q_lens, self.spans[d],
+                        None if bits is None else bits.view(-1),
                     )
-                )
+                )  # fmt: skip
             with torch.cuda.stream(stream):
                 self._forward(buffers, metadata)  # compiles the kernels outside the capture
             stream.synchronize()
@@ -375,5 +478,3 @@ class FixedDecodeExtend:
                 outputs = self._forward(buffers, metadata)
             pool = graph.pool()
             self.graphs[size] = (graph, buffers, outputs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)

@@ -42,7 +42,8 @@ from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
 from spec.decode_extend import FixedDecodeExtend
-from spec.extend_items import FixedExtendItem, GatheredItems, split_chains
+from spec.extend_items import FixedExtendItem, GatheredItems, split_chains, split_trees
+from spec.tree import DraftTree
 
 
 @dataclass
@@ -148,11 +149,18 @@ class DeviceRound:
     next_chains: torch.Tensor  # [n, K] the same chains, on the device
     boundary: torch.Tensor  # [K-1, n, hidden]
     verify_hidden: torch.Tensor  # [n, K+1, width]: the target's over each verify span
+    tree_budget: int | None = None  # the nodes of each next tree, when the extend grows trees
 
     def chains(self) -> tuple[list[list[int]], list[list[float]]]:
         """Each request's next chain and the chain's probabilities, once the extend is done on
         the device."""
-        return split_chains(self.chains_copy)
+        return split_chains(self.chains_copy, self.next_chains.shape[1])
+
+    def trees(self) -> list[DraftTree] | None:
+        """Each request's next tree, when the extend grows trees."""
+        if self.tree_budget is None:
+            return None
+        return split_trees(self.chains_copy, self.next_chains.shape[1], self.tree_budget)
 
 
 def run_device_round(
@@ -246,10 +254,15 @@ GROW_AHEAD = 16
 
 
 def grow_for_next_round(
-    requests: list[Request], k: int, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool
+    requests: list[Request],
+    k: int,
+    kv_pool: KVPool,
+    req_to_token_pool: ReqToTokenPool,
+    span: int | None = None,
 ) -> None:
     """Slots for the next round's verify whatever this one accepts (at most k + 1 tokens
-    committed, then the newest and k drafts), and GROW_AHEAD more when they must grow, within
+    committed, then the newest and `span` drafts: k for a chain, a tree's nodes), and
+    GROW_AHEAD more when they must grow, within
     each request's own bound (prompt + max_tokens, the row's length), where the pool keeps
     room for another step of every request after them: the scheduler then finds them held,
     and its step does not wait for the row-table write."""
@@ -258,7 +271,7 @@ def grow_for_next_round(
         bound = min(
             len(req.prompt_token_ids) + req.params.max_tokens, req_to_token_pool.max_context_len
         )
-        need = min(req.num_tokens + 2 * k + 1, bound)
+        need = min(req.num_tokens + k + 1 + (k if span is None else span), bound)
         if len(req.slots) < need:
             grants.append((req, min(need + GROW_AHEAD, bound) - len(req.slots)))
     total = sum(n for _, n in grants)

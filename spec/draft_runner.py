@@ -85,6 +85,7 @@ class DraftRunner:
         target: LlamaForCausalLM,
         rotary: RotaryEmbedding,
         config: EngineConfig,
+        tree_slots: int = 0,
     ) -> None:
         model_config = target.config
         self.depth = depth
@@ -102,9 +103,11 @@ class DraftRunner:
         # request's positions where the target does, but a parallel sample's own positions in
         # depth d start depth + 1 before its own in the target (spec.sample_extend), so only
         # with those can it not run out where the target did not. Forks hold more within a
-        # draft extend, and only where `can_fork` found room.
+        # draft extend, and only where `can_fork` found room. `tree_slots` more for each
+        # request: the positions past the target's that a decode step's tree extend holds
+        # (spec/device_tree.py).
         self.kv_pool = KVPool(
-            config.kv_cache_tokens + (depth + 1) * config.max_num_seqs,
+            config.kv_cache_tokens + (depth + 1 + tree_slots) * config.max_num_seqs,
             1,
             model_config.num_kv_heads,
             model_config.head_dim,

@@ -14,6 +14,7 @@ from engine.allocator import PADDING_SLOT
 from engine.host_copy import HostCopy
 from spec.draft_runner import DraftRunner, DraftSeq
 from spec.state import SpecRequestState
+from spec.tree import DraftTree
 
 
 @dataclass
@@ -79,24 +80,43 @@ class GatheredItems:
         return bool(self.newest.min() >= k and (valid == expected).all())
 
 
-def grow_depths(depths: list[DraftRunner], items: GatheredItems, k: int) -> None:
+# Positions a depth with forks grows by beyond what a step needs (grow_depths): a few steps'
+# worth (a step moves on by at most K + 1), which every depth's pool reserves for every request.
+FORK_GROW_AHEAD = 8
+
+
+def grow_depths(
+    depths: list[DraftRunner], items: GatheredItems, k: int, fork_rows: list[int] | None = None
+) -> None:
     """Each depth's slots up to position m+K of every item (the padding rows write there too):
     a sequence short of them takes every position its item may hold; entries past those point
     at the padding slot, since the extend reads its KV slots from the row table and an entry
     there may hold a slot that another request owns now (they are overwritten when the
-    sequence grows)."""
+    sequence grows). A depth with `fork_rows[d]` rows of a tree's forks after its main rows
+    holds real slots up to m+K+fork_rows[d], past what its item may hold if need be: the forks'
+    rows attend one another there. Such a depth grows FORK_GROW_AHEAD positions further when
+    it must grow, within its row table: a growth is a row-table write, which each step would
+    otherwise pay in every depth."""
     end = items.newest + k + 1
-    reach = np.minimum(end, items.num_positions)
-    short = items.held < reach
-    held = np.maximum(items.held, reach)
-    padding = held < end
+    forks = np.zeros(len(depths), dtype=np.int64) if fork_rows is None else np.array(fork_rows)
+    need = np.where(
+        forks[:, None] > 0, end[None, :] + forks[:, None], np.minimum(end, items.num_positions)
+    )
+    short = items.held < need
+    held = np.maximum(items.held, need)
+    padding = held < end[None, :]
     if not (short.any() or padding.any()):
         return
     for d, runner in enumerate(depths):
         seqs = items.seqs[d]
         grown = np.flatnonzero(short[d]).tolist()
         if grown:
-            runner.grow_many([(seqs[i], int(items.num_positions[i])) for i in grown])
+            targets = np.maximum(items.num_positions, need[d])
+            if forks[d]:
+                width = runner.req_to_token_pool.max_context_len
+                ahead = np.minimum(need[d] + FORK_GROW_AHEAD, width)
+                targets = np.maximum(items.num_positions, ahead)
+            runner.grow_many([(seqs[i], int(targets[i])) for i in grown])
             items.rows[d, grown] = [seqs[i].row for i in grown]
         padded = np.flatnonzero(padding[d]).tolist()
         if padded:
@@ -106,10 +126,26 @@ def grow_depths(depths: list[DraftRunner], items: GatheredItems, k: int) -> None
             )  # fmt: skip
 
 
-def split_chains(copy: HostCopy) -> tuple[list[list[int]], list[list[float]]]:
-    """Each request's chain and the chain's probabilities from a copy of the extend's [n, 2K]
-    float64 block (ids are exact in float64), once it has landed."""
+def split_chains(copy: HostCopy, k: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    """Each request's chain and the chain's probabilities from a copy of the extend's float64
+    block (ids are exact in float64): its first K columns, then K more (K: half its width
+    unless given), once it has landed."""
     copy.wait()
     values = copy.host.numpy()
-    k = values.shape[1] // 2
-    return values[:, :k].astype(np.int64).tolist(), values[:, k:].tolist()
+    k = values.shape[1] // 2 if k is None else k
+    return values[:, :k].astype(np.int64).tolist(), values[:, k : 2 * k].tolist()
+
+
+def split_trees(copy: HostCopy, k: int, budget: int) -> list[DraftTree]:
+    """Each request's draft tree from the same block, after its chains (columns 2K on: the
+    nodes' tokens, parents and levels; spec/device_tree.py)."""
+    copy.wait()
+    values = copy.host.numpy()[:, 2 * k : 2 * k + 3 * budget].astype(np.int64)
+    tokens, parents, levels = (
+        values[:, :budget],
+        values[:, budget : 2 * budget],
+        values[:, 2 * budget :],
+    )
+    return [
+        DraftTree(t, p, lv) for t, p, lv in zip(tokens.tolist(), parents.tolist(), levels.tolist())
+    ]

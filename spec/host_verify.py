@@ -41,11 +41,14 @@ def verify_on_host(
     spans: list[Span],
     taken: TreeSlots,
     default_generator: torch.Generator,
+    kept_width: int | None = None,
 ) -> VerifyResult:
     """Verify `spans` (each request's newest token then its tree's nodes, `taken` holding the
     slots of nodes past the request's own) and accept on the host: a greedy request follows
     the target's argmax, a sampled one the target's own draws. A request that keeps a tree's
-    branch takes over the slots of its nodes (TreeSlots.keep_path)."""
+    branch takes over the slots of its nodes (TreeSlots.keep_path). A tree's kept hidden states
+    are those of its newest token and kept path, padded to `kept_width` rows (the fixed-shape
+    extend's K+1) with its newest token's where given."""
     batch = runner.graph_batch(spans) or extend_batch(
         spans, runner.kv_pool, runner.req_to_token_pool, runner.attention, runner.device
     )
@@ -76,6 +79,8 @@ def verify_on_host(
                 writes.append(write)
         # The rows of the kept path: a chain's are its span's first, a tree's gathered.
         rows = list(range(lens[i])) if tree.is_chain else [0] + [n + 1 for n in path]
+        if not tree.is_chain and kept_width is not None:
+            rows += [0] * (kept_width - len(rows))
         kept_rows.append(rows)
         kept_logits = all_raw[i]
         if req.params.logprobs is not None and not tree.is_chain:

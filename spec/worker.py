@@ -27,20 +27,23 @@ from spec.device_round import (
     RoundInputs,
     chain_span,
     gather_round,
+    grow_for_next_round,
     launch_verify,
     run_device_round,
 )
+from spec.device_tree import TreeLayout
 from spec.draft_extend import DraftExtend
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
-from spec.extend_items import FixedExtendItem
+from spec.extend_items import FORK_GROW_AHEAD, FixedExtendItem
 from spec.host_verify import VerifyResult, verify_on_host
 from spec.round_stats import count_round
 from spec.sample_extend import sample_extend, share_prompt, shared_prompt_len
 from spec.state import DraftState, SpecRequestState
 from spec.tree import DraftTree, TreeShape, tree_shape
 from spec.tree_extender import TreeExtender
+from spec.tree_round import TreeRoundInputs, gather_tree_round, run_tree_round
 from spec.tree_verify import TreeSlots
 
 
@@ -51,17 +54,29 @@ class MultiLayerEagleWorker:
         self.num_draft_steps = draft.num_draft_steps
         # The draft tree of each request that may draft one (`_shape`); one chain is a tree too.
         self.shape = tree_shape(runner.config, draft.num_draft_steps)
+        k = draft.num_draft_steps
+        # A tree's forks in a decode step's extend hold positions up to m + K + their rows,
+        # where the target holds from m + 1 on.
+        fork_rows = [0] * k if self.shape.is_chain else TreeLayout(self.shape, k).fork_rows
         self.depths = [
-            DraftRunner(d, module, runner.model, runner.rotary, runner.config)
+            DraftRunner(
+                d,
+                module,
+                runner.model,
+                runner.rotary,
+                runner.config,
+                tree_slots=k + fork_rows[d] + FORK_GROW_AHEAD if fork_rows[d] else 0,
+            )
             for d, module in enumerate(draft.depths)
         ]
         self.head = DraftHead(runner.model, draft.vocab)
         if runner.config.cuda_graph_max_bs:
             self._capture_graphs()
-        # The decode step's extend when every request verified a full chain: one fixed-shape
-        # forward of all depths (one graph per batch size where the engine runs graphs).
+        # The decode step's extend of requests that all draft the engine's shape (a chain or
+        # a tree): one fixed-shape forward of all depths (one graph per batch size where the
+        # engine runs graphs).
         self.fixed_extend = FixedDecodeExtend(
-            self.depths, self.head, runner.config.cuda_graph_max_bs
+            self.depths, self.head, runner.config.cuda_graph_max_bs, self.shape
         )
         # The general draft extend: prefill, and decode steps the fixed shape does not fit.
         self.extender = TreeExtender(self.depths, self.head, runner.device)
@@ -205,7 +220,19 @@ class MultiLayerEagleWorker:
             if inputs is not None and self.fixed_extend.fits(inputs.items, inputs.gathered):
                 batch = self._verify_batch(inputs)
                 return self._device_round(inputs, batch, self.runner.forward_every_token(batch))
+        elif self.fixed_extend.layout is not None:
+            rows = self.runner.req_to_token_pool.max_context_len
+            budget = self.fixed_extend.layout.budget
+            trees = gather_tree_round(requests, self.num_draft_steps, budget, rows)
+            if trees is not None and self.fixed_extend.fits(trees.items, trees.gathered):
+                return self._tree_round(trees)
         runner = self.runner
+        if self.fixed_extend.layout is not None:
+            # Own slots for every node, this round's and the next's, where the pool has room:
+            # the tree's next rounds can then run on the device (spec.tree_round).
+            budget = self.fixed_extend.layout.budget
+            pools = (runner.kv_pool, runner.req_to_token_pool)
+            grow_for_next_round(requests, self.num_draft_steps, *pools, span=budget)
         taken = TreeSlots(runner.kv_pool, runner.req_to_token_pool)
         try:
             spans, trees = [], []
@@ -214,7 +241,10 @@ class MultiLayerEagleWorker:
                 spans.append(span)
                 trees.append(tree)
             taken.write()
-            return verify_on_host(self.runner, requests, trees, spans, taken, default_generator)
+            k = self.num_draft_steps
+            return verify_on_host(
+                self.runner, requests, trees, spans, taken, default_generator, kept_width=k + 1
+            )
         finally:
             taken.free()
 
@@ -280,6 +310,29 @@ class MultiLayerEagleWorker:
             extended=done,
         )
 
+    def _tree_round(self, inputs: TreeRoundInputs) -> VerifyResult:
+        """The verify of every request's tree, acceptance and the draft extend queued back to
+        back (spec.tree_round)."""
+        runner, k = self.runner, self.num_draft_steps
+        outputs_before = [len(req.output_token_ids) for req in inputs.requests]
+        pools = (runner.kv_pool, runner.req_to_token_pool)
+        batch = runner.graph_batch(inputs.spans) or extend_batch(
+            inputs.spans, *pools, runner.attention, runner.device
+        )
+        done = run_tree_round(
+            runner.forward_every_token(batch), inputs, self.fixed_extend, k, pools
+        )
+        return VerifyResult(
+            tokens=done.tokens,
+            logprobs=[[None] * len(tokens) for tokens in done.tokens],
+            verdicts=[Verdict(t, a) for t, a in zip(done.tokens, done.accepted)],
+            num_drafts=[tree.depth for tree in inputs.trees],
+            num_proposed=[len(tree) for tree in inputs.trees],
+            hidden=[],
+            num_outputs_before=outputs_before,
+            extended=done,
+        )
+
     @torch.inference_mode()
     def finish_round(
         self, requests: list[Request], verified: VerifyResult, launch_next: bool = False
@@ -312,9 +365,10 @@ class MultiLayerEagleWorker:
                 next_chains = next_chains[kept] if launch_next else next_chains
             # Those going on are all that the round leaves running, in order: the next step's
             # batch when nothing joins.
-            if launch_next and going_on:
+            if launch_next and going_on and self.shape.is_chain:
                 self._launch_verify([req for _, req, _ in going_on], next_chains)
             chains, probs = done.chains()
+            trees = done.trees()
             self.fixed_extend.apply(
                 [done.items[i] for i in indices],
                 [committed for _, _, committed in going_on],
@@ -322,10 +376,11 @@ class MultiLayerEagleWorker:
                 [probs[i] for i in indices],
                 boundary,
                 hidden,
+                None if trees is None else [trees[i] for i in indices],
             )
             return
         hidden = verified.hidden  # per request: the target's at the newest token and kept path
-        if self.shape.is_chain:
+        if all(self._shape(req) == self.shape for _, req, _ in going_on):
             fixed = [
                 FixedExtendItem(
                     req.spec_state,

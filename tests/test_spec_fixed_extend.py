@@ -1,7 +1,7 @@
 """The decode step's fixed-shape draft extend (spec/decode_extend.py) is the general draft
 extend of spec/draft_extend.py padded: same chains, same boundary states, same acceptance,
-whatever the draft depth count, batch and prompt lengths; it leaves nothing behind, and it steps
-aside where it cannot run (alternative chains, short prompts, tensor dumps)."""
+whatever the draft depth count, batch and prompt lengths, for chains and trees alike; it leaves
+nothing behind, and it steps aside where it cannot run (short prompts, tensor dumps)."""
 
 from __future__ import annotations
 
@@ -101,11 +101,14 @@ def test_a_batch_mixes_requests_at_every_stage(models):
     assert runs > 0 and fixed == general
 
 
-def test_alternative_chains_take_the_general_path(models):
-    llm = _llm(models, "good", 3, num_draft_chains=3)
+@pytest.mark.parametrize("tree", [{"num_draft_chains": 3}, {"speculative_topk": 3}])
+def test_alternative_chains_and_trees_take_it_too(models, tree):
+    """Their other nodes are forks beside its main rows (spec/device_tree.py): the same
+    verify steps and accepted drafts as the general path's."""
     prompts, params = _workload(seed=5)
-    _, runs = _run(llm, prompts, params, fixed=True)
-    assert runs == 0
+    fixed, runs = _run(_llm(models, "good", 3, **tree), prompts, params, fixed=True)
+    general, _ = _run(_llm(models, "good", 3, **tree), prompts, params, fixed=False)
+    assert runs > 0 and fixed == general
 
 
 def test_tensor_dumps_take_the_general_path(models, tmp_path):

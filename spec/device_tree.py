@@ -1,0 +1,188 @@
+"""A draft token tree grown on the device, inside the decode step's fixed-shape draft extend
+(spec/decode_extend.py): the same tree as spec/tree_extender.py grows with the host choosing
+each level's nodes, built with tensor operations of fixed shape so that the whole extend stays
+one forward per depth (one CUDA graph for all depths where the engine runs graphs) and one
+copy to the host.
+
+Depth d expands the nodes at level d: the greedy chain's node, which is the depth's main rows
+(those of the chain's extend), and `forks[d]` others, each a fork of d rows appended to the
+request's span. A fork at level d reads its path's d drafts at positions m'-d .. m'-1 (m' the
+newest position after the verify: m + a + 1), sees the main rows up to position m'-d-1 and its
+own rows, and reads, at m'-d, depth d-1's main output there and, after it, its parent's
+outputs (the rules of spec/draft_extend.py). Its rows sit in the depth's cache positions after
+the main rows, which the request's draft sequence holds for this (they are positions it will
+only reach later, and every extend rewrites what it reads before reading it).
+
+Each expanded node proposes its `width_at(d)` likeliest children; the next level expands the
+greedy child (the chain's next draft) and the `beam_width - 1` best other children by
+cumulative draft log-probability, as the host does. After the last depth the `budget` best
+candidates of every level are the tree, ordered by level (`select_tree`'s rule)."""
+
+from __future__ import annotations
+
+import torch
+
+from spec.tree import TreeShape
+
+# Scores are sums of log-probabilities; a probability that underflowed to 0 counts as this,
+# so that a child never scores above its parent and no score is -inf (ties with -inf would
+# let a child rank before its parent).
+_MIN_PROB = 1e-30
+# Per level, subtracted from a score when choosing the budget's nodes: a parent whose child
+# scores the same (a probability of 1) ranks first.
+_LEVEL_TIE = 1e-6
+
+
+class TreeLayout:
+    """The static shape of a tree extend with `k` depths: per depth the forks beside its main
+    rows (`forks`), its main rows (`main_widths`: K+1+d) and whole span (`span_widths`), and
+    per level the candidates its depth proposes."""
+
+    def __init__(self, shape: TreeShape, k: int) -> None:
+        self.shape = shape
+        self.k = k
+        self.forks: list[int] = []
+        self.level_sizes: list[int] = []  # level d+1: what depth d proposes
+        expanded = 1  # the root, at depth 0
+        for d in range(k):
+            self.forks.append(expanded - 1)
+            proposed = expanded * shape.width_at(d)
+            self.level_sizes.append(proposed)
+            expanded = min(shape.beam_width, proposed)
+        self.level_offsets = [sum(self.level_sizes[:d]) for d in range(k)]  # by proposing depth
+        self.num_candidates = sum(self.level_sizes)
+        self.budget = min(shape.budget, self.num_candidates)
+        self.main_widths = [k + 1 + d for d in range(k)]
+        self.fork_rows = [f * d for d, f in enumerate(self.forks)]
+        self.span_widths = [w + f for w, f in zip(self.main_widths, self.fork_rows)]
+
+    @property
+    def block_width(self) -> int:
+        """Columns of the extend's float64 block: the chain and its probabilities, then the
+        tree's tokens, parents and levels."""
+        return 2 * self.k + 3 * self.budget
+
+
+class ForkColumns:
+    """Per depth with forks, constant index tensors over its fork rows (fork f's row r is
+    column f*d + r): r, f, and each row's own-fork bits (itself and the fork's rows before it)
+    shifted to its span index."""
+
+    def __init__(self, layout: TreeLayout, device: torch.device) -> None:
+        self.row: list[torch.Tensor | None] = []
+        self.fork: list[torch.Tensor | None] = []
+        self.own_bits: list[torch.Tensor | None] = []
+        for d, (forks, width) in enumerate(zip(layout.forks, layout.main_widths)):
+            if not forks:
+                self.row.append(None)
+                self.fork.append(None)
+                self.own_bits.append(None)
+                continue
+            r = torch.arange(d, device=device).repeat(forks)
+            f = torch.arange(forks, device=device).repeat_interleave(d)
+            self.row.append(r)
+            self.fork.append(f)
+            self.own_bits.append(((2 << r) - 1) << (width + f * d))
+
+
+class DeviceTree:
+    """The tree of a batch of `size` requests while the depths run: every candidate proposed
+    so far, and the nodes the next depth expands (their candidate index, score and path)."""
+
+    def __init__(self, layout: TreeLayout, columns: ForkColumns, size: int, device) -> None:
+        self.layout = layout
+        self.columns = columns
+        self.tokens: list[torch.Tensor] = []  # per level [size, L]
+        self.parents: list[torch.Tensor] = []  # candidate index, -1: the root
+        self.scores: list[torch.Tensor] = []
+        self.beam_candidate = torch.full((size, 1), -1, dtype=torch.int64, device=device)
+        self.beam_score = torch.zeros((size, 1), dtype=torch.float32, device=device)
+        self.beam_paths = torch.zeros((size, 1, 0), dtype=torch.int64, device=device)
+        self.parent_beam: torch.Tensor | None = None  # [size, forks]: each fork's parent node
+
+    def fork_tokens(self, d: int) -> torch.Tensor:
+        """[size, forks * d]: fork f's row r reads draft r+1 of its path."""
+        paths = self.beam_paths[:, 1:]
+        return paths.reshape(paths.shape[0], -1)
+
+    def fork_hidden_rows(self, d: int, accepted: torch.Tensor) -> torch.Tensor:
+        """[size, forks * d]: the row of depth d-1's span output each fork row reads: its main
+        output at m'-d (row a) for row 0; after it, the parent's rows at the same positions,
+        which are the main rows a+r where the parent is the greedy node, or the parent fork's
+        row r-1."""
+        assert self.parent_beam is not None
+        r = self.columns.row[d]
+        f = self.columns.fork[d]
+        parent = self.parent_beam[:, f]
+        a = accepted[:, None]
+        previous_main = self.layout.main_widths[d - 1]
+        in_fork = previous_main + (parent - 1) * (d - 1) + r - 1
+        return torch.where(r == 0, a, torch.where(parent == 0, a + r, in_fork))
+
+    def fork_bits(self, d: int, accepted: torch.Tensor) -> torch.Tensor:
+        """[size, forks * d]: each fork row sees the main rows 0..a and its own fork's rows up
+        to itself."""
+        main = (torch.ones_like(accepted) << (accepted + 1)) - 1
+        own_bits = self.columns.own_bits[d]
+        assert own_bits is not None
+        return main[:, None] | own_bits
+
+    def fork_last_rows(self, out: torch.Tensor, d: int) -> torch.Tensor:
+        """[size, forks, width]: each fork's last row of depth d's span output `out`, where it
+        proposes (a strided slice: no index to copy to the device inside a graph)."""
+        return out[:, self.layout.main_widths[d] + d - 1 :: d]
+
+    def add_level(self, d: int, top: torch.Tensor, top_p: torch.Tensor) -> None:
+        """Depth d's proposals, [size, expanded, width] ids and probabilities (node 0 the
+        greedy one): candidates of level d+1, and the nodes the next depth expands."""
+        size, expanded, width = top.shape
+        scores = self.beam_score[:, :, None] + torch.log(top_p.float().clamp_min(_MIN_PROB))
+        scores = scores.reshape(size, expanded * width)
+        tokens = top.reshape(size, expanded * width)
+        self.tokens.append(tokens)
+        self.scores.append(scores)
+        # Each expanded node's candidate index, once for each of its children (no
+        # repeat_interleave: it waits for the device to size its output, which a graph forbids).
+        parents = self.beam_candidate[:, :, None].expand(size, expanded, width)
+        self.parents.append(parents.reshape(size, expanded * width))
+        layout = self.layout
+        if d + 1 >= layout.k:
+            return
+        forks = layout.forks[d + 1]
+        chosen = torch.zeros((size, 1), dtype=torch.int64, device=top.device)
+        if forks:
+            others = scores.clone()
+            others[:, 0] = float("-inf")  # the greedy child is expanded anyway
+            chosen = torch.cat([chosen, others.topk(forks, dim=1).indices], dim=1)
+        parent = chosen // width
+        self.parent_beam = parent[:, 1:]
+        self.beam_score = scores.gather(1, chosen)
+        self.beam_candidate = layout.level_offsets[d] + chosen
+        paths = self.beam_paths.gather(1, parent[:, :, None].expand(-1, -1, d))
+        self.beam_paths = torch.cat([paths, tokens.gather(1, chosen)[:, :, None]], dim=2)
+
+    def select(self) -> torch.Tensor:
+        """The `budget` best candidates as trees, [size, 3 * budget] float64: tokens, parents
+        (node indices, -1: the root) and levels, nodes ordered by level then score."""
+        layout = self.layout
+        tokens = torch.cat(self.tokens, dim=1)
+        parents = torch.cat(self.parents, dim=1)
+        scores = torch.cat(self.scores, dim=1).double()
+        size, count = scores.shape
+        levels = torch.cat(
+            [
+                torch.full((n,), d + 1, dtype=torch.float64, device=scores.device)
+                for d, n in enumerate(layout.level_sizes)
+            ]
+        )
+        chosen = (scores - _LEVEL_TIE * levels).topk(layout.budget, dim=1).indices
+        chosen_levels = levels[chosen]
+        order = (chosen_levels * 1e6 - scores.gather(1, chosen)).argsort(dim=1)
+        chosen = chosen.gather(1, order)
+        node_of = torch.full((size, count + 1), -1, dtype=torch.int64, device=scores.device)
+        nodes = torch.arange(layout.budget, device=scores.device).expand(size, -1)
+        node_of[:, 1:].scatter_(1, chosen, nodes)
+        node_parents = node_of.gather(1, parents.gather(1, chosen) + 1)
+        return torch.cat(
+            [tokens.gather(1, chosen).double(), node_parents.double(), levels[chosen]], dim=1
+        )

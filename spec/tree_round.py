@@ -1,0 +1,203 @@
+"""A decode step's round over draft trees decided on the device: the tree counterpart of
+spec/device_round.py's chains.
+
+For greedy requests whose logits need no processing, whose next tree the fixed-shape extend
+grew (spec/device_tree.py) and who hold their own KV slots for all of its nodes, the verify of
+every request's tree, acceptance and the next extend are queued back to back, with nothing
+for the host to decide between them:
+- the nodes sit in the request's own slots after its newest token (node i at cache position
+  m+1+i, its rotary position m + its level), so the verify takes and frees no slot;
+- acceptance is a walk down the levels on the device: a node is accepted where its token is
+  the target's argmax at its parent's row and its parent is accepted (siblings carry distinct
+  tokens, so at most one node a level is);
+- the accepted nodes' KV moves on the device to the positions the request keeps (m+1 ..
+  m+a), one gather and one scatter over every layer's slots;
+- the extend reads the committed tokens and the target's hidden states at the accepted path's
+  rows where they are.
+Two copies bring the round home, as for chains: the committed tokens and accepted counts,
+then the next chains and trees."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.allocator import PADDING_SLOT
+from engine.forward_batch import Span
+from engine.host_copy import HostCopy, int_tensor
+from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.request import Request
+from engine.step_sampling import samples_from_logits_alone
+from spec.decode_extend import FixedDecodeExtend
+from spec.device_round import DeviceRound, grow_for_next_round
+from spec.extend_items import FixedExtendItem, GatheredItems
+from spec.tree import DraftTree
+
+
+@dataclass
+class TreeRoundInputs:
+    """What a tree round on the device reads of its requests, gathered in one pass: their
+    verify spans, each tree's nodes as arrays [n, N] (tokens, parents, levels), each request's
+    row and newest position, and the extend's items and table."""
+
+    requests: list[Request]
+    spans: list[Span]
+    trees: list[DraftTree]
+    nodes: np.ndarray  # [3, n, N]: tokens, parents (-1: the root), levels
+    rows: np.ndarray  # [n]
+    items: list[FixedExtendItem]
+    gathered: GatheredItems
+
+    @property
+    def newest(self) -> np.ndarray:
+        return self.gathered.newest
+
+
+def gather_tree_round(
+    requests: list[Request], k: int, num_nodes: int, max_context_len: int
+) -> TreeRoundInputs | None:
+    """The inputs of a tree round on the device, or None where some request's round cannot be
+    decided there (see the module's doc): each request greedy with unprocessed logits, its
+    tree of `num_nodes` nodes no deeper than its lookahead, its own slots held for them."""
+    spans, trees, nodes, rows, items = [], [], [], [], []
+    newest, num_positions, seqs = [], [], []
+    empty = torch.empty(k + 1, 0)
+    for req in requests:
+        state = req.spec_state
+        tree: DraftTree | None = None if state is None else state.tree
+        m = req.num_tokens - 1
+        if not (
+            tree is not None
+            and len(tree) == num_nodes
+            and tree.depth <= req.lookahead
+            and m + 1 + max(num_nodes, k) <= max_context_len
+            and req.params.greedy
+            and samples_from_logits_alone(req)
+            and len(req.slots) > m + num_nodes
+        ):
+            return None
+        assert req.kv_len == m
+        slots = req.slots[m : m + 1 + num_nodes]
+        tokens = [req.newest_token_id, *tree.tokens]
+        spans.append(
+            Span(req.row, m, tokens, slots, positions=tree.positions(m), visible=tree.visible())
+        )
+        trees.append(tree)
+        nodes.append((tree.tokens, tree.parents, tree.levels))
+        rows.append(req.row)
+        held = len(req.slots)
+        items.append(FixedExtendItem(state, m, [0] * (k + 1), empty, held))
+        newest.append(m)
+        num_positions.append(held)
+        seqs.append(state.seqs)
+    return TreeRoundInputs(
+        requests,
+        spans,
+        trees,
+        np.array(nodes, dtype=np.int64).transpose(1, 0, 2),
+        np.array(rows, dtype=np.int64),
+        items,
+        GatheredItems.from_lists(newest, num_positions, seqs),
+    )
+
+
+def accept_on_device(
+    targets: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, levels: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """targets [n, N+1] (the target's argmax at the root and each node), the trees' tokens,
+    parents and levels [n, N]: each request's accepted count [n] and the span row of its
+    committed position j [n, K+1] (0: the root, then the accepted node of level j; 0 past
+    the accepted ones)."""
+    n, count = tokens.shape
+    from_parent = targets.gather(1, parents + 1)
+    match = tokens == from_parent
+    accepted = match
+    root = torch.ones((n, 1), dtype=torch.bool, device=tokens.device)
+    for _ in range(k - 1):  # level l is right after l - 1 passes
+        accepted = match & torch.cat([root, accepted], dim=1).gather(1, parents + 1)
+    num_accepted = accepted.sum(dim=1)
+    # The accepted node of level l to column l; the rest to a column dropped after.
+    columns = torch.where(accepted, levels, k + 1)
+    node_rows = torch.arange(1, count + 1, device=tokens.device).expand(n, count)
+    path = torch.zeros((n, k + 2), dtype=torch.int64, device=tokens.device)
+    path.scatter_(1, columns, node_rows)
+    return num_accepted, path[:, : k + 1]
+
+
+def keep_accepted_kv(
+    kv_pool: KVPool,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    newest: torch.Tensor,
+    path: torch.Tensor,
+    accepted: torch.Tensor,
+) -> None:
+    """Move the KV of each request's accepted nodes, written at cache positions m + row, to
+    positions m+1 .. m+a, which it keeps: all gathered first, then scattered (a node's
+    position is never below the one it moves to, so none is overwritten before it is read)."""
+    k = path.shape[1] - 1
+    kept = torch.arange(1, k + 1, device=path.device)
+    moved = kept[None, :] <= accepted[:, None]
+    base = newest[:, None]
+    table_rows = rows[:, None]
+    padding = torch.full_like(path[:, 1:], PADDING_SLOT)
+    source = torch.where(moved, req_to_token[table_rows, base + path[:, 1:]], padding)
+    target = torch.where(moved, req_to_token[table_rows, base + kept], padding)
+    buffer = kv_pool.kv_buffer
+    buffer[target.reshape(-1)] = buffer[source.reshape(-1)]
+
+
+def run_tree_round(
+    outputs: tuple[torch.Tensor, torch.Tensor],
+    inputs: TreeRoundInputs,
+    fixed_extend: FixedDecodeExtend,
+    k: int,
+    target_pools: tuple[KVPool, ReqToTokenPool],
+) -> DeviceRound:
+    """After the verify of `inputs.spans` was queued, its `outputs` (logits and hidden states
+    at every token): accept on the device, keep the accepted nodes' KV, extend over
+    `inputs.items` (which `FixedDecodeExtend.fits`). The host reads the committed tokens as
+    soon as the verify is done, while the device runs the extend; the next chains and trees
+    are read after."""
+    logits, hidden = outputs
+    requests = inputs.requests
+    n, count = len(requests), inputs.nodes.shape[2]
+    device = logits.device
+    targets = logits.argmax(dim=-1).view(n, count + 1)
+    ints = int_tensor(
+        np.concatenate([inputs.nodes.reshape(-1), inputs.rows, inputs.newest]), device
+    )
+    tokens, parents, levels = ints[: 3 * n * count].view(3, n, count)
+    rows, newest = ints[3 * n * count :].view(2, n)
+    accepted, path = accept_on_device(targets, tokens, parents, levels, k)
+    committed = targets.gather(1, path)
+    verdicts = HostCopy(torch.cat([committed, accepted[:, None]], dim=1))
+    kv_pool, req_to_token_pool = target_pools
+    keep_accepted_kv(kv_pool, req_to_token_pool.req_to_token, rows, newest, path, accepted)
+    hidden = hidden.view(n, count + 1, -1)
+    hidden = hidden.gather(1, path[:, :, None].expand(-1, -1, hidden.shape[2]))
+    # The host's share of the next round, while the device verifies this one.
+    grow_for_next_round(requests, k, kv_pool, req_to_token_pool, span=max(k, count))
+    next_chains, block, boundary, hidden = fixed_extend.launch(
+        inputs.items, committed, accepted, hidden, inputs.gathered
+    )
+    next_rounds = HostCopy(block)
+    tokens_out, counts = [], []
+    for row in verdicts.tolist():
+        accepted_count = row[k + 1]
+        tokens_out.append(row[: accepted_count + 1])
+        counts.append(accepted_count)
+    layout = fixed_extend.layout
+    assert layout is not None
+    return DeviceRound(
+        tokens_out,
+        counts,
+        inputs.items,
+        next_rounds,
+        next_chains,
+        boundary,
+        hidden,
+        tree_budget=layout.budget,
+    )

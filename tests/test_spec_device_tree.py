@@ -1,0 +1,264 @@
+"""A decode step's draft tree grown on the device (spec/device_tree.py): the fixed-shape
+extend's forks beside each depth's main rows, the beam chosen by top-k there, and the
+budget's nodes selected there. The trees are the ones the general extender grows with the
+host choosing each level (spec/tree_extender.py), the output stays the target's, and no
+fork's slots are left behind."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from devices import DEVICES
+from tiny_drafts import make_good_draft, make_predictable_llama, make_random_draft
+from tiny_models import make_tiny_llama
+
+from engine import LLM, SamplingParams
+from engine.kv_pool import KVPool
+from spec.device_tree import DeviceTree, ForkColumns, TreeLayout
+from spec.tree import Candidate, DraftTree, TreeShape, accept_tree, log_prob, select_tree
+from spec.tree_round import accept_on_device, keep_accepted_kv
+
+SPEC = "multi-layer-eagle"
+
+
+@pytest.fixture(scope="module")
+def all_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """ "fair": a draft noisy enough that the tree's other nodes are often the right ones;
+    "random": random weights, whose near-flat proposals show any change in what a fork
+    attends or reads."""
+    root = tmp_path_factory.mktemp("device_tree")
+    make_predictable_llama(root / "predictable", seed=0)
+    make_good_draft(root / "fair", root / "predictable", 3, noise=0.3)
+    make_tiny_llama(root / "target", seed=0)
+    make_random_draft(root / "random", root / "target", 3, seed=1)
+    return {
+        "fair": (root / "predictable", root / "fair"),
+        "random": (root / "target", root / "random"),
+    }
+
+
+@pytest.fixture(scope="module")
+def models(all_models) -> tuple[Path, Path]:
+    return all_models["fair"]
+
+
+def _llm(models, device: str, **kw) -> LLM:
+    target, draft = models
+    return LLM(
+        str(target), device=device, speculative_algorithm=SPEC, draft_model=str(draft),
+        num_draft_steps=3, kv_cache_tokens=8192, max_num_seqs=16, **kw,
+    )  # fmt: skip
+
+
+def _workload(seed: int, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(4, 30))] for _ in range(n)]
+    params = [
+        SamplingParams(max_tokens=rng.randint(8, 40), temperature=0, ignore_eos=True)
+        for _ in prompts
+    ]
+    return prompts, params
+
+
+def _record_trees(llm: LLM, monkeypatch, device_tree: bool) -> tuple[list, dict[str, int]]:
+    """Every tree a decode step's extend proposes, in order, and how many fixed extends and
+    rounds decided on the device ran; with `device_tree` False the general extender grows
+    them all, and the host verifies them."""
+    worker = llm.engine.speculator
+    fixed = worker.fixed_extend
+    trees, counts = [], {"fixed": 0, "rounds": 0}
+    finish, launch, tree_round = worker.finish_round, fixed.launch, worker._tree_round
+
+    def recorded_finish(requests, verified, launch_next=False):
+        finish(requests, verified, launch_next)
+        for req in requests:
+            state = req.spec_state
+            if state is not None and not req.finished and state.tree is not None:
+                tree = state.tree
+                trees.append((req.request_id, tree.tokens, tree.parents, tree.levels))
+
+    def counted_launch(items, *args):
+        counts["fixed"] += 1
+        return launch(items, *args)
+
+    def counted_round(inputs):
+        counts["rounds"] += 1
+        return tree_round(inputs)
+
+    monkeypatch.setattr(worker, "finish_round", recorded_finish)
+    monkeypatch.setattr(fixed, "launch", counted_launch)
+    monkeypatch.setattr(worker, "_tree_round", counted_round)
+    if not device_tree:
+        monkeypatch.setattr(fixed, "fits", lambda items, gathered=None: False)
+    return trees, counts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["fair", "random"])
+@pytest.mark.parametrize("shape", [(None, 3, 8), (None, 4, 14), (3, None, None)])
+def test_the_device_grows_the_trees_the_host_does(
+    all_models, monkeypatch, device, kind, shape
+) -> None:
+    """Top-k trees and chains (a tree that branches at depth 0 only), at batch 1 and 7:
+    step by step, every request's tree equals the general extender's, and the output equals
+    plain decoding's."""
+    models = all_models[kind]
+    chains, topk, budget = shape
+    tree_kw = dict(num_draft_chains=chains, speculative_topk=topk, num_draft_tokens=budget)
+    for n in (1, 7):
+        prompts, params = _workload(n, n)
+        plain = [o.token_ids for o in _llm(models, device).generate(prompts, params)]
+        results = {}
+        for on_device in (True, False):
+            with monkeypatch.context() as patch:
+                llm = _llm(models, device, **tree_kw)
+                trees, counts = _record_trees(llm, patch, on_device)
+                outputs = [o.token_ids for o in llm.generate(prompts, params)]
+                assert outputs == plain
+                assert not llm.engine.has_work() and llm.engine.speculator.is_empty()
+                results[on_device] = (trees, counts)
+        trees, counts = results[True]
+        general_trees, general_counts = results[False]
+        assert general_counts == {"fixed": 0, "rounds": 0}
+        # Every step after the first of a request's runs on the device where it holds the
+        # slots: some rounds do whatever the prompts.
+        assert counts["fixed"] > 0 and counts["rounds"] > 0
+        assert len(trees) == len(general_trees) > 0
+        if device == "cpu":
+            assert trees == general_trees
+            continue
+        # On a GPU the two compute a fork's rows in other kernels: nodes whose scores differ
+        # by rounding alone may swap places, or the budget's last node differ.
+        same = sum(_paths(mine) == _paths(theirs) for mine, theirs in zip(trees, general_trees))
+        assert same >= 0.9 * len(trees), (same, len(trees))
+
+
+def _paths(recorded) -> set[tuple[int, ...]]:
+    """A recorded tree as the set of its nodes' paths from the root: what it verifies."""
+    _, tokens, parents, _ = recorded
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tokens, parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return set(paths)
+
+
+def test_a_tree_extend_grows_past_the_targets_slots_and_frees_them(models) -> None:
+    """Forks' rows sit in positions past the request's newest: near max_tokens the depths
+    hold slots the target does not, and every one is given back when the request ends."""
+    llm = _llm(models, "cpu", speculative_topk=4, num_draft_tokens=12)
+    prompts, params = _workload(3, 5)
+    params = [SamplingParams(max_tokens=p.max_tokens, temperature=0) for p in params]
+    llm.generate(prompts, params)
+    assert llm.engine.kv_cache.is_empty() and llm.engine.speculator.is_empty()
+
+
+def test_the_layout_of_a_top_k_tree_and_of_chains() -> None:
+    top4 = TreeLayout(TreeShape.top_k(4, 12), 3)
+    assert top4.forks == [0, 3, 3]
+    assert top4.level_sizes == [4, 16, 16]
+    assert top4.span_widths == [4, 5 + 3, 6 + 6]
+    assert top4.budget == 12
+    chains = TreeLayout(TreeShape.chains(3, 3), 3)
+    assert chains.forks == [0, 2, 2] and chains.level_sizes == [3, 3, 3]
+    assert chains.budget == 9 == chains.num_candidates
+    # A fork row's own bits: itself and its fork's rows before it, after the main rows.
+    bits = ForkColumns(top4, torch.device("cpu")).own_bits[2].tolist()
+    assert bits == [1 << 6, 3 << 6, 1 << 8, 3 << 8, 1 << 10, 3 << 10]
+
+
+def test_selecting_the_budget_on_the_device_is_the_hosts_rule() -> None:
+    """Random proposals, levels grown as the extend grows them: the device's choice of the
+    budget's nodes and their order is `select_tree`'s."""
+    shape, k = TreeShape.top_k(3, 10), 3
+    layout = TreeLayout(shape, k)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        tree = DeviceTree(layout, ForkColumns(layout, torch.device("cpu")), 1, "cpu")
+        candidates: list[Candidate] = []
+        expanded = [-1]  # the candidates the next depth expands, the greedy one first
+        for d in range(k):
+            width = shape.width_at(d)
+            top = torch.randperm(500, generator=generator)[: len(expanded) * width]
+            top = top.view(1, len(expanded), width)
+            probs = torch.rand(1, len(expanded), width, generator=generator)
+            probs = (probs / probs.sum(-1, keepdim=True)).sort(-1, descending=True).values
+            first = len(candidates)
+            for e, parent in enumerate(expanded):
+                base = candidates[parent].score if parent >= 0 else 0.0
+                for c in range(width):
+                    p = float(probs[0, e, c])
+                    level = d + 1
+                    candidates.append(
+                        Candidate(int(top[0, e, c]), parent, level, base + log_prob(p))
+                    )
+            tree.add_level(d, top, probs)
+            if d + 1 < k:
+                expanded = tree.beam_candidate[0].tolist()
+                assert expanded[0] == first
+        expected = select_tree(candidates, layout.budget)
+        values = tree.select()[0].long().tolist()
+        b = layout.budget
+        assert values[:b] == expected.tokens
+        assert values[b : 2 * b] == expected.parents
+        assert values[2 * b :] == expected.levels
+
+
+def _random_tree(rng: random.Random, k: int, size: int) -> DraftTree:
+    """A tree of `size` nodes and at most `k` levels, parents first, siblings distinct."""
+    tokens, parents, levels = [], [], []
+    for _ in range(size):
+        choices = [-1] + [i for i in range(len(tokens)) if levels[i] < k]
+        parent = rng.choice(choices)
+        taken = {tokens[i] for i in range(len(tokens)) if parents[i] == parent}
+        tokens.append(rng.choice([t for t in range(2) if t not in taken] or [99 + len(tokens)]))
+        parents.append(parent)
+        levels.append(levels[parent] + 1 if parent >= 0 else 1)
+    order = sorted(range(size), key=lambda i: levels[i])
+    new = {old: i for i, old in enumerate(order)}
+    return DraftTree(
+        [tokens[i] for i in order],
+        [new[parents[i]] if parents[i] >= 0 else -1 for i in order],
+        [levels[i] for i in order],
+    )
+
+
+def test_acceptance_on_the_device_is_the_hosts_walk() -> None:
+    """Random trees of two tokens and random targets, so that nodes off the accepted path
+    match their parent's target too, deep ones included: the device's accepted count and
+    path rows are `accept_tree`'s, and its committed tokens the verdict's."""
+    rng = random.Random(0)
+    k, size, n = 4, 9, 200
+    trees = [_random_tree(rng, k, size) for _ in range(n)]
+    targets = torch.tensor([[rng.randrange(2) for _ in range(size + 1)] for _ in range(n)])
+    nodes = torch.tensor([[t.tokens, t.parents, t.levels] for t in trees]).transpose(0, 1)
+    accepted, path = accept_on_device(targets, nodes[0], nodes[1], nodes[2], k)
+    committed = targets.gather(1, path)
+    for i, tree in enumerate(trees):
+        verdict = accept_tree(tree, targets[i].tolist())
+        a = verdict.num_accepted
+        assert int(accepted[i]) == a
+        assert path[i, 1 : a + 1].tolist() == [node + 1 for node in verdict.path]
+        assert committed[i, : a + 1].tolist() == verdict.tokens
+
+
+def test_the_accepted_nodes_kv_moves_to_the_positions_kept() -> None:
+    """Each request's accepted nodes wrote KV at m + their span row; afterwards positions
+    m+1 .. m+a hold it, every other slot is unchanged (but the padding slot)."""
+    pool = KVPool(64, 2, 1, 4, torch.float32, "cpu")
+    pool.kv_buffer.copy_(torch.arange(pool.kv_buffer.numel()).view_as(pool.kv_buffer))
+    before = pool.kv_buffer.clone()
+    table = torch.zeros((3, 32), dtype=torch.int64)
+    table[0] = torch.arange(1, 33)
+    table[1] = torch.arange(33, 65)
+    rows, newest = torch.tensor([0, 1]), torch.tensor([5, 2])
+    path = torch.tensor([[0, 3, 5, 9], [0, 1, 2, 0]])  # request 1 keeps its leading nodes
+    accepted = torch.tensor([3, 2])
+    keep_accepted_kv(pool, table, rows, newest, path, accepted)
+    after = pool.kv_buffer
+    for j, row in enumerate([3, 5, 9], start=1):
+        assert torch.equal(after[table[0, 5 + j]], before[table[0, 5 + row]])
+    changed = (after != before).flatten(1).any(1).nonzero().flatten().tolist()
+    assert set(changed) <= {0} | {int(table[0, 5 + j]) for j in (1, 2, 3)}
