@@ -53,6 +53,12 @@ def main() -> None:
         "--num-draft-steps", type=int, default=None, help="with --spec: draft depths used"
     )
     parser.add_argument(
+        "--speculative-topk", type=int, default=1, help="with --spec: a top-k draft tree"
+    )
+    parser.add_argument(
+        "--num-draft-tokens", type=int, default=None, help="with --spec: the tree's nodes"
+    )
+    parser.add_argument(
         "--host-profile", type=int, default=0, metavar="N", help="the N costliest host functions"
     )
     args = parser.parse_args()
@@ -66,6 +72,9 @@ def main() -> None:
         spec_kw = dict(speculative_algorithm="multi-layer-eagle", draft_model=str(draft))
         if args.num_draft_steps is not None:
             spec_kw["num_draft_steps"] = args.num_draft_steps
+        if args.speculative_topk > 1:
+            spec_kw["speculative_topk"] = args.speculative_topk
+            spec_kw["num_draft_tokens"] = args.num_draft_tokens
     path = args.model
     if path is None:
         path = tempfile.mkdtemp(prefix="gpu_profile_")
