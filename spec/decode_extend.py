@@ -141,10 +141,15 @@ class FixedDecodeExtend:
         self.layout: TreeLayout | None = None
         self.fork_columns: ForkColumns | None = None
         self.fork_rows = [0] * self.k
+        # A tree whose spans overflow the visibility masks is never run here (`fits`).
+        self.declines_all = False
         if shape is not None and not shape.is_chain:
-            self.layout = TreeLayout(shape, self.k)
-            self.fork_columns = ForkColumns(self.layout, self.device)
-            self.fork_rows = self.layout.fork_rows
+            layout = TreeLayout(shape, self.k)
+            self.declines_all = not layout.fits_masks
+            if not self.declines_all:
+                self.layout = layout
+                self.fork_columns = ForkColumns(layout, self.device)
+                self.fork_rows = layout.fork_rows
         self.spans = [w + f for w, f in zip(self.widths, self.fork_rows)]
         self.dtype = first.kv_pool.dtype
         self.in_width = first.module.hnorm.weight.shape[0]
@@ -158,19 +163,19 @@ class FixedDecodeExtend:
     def fits(self, items: list[FixedExtendItem], gathered: GatheredItems | None = None) -> bool:
         """Whether this path runs `items`: every request verified a full chain and holds
         every depth's KV up to where this extend starts (m-d >= 1, valid there); its forks'
-        rows, if any, fit in each depth's row table; and no depth dumps tensors (the general
-        path records each depth's forward). `gathered`: the items' table, whose builder
-        vouches for their committed tokens and hidden states (a round on the device fills
-        those there)."""
+        rows, if any, fit in each depth's row table and visibility masks; and no depth dumps
+        tensors (the general path records each depth's forward). `gathered`: the items'
+        table, whose builder vouches for their committed tokens and hidden states (a round on
+        the device fills those there)."""
         k = self.k
-        if any(runner.dumper is not None for runner in self.depths):
+        if self.declines_all or any(runner.dumper is not None for runner in self.depths):
             return False
         if not items:
             return False
-        if self.layout is not None:
-            reach = max(item.m for item in items) + k + 1 + max(self.fork_rows)
-            if reach > self.depths[0].req_to_token_pool.max_context_len:
-                return False
+        # Its rows reach position m + K (and the forks' past it) in every row table.
+        reach = max(item.m for item in items) + k + 1 + max(self.fork_rows)
+        if reach > self.depths[0].req_to_token_pool.max_context_len:
+            return False
         if gathered is not None:
             return gathered.aligned(k)
         return all(

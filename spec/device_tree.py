@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import torch
 
+from engine.forward_batch import TREE_MAX_TOKENS
 from spec.tree import TreeShape
 
 # Scores are sums of log-probabilities; a probability that underflowed to 0 counts as this,
 # so that a child never scores above its parent and no score is -inf (ties with -inf would
 # let a child rank before its parent).
 _MIN_PROB = 1e-30
-# Per level, subtracted from a score when choosing the budget's nodes: a parent whose child
-# scores the same (a probability of 1) ranks first.
-_LEVEL_TIE = 1e-6
 
 
 class TreeLayout:
@@ -55,6 +53,12 @@ class TreeLayout:
         self.main_widths = [k + 1 + d for d in range(k)]
         self.fork_rows = [f * d for d, f in enumerate(self.forks)]
         self.span_widths = [w + f for w, f in zip(self.main_widths, self.fork_rows)]
+
+    @property
+    def fits_masks(self) -> bool:
+        """Whether every depth's span fits the 63 bits of a token's visibility mask
+        (`TREE_MAX_TOKENS`): deep trees of wide beams do not, and take the general extend."""
+        return max(self.span_widths) <= TREE_MAX_TOKENS
 
     @property
     def block_width(self) -> int:
@@ -153,7 +157,9 @@ class DeviceTree:
         if forks:
             others = scores.clone()
             others[:, 0] = float("-inf")  # the greedy child is expanded anyway
-            chosen = torch.cat([chosen, others.topk(forks, dim=1).indices], dim=1)
+            # A stable sort, not top-k: equal scores keep candidate order, as on the host.
+            best = others.sort(dim=1, descending=True, stable=True).indices[:, :forks]
+            chosen = torch.cat([chosen, best], dim=1)
         parent = chosen // width
         self.parent_beam = parent[:, 1:]
         self.beam_score = scores.gather(1, chosen)
@@ -175,9 +181,11 @@ class DeviceTree:
                 for d, n in enumerate(layout.level_sizes)
             ]
         )
-        chosen = (scores - _LEVEL_TIE * levels).topk(layout.budget, dim=1).indices
+        # Candidates are in level order, so a stable sort by score ranks equal scores by
+        # level and then candidate order, as `select_tree` does (a parent before its child).
+        chosen = scores.sort(dim=1, descending=True, stable=True).indices[:, : layout.budget]
         chosen_levels = levels[chosen]
-        order = (chosen_levels * 1e6 - scores.gather(1, chosen)).argsort(dim=1)
+        order = (chosen_levels * 1e6 - scores.gather(1, chosen)).argsort(dim=1, stable=True)
         chosen = chosen.gather(1, order)
         node_of = torch.full((size, count + 1), -1, dtype=torch.int64, device=scores.device)
         nodes = torch.arange(layout.budget, device=scores.device).expand(size, -1)

@@ -79,7 +79,7 @@ def verify_on_host(
                 writes.append(write)
         # The rows of the kept path: a chain's are its span's first, a tree's gathered.
         rows = list(range(lens[i])) if tree.is_chain else [0] + [n + 1 for n in path]
-        if not tree.is_chain and kept_width is not None:
+        if kept_width is not None:
             rows += [0] * (kept_width - len(rows))
         kept_rows.append(rows)
         kept_logits = all_raw[i]
@@ -92,7 +92,7 @@ def verify_on_host(
         result.num_proposed.append(len(tree))
         result.num_outputs_before.append(len(req.output_token_ids))
     runner.req_to_token_pool.write_many(writes)
-    if all(tree.is_chain for tree in trees):
+    if kept_width is None and all(tree.is_chain for tree in trees):
         result.hidden = list(all_hidden)
     else:  # one gather for every request's kept rows
         flat = [start + r for start, rows in zip(starts, kept_rows) for r in rows]

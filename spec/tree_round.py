@@ -6,7 +6,8 @@ grew (spec/device_tree.py) and who hold their own KV slots for all of its nodes,
 every request's tree, acceptance and the next extend are queued back to back, with nothing
 for the host to decide between them:
 - the nodes sit in the request's own slots after its newest token (node i at cache position
-  m+1+i, its rotary position m + its level), so the verify takes and frees no slot;
+  m+1+i, its rotary position m + its level), so the verify takes and frees no slot (near its
+  max_tokens a request holds too few, and its batch's round is the host's);
 - acceptance is a walk down the levels on the device: a node is accepted where its token is
   the target's argmax at its parent's row and its parent is accepted (siblings carry distinct
   tokens, so at most one node a level is);
@@ -104,7 +105,11 @@ def gather_tree_round(
 
 
 def accept_on_device(
-    targets: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, levels: torch.Tensor, k: int
+    targets: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    levels: torch.Tensor,
+    k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """targets [n, N+1] (the target's argmax at the root and each node), the trees' tokens,
     parents and levels [n, N]: each request's accepted count [n] and the span row of its

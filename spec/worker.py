@@ -57,7 +57,9 @@ class MultiLayerEagleWorker:
         k = draft.num_draft_steps
         # A tree's forks in a decode step's extend hold positions up to m + K + their rows,
         # where the target holds from m + 1 on.
-        fork_rows = [0] * k if self.shape.is_chain else TreeLayout(self.shape, k).fork_rows
+        fork_rows = [0] * k
+        if not self.shape.is_chain and TreeLayout(self.shape, k).fits_masks:
+            fork_rows = TreeLayout(self.shape, k).fork_rows
         self.depths = [
             DraftRunner(
                 d,

@@ -46,11 +46,12 @@ def models(all_models) -> tuple[Path, Path]:
 
 
 def _llm(models, device: str, **kw) -> LLM:
+    """An engine of `models`' target, speculating with its draft (none: plain decoding)."""
     target, draft = models
-    return LLM(
-        str(target), device=device, speculative_algorithm=SPEC, draft_model=str(draft),
-        num_draft_steps=3, kv_cache_tokens=8192, max_num_seqs=16, **kw,
-    )  # fmt: skip
+    if draft is not None:
+        kw = dict(speculative_algorithm=SPEC, draft_model=str(draft), **kw)
+        kw.setdefault("num_draft_steps", 3)
+    return LLM(str(target), device=device, kv_cache_tokens=8192, max_num_seqs=16, **kw)
 
 
 def _workload(seed: int, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -76,8 +77,8 @@ def _record_trees(llm: LLM, monkeypatch, device_tree: bool) -> tuple[list, dict[
         finish(requests, verified, launch_next)
         for req in requests:
             state = req.spec_state
-            if state is not None and not req.finished and state.tree is not None:
-                tree = state.tree
+            tree = None if state is None else state.tree
+            if tree is not None and not req.finished:
                 trees.append((req.request_id, tree.tokens, tree.parents, tree.levels))
 
     def counted_launch(items, *args):
@@ -110,7 +111,7 @@ def test_the_device_grows_the_trees_the_host_does(
     tree_kw = dict(num_draft_chains=chains, speculative_topk=topk, num_draft_tokens=budget)
     for n in (1, 7):
         prompts, params = _workload(n, n)
-        plain = [o.token_ids for o in _llm(models, device).generate(prompts, params)]
+        plain = [o.token_ids for o in _llm((models[0], None), device).generate(prompts, params)]
         results = {}
         for on_device in (True, False):
             with monkeypatch.context() as patch:
@@ -145,14 +146,35 @@ def _paths(recorded) -> set[tuple[int, ...]]:
     return set(paths)
 
 
-def test_a_tree_extend_grows_past_the_targets_slots_and_frees_them(models) -> None:
-    """Forks' rows sit in positions past the request's newest: near max_tokens the depths
-    hold slots the target does not, and every one is given back when the request ends."""
+def test_requests_near_max_tokens_take_the_hosts_round(models, monkeypatch) -> None:
+    """Answers shorter than a tree: a request whose own slots end before its tree's last
+    nodes is verified on the host, which takes slots for them; the output is plain
+    decoding's, and every slot is given back, the depths' past the target's included."""
+    prompts, params = _workload(3, 6)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in range(3, 9)]
+    plain = [o.token_ids for o in _llm((models[0], None), "cpu").generate(prompts, params)]
     llm = _llm(models, "cpu", speculative_topk=4, num_draft_tokens=12)
-    prompts, params = _workload(3, 5)
-    params = [SamplingParams(max_tokens=p.max_tokens, temperature=0) for p in params]
-    llm.generate(prompts, params)
+    _, counts = _record_trees(llm, monkeypatch, True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+    assert counts["rounds"] == 0 and counts["fixed"] > 0
     assert llm.engine.kv_cache.is_empty() and llm.engine.speculator.is_empty()
+
+
+def test_trees_too_wide_for_the_masks_take_the_general_extend(all_models, tmp_path) -> None:
+    """A top-8 tree over 8 depths would give the deepest depth 16 main rows and 7 forks of 7
+    rows, past the 63 bits of a visibility mask: the general extend grows it, and the output
+    is plain decoding's."""
+    target, _ = all_models["random"]
+    make_random_draft(tmp_path / "deep", target, 8, seed=2)
+    assert not TreeLayout(TreeShape.top_k(8, 30), 8).fits_masks
+    prompts, params = _workload(4, 2)
+    plain = [o.token_ids for o in _llm((target, None), "cpu").generate(prompts, params)]
+    llm = _llm(
+        (target, tmp_path / "deep"), "cpu", num_draft_steps=8, speculative_topk=8,
+        num_draft_tokens=30,
+    )  # fmt: skip
+    assert llm.engine.speculator.fixed_extend.declines_all
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
 
 
 def test_the_layout_of_a_top_k_tree_and_of_chains() -> None:
