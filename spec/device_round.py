@@ -194,12 +194,19 @@ def run_device_round(
         items, targets, accepted, hidden, inputs.gathered
     )
     next_rounds = HostCopy(block)
+    tokens, counts = read_verdicts(verdicts, k)
+    return DeviceRound(tokens, counts, items, next_rounds, next_chains, boundary, hidden)
+
+
+def read_verdicts(verdicts: HostCopy, k: int) -> tuple[list[list[int]], list[int]]:
+    """Each request's committed tokens and accepted count from a round's [n, K+2] copy (the
+    K+1 committed candidates, then the accepted count), once it has landed."""
     tokens, counts = [], []
     for row in verdicts.tolist():
         count = row[k + 1]
         tokens.append(row[: count + 1])
         counts.append(count)
-    return DeviceRound(tokens, counts, items, next_rounds, next_chains, boundary, hidden)
+    return tokens, counts
 
 
 @dataclass

@@ -32,7 +32,7 @@ from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
 from spec.decode_extend import FixedDecodeExtend
-from spec.device_round import DeviceRound, grow_for_next_round
+from spec.device_round import DeviceRound, grow_for_next_round, read_verdicts
 from spec.extend_items import FixedExtendItem, GatheredItems
 from spec.tree import DraftTree
 
@@ -189,11 +189,7 @@ def run_tree_round(
         inputs.items, committed, accepted, hidden, inputs.gathered
     )
     next_rounds = HostCopy(block)
-    tokens_out, counts = [], []
-    for row in verdicts.tolist():
-        accepted_count = row[k + 1]
-        tokens_out.append(row[: accepted_count + 1])
-        counts.append(accepted_count)
+    tokens_out, counts = read_verdicts(verdicts, k)
     layout = fixed_extend.layout
     assert layout is not None
     return DeviceRound(

@@ -23,6 +23,7 @@ from spec.acceptance import Verdict
 from spec.batching import Span, extend_batch
 from spec.decode_extend import FixedDecodeExtend
 from spec.device_round import (
+    DeviceRound,
     LaunchedVerify,
     RoundInputs,
     chain_span,
@@ -58,8 +59,9 @@ class MultiLayerEagleWorker:
         # A tree's forks in a decode step's extend hold positions up to m + K + their rows,
         # where the target holds from m + 1 on.
         fork_rows = [0] * k
-        if not self.shape.is_chain and TreeLayout(self.shape, k).fits_masks:
-            fork_rows = TreeLayout(self.shape, k).fork_rows
+        if not self.shape.is_chain:
+            layout = TreeLayout(self.shape, k)
+            fork_rows = layout.fork_rows if layout.fits_masks else fork_rows
         self.depths = [
             DraftRunner(
                 d,
@@ -300,17 +302,7 @@ class MultiLayerEagleWorker:
             k,
             (runner.kv_pool, runner.req_to_token_pool),
         )
-        lookaheads = inputs.lookaheads
-        return VerifyResult(
-            tokens=done.tokens,
-            logprobs=[[None] * len(tokens) for tokens in done.tokens],
-            verdicts=[Verdict(t, a) for t, a in zip(done.tokens, done.accepted)],
-            num_drafts=lookaheads,
-            num_proposed=lookaheads,
-            hidden=[],
-            num_outputs_before=outputs_before,
-            extended=done,
-        )
+        return _decided_on_device(done, outputs_before, inputs.lookaheads, inputs.lookaheads)
 
     def _tree_round(self, inputs: TreeRoundInputs) -> VerifyResult:
         """The verify of every request's tree, acceptance and the draft extend queued back to
@@ -324,16 +316,9 @@ class MultiLayerEagleWorker:
         done = run_tree_round(
             runner.forward_every_token(batch), inputs, self.fixed_extend, k, pools
         )
-        return VerifyResult(
-            tokens=done.tokens,
-            logprobs=[[None] * len(tokens) for tokens in done.tokens],
-            verdicts=[Verdict(t, a) for t, a in zip(done.tokens, done.accepted)],
-            num_drafts=[tree.depth for tree in inputs.trees],
-            num_proposed=[len(tree) for tree in inputs.trees],
-            hidden=[],
-            num_outputs_before=outputs_before,
-            extended=done,
-        )
+        trees = inputs.trees
+        depths, sizes = [tree.depth for tree in trees], [len(tree) for tree in trees]
+        return _decided_on_device(done, outputs_before, depths, sizes)
 
     @torch.inference_mode()
     def finish_round(
@@ -449,6 +434,23 @@ class MultiLayerEagleWorker:
             seqs=[DraftSeq() for _ in self.depths],
             boundary=[None] * (self.num_draft_steps - 1),
         )
+
+
+def _decided_on_device(
+    done: DeviceRound, outputs_before: list[int], num_drafts: list[int], num_proposed: list[int]
+) -> VerifyResult:
+    """A round read back from the device as the engine's step takes it: per request its
+    committed tokens, draft positions checked and draft tokens proposed."""
+    return VerifyResult(
+        tokens=done.tokens,
+        logprobs=[[None] * len(tokens) for tokens in done.tokens],
+        verdicts=[Verdict(t, a) for t, a in zip(done.tokens, done.accepted)],
+        num_drafts=num_drafts,
+        num_proposed=num_proposed,
+        hidden=[],
+        num_outputs_before=outputs_before,
+        extended=done,
+    )
 
 
 def _first(shares_prompt: bool, num_prompt: int, depth: int) -> int:
