@@ -29,6 +29,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch, Span, tree_bits
 from engine.host_copy import PinnedMirror
+from engine.kernels import triton_usable
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.prompt_embeds import InputEmbeds, concat_input_embeds
 
@@ -335,6 +336,33 @@ class CudaGraphs:
             staged[_TREE_BITS, :size] = -1  # every span causal
         self.staged.upload()
         return self._batch(size, (starts + width).tolist(), [width] * n)
+
+    def advance_uniform(
+        self, batch: ForwardBatch, kept: torch.Tensor, candidates: torch.Tensor, rest: torch.Tensor
+    ) -> None:
+        """Move each span of `batch` (made by `load_uniform`; its graph replayed since, or
+        not) past its first kept[i] + 1 tokens, bringing candidates[i, kept[i]] ([n, width])
+        then rest[i] ([n, width - 1]): a speculative verify's spans moved past the accepted
+        drafts and the target's token after them, bringing that token and the next drafts.
+        All on the device, each span's KV slots read from the row table there, so the same
+        requests' next forward is queued before the host has seen how far this one moved
+        them. Every position of the moved spans must have its slot in the row table."""
+        n, width = candidates.shape
+        assert batch.graph is self and batch.num_tokens == n * width
+        table = self.req_to_token_pool.req_to_token
+        if triton_usable(self.inputs):
+            from engine.kernels.spans import advance_spans
+
+            advance_spans(self.inputs, kept, candidates, rest, table, 3 + _ROWS, 3 + _SEQ_LENS)
+            return
+        used = n * width
+        positions = self.inputs[_POSITIONS, :used].view(n, width)
+        positions += (kept + 1)[:, None]
+        head = candidates.gather(1, kept[:, None])
+        self.inputs[_IDS, :used].view(n, width).copy_(torch.cat([head, rest], dim=1))
+        rows = self.inputs[3 + _ROWS, :n]
+        self.inputs[_SLOTS, :used].view(n, width).copy_(table[rows[:, None], positions])
+        self.inputs[3 + _SEQ_LENS, :n] += kept + 1
 
     def fits_uniform(self, num_requests: int, width: int) -> bool:
         """Whether `load_uniform` takes `num_requests` spans of `width` tokens."""

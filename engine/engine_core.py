@@ -169,7 +169,8 @@ class EngineCore:
 
     def has_work(self) -> bool:
         in_flight = self.overlap is not None and self.overlap.in_flight is not None
-        return in_flight or bool(self.compiling) or self.scheduler.has_work()
+        held = self.speculative is not None and bool(self.speculative.held)
+        return in_flight or held or bool(self.compiling) or self.scheduler.has_work()
 
     def abort(self, request_id: str) -> Request | None:
         """Stop a request wherever it is; None if this engine does not hold it."""
@@ -186,6 +187,11 @@ class EngineCore:
         """Run one batch; returns the requests that finished in it (with overlap scheduling,
         those that the step before it finished: engine.overlap)."""
         failed = self._admit_compiled()
+        if self.speculative is not None:
+            # Slots held for a queued verify: waited for when admission may want them or no
+            # decode step follows, else freed once it has run.
+            scheduler = self.scheduler
+            self.speculative.release_held(wait=bool(scheduler.waiting) or not scheduler.running)
         if self.overlap is not None and self.overlap.in_flight is not None:
             try:
                 finished = self.overlap.step()

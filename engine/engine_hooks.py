@@ -12,6 +12,16 @@ from engine.request import Request
 from engine.sampler import TokenLogprob
 
 
+class QueuedWork(Protocol):
+    """Work queued on the device that the host has not waited for."""
+
+    def done(self) -> bool:
+        """Whether it has run (without waiting for it)."""
+
+    def settle(self) -> None:
+        """Wait until it has run."""
+
+
 class Speculator(Protocol):
     """What the engine asks of speculative decoding (implemented in spec/)."""
 
@@ -30,10 +40,17 @@ class Speculator(Protocol):
         prompt_sources[i]: the index of an earlier request of the same prompt whose draft KV
         request i, another parallel sample, shares (None: its own)."""
 
-    def verify(self, requests: list[Request], default_generator: torch.Generator) -> Any:
+    def verify(
+        self, requests: list[Request], default_generator: torch.Generator, launch_next: bool
+    ) -> Any:
         """One target forward over each request's newest token and draft chain; returns the
         tokens to commit (`.tokens`, `.logprobs`, one list per request) and what the draft
-        extend needs."""
+        extend needs. `launch_next`: the next step is expected to decode the same requests;
+        their next verify may be queued now (`queued_verify`)."""
+
+    def queued_verify(self) -> QueuedWork | None:
+        """Work queued on the device behind the last verify that may still write the KV of
+        the requests it verified, if any."""
 
     def finish_round(self, requests: list[Request], verified: Any, launch_next: bool) -> None:
         """After the tokens were committed: count statistics, extend the draft of each request

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.engine_hooks import Speculator
+from engine.engine_hooks import QueuedWork, Speculator
 from engine.model_runner import ForwardOutput
 from engine.prefill_chunks import HeldChunks
 from engine.prompt_embeds import InputEmbeds
@@ -54,6 +54,22 @@ class SpeculativeSteps:
         self.scheduler = scheduler
         self.stop_checker = stop_checker
         self.fail = fail
+        # Requests a decode step finished while the next verify, queued on the device behind
+        # it, may still write their KV: their slots are freed once it has run (`release_held`).
+        self.held: list[Request] = []
+        self.held_by: QueuedWork | None = None
+
+    def release_held(self, wait: bool) -> None:
+        """Free the slots of the requests held for a queued verify: once it has run, or now
+        after waiting for it with `wait`."""
+        if not self.held or self.held_by is None:
+            return
+        if not wait and not self.held_by.done():
+            return
+        self.held_by.settle()
+        held, self.held, self.held_by = self.held, [], None
+        for req in held:
+            self.scheduler.release(req)
 
     # --- after a prefill forward ---
     def prompts_for_draft(
@@ -118,18 +134,28 @@ class SpeculativeSteps:
         # the draft extend for prefill): its draft span is empty. docs/architecture.md, Tracing.
         set_time_batch(batch.requests, "draft_start", "draft_end", "verify_start", where=_drafts)
         set_time_batch(batch.requests, "decode_start", where=_decodes_plainly)
-        try:
-            verified = self.speculator.verify(batch.requests, default_generator)
-        except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
-            return self.fail(batch.requests, "verify", err)
-        set_time_batch(batch.requests, "verify_end", where=_drafts)
-        set_time_batch(batch.requests, "decode_end", where=_decodes_plainly)
-        finished = self.scheduler.process_tokens(
-            batch, verified.tokens, verified.logprobs, self.stop_checker
-        )
-        set_time_batch(batch.requests, "draft_extend_start", where=_extends)
         # With nothing waiting for admission, the next step decodes those of these requests
         # that are still running (or something changes in between, which its verify sees).
+        launch_next = not self.scheduler.waiting
+        try:
+            verified = self.speculator.verify(batch.requests, default_generator, launch_next)
+        except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
+            self.release_held(wait=True)
+            return self.fail(batch.requests, "verify", err)
+        # The verify's outcome was read: everything queued before it has run.
+        self.release_held(wait=True)
+        set_time_batch(batch.requests, "verify_end", where=_drafts)
+        set_time_batch(batch.requests, "decode_end", where=_decodes_plainly)
+        queued = self.speculator.queued_verify()
+        keep = queued is not None
+        finished = self.scheduler.process_tokens(
+            batch, verified.tokens, verified.logprobs, self.stop_checker, keep_slots=keep
+        )
+        if queued is not None and finished:
+            self.held, self.held_by = finished, queued
+            if not self.scheduler.running:  # nothing runs after them to hide the wait behind
+                self.release_held(wait=True)
+        set_time_batch(batch.requests, "draft_extend_start", where=_extends)
         launch_next = not self.scheduler.waiting
         try:
             self.speculator.finish_round(batch.requests, verified, launch_next)

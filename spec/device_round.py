@@ -26,7 +26,11 @@ instead would cost the whole batch the general path each time one request nears 
 The round's inputs are gathered in one pass over its requests (`gather_round`) and read from
 arrays after that. When the next step will decode the requests this round leaves running,
 their next verify is queued before the host reads this round's chains (`launch_verify`): the
-chains go from the extend's output into the verify's input on the device."""
+chains go from the extend's output into the verify's input on the device. Where the verify
+ran in a graph and every request holds its slots for the next round whatever this one
+accepts (`holds_next_round`), the device queues that next verify before the host has read
+this round's outcome (`queue_next_verify`): each request's span moves past its accepted
+drafts and bonus token in the graph's buffer, on the device."""
 
 from __future__ import annotations
 
@@ -150,6 +154,8 @@ class DeviceRound:
     boundary: torch.Tensor  # [K-1, n, hidden]
     verify_hidden: torch.Tensor  # [n, K+1, width]: the target's over each verify span
     tree_budget: int | None = None  # the nodes of each next tree, when the extend grows trees
+    # The next round's verify of the same requests, queued from the device (queue_next_verify).
+    next_verify: LaunchedVerify | None = None
 
     def chains(self) -> tuple[list[list[int]], list[list[float]]]:
         """Each request's next chain and the chain's probabilities, once the extend is done on
@@ -170,13 +176,17 @@ def run_device_round(
     fixed_extend: FixedDecodeExtend,
     k: int,
     target_pools: tuple[KVPool, ReqToTokenPool],
+    forward_every_token=None,
 ) -> DeviceRound:
     """After the verify of `forward` (the spans of `inputs`, in request order) was queued,
     its `outputs` (logits and hidden states at every token): accept on the device (at most its
     lookahead's drafts a request), extend over `inputs.items` (which
     `FixedDecodeExtend.fits`).
     The host reads the committed tokens as soon as the verify is done, while the device runs
-    the extend; the next chains are read after."""
+    the extend; the next chains are read after. With `forward_every_token` (the next step is
+    expected to decode the same requests), the next round's verify is queued behind the
+    extend where `forward` ran in a graph and every request holds its slots for it: the
+    device then runs it while the host commits this round."""
     logits, hidden = outputs
     requests, items, lookaheads = inputs.requests, inputs.items, inputs.lookaheads
     n = len(requests)
@@ -194,8 +204,16 @@ def run_device_round(
         items, targets, accepted, hidden, inputs.gathered
     )
     next_rounds = HostCopy(block)
+    queued = None
+    if forward_every_token is not None and forward.graph is not None:
+        if holds_next_round(requests, k):
+            queued = queue_next_verify(forward, targets, accepted, next_chains, forward_every_token)
     tokens, counts = read_verdicts(verdicts, k)
-    return DeviceRound(tokens, counts, items, next_rounds, next_chains, boundary, hidden)
+    done = DeviceRound(tokens, counts, items, next_rounds, next_chains, boundary, hidden)
+    if queued is not None:
+        num_tokens = [req.num_tokens + len(t) for req, t in zip(requests, tokens)]
+        done.next_verify = LaunchedVerify(list(requests), num_tokens, *queued)
+    return done
 
 
 def read_verdicts(verdicts: HostCopy, k: int) -> tuple[list[list[int]], list[int]]:
@@ -211,14 +229,17 @@ def read_verdicts(verdicts: HostCopy, k: int) -> tuple[list[list[int]], list[int
 
 @dataclass
 class LaunchedVerify:
-    """A round's verify queued before the engine's step asked for it: its inputs, each
-    request's token count when it was queued, its batch and its (queued) outputs."""
+    """A round's verify queued before the engine's step asked for it: its requests and the
+    token count each will have when it is taken, its batch and its (queued) outputs, and its
+    inputs, gathered when it was queued (None when it was queued from the device, before the
+    host knew how far the round before moved each request: gathered when taken)."""
 
-    inputs: RoundInputs
+    requests: list[Request]
     num_tokens: list[int]
     batch: ForwardBatch
     outputs: tuple[torch.Tensor, torch.Tensor]
     queued: torch.cuda.Event | None  # recorded behind it on a GPU
+    inputs: RoundInputs | None = None
 
     def settle(self) -> None:
         """Wait until it has run: its KV writes land before its slots change hands (a
@@ -226,10 +247,14 @@ class LaunchedVerify:
         if self.queued is not None:
             self.queued.synchronize()
 
+    def done(self) -> bool:
+        """Whether it has run, without waiting for it."""
+        return self.queued is None or self.queued.query()
+
     def runs(self, requests: list[Request]) -> bool:
-        """Whether it is the verify of `requests`: the same ones, in order, none of which has
-        committed a token since (nothing else verifies a request's tokens)."""
-        launched = self.inputs.requests
+        """Whether it is the verify of `requests`: the same ones, in order, each with the
+        tokens it was queued for (nothing else verifies a request's tokens)."""
+        launched = self.requests
         return len(launched) == len(requests) and all(
             a is b and a.num_tokens == n for a, b, n in zip(launched, requests, self.num_tokens)
         )
@@ -246,12 +271,45 @@ def launch_verify(
     # The chains that gathering read are the round before's: the next ones are on the device.
     batch.input_ids[: n * width].view(n, width)[:, 1:].copy_(next_chains)
     outputs = forward_every_token(batch)
-    queued = None
-    if batch.input_ids.is_cuda:
-        queued = torch.cuda.Event()
-        queued.record()
     num_tokens = [req.num_tokens for req in inputs.requests]
-    return LaunchedVerify(inputs, num_tokens, batch, outputs, queued)
+    return LaunchedVerify(inputs.requests, num_tokens, batch, outputs, _recorded(batch), inputs)
+
+
+def holds_next_round(requests: list[Request], k: int) -> bool:
+    """Whether every request's next round verifies a full chain in slots it holds now,
+    whatever this round accepts (at most k + 1 tokens committed): its slots reach position
+    m + 2k + 1, and its max_tokens leave k drafts to verify after the round."""
+    return all(
+        len(req.slots) >= req.num_tokens + 2 * k + 1
+        and req.params.max_tokens - len(req.output_token_ids) >= 2 * k + 2
+        for req in requests
+    )
+
+
+def queue_next_verify(
+    forward: ForwardBatch,
+    targets: torch.Tensor,
+    accepted: torch.Tensor,
+    next_chains: torch.Tensor,
+    forward_every_token,
+) -> tuple[ForwardBatch, tuple[torch.Tensor, torch.Tensor], torch.cuda.Event | None]:
+    """The verify after this round's (`forward`, a uniform graph batch whose graph ran it),
+    queued before the host has read this round's outcome: each request's span moves on by its
+    accepted count and the bonus token, and brings that bonus token (`targets` [n, K+1] at
+    `accepted` [n]) then its next chain (`next_chains` [n, K]), all on the device. Its
+    requests must hold their slots for it (`holds_next_round`)."""
+    forward.graph.advance_uniform(forward, accepted, targets, next_chains)
+    outputs = forward_every_token(forward)
+    return forward, outputs, _recorded(forward)
+
+
+def _recorded(batch: ForwardBatch) -> torch.cuda.Event | None:
+    """An event behind the work queued so far, on a GPU."""
+    if not batch.input_ids.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 # Positions a request's slots grow by beyond what the next round needs, when they must grow:

@@ -210,20 +210,31 @@ class MultiLayerEagleWorker:
 
     # --- each decode step ---
     @torch.inference_mode()
-    def verify(self, requests: list[Request], default_generator: torch.Generator) -> VerifyResult:
+    def verify(
+        self,
+        requests: list[Request],
+        default_generator: torch.Generator,
+        launch_next: bool = False,
+    ) -> VerifyResult:
         """One target forward over each request's newest token and its drafts (requests not
         speculating bring just their newest token): a chain, or a tree whose nodes see their
-        ancestors only; then acceptance."""
+        ancestors only; then acceptance. `launch_next`: the next step is expected to decode
+        the same requests; a round on the device then queues their next verify
+        (`queued_verify`)."""
         launched, self._launched = self._launched, None
         if self.shape.is_chain:
-            if launched is not None and launched.runs(requests):
-                if self.fixed_extend.fits(launched.inputs.items, launched.inputs.gathered):
-                    return self._device_round(launched.inputs, launched.batch, launched.outputs)
             rows = self.runner.req_to_token_pool.max_context_len
-            inputs = gather_round(requests, self.num_draft_steps, rows)
+            k = self.num_draft_steps
+            if launched is not None and launched.runs(requests):
+                inputs = launched.inputs or gather_round(requests, k, rows)
+                if inputs is not None and self.fixed_extend.fits(inputs.items, inputs.gathered):
+                    outputs = launched.outputs
+                    return self._device_round(inputs, launched.batch, outputs, launch_next)
+            inputs = gather_round(requests, k, rows)
             if inputs is not None and self.fixed_extend.fits(inputs.items, inputs.gathered):
                 batch = self._verify_batch(inputs)
-                return self._device_round(inputs, batch, self.runner.forward_every_token(batch))
+                outputs = self.runner.forward_every_token(batch)
+                return self._device_round(inputs, batch, outputs, launch_next)
         elif self.fixed_extend.layout is not None:
             rows = self.runner.req_to_token_pool.max_context_len
             budget = self.fixed_extend.layout.budget
@@ -289,9 +300,11 @@ class MultiLayerEagleWorker:
         inputs: RoundInputs,
         batch: ForwardBatch,
         outputs: tuple[torch.Tensor, torch.Tensor],
+        launch_next: bool = False,
     ) -> VerifyResult:
         """Acceptance and the draft extend queued behind the verify of `batch`, whose
-        `outputs` are queued (spec.device_round)."""
+        `outputs` are queued, and with `launch_next` the next verify where the device can
+        queue it (spec.device_round)."""
         runner, k = self.runner, self.num_draft_steps
         outputs_before = [len(req.output_token_ids) for req in inputs.requests]
         done = run_device_round(
@@ -301,8 +314,15 @@ class MultiLayerEagleWorker:
             self.fixed_extend,
             k,
             (runner.kv_pool, runner.req_to_token_pool),
+            runner.forward_every_token if launch_next else None,
         )
+        self._launched = done.next_verify
         return _decided_on_device(done, outputs_before, inputs.lookaheads, inputs.lookaheads)
+
+    def queued_verify(self) -> LaunchedVerify | None:
+        """The verify queued behind the last round, if any: until it has run it may write the
+        KV of every request that round verified (`LaunchedVerify.settle`)."""
+        return self._launched
 
     def _tree_round(self, inputs: TreeRoundInputs) -> VerifyResult:
         """The verify of every request's tree, acceptance and the draft extend queued back to
@@ -352,7 +372,11 @@ class MultiLayerEagleWorker:
                 next_chains = next_chains[kept] if launch_next else next_chains
             # Those going on are all that the round leaves running, in order: the next step's
             # batch when nothing joins.
-            if launch_next and going_on and self.shape.is_chain:
+            # A verify the device queued is of every request of the round: when some end,
+            # the host queues one of those going on.
+            queued = self._launched is not None and len(going_on) == len(requests)
+            if launch_next and going_on and self.shape.is_chain and not queued:
+                self._launched = None
                 self._launch_verify([req for _, req, _ in going_on], next_chains)
             chains, probs = done.chains()
             trees = done.trees()

@@ -13,6 +13,7 @@ import pytest
 from devices import DEVICES
 from tiny_drafts import make_good_draft, make_predictable_llama
 
+import spec.device_round
 from engine import LLM, SamplingParams
 
 SPEC = "multi-layer-eagle"
@@ -43,16 +44,19 @@ def _llm(models, launch_ahead: bool, monkeypatch, device: str) -> tuple[LLM, dic
             counts["launched"] += 1
             launched_batches.append(worker._launched.batch)
 
-    def counted_round(inputs, batch, outputs):
+    def counted_round(inputs, batch, outputs, *rest):
         counts["rounds"] += 1
         counts["taken"] += any(batch is launched for launched in launched_batches)
-        return device_round(inputs, batch, outputs)
+        return device_round(inputs, batch, outputs, *rest)
 
     if launch_ahead:
         monkeypatch.setattr(worker, "_launch_verify", counted_launch)
     else:
         monkeypatch.setattr(worker, "_launch_verify", lambda *args: None)
     monkeypatch.setattr(worker, "_device_round", counted_round)
+    # The verify queued by the host only: the one the device queues on a GPU is
+    # tests/test_spec_queued_verify.py's.
+    monkeypatch.setattr(spec.device_round, "holds_next_round", lambda *args: False)
     return llm, counts
 
 

@@ -1,0 +1,203 @@
+"""The next round's verify queued from the device (spec.device_round.queue_next_verify): behind
+a round's extend, before the host has read that round's outcome, each request's verify span
+moved on by its accepted count on the device (CudaGraphs.advance_uniform). Requests that the
+round ends keep their slots until that verify has run (SpeculativeSteps.release_held)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from devices import DEVICES
+from tiny_drafts import make_good_draft, make_predictable_llama
+
+import spec.device_round as device_round
+from engine import LLM, SamplingParams
+from engine.cuda_graph import CudaGraphs
+from engine.kv_pool import KVPool, ReqToTokenPool
+from spec.device_round import holds_next_round
+
+SPEC = "multi-layer-eagle"
+
+
+def _graphs(width: int, max_requests: int, context: int, device: str) -> CudaGraphs:
+    """A graph set over a small pool whose buffers are loaded and moved, never captured."""
+    pool = KVPool(64, 1, 1, 4, torch.float32, device)
+    table = ReqToTokenPool(max_requests, context, device)
+    attention = SimpleNamespace(supports_cuda_graph=True)
+    return CudaGraphs("verify", None, attention, pool, table, [32, 64], width)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [1, 3, 7])
+@torch.inference_mode()
+def test_a_moved_span_equals_the_span_loaded_where_it_moved(n: int, device: str) -> None:
+    """advance_uniform gives the graph's inputs exactly what load_uniform gives for the spans
+    each moved past its kept tokens and the one after: ids, positions, slots from the row
+    table, lengths; the padding columns untouched (on a GPU, the Triton kernel)."""
+    k = 3
+    width, context = k + 1, 40
+    graphs = _graphs(width, 8, context, device)
+    rng = np.random.default_rng(n)
+    table = graphs.req_to_token_pool.req_to_token
+    table[:8] = torch.from_numpy(rng.integers(1, 64, size=(8, context))).to(device)
+    rows = rng.permutation(8)[:n]
+    starts = rng.integers(k, 20, size=n)
+    tokens = rng.integers(3, 100, size=(n, width))
+    host_table = table.cpu().numpy()
+    slots = host_table[rows[:, None], starts[:, None] + np.arange(width)]
+    batch = graphs.load_uniform(rows, starts, tokens, slots)
+
+    kept = rng.integers(0, k + 1, size=n)
+    candidates = rng.integers(3, 100, size=(n, width))
+    rest = rng.integers(3, 100, size=(n, k))
+    on = [torch.from_numpy(a).to(device) for a in (kept, candidates, rest)]
+    graphs.advance_uniform(batch, *on)
+    moved = graphs.inputs.clone()
+
+    moved_starts = starts + kept + 1
+    moved_tokens = np.concatenate([candidates[np.arange(n), kept][:, None], rest], axis=1)
+    moved_slots = host_table[rows[:, None], moved_starts[:, None] + np.arange(width)]
+    graphs.load_uniform(rows, moved_starts, moved_tokens, moved_slots)
+    assert torch.equal(moved, graphs.inputs)
+
+
+def _request(out: int, slots: int, max_tokens: int, prompt: int = 10):
+    return SimpleNamespace(
+        slots=[0] * slots,
+        num_tokens=prompt + out,
+        output_token_ids=[0] * out,
+        params=SimpleNamespace(max_tokens=max_tokens),
+    )
+
+
+def test_the_next_verify_is_queued_only_where_every_request_holds_it() -> None:
+    """Queued before the round's outcome is known, the next verify must fit whatever the round
+    accepts: slots up to m + 2k + 1, and k drafts left after k + 1 tokens committed."""
+    k = 3
+    # num_tokens 15, m = 14: the next verify reaches position m + 2k + 1 = 21 (22 slots).
+    assert holds_next_round([_request(5, 22, 100)], k)
+    assert not holds_next_round([_request(5, 21, 100)], k)
+    # 8 outputs left (2k + 2): after 4 committed, 4 left, so a lookahead of 3.
+    assert holds_next_round([_request(5, 40, 13)], k)
+    assert not holds_next_round([_request(5, 40, 12)], k)
+    assert not holds_next_round([_request(5, 40, 100), _request(5, 21, 100)], k)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("queued_verify")
+    make_predictable_llama(root / "target", seed=0)
+    make_good_draft(root / "draft", root / "target", 3, noise=0.05)
+    return root / "target", root / "draft"
+
+
+def _llm(models, device: str) -> LLM:
+    target, draft = models
+    return LLM(
+        str(target), device=device, speculative_algorithm=SPEC, draft_model=str(draft),
+        num_draft_steps=3, kv_cache_tokens=8192, max_num_seqs=16,
+    )  # fmt: skip
+
+
+def _workload(seed: int, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(4, 30))] for _ in range(n)]
+    params = [
+        SamplingParams(max_tokens=14 + 9 * i, temperature=0, ignore_eos=i % 2 == 0)
+        for i in range(n)
+    ]
+    return prompts, params
+
+
+class _Slow:
+    """A queued verify that reports itself still running until settled."""
+
+    def __init__(self) -> None:
+        self.settled = False
+
+    def done(self) -> bool:
+        return self.settled
+
+    def settle(self) -> None:
+        self.settled = True
+
+
+def test_requests_ended_under_a_queued_verify_keep_their_slots_until_it_has_run(
+    models, monkeypatch
+):
+    """With a verify queued behind each round, a request that the round ends keeps its target
+    slots until the next round's verify has been read (or the engine waits for it), then
+    frees them: the pools come back empty and the output is unchanged."""
+    prompts, params = _workload(3, 6)
+    expected = [o.token_ids for o in _llm(models, "cpu").generate(prompts, params)]
+    llm = _llm(models, "cpu")
+    engine = llm.engine
+    worker, steps = engine.speculator, engine.speculative
+    held_slots = []
+    queued_verify = worker.queued_verify
+    process_tokens = engine.scheduler.process_tokens
+
+    def queued():
+        return queued_verify() or _Slow()
+
+    def counted_process_tokens(*args, **kwargs):
+        finished = process_tokens(*args, **kwargs)
+        held_slots.extend(len(req.slots) for req in finished)
+        return finished
+
+    monkeypatch.setattr(worker, "queued_verify", queued)
+    monkeypatch.setattr(engine.scheduler, "process_tokens", counted_process_tokens)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    # Ended requests were held with their slots, and freed later.
+    assert held_slots and all(n > 0 for n in held_slots)
+    assert not steps.held and not engine.has_work()
+    assert engine.kv_cache.is_empty() and worker.is_empty()
+
+
+def _counted(llm: LLM, monkeypatch) -> dict[str, int]:
+    worker = llm.engine.speculator
+    counts = {"rounds": 0, "taken": 0, "from_device": 0}
+    verify, queue = worker.verify, device_round.queue_next_verify
+
+    def counted_verify(requests, *args):
+        counts["rounds"] += 1
+        pending = worker._launched
+        counts["taken"] += pending is not None and pending.runs(requests)
+        return verify(requests, *args)
+
+    def counted_queue(*args):
+        counts["from_device"] += 1
+        return queue(*args)
+
+    monkeypatch.setattr(worker, "verify", counted_verify)
+    monkeypatch.setattr(device_round, "queue_next_verify", counted_queue)
+    return counts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_verifies_queued_from_the_device_change_no_output(models, monkeypatch, device):
+    """Requests ending at different rounds (max_tokens, EOS for some): where the rounds run in
+    graphs, the device queues the next verify, every round but the last takes a verify queued
+    before it, and the tokens are those of plain decoding."""
+    prompts, params = _workload(4, 6)
+    plain = LLM(str(models[0]), device=device, kv_cache_tokens=8192, max_num_seqs=16)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    llm = _llm(models, device)
+    counts = _counted(llm, monkeypatch)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    # Nothing joins between steps: every round but the last took a verify queued before it.
+    assert counts["taken"] == counts["rounds"] - 1 > 0
+    if device == "cuda":
+        assert counts["from_device"] > 0
+    else:  # eager batches cannot be moved on the device
+        assert counts["from_device"] == 0
+    engine = llm.engine
+    assert not engine.has_work() and not engine.speculative.held
+    assert engine.kv_cache.is_empty() and engine.speculator.is_empty()
