@@ -432,7 +432,7 @@ class MultiLayerEagleWorker:
 
     def release(self, req: Request) -> None:
         launched = self._launched
-        if launched is not None and any(r is req for r in launched.inputs.requests):
+        if launched is not None and any(r is req for r in launched.requests):
             launched.settle()
             self._launched = None
         state: SpecRequestState | None = req.spec_state

@@ -17,7 +17,8 @@ from tiny_drafts import make_good_draft, make_predictable_llama
 
 import spec.device_round as device_round
 from engine import LLM, SamplingParams
-from engine.cuda_graph import CudaGraphs
+from engine.cuda_graph import _IDS, _POSITIONS, _Q_LENS, _Q_STARTS, _ROWS, _SLOTS, CudaGraphs
+from engine.forward_batch import Span, extend_batch
 from engine.kv_pool import KVPool, ReqToTokenPool
 from spec.device_round import holds_next_round
 
@@ -96,12 +97,46 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "target", root / "draft"
 
 
-def _llm(models, device: str) -> LLM:
+def _llm(models, device: str, **kwargs) -> LLM:
     target, draft = models
+    options = dict(kv_cache_tokens=8192, max_num_seqs=16) | kwargs
     return LLM(
         str(target), device=device, speculative_algorithm=SPEC, draft_model=str(draft),
-        num_draft_steps=3, kv_cache_tokens=8192, max_num_seqs=16,
+        num_draft_steps=3, **options,
     )  # fmt: skip
+
+
+class _ReplayedEagerly(CudaGraphs):
+    """Verify graphs on a CPU: a replay runs the eager forward over whatever the static buffer
+    holds, so a round takes the path of a captured verify (the next one queued from the
+    device, its spans moved in the buffer) where no graph can be captured."""
+
+    def __init__(self, runner, max_span: int, max_tokens: int) -> None:
+        attention = SimpleNamespace(supports_cuda_graph=True)
+        pools = (runner.kv_pool, runner.req_to_token_pool)
+        super().__init__("verify", None, attention, *pools, [8, 16, 32, max_tokens], max_span)
+        self.runner = runner
+
+    def replay(self, batch):
+        columns, requests = self.inputs, self.inputs[3:]
+        spans = []
+        for i in range(batch.batch_size):
+            first, count = int(requests[_Q_STARTS, i]), int(requests[_Q_LENS, i])
+            ids, positions, slots = (
+                columns[row, first : first + count].tolist() for row in (_IDS, _POSITIONS, _SLOTS)
+            )
+            spans.append(Span(int(requests[_ROWS, i]), positions[0], ids, slots))
+        runner = self.runner
+        pools = (runner.kv_pool, runner.req_to_token_pool)
+        eager = extend_batch(spans, *pools, runner.attention, runner.device)
+        self.num_replays += 1
+        return runner.forward_every_token(eager)
+
+
+def _with_emulated_graphs(llm: LLM) -> LLM:
+    runner = llm.engine.runner
+    runner.verify_graphs = _ReplayedEagerly(runner, 4, 4 * 16)
+    return llm
 
 
 def _workload(seed: int, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -201,3 +236,64 @@ def test_verifies_queued_from_the_device_change_no_output(models, monkeypatch, d
     engine = llm.engine
     assert not engine.has_work() and not engine.speculative.held
     assert engine.kv_cache.is_empty() and engine.speculator.is_empty()
+
+
+def _plain(models, prompts, params) -> list[list[int]]:
+    plain = LLM(str(models[0]), device="cpu", kv_cache_tokens=8192, max_num_seqs=16)
+    return [o.token_ids for o in plain.generate(prompts, params)]
+
+
+def _check_empty(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_work() and not engine.speculative.held
+    assert engine.kv_cache.is_empty() and engine.speculator.is_empty()
+
+
+def test_requests_ending_under_a_verify_queued_from_the_device(models, monkeypatch):
+    """Stop tokens end requests while the next verify is queued from the device: they are
+    held until it has run, the output is plain decoding's, and the pools come back empty."""
+    prompts, _ = _workload(5, 6)
+    long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    plain = _plain(models, prompts, [long] * len(prompts))
+    params = [
+        SamplingParams(
+            max_tokens=60, temperature=0, ignore_eos=True, stop_token_ids=[out[9 + 4 * i]]
+        )
+        for i, out in enumerate(plain)
+    ]
+    expected = _plain(models, prompts, params)
+    llm = _with_emulated_graphs(_llm(models, "cpu"))
+    counts = _counted(llm, monkeypatch)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    assert counts["from_device"] > 0
+    _check_empty(llm)
+
+
+@pytest.mark.parametrize("kv_cache_tokens", [8192, 300])
+def test_aborts_and_retractions_under_a_verify_queued_from_the_device(models, kv_cache_tokens):
+    """A request aborted while the next verify is queued from the device, and (in a pool too
+    small for every request) requests retracted meanwhile: the others' output is plain
+    decoding's and every slot comes back."""
+    prompts, _ = _workload(6, 6)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    expected = _plain(models, prompts, [params] * len(prompts))
+    llm = _with_emulated_graphs(_llm(models, "cpu", kv_cache_tokens=kv_cache_tokens))
+    engine = llm.engine
+    requests = [engine.make_request(str(i), p, params) for i, p in enumerate(prompts)]
+    for req in requests:
+        engine.add_request(req)
+    aborted = None
+    while engine.has_work():
+        engine.step()
+        queued = engine.speculator.queued_verify()
+        if aborted is None and queued is not None and queued.inputs is None:
+            aborted = requests[2]
+            assert engine.abort(aborted.request_id) is aborted
+    assert aborted is not None, "no verify was queued from the device"
+    for i, req in enumerate(requests):
+        if req is not aborted:
+            assert req.output_token_ids == expected[i]
+    if kv_cache_tokens == 300:
+        assert engine.scheduler.num_retractions > 0
+    _check_empty(llm)
