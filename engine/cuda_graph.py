@@ -6,11 +6,10 @@ A graph set (`CudaGraphs`) serves batches whose requests each bring at most `max
 tokens: decode (span 1), captured per batch size, and speculative verify (the newest token
 and the draft chain, or an alternative chain), captured per token count. A graph reads its
 inputs from one static buffer (per token: id, position, KV slot; per request: row, length,
-first token, new tokens), filled by one host-to-device copy per step. Padded tokens read token
-0 at position 0, each as a request of its own over the request table's padding row, and write
-their K and V to the padding slot (slot 0, which no request owns), so they never touch a
-request's KV; their outputs are sliced off before anything (sampling, acceptance, statistics,
-a transfer) sees them.
+first token, new tokens; engine.graph_inputs), filled by one host-to-device copy per step.
+Padded tokens write their K and V to the padding slot, so they never touch a request's KV;
+their outputs are sliced off before anything (sampling, acceptance, statistics, a transfer)
+sees them.
 
 The graph runner touches attention only through the backend's `prepare_for_capture`: the
 backend's kernels read the static buffers, so a replay needs no metadata work."""
@@ -27,7 +26,22 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
-from engine.forward_batch import ForwardBatch, Span, tree_bits
+from engine.forward_batch import ForwardBatch, Span
+from engine.graph_inputs import (
+    IDS,
+    LAST,
+    NUM_ROWS,
+    POSITIONS,
+    Q_LENS,
+    Q_STARTS,
+    ROWS,
+    SEQ_LENS,
+    SLOTS,
+    TREE_BITS,
+    bucket_for,
+    padded_columns,
+    uniform_columns,
+)
 from engine.host_copy import PinnedMirror
 from engine.kernels import triton_usable
 from engine.kv_pool import KVPool, ReqToTokenPool
@@ -49,119 +63,6 @@ def collection_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-# The static input buffer: three rows of per-token values, then five of per-request values,
-# then for graphs of token trees each token's visibility mask (ForwardBatch.tree_bits).
-_IDS, _POSITIONS, _SLOTS = range(3)
-_ROWS, _SEQ_LENS, _Q_STARTS, _Q_LENS, _LAST = range(5)
-_NUM_ROWS = 8
-_TREE_BITS = 8
-PADDING_SLOT = 0
-
-
-def batch_size_buckets(max_batch_size: int) -> list[int]:
-    """The batch sizes captured: 1, 2, 4, 8, every 8 to 64, every 16 to 256, every 32 beyond,
-    and `max_batch_size` itself, none above it."""
-    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, 257, 16)]
-    sizes += range(288, max_batch_size + 1, 32)
-    return sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
-
-
-def token_buckets(max_tokens: int) -> list[int]:
-    """Token counts captured for spans longer than one token: 8, 16, 32, 48, 64, 96, 128, ...
-    (each power of two and one and a half times it), and `max_tokens` itself, none above it."""
-    sizes = {8, 16}
-    power = 32
-    while power < max_tokens:
-        sizes.update((power, power * 3 // 2))
-        power *= 2
-    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
-
-
-def bucket_for(buckets: list[int], batch_size: int) -> int | None:
-    """The smallest bucket that holds `batch_size`, or None above the largest."""
-    for size in buckets:
-        if size >= batch_size:
-            return size
-    return None
-
-
-def padded_columns(
-    size: int, spans: list[Span], padding_row: int, trees: bool = False
-) -> list[list[int]]:
-    """A graph's eight input rows over `size` columns: per token its id, position and KV slot;
-    per request its row, length, first token, number of tokens and last token; with `trees`,
-    a ninth of each token's visibility mask (-1, causal, for padding). The spans come first,
-    then one padding request per remaining token (token 0 at position 0, writing the padding
-    slot, over the padding row), then requests of no token, which attention skips."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    rows, seq_lens, starts, lens = [], [], [], []
-    for span in spans:
-        rows.append(span.row)
-        seq_lens.append(span.start + len(span.token_ids))
-        starts.append(len(ids))
-        lens.append(len(span.token_ids))
-        ids += span.token_ids
-        if span.positions is None:
-            positions += range(span.start, span.start + len(span.token_ids))
-        else:
-            positions += span.positions
-        slots += span.slots
-    padding = size - len(ids)
-    assert padding >= 0, f"{len(ids)} tokens in a graph of {size}"
-    rows += [padding_row] * padding
-    seq_lens += [1] * padding
-    starts += range(len(ids), size)
-    lens += [1] * padding
-    ids += [0] * padding
-    positions += [0] * padding
-    slots += [PADDING_SLOT] * padding
-    empty = size - len(rows)
-    rows += [padding_row] * empty
-    seq_lens += [1] * empty
-    starts += [0] * empty
-    lens += [0] * empty
-    lasts = [start + max(n, 1) - 1 for start, n in zip(starts, lens)]
-    columns = [ids, positions, slots, rows, seq_lens, starts, lens, lasts]
-    if trees:
-        columns.append(tree_bits(spans) + [-1] * padding)
-    return columns
-
-
-def uniform_columns(
-    size: int,
-    rows: np.ndarray,
-    starts: np.ndarray,
-    tokens: np.ndarray,
-    slots: np.ndarray,
-    padding_row: int,
-) -> np.ndarray:
-    """`padded_columns` of spans that all bring the same number of tokens, from arrays: request
-    i's span starts at `starts[i]` in row `rows[i]` with `tokens[i]` [width] writing `slots[i]`
-    [width]. A speculative round's verify: no walk over its requests in Python."""
-    n, width = tokens.shape
-    used = n * width
-    assert used <= size, f"{used} tokens in a graph of {size}"
-    padding = size - used
-    columns = np.zeros((_NUM_ROWS, size), dtype=np.int64)
-    columns[_IDS, :used] = tokens.ravel()
-    columns[_POSITIONS, :used] = (starts[:, None] + np.arange(width)).ravel()
-    columns[_SLOTS, :used] = slots.ravel()
-    columns[_SLOTS, used:] = PADDING_SLOT
-    reqs = columns[3:]
-    reqs[_ROWS, :n] = rows
-    reqs[_ROWS, n:] = padding_row
-    reqs[_SEQ_LENS, :n] = starts + width
-    reqs[_SEQ_LENS, n:] = 1
-    reqs[_Q_STARTS, :n] = np.arange(0, used, width)
-    reqs[_Q_STARTS, n : n + padding] = np.arange(used, size)
-    reqs[_Q_LENS, :n] = width
-    reqs[_Q_LENS, n : n + padding] = 1
-    reqs[_LAST] = reqs[_Q_STARTS] + np.maximum(reqs[_Q_LENS], 1) - 1
-    return columns
 
 
 GraphOutputs = tuple[torch.Tensor, ...]
@@ -207,7 +108,7 @@ class CudaGraphs:
         self.capacity = max(buckets)
         self.trees = trees
         device = kv_pool.device
-        num_rows = _NUM_ROWS + (1 if trees else 0)
+        num_rows = NUM_ROWS + (1 if trees else 0)
         self.inputs = torch.zeros((num_rows, self.capacity), dtype=torch.int64, device=device)
         self.staged = PinnedMirror(self.inputs)  # filled from lists every step
         self.hidden: torch.Tensor | None = None
@@ -329,11 +230,11 @@ class CudaGraphs:
         size = self.bucket_for(n * width)
         assert size is not None and self.embeds is None
         staged = self.staged.writable()
-        staged[:_NUM_ROWS, :size] = uniform_columns(
+        staged[:NUM_ROWS, :size] = uniform_columns(
             size, rows, starts, tokens, slots, self.req_to_token_pool.padding_row
         )
         if self.trees:
-            staged[_TREE_BITS, :size] = -1  # every span causal
+            staged[TREE_BITS, :size] = -1  # every span causal
         self.staged.upload()
         return self._batch(size, (starts + width).tolist(), [width] * n)
 
@@ -353,16 +254,16 @@ class CudaGraphs:
         if triton_usable(self.inputs):
             from engine.kernels.spans import advance_spans
 
-            advance_spans(self.inputs, kept, candidates, rest, table, 3 + _ROWS, 3 + _SEQ_LENS)
+            advance_spans(self.inputs, kept, candidates, rest, table, 3 + ROWS, 3 + SEQ_LENS)
             return
         used = n * width
-        positions = self.inputs[_POSITIONS, :used].view(n, width)
+        positions = self.inputs[POSITIONS, :used].view(n, width)
         positions += (kept + 1)[:, None]
         head = candidates.gather(1, kept[:, None])
-        self.inputs[_IDS, :used].view(n, width).copy_(torch.cat([head, rest], dim=1))
-        rows = self.inputs[3 + _ROWS, :n]
-        self.inputs[_SLOTS, :used].view(n, width).copy_(table[rows[:, None], positions])
-        self.inputs[3 + _SEQ_LENS, :n] += kept + 1
+        self.inputs[IDS, :used].view(n, width).copy_(torch.cat([head, rest], dim=1))
+        rows = self.inputs[3 + ROWS, :n]
+        self.inputs[SLOTS, :used].view(n, width).copy_(table[rows[:, None], positions])
+        self.inputs[3 + SEQ_LENS, :n] += kept + 1
 
     def fits_uniform(self, num_requests: int, width: int) -> bool:
         """Whether `load_uniform` takes `num_requests` spans of `width` tokens."""
@@ -420,9 +321,9 @@ class CudaGraphs:
         reqs = self.inputs[3:, :size]
         # No span in a graph of `size` tokens is longer than that.
         max_span = min(self.max_span, size)
-        tree = self.inputs[_TREE_BITS, :size] if self.trees else None
+        tree = self.inputs[TREE_BITS, :size] if self.trees else None
         batch.attn_metadata = self.attention.prepare_for_capture(
-            reqs[_ROWS], reqs[_SEQ_LENS], reqs[_Q_STARTS], reqs[_Q_LENS], max_span, tree
+            reqs[ROWS], reqs[SEQ_LENS], reqs[Q_STARTS], reqs[Q_LENS], max_span, tree
         )
         return batch
 
@@ -434,18 +335,18 @@ class CudaGraphs:
         embeds = None if self.embeds is None else self.embeds[:num_tokens]
         embeds_mask = None if self.embeds_mask is None else self.embeds_mask[:num_tokens]
         return ForwardBatch(
-            input_ids=tokens[_IDS],
-            positions=tokens[_POSITIONS],
-            out_cache_loc=tokens[_SLOTS],
-            req_pool_indices=self.inputs[3 + _ROWS, : len(seq_lens)],
+            input_ids=tokens[IDS],
+            positions=tokens[POSITIONS],
+            out_cache_loc=tokens[SLOTS],
+            req_pool_indices=self.inputs[3 + ROWS, : len(seq_lens)],
             seq_lens=seq_lens,
             extend_lens=extend_lens,
             kv_pool=self.kv_pool,
             req_to_token_pool=self.req_to_token_pool,
             input_embeds=embeds,
             input_embeds_mask=embeds_mask,
-            last_index=self.inputs[3 + _LAST, : len(seq_lens)],
-            tree_bits=self.inputs[_TREE_BITS, :num_tokens] if self.trees else None,
+            last_index=self.inputs[3 + LAST, : len(seq_lens)],
+            tree_bits=self.inputs[TREE_BITS, :num_tokens] if self.trees else None,
             graph=self,
             graph_batch_size=size,
         )

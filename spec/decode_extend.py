@@ -23,8 +23,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.cuda_graph import batch_size_buckets, bucket_for, collection_paused
+from engine.cuda_graph import collection_paused
 from engine.forward_batch import ForwardBatch
+from engine.graph_inputs import batch_size_buckets, bucket_for
 from engine.host_copy import HostCopy, PinnedMirror
 from spec.device_tree import DeviceTree, ForkColumns, TreeLayout
 from spec.draft_runner import DraftRunner

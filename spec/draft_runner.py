@@ -22,9 +22,10 @@ import torch
 
 from engine.attention import create_attention_backend
 from engine.config import EngineConfig
-from engine.cuda_graph import CudaGraphs, token_buckets
+from engine.cuda_graph import CudaGraphs
 from engine.debug_dump import draft_role, dump_pass, tensor_dumper
 from engine.forward_batch import ForwardBatch
+from engine.graph_inputs import token_buckets
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding

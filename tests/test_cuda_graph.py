@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.allocator import PADDING_SLOT
 from engine.attention import resolve_attention_backend
-from engine.cuda_graph import (
-    PADDING_SLOT,
+from engine.forward_batch import Span
+from engine.graph_inputs import (
     batch_size_buckets,
     bucket_for,
     padded_columns,
     token_buckets,
     uniform_columns,
 )
-from engine.forward_batch import Span
 from engine.kernels import triton_runs_on
 from engine.kv_pool import ReqToTokenPool
 from engine.loader import EngineArgs, resolve

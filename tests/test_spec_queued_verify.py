@@ -17,8 +17,9 @@ from tiny_drafts import make_good_draft, make_predictable_llama
 
 import spec.device_round as device_round
 from engine import LLM, SamplingParams
-from engine.cuda_graph import _IDS, _POSITIONS, _Q_LENS, _Q_STARTS, _ROWS, _SLOTS, CudaGraphs
+from engine.cuda_graph import CudaGraphs
 from engine.forward_batch import Span, extend_batch
+from engine.graph_inputs import IDS, POSITIONS, Q_LENS, Q_STARTS, ROWS, SLOTS
 from engine.kv_pool import KVPool, ReqToTokenPool
 from spec.device_round import holds_next_round
 
@@ -121,11 +122,11 @@ class _ReplayedEagerly(CudaGraphs):
         columns, requests = self.inputs, self.inputs[3:]
         spans = []
         for i in range(batch.batch_size):
-            first, count = int(requests[_Q_STARTS, i]), int(requests[_Q_LENS, i])
+            first, count = int(requests[Q_STARTS, i]), int(requests[Q_LENS, i])
             ids, positions, slots = (
-                columns[row, first : first + count].tolist() for row in (_IDS, _POSITIONS, _SLOTS)
+                columns[row, first : first + count].tolist() for row in (IDS, POSITIONS, SLOTS)
             )
-            spans.append(Span(int(requests[_ROWS, i]), positions[0], ids, slots))
+            spans.append(Span(int(requests[ROWS, i]), positions[0], ids, slots))
         runner = self.runner
         pools = (runner.kv_pool, runner.req_to_token_pool)
         eager = extend_batch(spans, *pools, runner.attention, runner.device)

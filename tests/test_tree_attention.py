@@ -278,7 +278,7 @@ def test_only_graphs_of_trees_take_tree_spans() -> None:
 def test_tree_graph_columns_carry_positions_and_masks_and_pad_causally() -> None:
     """A tree graph's static input: each span's rotary positions and masks, then padding
     tokens at position 0 with the causal mask (-1)."""
-    from engine.cuda_graph import padded_columns
+    from engine.graph_inputs import padded_columns
 
     _, req_pool = _pools(2, seed=0, device="cpu")
     spans = _spans([tree(10, 5, seed=1), chain(4, 3)], req_pool, seed=2)
