@@ -26,10 +26,11 @@ import torch
 from engine.cuda_graph import collection_paused
 from engine.forward_batch import ForwardBatch
 from engine.graph_inputs import batch_size_buckets, bucket_for
-from engine.host_copy import HostCopy, PinnedMirror
+from engine.host_copy import HostCopy
 from spec.device_tree import DeviceTree, ForkColumns, TreeLayout
 from spec.draft_runner import DraftRunner
 from spec.draft_vocab import DraftHead
+from spec.extend_buffers import ExtendBuffers
 from spec.extend_items import (
     FixedExtendItem,
     GatheredItems,
@@ -39,85 +40,6 @@ from spec.extend_items import (
 )
 from spec.state import BatchRows, whole_batch
 from spec.tree import DraftTree, TreeShape
-
-
-class _Buffers:
-    """The inputs one batch size reads, on the device: one int64 block filled by one copy from a
-    pinned host mirror (per depth its tokens and positions, then per request its row, cache
-    length, first token, token count; then every request's accepted count), the verify's
-    hidden states and the boundary states. Each depth's KV slots are read from its row table
-    on the device, rows and positions being known there."""
-
-    def __init__(
-        self,
-        size: int,
-        k: int,
-        widths: list[int],
-        padding_rows: list[int],
-        fork_rows: list[int],
-        in_width: int,
-        hidden: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.size = size
-        self.layout: list[tuple[int, int]] = []  # per depth: (offset, tokens)
-        offset = 0
-        for width in widths:
-            tokens = size * width
-            self.layout.append((offset, tokens))
-            offset += 2 * tokens + 4 * size
-        self.accepted_offset = offset
-        self.length = offset + size
-        self.ints = torch.zeros(self.length, dtype=torch.int64, device=device)
-        self.staged = PinnedMirror(self.ints)
-        # Every request a padding one: token 0 from position 0 over the padding row.
-        self.padding = np.zeros(self.length, dtype=np.int64)
-        for (offset, tokens), width, row in zip(self.layout, widths, padding_rows):
-            block = self.padding[offset : offset + 2 * tokens + 4 * size]
-            block[tokens : 2 * tokens] = np.tile(np.arange(width), size)
-            block[2 * tokens :] = np.concatenate(
-                [np.full(size, row), np.full(size, width), np.arange(size) * width,
-                 np.full(size, width)]
-            )  # fmt: skip
-        # The host mirror's views of each depth, kept: a fill writes through them.
-        self.host = [self.host_views(d, width) for d, width in enumerate(widths)]
-        self.columns = [np.arange(width) for width in widths]
-        self.verify_hidden = torch.zeros((size, k + 1, in_width), dtype=dtype, device=device)
-        self.boundary = torch.zeros((max(k - 1, 1), size, hidden), dtype=dtype, device=device)
-        # The device views a fill writes through, kept: each slicing is a call into torch that
-        # costs microseconds of host time, every step.
-        self.ids = [self.depth_views(d)[0].view(size, width) for d, width in enumerate(widths)]
-        self.positions = [
-            self.depth_views(d)[1].view(size, width) for d, width in enumerate(widths)
-        ]
-        self.accepted = self.ints[self.accepted_offset : self.accepted_offset + size]
-        # Each depth's span: its cache positions, from the first one (a request's start).
-        self.cache_columns = [torch.arange(width, device=device) for width in widths]
-        # Per depth with forks (a tree), each token's visibility bits: the main rows causal
-        # (-1), the fork rows' filled on the device each step (spec/device_tree.py).
-        self.bits = [
-            torch.full((size, width), -1, dtype=torch.int64, device=device) if forks else None
-            for width, forks in zip(widths, fork_rows)
-        ]
-
-    def depth_views(self, d: int) -> tuple[torch.Tensor, ...]:
-        """(ids, positions, rows, seq_lens, q_starts, q_lens) of depth d."""
-        offset, tokens = self.layout[d]
-        token_rows = self.ints[offset : offset + 2 * tokens].view(2, tokens)
-        request_rows = self.ints[offset + 2 * tokens : offset + 2 * tokens + 4 * self.size]
-        request_rows = request_rows.view(4, self.size)
-        return (*token_rows, *request_rows)
-
-    def host_views(self, d: int, width: int) -> tuple[np.ndarray, ...]:
-        """The host mirror's (ids [size, width], positions [size, width], rows, seq_lens),
-        written after `staged.writable`."""
-        offset, tokens = self.layout[d]
-        values = self.staged.array
-        ids, positions = values[offset : offset + 2 * tokens].reshape(2, self.size, width)
-        request_rows = values[offset + 2 * tokens : offset + 2 * tokens + 2 * self.size]
-        rows, seq_lens = request_rows.reshape(2, self.size)
-        return ids, positions, rows, seq_lens
 
 
 class FixedDecodeExtend:
@@ -156,7 +78,7 @@ class FixedDecodeExtend:
         self.in_width = first.module.hnorm.weight.shape[0]
         self.hidden_size = first.module.fc.weight.shape[0]
         self.buckets = batch_size_buckets(graph_max_bs) if graph_max_bs else []
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, _Buffers, tuple]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ExtendBuffers, tuple]] = {}
         self.num_replays = 0
         if self.buckets:
             self._capture()
@@ -262,14 +184,14 @@ class FixedDecodeExtend:
             for d, seq in enumerate(state.seqs):
                 seq.valid_len = max(0, m_next - d)
 
-    def _buffers(self, size: int) -> _Buffers:
+    def _buffers(self, size: int) -> ExtendBuffers:
         padding_rows = [runner.req_to_token_pool.padding_row for runner in self.depths]
-        return _Buffers(size, self.k, self.spans, padding_rows, self.fork_rows, self.in_width,
+        return ExtendBuffers(size, self.k, self.spans, padding_rows, self.fork_rows, self.in_width,
                         self.hidden_size, self.dtype, self.device)  # fmt: skip
 
     def _fill(
         self,
-        buffers: _Buffers,
+        buffers: ExtendBuffers,
         items: list[FixedExtendItem],
         gathered: GatheredItems,
         committed: torch.Tensor | None,
@@ -301,7 +223,7 @@ class FixedDecodeExtend:
 
     def _int_values(
         self,
-        buffers: _Buffers,
+        buffers: ExtendBuffers,
         items: list[FixedExtendItem] | None,
         gathered: GatheredItems | None,
     ) -> None:
@@ -334,7 +256,7 @@ class FixedDecodeExtend:
 
     def _forward(
         self,
-        buffers: _Buffers,
+        buffers: ExtendBuffers,
         metadata: list | None = None,
         eager_items: list[FixedExtendItem] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -400,7 +322,7 @@ class FixedDecodeExtend:
         return chains, torch.cat(parts, dim=1), boundary
 
     def _fork_inputs(
-        self, buffers: _Buffers, d: int, tree: DeviceTree, previous: torch.Tensor
+        self, buffers: ExtendBuffers, d: int, tree: DeviceTree, previous: torch.Tensor
     ) -> torch.Tensor:
         """Depth d's fork rows, after its main rows: their tokens, positions and visibility
         bits into the buffers, and their hidden states [size, fork rows, width] (read from
@@ -419,7 +341,7 @@ class FixedDecodeExtend:
         rows = tree.fork_hidden_rows(d, accepted)
         return previous.gather(1, rows[:, :, None].expand(-1, -1, previous.shape[2]))
 
-    def _batch(self, buffers: _Buffers, d: int, runner: DraftRunner,
+    def _batch(self, buffers: ExtendBuffers, d: int, runner: DraftRunner,
                eager_items: list[FixedExtendItem] | None) -> ForwardBatch:  # fmt: skip
         ids, positions, rows, *_ = buffers.depth_views(d)
         size, span = buffers.size, self.spans[d]
