@@ -62,7 +62,7 @@ class SpeculativeSteps:
     def release_held(self, wait: bool) -> None:
         """Free the slots of the requests held for a queued verify: once it has run, or now
         after waiting for it with `wait`."""
-        if not self.held or self.held_by is None:
+        if self.held_by is None:
             return
         if not wait and not self.held_by.done():
             return
@@ -147,16 +147,14 @@ class SpeculativeSteps:
         set_time_batch(batch.requests, "verify_end", where=_drafts)
         set_time_batch(batch.requests, "decode_end", where=_decodes_plainly)
         queued = self.speculator.queued_verify()
-        keep = queued is not None
         finished = self.scheduler.process_tokens(
-            batch, verified.tokens, verified.logprobs, self.stop_checker, keep_slots=keep
+            batch, verified.tokens, verified.logprobs, self.stop_checker, queued is not None
         )
         if queued is not None and finished:
             self.held, self.held_by = finished, queued
             if not self.scheduler.running:  # nothing runs after them to hide the wait behind
                 self.release_held(wait=True)
         set_time_batch(batch.requests, "draft_extend_start", where=_extends)
-        launch_next = not self.scheduler.waiting
         try:
             self.speculator.finish_round(batch.requests, verified, launch_next)
         except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only

@@ -60,12 +60,6 @@ class TreeLayout:
         (`TREE_MAX_TOKENS`): deep trees of wide beams do not, and take the general extend."""
         return max(self.span_widths) <= TREE_MAX_TOKENS
 
-    @property
-    def block_width(self) -> int:
-        """Columns of the extend's float64 block: the chain and its probabilities, then the
-        tree's tokens, parents and levels."""
-        return 2 * self.k + 3 * self.budget
-
 
 class ForkColumns:
     """Per depth with forks, constant index tensors over its fork rows (fork f's row r is
