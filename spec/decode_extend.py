@@ -265,7 +265,10 @@ class FixedDecodeExtend:
         the new boundary states [K-1, size, hidden]. What a graph captures."""
         size, k = buffers.size, self.k
         accepted = buffers.accepted
-        every = torch.arange(size, device=self.device)
+        every = buffers.every
+        # Column a + t of each request, t = 0..K-1, in one kernel: where draft t goes in each
+        # later depth's tokens, and depth t's proposing row.
+        after = accepted[:, None] + buffers.steps
         tree = None
         if self.layout is not None:
             assert self.fork_columns is not None
@@ -277,7 +280,7 @@ class FixedDecodeExtend:
         for d, (runner, width, span) in enumerate(zip(self.depths, self.widths, self.spans)):
             ids = buffers.ids[d]
             for t, draft in enumerate(drafts, start=1):
-                ids.scatter_(1, (accepted + t)[:, None], draft[:, None])
+                ids.scatter_(1, after[:, t : t + 1], draft[:, None])
             if d == 0:
                 hidden = buffers.verify_hidden
             else:
@@ -294,7 +297,7 @@ class FixedDecodeExtend:
             )
             (out,) = runner._forward_tokens(batch, hidden.reshape(size * span, -1))
             out = out.view(size, span, -1)
-            proposing = out[every, accepted + d]
+            proposing = out[every, after[:, d]]
             if tree is None:
                 top, top_p = self.head.propose_top(proposing, 1)
                 drafts.append(top[:, 0])
@@ -349,9 +352,12 @@ class FixedDecodeExtend:
         # padding request's row holds only the padding slot). A span's cache positions
         # follow from its first; a fork row's rotary position is its node's, not its cache's.
         table = runner.req_to_token_pool.req_to_token
-        starts = buffers.positions[d][:, :1]
-        slots = table[rows[:, None], starts + buffers.cache_columns[d]].view(-1)
         bits = buffers.bits[d]
+        if bits is None:  # no forks: every row's rotary position is its cache position
+            columns = buffers.positions[d]
+        else:
+            columns = buffers.positions[d][:, :1] + buffers.cache_columns[d]
+        slots = table[rows[:, None], columns].view(-1)
         return ForwardBatch(
             input_ids=ids,
             positions=positions,

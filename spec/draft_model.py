@@ -18,6 +18,7 @@ from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
+from engine.kernels import triton_usable
 from engine.models.linear import Linear
 from engine.models.llama import DecoderLayer, RMSNorm
 from spec.config import DraftConfig
@@ -49,8 +50,21 @@ class DraftDepth(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        x = self.fc(torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1))
-        return self.layer(x, batch, rotary, backend)
+        return self.layer(self.fc(self.fc_input(embeds, hidden)), batch, rotary, backend)
+
+    def fc_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """concat(enorm(embeds), hnorm(hidden)) for embeds [T, hidden_size], hidden [T, in]."""
+        hidden = hidden.to(embeds.dtype)
+        if not triton_usable(embeds):
+            return torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1)
+        # Each norm writes its half of the input: no concatenation kernel.
+        from engine.kernels.elementwise import rms_norm
+
+        width = embeds.shape[-1]
+        joined = embeds.new_empty((embeds.shape[0], width + hidden.shape[-1]))
+        rms_norm(embeds, self.enorm.weight, self.enorm.eps, out=joined[:, :width])
+        rms_norm(hidden, self.hnorm.weight, self.hnorm.eps, out=joined[:, width:])
+        return joined
 
 
 class MultiLayerEagleDraft(nn.Module):

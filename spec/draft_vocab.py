@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from engine.kernels import triton_usable
 from engine.models.llama import LlamaForCausalLM
 
 
@@ -90,6 +91,10 @@ class DraftHead:
         """hidden [B, hidden_size] -> (the `n` most likely token ids [B, n] in the target's
         vocabulary, most likely first; their probabilities [B, n]), from one evaluation of the
         head."""
+        if n == 1 and triton_usable(hidden):
+            from engine.kernels.top1 import top1_with_probability
+
+            return top1_with_probability(self._logits(hidden, as_float=False), self.vocab)
         probs = torch.softmax(self._logits(hidden), dim=-1)
         if n == 1:  # one reduction, where a top-k over the vocabulary sorts in several passes
             top_p, top = probs.max(dim=-1, keepdim=True)
@@ -104,13 +109,16 @@ class DraftHead:
         best = self._logits(hidden).argmax(dim=-1)
         return best if self.vocab is None else self.vocab[best]
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+        """The draft vocabulary's logits, in float32 or (not `as_float`) the model's dtype; the
+        whole head's, then indexed, where the head has no plain weight to restrict."""
         if self.vocab is None:
-            return self.target.lm_head_logits(hidden)
-        if self.weight is None:
+            logits = self.target.lm_head_outputs(hidden)
+        elif self.weight is None:
             return self.target.lm_head_logits(hidden)[..., self.vocab]
-        normed = self.target.model.norm(hidden)
-        return nn.functional.linear(normed, self.weight).float()
+        else:
+            logits = nn.functional.linear(self.target.model.norm(hidden), self.weight)
+        return logits.float() if as_float else logits
 
 
 def head_weight(target: LlamaForCausalLM) -> torch.Tensor | None:

@@ -60,6 +60,9 @@ class ExtendBuffers:
             self.depth_views(d)[1].view(size, width) for d, width in enumerate(widths)
         ]
         self.accepted = self.ints[self.accepted_offset : self.accepted_offset + size]
+        # Constants the forward would otherwise make each replay, a kernel each.
+        self.every = torch.arange(size, device=device)
+        self.steps = torch.arange(k, device=device)
         # Each depth's span: its cache positions, from the first one (a request's start).
         self.cache_columns = [torch.arange(width, device=device) for width in widths]
         # Per depth with forks (a tree), each token's visibility bits: the main rows causal

@@ -46,13 +46,21 @@ def _rms_norm_kernel(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of `x` (+ `residual` when given) over its last dimension; returns (normed, the
-    sum that was normalised), the sum being `x` itself without a residual."""
+    sum that was normalised), the sum being `x` itself without a residual. `out`: where the
+    normed rows go ([T, size], its rows may be strided: a column slice of a wider tensor)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    out = torch.empty_like(x2)
+    if out is None:
+        out = torch.empty_like(x2)
+    else:
+        assert out.shape == x2.shape and out.stride(1) == 1
     if residual is None:
         summed, res2 = x2, x2
     else:
@@ -76,7 +84,7 @@ def rms_norm(
             BLOCK=triton.next_power_of_2(size),
             num_warps=4 if size <= 4096 else 8,
         )
-    return out.view(shape), summed.view(shape)
+    return out.view(shape) if out.is_contiguous() else out, summed.view(shape)
 
 
 @triton.jit

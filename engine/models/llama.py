@@ -174,7 +174,11 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head over [.., hidden_size] states: the last layer's
         output here, a draft depth's output in speculative decoding."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        return self.lm_head_outputs(hidden).float()
+
+    def lm_head_outputs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`lm_head_logits` in the model's dtype, for a caller that reads them once."""
+        return self.lm_head(self.model.norm(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up into their packed projections."""

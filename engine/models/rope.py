@@ -82,14 +82,24 @@ class RotaryEmbedding:
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)
-        self.cos = (angles.cos() * scaling).to(device)
-        self.sin = (angles.sin() * scaling).to(device)
+        # cos and sin side by side, [positions, 2, D]: a forward's lookup is one gather.
+        self.table = torch.stack([angles.cos() * scaling, angles.sin() * scaling], dim=1).to(device)
+        # The table in each dtype a forward asked for, converted once, not at every lookup.
+        self._typed = {torch.float32: self.table}
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D] for the given positions, looked up once per forward."""
-        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
+        """cos and sin [T, 1, D] for the given positions (views of one tensor), looked up once
+        per forward."""
+        table = self._typed.get(dtype)
+        if table is None:
+            table = self.table.to(dtype)
+            # Converted inside a graph's capture, the copy would hold nothing until a replay.
+            if not (table.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self._typed[dtype] = table
+        both = table[positions]
+        return both[:, 0:1], both[:, 1:2]
 
 
 def apply_rotary(

@@ -1,0 +1,80 @@
+"""The most likely token of each row of logits and its softmax probability, in one pass over
+the row: what a draft depth proposes. Torch takes four kernels for it (the logits to float32,
+a softmax, a max, the draft vocabulary's lookup); a draft extend runs it once per depth, where
+each kernel costs a few microseconds whatever its size.
+
+Each program reads one row in blocks, keeping per lane the running maximum, the first index
+that reached it and the sum of exp(x - maximum) rescaled as the maximum grows; the lanes are
+merged at the end. The probability of the maximum is 1 / sum, as softmax's is, with the sum
+taken in another order (float32 throughout). Ties go to the lowest index, as torch's max."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _top1_kernel(
+    logits_ptr,
+    vocab_ptr,
+    ids_ptr,
+    probs_ptr,
+    stride_row,
+    size,
+    HAS_VOCAB: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_index = tl.zeros([BLOCK], tl.int32)
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, size, BLOCK):
+        index = start + lanes
+        x = tl.load(base + index, mask=index < size, other=float("-inf")).to(tl.float32)
+        grown = tl.maximum(best, x)
+        # Strictly greater: a lane keeps the first index of its maximum.
+        best_index = tl.where(x > best, index, best_index)
+        # exp of (-inf) - (-inf) is NaN: unchanged maxima and masked lanes are spelled out.
+        scale = tl.where(best == grown, 1.0, tl.exp(best - grown))
+        term = tl.where(x == grown, 1.0, tl.exp(x - grown))
+        term = tl.where(x == float("-inf"), 0.0, term)
+        total = total * scale + term
+        best = grown
+    top = tl.max(best, axis=0)
+    first = tl.min(tl.where(best == top, best_index, size), axis=0)
+    weights = tl.where(best == float("-inf"), 0.0, tl.exp(best - top))
+    denominator = tl.sum(total * weights, axis=0)
+    token = first.to(tl.int64)
+    if HAS_VOCAB:
+        token = tl.load(vocab_ptr + first).to(tl.int64)
+    tl.store(ids_ptr + row, token)
+    tl.store(probs_ptr + row, 1.0 / denominator)
+
+
+def top1_with_probability(
+    logits: torch.Tensor, vocab: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] (any float dtype, rows contiguous) -> (each row's most likely token [B, 1]
+    int64, mapped through `vocab` [V] when given; its softmax probability [B, 1] float32)."""
+    rows, size = logits.shape
+    assert logits.stride(1) == 1
+    ids = torch.empty((rows, 1), dtype=torch.int64, device=logits.device)
+    probs = torch.empty((rows, 1), dtype=torch.float32, device=logits.device)
+    if rows:
+        block = min(4096, triton.next_power_of_2(size))
+        _top1_kernel[(rows,)](
+            logits,
+            ids if vocab is None else vocab,
+            ids,
+            probs,
+            logits.stride(0),
+            size,
+            HAS_VOCAB=vocab is not None,
+            BLOCK=block,
+            num_warps=8 if block >= 4096 else 4,
+        )
+    return ids, probs

@@ -1,0 +1,128 @@
+"""The kernels a draft depth's forward takes on a GPU against the torch code they replace: the
+top-1 proposal with its probability (in place of softmax, max and the vocabulary lookup), the
+RMSNorm written into a slice of a wider tensor (the depth's fc input without a concatenation),
+and the rotary table looked up in the model's dtype. GPU only; the CPU keeps the torch code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import triton_runs_on
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not triton_runs_on("cuda"), reason="needs CUDA and Triton"),
+]
+
+
+def _config(vocab_size: int):
+    from engine.config import ModelConfig, RopeConfig
+
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=vocab_size, hidden_size=64,
+        intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+        rms_norm_eps=1e-5, max_position_embeddings=256, rope=RopeConfig(theta=10000.0),
+        tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def _torch_top1(logits: torch.Tensor, vocab: torch.Tensor | None):
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_p, top = probs.max(dim=-1, keepdim=True)
+    return (top if vocab is None else vocab[top]), top_p
+
+
+@pytest.mark.parametrize("size", [7, 1000, 8192, 49152])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_vocab", [False, True])
+def test_top1_matches_softmax_and_max(size: int, dtype, with_vocab: bool) -> None:
+    from engine.kernels.top1 import top1_with_probability
+
+    torch.manual_seed(size)
+    logits = (4 * torch.randn(33, size, device="cuda")).to(dtype)
+    vocab = None
+    if with_vocab:
+        vocab = torch.randperm(3 * size, device="cuda")[:size].sort().values
+    ids, probs = top1_with_probability(logits, vocab)
+    expected_ids, expected_probs = _torch_top1(logits, vocab)
+    assert ids.dtype == torch.int64 and ids.shape == (33, 1)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(probs, expected_probs, atol=1e-6, rtol=1e-5)
+
+
+def test_top1_takes_the_first_of_tied_maxima_and_strided_rows() -> None:
+    from engine.kernels.top1 import top1_with_probability
+
+    wide = torch.zeros(3, 9000, device="cuda", dtype=torch.bfloat16)
+    logits = wide[:, :5000]  # rows 9000 apart
+    logits[0, [17, 4000, 4999]] = 3.0  # tied, in different blocks and lanes
+    logits[1, 4999] = 1.0
+    logits[2] = -1.0  # all equal: the first wins, probability 1 / 5000
+    ids, probs = top1_with_probability(logits)
+    assert ids[:, 0].tolist() == [17, 4999, 0]
+    expected_ids, expected_probs = _torch_top1(logits, None)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(probs, expected_probs, atol=1e-7, rtol=1e-5)
+
+
+def test_draft_head_proposes_what_the_torch_path_proposes() -> None:
+    from engine.models.llama import LlamaForCausalLM
+    from spec.draft_vocab import DraftHead
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(_config(3000)).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.normal_(0, 0.5)
+    hidden = torch.randn(9, 64, device="cuda", dtype=torch.bfloat16)
+    for vocab in (None, torch.arange(0, 3000, 3, device="cuda")):
+        head = DraftHead(target, vocab)
+        with torch.inference_mode():
+            ids, probs = head.propose_top(hidden, 1)
+            expected_ids, expected_probs = _torch_top1(head._logits(hidden), head.vocab)
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(probs, expected_probs, atol=1e-6, rtol=1e-5)
+
+
+def test_rms_norm_into_a_column_slice() -> None:
+    from engine.kernels.elementwise import rms_norm
+
+    x = torch.randn(11, 576, device="cuda", dtype=torch.bfloat16)
+    weight = torch.rand(576, device="cuda", dtype=torch.bfloat16) + 0.5
+    joined = torch.full((11, 1152), 7.0, device="cuda", dtype=torch.bfloat16)
+    out, _ = rms_norm(x, weight, 1e-5, out=joined[:, 576:])
+    assert out.data_ptr() == joined[:, 576:].data_ptr()
+    assert torch.equal(joined[:, 576:], rms_norm(x, weight, 1e-5)[0])
+    assert bool((joined[:, :576] == 7.0).all())
+
+
+def test_draft_depth_input_equals_the_concatenation() -> None:
+    from spec.draft_model import DraftDepth
+
+    torch.manual_seed(1)
+    depth = DraftDepth(_config(100), 96).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        depth.enorm.weight.uniform_(0.5, 1.5)
+        depth.hnorm.weight.uniform_(0.5, 1.5)
+    embeds = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
+    hidden = torch.randn(5, 96, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        joined = depth.fc_input(embeds, hidden)
+        expected = torch.cat([depth.enorm(embeds), depth.hnorm(hidden)], dim=-1)
+    assert torch.equal(joined, expected)
+
+
+def test_rotary_lookup_in_the_model_dtype() -> None:
+    from engine.config import RopeConfig
+    from engine.models.rope import RotaryEmbedding
+
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), 64, 512, "cuda")
+    positions = torch.tensor([0, 5, 511, 5], device="cuda")
+    cos, sin = rotary.lookup(positions, torch.bfloat16)
+    assert cos.shape == sin.shape == (4, 1, 64) and cos.dtype == torch.bfloat16
+    full_cos, full_sin = rotary.lookup(positions, torch.float32)
+    assert torch.equal(cos, full_cos.to(torch.bfloat16))
+    assert torch.equal(sin, full_sin.to(torch.bfloat16))
+    again = rotary.lookup(positions, torch.bfloat16)
+    assert torch.equal(again[0], cos) and torch.equal(again[1], sin)
