@@ -121,18 +121,28 @@ class DraftRunner:
         )
         self.dumper = tensor_dumper(config.tensor_dump, draft_role(depth), module)
         self.graphs: CudaGraphs | None = None
+        self.prefill_graphs: CudaGraphs | None = None
         self.head: DraftHead | None = None  # in the graphs, when captured
         self.num_proposed = 0
 
     def capture_graphs(
-        self, max_span: int, max_tokens: int, head: DraftHead, num_proposed: int
+        self,
+        max_span: int,
+        max_tokens: int,
+        head: DraftHead,
+        num_proposed: int,
+        max_prefill_tokens: int = 0,
     ) -> None:
         """Capture this depth's forward for batches of spans of at most `max_span` tokens, up
         to `max_tokens` in all (draft extends after a verify step), with `head` proposing the
         `num_proposed` likeliest tokens at each span's last position inside the graph: the
         head's few small kernels would otherwise cost more host time than the whole replay.
+        With `max_prefill_tokens`, also for prompts of up to that many tokens in all (the
+        draft's prefill, where an eager forward costs more host time than the whole target's
+        graphed prefill), reading input embeddings where a prompt gave them.
         The caller decides whether this engine runs graphs."""
         self.head, self.num_proposed = head, num_proposed
+        width = self.module.hnorm.weight.shape[0]
         self.graphs = CudaGraphs(
             f"draft-{self.depth}",
             self._forward_and_propose,
@@ -141,10 +151,24 @@ class DraftRunner:
             self.req_to_token_pool,
             token_buckets(max_tokens),
             max_span=max_span,
-            hidden_width=self.module.hnorm.weight.shape[0],
+            hidden_width=width,
             request_outputs=2,
         )
         self.graphs.capture(progress=False)
+        if max_prefill_tokens:
+            self.prefill_graphs = CudaGraphs(
+                f"draft-{self.depth} prefill",
+                self._forward_and_propose,
+                self.attention,
+                self.kv_pool,
+                self.req_to_token_pool,
+                token_buckets(max_prefill_tokens),
+                max_span=max_prefill_tokens,
+                hidden_width=width,
+                request_outputs=2,
+                embeds_width=self.module.fc.weight.shape[0],
+            )
+            self.prefill_graphs.capture(progress=False)
 
     def grow_to(self, seq: DraftSeq, num_positions: int) -> None:
         """Give `seq` slots for positions [0, num_positions), taking a row first if needed."""
@@ -233,10 +257,11 @@ class DraftRunner:
             spans.append(Span(item.seq.row, item.start, item.token_ids, slots, item.input_embeds))
         hidden = torch.cat([piece for item in inputs for piece in item.hidden])
         lens = [len(item.token_ids) for item in inputs]
-        if self.graphs is not None and self.graphs.fits(spans):
-            batch = self.graphs.load(spans, hidden.to(self.kv_pool.dtype))
+        graphs = next((g for g in (self.graphs, self.prefill_graphs) if g and g.fits(spans)), None)
+        if graphs is not None:
+            batch = graphs.load(spans, hidden.to(self.kv_pool.dtype))
             _apply(patch, batch)
-            out, top, top_p = self.graphs.replay(batch)
+            out, top, top_p = graphs.replay(batch)
             # Out of the graph's buffer: boundary rows are kept (as views) until the next
             # extend, and the next replay overwrites the buffer. The proposal is read before
             # this depth replays again.

@@ -98,8 +98,9 @@ class MultiLayerEagleWorker:
         else:
             self.runner.capture_verify_graphs(1 + max(k, shape.budget), trees=True)
         max_tokens = self.runner.config.cuda_graph_max_bs * shape.beam_width * 2 * k
+        prefill = self.runner.config.cuda_graph_max_prefill_tokens
         for depth, runner in enumerate(self.depths):
-            runner.capture_graphs(2 * k, max_tokens, self.head, shape.width_at(depth))
+            runner.capture_graphs(2 * k, max_tokens, self.head, shape.width_at(depth), prefill)
 
     # --- after the target's prefill (prefill nodes, and the offline engine) ---
     @torch.inference_mode()

@@ -2,7 +2,8 @@
 them on, and on a GPU that they change nothing. Greedy tokens equal the eager prefill's, chunks
 and joins included; the draft's prefill gets exactly the rows an eager prefill hands it (the
 input vectors of prompt_embeds copied out of the graph's buffer and sliced to the real tokens,
-the hidden states); speculation over graph-run prefills stays lossless."""
+the hidden states); the draft's own prefill replays its depths' prefill graphs with the eager
+forward's outputs; speculation over graph-run prefills stays lossless."""
 
 from __future__ import annotations
 
@@ -162,3 +163,52 @@ def test_speculation_over_graph_run_prefills_is_lossless(tmp_path_factory) -> No
     got = [o.token_ids for o in spec.generate(prompts, params, prompt_embeds=embeds)]
     assert spec.engine.runner.prefill_graphs.num_replays > 0
     assert got == expected
+
+
+@needs_gpu
+def test_the_drafts_prefill_runs_in_graphs_as_it_runs_eagerly(tmp_path_factory) -> None:
+    """Every depth's prefill (prompts with vectors given for some positions) replays a prefill
+    graph of its own, and its outputs at every real token are the eager forward's: the
+    vectors reach the graph, and the rows stop at the real token count."""
+    from tiny_drafts import make_random_draft
+    from tiny_models import make_tiny_llama
+
+    root = tmp_path_factory.mktemp("draft_prefill_graph")
+    make_tiny_llama(root / "target", seed=0)
+    make_random_draft(root / "draft", root / "target", 3, seed=1)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(2, 20))] for _ in range(6)]
+    params = SamplingParams(max_tokens=4, temperature=0)
+    spec = _gpu_llm(
+        root / "target",
+        speculative_algorithm="multi-layer-eagle",
+        draft_model=str(root / "draft"),
+        cuda_graph_max_prefill_tokens=256,
+    )
+    hidden = spec.model_config.hidden_size
+    embeds = [
+        PromptEmbeds.of({1: torch.full((hidden,), 0.03 * (i + 1))}) if i % 2 else None
+        for i in range(len(prompts))
+    ]
+    depths = spec.engine.speculator.depths
+    seen: list[list[torch.Tensor]] = [[] for _ in depths]
+    for runner, outputs in zip(depths, seen):
+        forward_flat = runner.forward_flat
+
+        def record(inputs, patch=None, forward_flat=forward_flat, outputs=outputs):
+            out, lens, proposal = forward_flat(inputs, patch)
+            outputs.append(out.clone())
+            return out, lens, proposal
+
+        runner.forward_flat = record
+    graphed = [o.token_ids for o in spec.generate(prompts, params, prompt_embeds=embeds)]
+    assert all(runner.prefill_graphs.num_replays > 0 for runner in depths)
+    prefills = [outputs[0] for outputs in seen]
+    for runner, outputs in zip(depths, seen):
+        runner.prefill_graphs = None
+        outputs.clear()
+    eager = [o.token_ids for o in spec.generate(prompts, params, prompt_embeds=embeds)]
+    assert graphed == eager
+    for graph_rows, outputs in zip(prefills, seen):
+        assert graph_rows.shape == outputs[0].shape  # the real tokens, no padding
+        torch.testing.assert_close(graph_rows, outputs[0], rtol=1e-4, atol=1e-4)
