@@ -114,6 +114,25 @@ class DecoderLayer(nn.Module):
         normed, hidden = self.post_attention_layernorm.add_and_norm(attn, hidden)
         return hidden + self.mlp(normed)
 
+    def forward_deferred(
+        self,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` of delta + residual (residual alone when delta is None), returning its
+        output as (mlp output, residual) unsummed: the next layer's first norm adds them in
+        its own kernel, which rounds the sum where `forward`'s add does."""
+        if delta is None:
+            normed = self.input_layernorm(residual)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(delta, residual)
+        attn = self.self_attn(normed, batch, rotary, backend)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        return self.mlp(normed), residual
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, layer_class: type[DecoderLayer] = DecoderLayer) -> None:
@@ -161,10 +180,23 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed(batch)
         cos_sin = rotary.lookup(batch.positions, hidden.dtype)
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, batch, cos_sin, backend)
+        layers = self.model.layers
+        if any(layer._forward_hooks for layer in layers):
+            # Observed layer by layer (a tensor dump): each layer's output whole.
+            for i, layer in enumerate(layers):
+                hidden = layer(hidden, batch, cos_sin, backend)
+                if i in aux_layers:
+                    captured[i] = hidden
+            return hidden, [captured[i] for i in aux_layers]
+        # A layer's closing residual add is the next one's first norm's (one kernel a layer
+        # fewer); the sum is formed only where it is read.
+        delta = None
+        for i, layer in enumerate(layers):
+            delta, hidden = layer.forward_deferred(delta, hidden, batch, cos_sin, backend)
             if i in aux_layers:
-                captured[i] = hidden
+                captured[i] = hidden + delta
+        if delta is not None:
+            hidden = hidden + delta
         return hidden, [captured[i] for i in aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
