@@ -2,7 +2,7 @@
 side by side in one run.
 
     python bench/spec.py [--device cpu|cuda] [--model PATH] [--draft-model PATH|random]
-        [--num-draft-chains 1 3] [--trees 4:8 4:12] [--temperature 0.7]
+        [--num-draft-chains 1 3] [--trees 4:8 4:12] [--temperature 0.7] [--repeats 3]
 
 Plain decoding and one speculative engine per --num-draft-chains value and per --trees
 TOPK:NODES draft tree (spec/tree.py) answer the held-out chat prompts
@@ -13,8 +13,10 @@ verifies N draft chains that start with the first depth's N most likely tokens; 
 tree expands TOPK nodes per level, each proposing its TOPK likeliest children, and verifies
 the NODES likeliest. The draft is the shipped default draft for the default model unless
 --draft-model names one; `--draft-model random` makes an untrained one, which shows the cost of
-speculating and nothing else. Prints a table and rewrites the "Speculative decoding (DEVICE)"
-section of docs/BENCHMARKS.md (raw figures in docs/bench/spec_DEVICE.json)."""
+speculating and nothing else. Each engine runs --repeats passes, alternating with the others;
+the table shows median tokens/s and the range of pass-against-pass speedups. Prints a table
+and rewrites the "Speculative decoding (DEVICE)" section of docs/BENCHMARKS.md (raw figures
+in docs/bench/spec_DEVICE.json)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -96,8 +99,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompts", type=int, default=16, help="held-out conversations used")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="passes per engine, alternating; medians shown"
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     keep_large_allocations_in_heap()
     common = {"device": args.device, "max_num_seqs": max(args.batch_sizes)}
@@ -132,16 +140,23 @@ def main() -> None:
     prompts = [plain.apply_chat_template(c) for c in conversations]
     rows = []
     for batch in args.batch_sizes:
-        base = run(plain, prompts, batch, args.max_tokens, args.temperature)
-        for llm in speculative:
-            spec = run(llm, prompts, batch, args.max_tokens, args.temperature)
+        # Engines alternate pass by pass, so a slow spell of the machine hits all of them.
+        passes: list[list[dict]] = [[] for _ in range(1 + len(speculative))]
+        for _ in range(args.repeats):
+            for runs, llm in zip(passes, [plain, *speculative]):
+                runs.append(run(llm, prompts, batch, args.max_tokens, args.temperature))
+        base, plain_tok_s = passes[0][0], median(r["tok_s"] for r in passes[0])
+        for llm, runs in zip(speculative, passes[1:]):
+            spec, spec_tok_s = runs[0], median(r["tok_s"] for r in runs)
             rows.append(
                 {
                     "batch": batch,
                     "drafts": _shape_name(llm),
-                    "plain_tok_s": base["tok_s"],
-                    "spec_tok_s": spec["tok_s"],
-                    "speedup": spec["tok_s"] / base["tok_s"],
+                    "plain_tok_s": plain_tok_s,
+                    "spec_tok_s": spec_tok_s,
+                    "speedup": spec_tok_s / plain_tok_s,
+                    "plain_passes": [r["tok_s"] for r in passes[0]],
+                    "spec_passes": [r["tok_s"] for r in runs],
                     "accept_length": spec["accept_length"],
                     "acceptance": spec["acceptance"],
                     "completion_tokens": spec["completion_tokens"],
@@ -149,16 +164,17 @@ def main() -> None:
                 }
             )
     lines = [
-        "| batch | drafts | plain tokens/s | speculative tokens/s | speedup | accept length "
-        "| acceptance per draft position | identical output |",
-        "| ---: | :--- | ---: | ---: | ---: | ---: | :--- | :---: |",
+        "| batch | drafts | plain tokens/s | speculative tokens/s | speedup | speedup range "
+        "| accept length | acceptance per draft position | identical output |",
+        "| ---: | :--- | ---: | ---: | ---: | :--- | ---: | :--- | :---: |",
     ]
     for r in rows:
         acceptance = ", ".join(f"{a:.2f}" for a in r["acceptance"])
         same = {None: "sampled", True: "yes", False: "NO"}[r["identical"]]
         lines.append(
             f"| {r['batch']} | {r['drafts']} | {r['plain_tok_s']:.1f} | "
-            f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['accept_length']:.2f} | "
+            f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {_range(r)} | "
+            f"{r['accept_length']:.2f} | "
             f"{acceptance} | {same} |"
         )
     table = "\n".join(lines)
@@ -172,7 +188,8 @@ def main() -> None:
     body = (
         f"Command: `{command.strip()}` (default model, {where}, K = {args.num_draft_steps} "
         f"draft depths from {draft_name}, the first {len(prompts)} held-out chat prompts, "
-        f"{sampling}, at most {args.max_tokens} new tokens, stopping at EOS).\n\n" + table + "\n\n"
+        f"{sampling}, at most {args.max_tokens} new tokens, stopping at EOS; tokens/s: the median "
+        f"of {args.repeats} passes per engine, the engines alternating).\n\n" + table + "\n\n"
         "Accept length: tokens per verify step, bonus token included. Acceptance per draft "
         "position: the share of verify steps that accepted draft token 1, 2, 3. Drafts: N "
         "chains start with the first depth's N most likely tokens; a top-k tree of N nodes "
@@ -185,6 +202,12 @@ def main() -> None:
         {"rows": rows, "command": command, "where": where},
         f"spec_{device}.json",
     )
+
+
+def _range(row: dict) -> str:
+    """The lowest and highest speedup of a pass against a pass of plain decoding."""
+    ratios = [s / p for s in row["spec_passes"] for p in row["plain_passes"]]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"
 
 
 def _shape_name(llm: LLM) -> str:
