@@ -20,7 +20,7 @@ from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
 from engine.kernels import triton_usable
 from engine.models.linear import Linear
-from engine.models.llama import DecoderLayer, RMSNorm
+from engine.models.llama import DecoderLayer, RMSNorm, observed
 from spec.config import DraftConfig
 from spec.draft_vocab import check_draft_vocab
 
@@ -55,7 +55,7 @@ class DraftDepth(nn.Module):
     def fc_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """concat(enorm(embeds), hnorm(hidden)) for embeds [T, hidden_size], hidden [T, in]."""
         hidden = hidden.to(embeds.dtype)
-        if not triton_usable(embeds):
+        if not triton_usable(embeds) or observed(self.enorm, self.hnorm):
             return torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1)
         # Each norm writes its half of the input: no concatenation kernel.
         from engine.kernels.elementwise import rms_norm

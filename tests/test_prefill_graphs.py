@@ -167,9 +167,10 @@ def test_speculation_over_graph_run_prefills_is_lossless(tmp_path_factory) -> No
 
 @needs_gpu
 def test_the_drafts_prefill_runs_in_graphs_as_it_runs_eagerly(tmp_path_factory) -> None:
-    """Every depth's prefill (prompts with vectors given for some positions) replays a prefill
-    graph of its own, and its outputs at every real token are the eager forward's: the
-    vectors reach the graph, and the rows stop at the real token count."""
+    """Every depth's prefill (prompts with vectors given for positions every depth reads)
+    replays a prefill graph of its own; its outputs at every real token are the eager
+    forward's (the vectors reach the graph, the rows stop at the real token count), and so is
+    its proposal at each prompt's last position."""
     from tiny_drafts import make_random_draft
     from tiny_models import make_tiny_llama
 
@@ -177,7 +178,7 @@ def test_the_drafts_prefill_runs_in_graphs_as_it_runs_eagerly(tmp_path_factory) 
     make_tiny_llama(root / "target", seed=0)
     make_random_draft(root / "draft", root / "target", 3, seed=1)
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(2, 20))] for _ in range(6)]
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(6, 20))] for _ in range(6)]
     params = SamplingParams(max_tokens=4, temperature=0)
     spec = _gpu_llm(
         root / "target",
@@ -186,8 +187,11 @@ def test_the_drafts_prefill_runs_in_graphs_as_it_runs_eagerly(tmp_path_factory) 
         cuda_graph_max_prefill_tokens=256,
     )
     hidden = spec.model_config.hidden_size
+    # Depth d reads position p at row p - d - 1: positions 3 and 4 reach every depth.
     embeds = [
-        PromptEmbeds.of({1: torch.full((hidden,), 0.03 * (i + 1))}) if i % 2 else None
+        PromptEmbeds.of({p: torch.full((hidden,), 0.03 * (i + p)) for p in (1, 3, 4)})
+        if i % 2
+        else None
         for i in range(len(prompts))
     ]
     depths = spec.engine.speculator.depths
@@ -197,7 +201,7 @@ def test_the_drafts_prefill_runs_in_graphs_as_it_runs_eagerly(tmp_path_factory) 
 
         def record(inputs, patch=None, forward_flat=forward_flat, outputs=outputs):
             out, lens, proposal = forward_flat(inputs, patch)
-            outputs.append(out.clone())
+            outputs.append((out.clone(), lens, proposal))
             return out, lens, proposal
 
         runner.forward_flat = record
@@ -209,6 +213,13 @@ def test_the_drafts_prefill_runs_in_graphs_as_it_runs_eagerly(tmp_path_factory) 
         outputs.clear()
     eager = [o.token_ids for o in spec.generate(prompts, params, prompt_embeds=embeds)]
     assert graphed == eager
-    for graph_rows, outputs in zip(prefills, seen):
-        assert graph_rows.shape == outputs[0].shape  # the real tokens, no padding
-        torch.testing.assert_close(graph_rows, outputs[0], rtol=1e-4, atol=1e-4)
+    for runner, (graph_rows, lens, proposal), outputs in zip(depths, prefills, seen):
+        rows, eager_lens, eager_proposal = outputs[0]
+        assert eager_proposal is None and lens == eager_lens
+        assert graph_rows.shape == rows.shape  # the real tokens, no padding
+        torch.testing.assert_close(graph_rows, rows, rtol=1e-4, atol=1e-4)
+        last = torch.tensor(lens, device=rows.device).cumsum(0) - 1
+        with torch.inference_mode():
+            top, top_p = runner.head.propose_top(rows[last], runner.num_proposed)
+        assert torch.equal(proposal.top[: len(lens)], top)
+        torch.testing.assert_close(proposal.top_p[: len(lens)], top_p, rtol=1e-4, atol=1e-5)

@@ -113,6 +113,23 @@ def test_draft_depth_input_equals_the_concatenation() -> None:
     assert torch.equal(joined, expected)
 
 
+def test_hooked_draft_norms_run_as_modules() -> None:
+    """A tensor dump hooks every part of a depth: with hooks on its norms, the depth calls
+    them as modules (each hook sees its output) instead of writing fc's input in kernels."""
+    from spec.draft_model import DraftDepth
+
+    depth = DraftDepth(_config(100), 96).to("cuda", torch.bfloat16)
+    seen = []
+    for norm in (depth.enorm, depth.hnorm):
+        norm.register_forward_hook(lambda module, args, out: seen.append(out.clone()))
+    embeds = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
+    hidden = torch.randn(5, 96, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        joined = depth.fc_input(embeds, hidden)
+    assert len(seen) == 2
+    assert torch.equal(joined, torch.cat(seen, dim=-1))
+
+
 def test_rotary_lookup_in_the_model_dtype() -> None:
     from engine.config import RopeConfig
     from engine.models.rope import RotaryEmbedding

@@ -6,7 +6,10 @@ each kernel costs a few microseconds whatever its size.
 Each program reads one row in blocks, keeping per lane the running maximum, the first index
 that reached it and the sum of exp(x - maximum) rescaled as the maximum grows; the lanes are
 merged at the end. The probability of the maximum is 1 / sum, as softmax's is, with the sum
-taken in another order (float32 throughout). Ties go to the lowest index, as torch's max."""
+taken in another order (float32 throughout). Ties go to the lowest index, as torch's max on
+the probabilities (where distinct logits round to one probability, torch's can differ). A
+row of NaN or infinite logits (a broken model) gives a token and a probability that mean
+nothing, as torch's do."""
 
 from __future__ import annotations
 
@@ -46,7 +49,8 @@ def _top1_kernel(
         best = grown
     top = tl.max(best, axis=0)
     first = tl.min(tl.where(best == top, best_index, size), axis=0)
-    weights = tl.where(best == float("-inf"), 0.0, tl.exp(best - top))
+    weights = tl.where(best == top, 1.0, tl.exp(best - top))
+    weights = tl.where(best == float("-inf"), 0.0, weights)
     denominator = tl.sum(total * weights, axis=0)
     token = first.to(tl.int64)
     if HAS_VOCAB:

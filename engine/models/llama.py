@@ -18,6 +18,14 @@ from engine.models.linear import Linear
 from engine.models.rope import RotaryEmbedding
 
 
+def observed(*modules: nn.Module) -> bool:
+    """Whether anything hooks the forward of one of `modules` (a tensor dump, a test): such a
+    module must run as a module call, not as a kernel that replaces it."""
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -39,7 +47,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), one kernel on a GPU."""
-        if triton_usable(x):
+        if triton_usable(x) and not observed(self):
             from engine.kernels.elementwise import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual=residual)
@@ -181,8 +189,10 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = rotary.lookup(batch.positions, hidden.dtype)
         captured: dict[int, torch.Tensor] = {}
         layers = self.model.layers
-        if any(layer._forward_hooks for layer in layers):
-            # Observed layer by layer (a tensor dump): each layer's output whole.
+        deferred = all(type(layer).forward is DecoderLayer.forward for layer in layers)
+        if not deferred or observed(*layers, *(layer.input_layernorm for layer in layers)):
+            # Observed layer by layer (a tensor dump), or layers of another kind: each
+            # layer's output whole.
             for i, layer in enumerate(layers):
                 hidden = layer(hidden, batch, cos_sin, backend)
                 if i in aux_layers:
