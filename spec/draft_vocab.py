@@ -113,6 +113,8 @@ class DraftHead:
         """The draft vocabulary's logits, in float32 or (not `as_float`) the model's dtype; the
         whole head's, then indexed, where the head has no plain weight to restrict."""
         if self.vocab is None:
+            if as_float:
+                return self.target.lm_head_logits(hidden)
             logits = self.target.lm_head_outputs(hidden)
         elif self.weight is None:
             return self.target.lm_head_logits(hidden)[..., self.vocab]
