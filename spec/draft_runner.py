@@ -142,33 +142,33 @@ class DraftRunner:
         graphed prefill), reading input embeddings where a prompt gave them.
         The caller decides whether this engine runs graphs."""
         self.head, self.num_proposed = head, num_proposed
-        width = self.module.hnorm.weight.shape[0]
-        self.graphs = CudaGraphs(
-            f"draft-{self.depth}",
+        self.graphs = self._graph_set(f"draft-{self.depth}", max_tokens, max_span)
+        if max_prefill_tokens:
+            self.prefill_graphs = self._graph_set(
+                f"draft-{self.depth} prefill",
+                max_prefill_tokens,
+                max_prefill_tokens,
+                embeds_width=self.module.fc.weight.shape[0],
+            )
+
+    def _graph_set(
+        self, name: str, max_tokens: int, max_span: int, embeds_width: int | None = None
+    ) -> CudaGraphs:
+        """This depth's forward and proposal captured per token count up to `max_tokens`."""
+        graphs = CudaGraphs(
+            name,
             self._forward_and_propose,
             self.attention,
             self.kv_pool,
             self.req_to_token_pool,
             token_buckets(max_tokens),
             max_span=max_span,
-            hidden_width=width,
+            hidden_width=self.module.hnorm.weight.shape[0],
             request_outputs=2,
+            embeds_width=embeds_width,
         )
-        self.graphs.capture(progress=False)
-        if max_prefill_tokens:
-            self.prefill_graphs = CudaGraphs(
-                f"draft-{self.depth} prefill",
-                self._forward_and_propose,
-                self.attention,
-                self.kv_pool,
-                self.req_to_token_pool,
-                token_buckets(max_prefill_tokens),
-                max_span=max_prefill_tokens,
-                hidden_width=width,
-                request_outputs=2,
-                embeds_width=self.module.fc.weight.shape[0],
-            )
-            self.prefill_graphs.capture(progress=False)
+        graphs.capture(progress=False)
+        return graphs
 
     def grow_to(self, seq: DraftSeq, num_positions: int) -> None:
         """Give `seq` slots for positions [0, num_positions), taking a row first if needed."""

@@ -189,10 +189,9 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = rotary.lookup(batch.positions, hidden.dtype)
         captured: dict[int, torch.Tensor] = {}
         layers = self.model.layers
-        deferred = all(type(layer).forward is DecoderLayer.forward for layer in layers)
-        if not deferred or observed(*layers, *(layer.input_layernorm for layer in layers)):
-            # Observed layer by layer (a tensor dump), or layers of another kind: each
-            # layer's output whole.
+        # A hooked norm runs as a module call inside `add_and_norm`; a hooked layer needs its
+        # output whole, as does a layer class with a forward of its own.
+        if self.layer_class.forward is not DecoderLayer.forward or observed(*layers):
             for i, layer in enumerate(layers):
                 hidden = layer(hidden, batch, cos_sin, backend)
                 if i in aux_layers:
