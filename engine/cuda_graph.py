@@ -72,7 +72,8 @@ class CudaGraphs:
     """`load` a batch into the static buffers, then `replay` it. `run` is the eager forward
     that was captured: (ForwardBatch, per-token hidden input or None) -> tensors whose first
     dimension is the batch's tokens, then `request_outputs` tensors whose first dimension is
-    the batch's request columns (one row per request, read at `ForwardBatch.last_index`).
+    the batch's request columns (one row per request, read at `ForwardBatch.last_index`, or
+    per span of a uniform load: engine.verify_outputs).
     `buckets` are the token counts captured; a graph of T tokens holds up to T requests of at
     most `max_span` tokens each. With `hidden_width`, each token also brings a hidden state of
     that width (a draft depth's input). With `embeds_width`, a token may come as a vector of
@@ -196,7 +197,7 @@ class CudaGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 for shared, out in zip(self._outputs, self.run(batch, hidden)):
-                    shared[:size].copy_(out)
+                    shared[: len(out)].copy_(out)
             pool = graph.pool()
             self.graphs[size] = graph
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
+from engine.verify_outputs import VerifyOutputs, greedy_chain_verdicts
 
 
 @dataclass
@@ -108,14 +110,18 @@ class ModelRunner:
         max_requests = self.config.cuda_graph_max_bs
         if not max_requests:
             return
+        # A graph of chains decides greedy acceptance in the replay: the host reads one
+        # small block, with no call into torch for it (engine.verify_outputs).
+        run = self._every_token_outputs if trees else partial(self._chain_outputs, width=max_span)
         self.verify_graphs = CudaGraphs(
             "verify",
-            self._every_token_outputs,
+            run,
             self.attention,
             self.kv_pool,
             self.req_to_token_pool,
             token_buckets(max_requests * max_span),
             max_span=max_span,
+            request_outputs=0 if trees else 1,
             trees=trees,
         )
         self.verify_graphs.capture()
@@ -186,6 +192,15 @@ class ModelRunner:
         hidden, draft_hidden = self._run_model(batch)
         return self.model.compute_logits(hidden), draft_hidden
 
+    def _chain_outputs(
+        self, batch: ForwardBatch, _hidden_input: None = None, *, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a graph of chain verifies computes: `_every_token_outputs`, then each span's
+        greedy verdicts as if the batch were spans of `width` tokens (what a uniform load
+        gives; meaningless for other loads, whose callers do not read them)."""
+        logits, draft_hidden = self._every_token_outputs(batch)
+        return logits, draft_hidden, greedy_chain_verdicts(logits, batch.input_ids, width)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, keep_hidden: bool = False) -> ForwardOutput:
         if batch.graph is not None and batch.graph is self.prefill_graphs:
@@ -226,17 +241,19 @@ class ModelRunner:
         return InputEmbeds(batch.input_embeds[:num_tokens], batch.input_embeds_mask[:num_tokens])
 
     @torch.inference_mode()
-    def forward_every_token(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_every_token(self, batch: ForwardBatch) -> VerifyOutputs:
         """Logits [T, vocab] and hidden states [T, spec_hidden_size] at every new token: what
-        speculative verify needs, since it checks a draft token at each position."""
+        speculative verify needs, since it checks a draft token at each position; and a graph
+        of chains' greedy verdicts. Logits and verdicts from a graph are views of its
+        buffers, valid until the next replay of a verify graph."""
         if batch.graph is not None:
-            logits, hidden = batch.graph.replay(batch)
+            logits, hidden, *verdicts = batch.graph.replay(batch)
             # The draft reads the hidden states after the next replay may have begun (a
             # boundary state kept for the next step): they leave the graph's buffer.
-            return logits, hidden.clone()
+            return VerifyOutputs(logits, hidden.clone(), verdicts[0] if verdicts else None)
         with dump_pass(self.dumper, batch):
             hidden, draft_hidden = self._run_model(batch)
-            return self.model.compute_logits(hidden), draft_hidden
+            return VerifyOutputs(self.model.compute_logits(hidden), draft_hidden)
 
 
 def run_target(

@@ -20,7 +20,6 @@ from row a+d (position m+a)."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from engine.cuda_graph import collection_paused
@@ -124,8 +123,7 @@ class FixedDecodeExtend:
     def launch(
         self,
         items: list[FixedExtendItem],
-        committed: torch.Tensor | None = None,
-        accepted: torch.Tensor | None = None,
+        verdicts: torch.Tensor | None = None,
         verify_hidden: torch.Tensor | None = None,
         gathered: GatheredItems | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,10 +132,10 @@ class FixedDecodeExtend:
         (what the host reads: ids are exact in float64; `split_chains`) followed by the
         trees' nodes when the shape is a tree (`split_trees`), the boundary states
         [K-1, n, hidden] and the verify's hidden states it read [n, K+1, width].
-        With `committed` [n, K+1] (row i: the verify's targets, the first accepted[i] + 1 of
-        them committed), `accepted` [n] and `verify_hidden` [n, K+1, width] on the device, the
-        items' own `committed` and `verify_hidden` are not read: the host need not have seen
-        the verify's outcome. `gathered`: the items' table, if their caller has it."""
+        With `verdicts` [n, K+2] (row i: the verify's K+1 targets, the first a + 1 of them
+        committed, then the accepted count a) and `verify_hidden` [n, K+1, width] on the
+        device, the items' own `committed` and `verify_hidden` are not read: the host need not
+        have seen the verify's outcome. `gathered`: the items' table, if their caller has it."""
         k = self.k
         if gathered is None:
             gathered = GatheredItems.of(items)
@@ -147,13 +145,13 @@ class FixedDecodeExtend:
         size = bucket_for(self.buckets, len(items)) if self.buckets else None
         if size is not None:
             graph, buffers, outputs = self.graphs[size]
-            self._fill(buffers, items, gathered, committed, accepted, verify_hidden)
+            self._fill(buffers, items, gathered, verdicts, verify_hidden)
             graph.replay()
             self.num_replays += 1
             chains, block, boundary = outputs
         else:
             buffers = self._buffers(len(items))
-            self._fill(buffers, items, gathered, committed, accepted, verify_hidden)
+            self._fill(buffers, items, gathered, verdicts, verify_hidden)
             chains, block, boundary = self._forward(buffers, eager_items=items)
         n = len(items)
         # Out of the graph's buffers: kept as views until the next extend.
@@ -194,23 +192,18 @@ class FixedDecodeExtend:
         buffers: ExtendBuffers,
         items: list[FixedExtendItem],
         gathered: GatheredItems,
-        committed: torch.Tensor | None,
-        accepted: torch.Tensor | None,
+        verdicts: torch.Tensor | None,
         verify_hidden: torch.Tensor,
     ) -> None:
         """Every input of the batch, padded to the buffers' size: one copy of the integers, one
         of the verify's hidden states, one of the boundary states (none per request when the
         requests are those of the last extend, in its order); then, when given (on the
-        device), the committed tokens of every depth and the accepted counts over the
-        integers' placeholders."""
+        device), the verify's verdicts over the integers' placeholders for them."""
         n = len(items)
-        on_device = committed is not None and accepted is not None
-        self._int_values(buffers, None if on_device else items, gathered)
+        self._int_values(buffers, None if verdicts is not None else items, gathered)
         buffers.staged.upload()
-        if on_device:
-            for ids in buffers.ids:
-                ids[:n, : self.k + 1] = committed
-            buffers.accepted[:n] = accepted
+        if verdicts is not None:
+            buffers.verdicts[:n] = verdicts
         buffers.verify_hidden[:n].copy_(verify_hidden)
         if self.k > 1:
             boundaries = [item.state.boundary for item in items]
@@ -228,8 +221,9 @@ class FixedDecodeExtend:
         gathered: GatheredItems | None,
     ) -> None:
         """The integer block, in the host mirror: the gathered items' rows first, padding
-        requests after (token 0 from position 0, over the padding row). Their committed tokens
-        and accepted counts are read from `items`, unless None (filled on the device)."""
+        requests after (token 0 from position 0, over the padding row). Their verdicts
+        (committed tokens, accepted count) are read from `items`, unless None (filled on the
+        device)."""
         k = self.k
         values = buffers.staged.writable()
         values[:] = buffers.padding
@@ -237,18 +231,13 @@ class FixedDecodeExtend:
             return
         newest = gathered.newest
         n = len(newest)
-        committed = None
         if items is not None:
-            committed = np.zeros((n, k + 1), dtype=np.int64)
+            verdicts = buffers.host_verdicts
             for i, item in enumerate(items):
-                committed[i, : len(item.committed)] = item.committed
-            values[buffers.accepted_offset : buffers.accepted_offset + n] = [
-                item.accepted for item in items
-            ]
+                verdicts[i, : len(item.committed)] = item.committed
+            verdicts[:n, k + 1] = [item.accepted for item in items]
         for d, (width, columns) in enumerate(zip(self.spans, buffers.columns)):
-            ids, positions, rows, seq_lens = buffers.host[d]
-            if committed is not None:
-                ids[:n, : k + 1] = committed
+            _, positions, rows, seq_lens = buffers.host[d]
             start = newest - d
             positions[:n] = start[:, None] + columns
             rows[:n] = gathered.rows[d]
@@ -266,6 +255,10 @@ class FixedDecodeExtend:
         size, k = buffers.size, self.k
         accepted = buffers.accepted
         every = buffers.every
+        # Each depth reads the committed tokens from the verdicts, one copy a depth here
+        # rather than one call into torch a depth each round.
+        for ids in buffers.ids:
+            ids[:, : k + 1] = buffers.verdicts[:, : k + 1]
         # Column a + t of each request, t = 0..K-1, in one kernel: where draft t goes in each
         # later depth's tokens, and depth t's proposing row.
         after = accepted[:, None] + buffers.steps

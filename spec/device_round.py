@@ -41,10 +41,11 @@ import torch
 
 from engine.allocator import PADDING_SLOT
 from engine.forward_batch import ForwardBatch, Span
-from engine.host_copy import HostCopy, int_tensor
+from engine.host_copy import HostCopy, int_tensor, recorded_event
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
+from engine.verify_outputs import VerifyOutputs, greedy_chain_verdicts
 from spec.decode_extend import FixedDecodeExtend
 from spec.extend_items import FixedExtendItem, GatheredItems, split_chains, split_trees
 from spec.tree import DraftTree
@@ -171,7 +172,7 @@ class DeviceRound:
 
 def run_device_round(
     forward: ForwardBatch,
-    outputs: tuple[torch.Tensor, torch.Tensor],
+    outputs: VerifyOutputs,
     inputs: RoundInputs,
     fixed_extend: FixedDecodeExtend,
     k: int,
@@ -187,21 +188,24 @@ def run_device_round(
     expected to decode the same requests), the next round's verify is queued behind the
     extend where `forward` ran in a graph and every request holds its slots for it: the
     device then runs it while the host commits this round."""
-    logits, hidden = outputs
     requests, items, lookaheads = inputs.requests, inputs.items, inputs.lookaheads
     n = len(requests)
-    targets = logits.argmax(dim=-1).view(n, k + 1)
-    # Each request's span is its newest token then its chain: the chains are on the device.
-    chains = forward.input_ids[: n * (k + 1)].view(n, k + 1)[:, 1:]
-    accepted = (targets[:, :k] == chains).long().cumprod(dim=1).sum(dim=1)
+    # Each request's span is its newest token then its chain: the chains are on the device,
+    # and a verify graph of chains has compared them with the targets already.
+    verdict_block = outputs.verdicts
+    if verdict_block is None:
+        verdict_block = greedy_chain_verdicts(outputs.logits, forward.input_ids, k + 1)
     if min(lookaheads) < k:
-        accepted = torch.minimum(accepted, int_tensor(lookaheads, accepted.device))
-    verdicts = HostCopy(torch.cat([targets, accepted[:, None]], dim=1))
-    hidden = hidden.view(n, k + 1, -1)
+        limits = int_tensor(lookaheads, verdict_block.device)
+        accepted = torch.minimum(verdict_block[:, k + 1], limits)
+        verdict_block = torch.cat([verdict_block[:, : k + 1], accepted[:, None]], dim=1)
+    targets, accepted = verdict_block[:, : k + 1], verdict_block[:, k + 1]
+    verdicts = HostCopy(verdict_block)
+    hidden = outputs.hidden.view(n, k + 1, -1)
     # The host's share of the next round, while the device verifies this one.
     grow_for_next_round(requests, k, *target_pools)
     next_chains, block, boundary, hidden = fixed_extend.launch(
-        items, targets, accepted, hidden, inputs.gathered
+        items, verdict_block, hidden, inputs.gathered
     )
     next_rounds = HostCopy(block)
     queued = None
@@ -237,7 +241,7 @@ class LaunchedVerify:
     requests: list[Request]
     num_tokens: list[int]
     batch: ForwardBatch
-    outputs: tuple[torch.Tensor, torch.Tensor]
+    outputs: VerifyOutputs
     queued: torch.cuda.Event | None  # recorded behind it on a GPU
     inputs: RoundInputs | None = None
 
@@ -292,7 +296,7 @@ def queue_next_verify(
     accepted: torch.Tensor,
     next_chains: torch.Tensor,
     forward_every_token,
-) -> tuple[ForwardBatch, tuple[torch.Tensor, torch.Tensor], torch.cuda.Event | None]:
+) -> tuple[ForwardBatch, VerifyOutputs, torch.cuda.Event | None]:
     """The verify after this round's (`forward`, a uniform graph batch whose graph ran it),
     queued before the host has read this round's outcome: each request's span moves on by its
     accepted count and the bonus token, and brings that bonus token (`targets` [n, K+1] at
@@ -307,9 +311,7 @@ def _recorded(batch: ForwardBatch) -> torch.cuda.Event | None:
     """An event behind the work queued so far, on a GPU."""
     if not batch.input_ids.is_cuda:
         return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
+    return recorded_event(batch.input_ids.device)
 
 
 # Positions a request's slots grow by beyond what the next round needs, when they must grow:

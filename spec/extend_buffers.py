@@ -14,7 +14,10 @@ class ExtendBuffers:
     pinned host mirror (per depth its tokens and positions, then per request its row, cache
     length, first token, token count; then every request's accepted count), the verify's
     hidden states and the boundary states. Each depth's KV slots are read from its row table
-    on the device, rows and positions being known there."""
+    on the device, rows and positions being known there. The verdicts (per request the
+    verify's K+1 targets, then its accepted count) come last: the host writes them into the
+    mirror, or a round on the device copies them over it, and the forward copies the
+    committed tokens into each depth's."""
 
     def __init__(
         self,
@@ -35,8 +38,8 @@ class ExtendBuffers:
             tokens = size * width
             self.layout.append((offset, tokens))
             offset += 2 * tokens + 4 * size
-        self.accepted_offset = offset
-        self.length = offset + size
+        self.verdicts_offset = offset
+        self.length = offset + size * (k + 2)
         self.ints = torch.zeros(self.length, dtype=torch.int64, device=device)
         self.staged = PinnedMirror(self.ints)
         # Every request a padding one: token 0 from position 0 over the padding row.
@@ -59,7 +62,10 @@ class ExtendBuffers:
         self.positions = [
             self.depth_views(d)[1].view(size, width) for d, width in enumerate(widths)
         ]
-        self.accepted = self.ints[self.accepted_offset : self.accepted_offset + size]
+        verdicts = self.verdicts_offset
+        self.verdicts = self.ints[verdicts:].view(size, k + 2)
+        self.accepted = self.verdicts[:, k + 1]
+        self.host_verdicts = self.staged.array[verdicts:].reshape(size, k + 2)
         # Constants the forward would otherwise make each replay, a kernel each.
         self.every = torch.arange(size, device=device)
         self.steps = torch.arange(k, device=device)

@@ -52,7 +52,8 @@ def verify_on_host(
     batch = runner.graph_batch(spans) or extend_batch(
         spans, runner.kv_pool, runner.req_to_token_pool, runner.attention, runner.device
     )
-    raw_logits, hidden = runner.forward_every_token(batch)
+    outputs = runner.forward_every_token(batch)
+    raw_logits, hidden = outputs.logits, outputs.hidden
     eos_token_ids = runner.model_config.eos_token_ids
     logits = processed_verify_logits(raw_logits, requests, trees, eos_token_ids)
     chains = [tree.tokens for tree in trees]  # trees under a grammar are chains

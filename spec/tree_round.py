@@ -31,6 +31,7 @@ from engine.host_copy import HostCopy, int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
+from engine.verify_outputs import VerifyOutputs
 from spec.decode_extend import FixedDecodeExtend
 from spec.device_round import DeviceRound, grow_for_next_round, read_verdicts
 from spec.extend_items import FixedExtendItem, GatheredItems
@@ -155,7 +156,7 @@ def keep_accepted_kv(
 
 
 def run_tree_round(
-    outputs: tuple[torch.Tensor, torch.Tensor],
+    outputs: VerifyOutputs,
     inputs: TreeRoundInputs,
     fixed_extend: FixedDecodeExtend,
     k: int,
@@ -166,7 +167,7 @@ def run_tree_round(
     `inputs.items` (which `FixedDecodeExtend.fits`). The host reads the committed tokens as
     soon as the verify is done, while the device runs the extend; the next chains and trees
     are read after."""
-    logits, hidden = outputs
+    logits, hidden = outputs.logits, outputs.hidden
     requests = inputs.requests
     n, count = len(requests), inputs.nodes.shape[2]
     device = logits.device
@@ -178,7 +179,8 @@ def run_tree_round(
     rows, newest = ints[3 * n * count :].view(2, n)
     accepted, path = accept_on_device(targets, tokens, parents, levels, k)
     committed = targets.gather(1, path)
-    verdicts = HostCopy(torch.cat([committed, accepted[:, None]], dim=1))
+    verdict_block = torch.cat([committed, accepted[:, None]], dim=1)
+    verdicts = HostCopy(verdict_block)
     kv_pool, req_to_token_pool = target_pools
     keep_accepted_kv(kv_pool, req_to_token_pool.req_to_token, rows, newest, path, accepted)
     hidden = hidden.view(n, count + 1, -1)
@@ -186,7 +188,7 @@ def run_tree_round(
     # The host's share of the next round, while the device verifies this one.
     grow_for_next_round(requests, k, kv_pool, req_to_token_pool, span=max(k, count))
     next_chains, block, boundary, hidden = fixed_extend.launch(
-        inputs.items, committed, accepted, hidden, inputs.gathered
+        inputs.items, verdict_block, hidden, inputs.gathered
     )
     next_rounds = HostCopy(block)
     tokens_out, counts = read_verdicts(verdicts, k)

@@ -19,6 +19,7 @@ from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
+from engine.verify_outputs import VerifyOutputs
 from spec.acceptance import Verdict
 from spec.batching import Span, extend_batch
 from spec.decode_extend import FixedDecodeExtend
@@ -300,7 +301,7 @@ class MultiLayerEagleWorker:
         self,
         inputs: RoundInputs,
         batch: ForwardBatch,
-        outputs: tuple[torch.Tensor, torch.Tensor],
+        outputs: VerifyOutputs,
         launch_next: bool = False,
     ) -> VerifyResult:
         """Acceptance and the draft extend queued behind the verify of `batch`, whose

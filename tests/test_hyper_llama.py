@@ -43,7 +43,8 @@ def _every_token(llm: LLM, prompts: list[list[int]]) -> list[tuple[torch.Tensor,
     for req in requests:
         core.kv_cache.grow(req, req.num_tokens)
     batch = core.runner.build_batch(requests)
-    logits, hidden = core.runner.forward_every_token(batch)
+    outputs = core.runner.forward_every_token(batch)
+    logits, hidden = outputs.logits, outputs.hidden
     for req in requests:
         core.kv_cache.release(req)
     return list(zip(logits.split(batch.extend_lens), hidden.split(batch.extend_lens)))

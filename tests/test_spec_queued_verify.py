@@ -36,11 +36,15 @@ def _graphs(width: int, max_requests: int, context: int, device: str) -> CudaGra
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n", [1, 3, 7])
+@pytest.mark.parametrize("strided", [False, True])
 @torch.inference_mode()
-def test_a_moved_span_equals_the_span_loaded_where_it_moved(n: int, device: str) -> None:
+def test_a_moved_span_equals_the_span_loaded_where_it_moved(
+    n: int, device: str, strided: bool
+) -> None:
     """advance_uniform gives the graph's inputs exactly what load_uniform gives for the spans
     each moved past its kept tokens and the one after: ids, positions, slots from the row
-    table, lengths; the padding columns untouched (on a GPU, the Triton kernel)."""
+    table, lengths; the padding columns untouched (on a GPU, the Triton kernel). `strided`:
+    the counts and candidates are columns of one block, as a round's verdicts are."""
     k = 3
     width, context = k + 1, 40
     graphs = _graphs(width, 8, context, device)
@@ -58,6 +62,9 @@ def test_a_moved_span_equals_the_span_loaded_where_it_moved(n: int, device: str)
     candidates = rng.integers(3, 100, size=(n, width))
     rest = rng.integers(3, 100, size=(n, k))
     on = [torch.from_numpy(a).to(device) for a in (kept, candidates, rest)]
+    if strided:  # the verdict block a round reads: candidates, then the kept count
+        block = torch.cat([on[1], on[0][:, None]], dim=1)
+        on[:2] = block[:, width], block[:, :width]
     graphs.advance_uniform(batch, *on)
     moved = graphs.inputs.clone()
 

@@ -14,7 +14,8 @@ import triton.language as tl
 def _advance_kernel(
     inputs_ptr,  # [rows, capacity] int64: ids, positions, slots, then per request row, length
     capacity,
-    kept_ptr,  # [n]
+    kept_ptr,  # [n] (stride kept_stride)
+    kept_stride,
     candidates_ptr,  # [n, width] (row stride candidates_stride)
     candidates_stride,
     rest_ptr,  # [n, width - 1] (row stride rest_stride)
@@ -30,7 +31,7 @@ def _advance_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     first = i * width
-    kept = tl.load(kept_ptr + i).to(tl.int64)
+    kept = tl.load(kept_ptr + i * kept_stride).to(tl.int64)
     start = tl.load(inputs_ptr + capacity + first) + kept + 1  # the moved span's first position
     positions = start + cols
     row = tl.load(inputs_ptr + ROWS_ROW * capacity + i)
@@ -65,6 +66,7 @@ def advance_spans(
         inputs,
         inputs.shape[1],
         kept,
+        kept.stride(0),
         candidates,
         candidates.stride(0),
         rest,
