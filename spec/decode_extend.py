@@ -130,7 +130,8 @@ class FixedDecodeExtend:
         """Queue the extend of every depth over `items`; returns, on the device, the next
         chains [n, K], the same chains and their probabilities in one float64 block [n, 2K]
         (what the host reads: ids are exact in float64; `split_chains`) followed by the
-        trees' nodes when the shape is a tree (`split_trees`), the boundary states
+        trees' nodes when the shape is a tree (`split_trees`) and the verdicts it read
+        (K+2 columns, `spec.device_round.read_verdicts`), the boundary states
         [K-1, n, hidden] and the verify's hidden states it read [n, K+1, width].
         With `verdicts` [n, K+2] (row i: the verify's K+1 targets, the first a + 1 of them
         committed, then the accepted count a) and `verify_hidden` [n, K+1, width] on the
@@ -315,6 +316,9 @@ class FixedDecodeExtend:
         parts = [chains.double(), torch.stack(probs, dim=1).double()]
         if tree is not None:
             parts.append(tree.select())
+        # The verdicts the extend read last: a round's one copy home brings its committed
+        # tokens and counts with its next chains (spec.device_round.read_verdicts).
+        parts.append(buffers.verdicts.double())
         return chains, torch.cat(parts, dim=1), boundary
 
     def _fork_inputs(

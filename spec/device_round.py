@@ -8,10 +8,12 @@ need no processing (no penalty, bias, min_tokens or grammar), that speculate one
 and whose draft state the fixed-shape extend runs (spec/decode_extend.py), acceptance is a
 comparison on the device: the accepted count is the length of the prefix where the chain
 equals the target's argmax. The extend reads the targets and the counts where they are, so
-verify, acceptance and extend are queued back to back. Two copies bring the round home: each
-request's targets and accepted count, read as soon as the verify is done so the host commits
-them while the device runs the extend; then each next chain and its probabilities, read when
-they are applied. While the device verifies, the host takes the next round's target slots.
+verify, acceptance and extend are queued back to back. One copy brings the round home, once
+the extend is done: each request's targets and accepted count, its next chain and the chain's
+probabilities. What the device then waits for is the host's work from that copy to the next
+extend's launch (committing, scheduling, gathering, filling the extend's inputs), so the
+host's other work of a round (the next round's target slots, queuing its verify) comes after
+that launch.
 
 The extend then runs before the host commits: a request that the round ends (EOS, a stop
 string) has drafted a chain it will not use, and its draft KV is freed with its target KV.
@@ -183,8 +185,8 @@ def run_device_round(
     its `outputs` (logits and hidden states at every token): accept on the device (at most its
     lookahead's drafts a request), extend over `inputs.items` (which
     `FixedDecodeExtend.fits`).
-    The host reads the committed tokens as soon as the verify is done, while the device runs
-    the extend; the next chains are read after. With `forward_every_token` (the next step is
+    The host reads the committed tokens with the next chains, once the extend is done. With
+    `forward_every_token` (the next step is
     expected to decode the same requests), the next round's verify is queued behind the
     extend where `forward` ran in a graph and every request holds its slots for it: the
     device then runs it while the host commits this round."""
@@ -200,19 +202,20 @@ def run_device_round(
         accepted = torch.minimum(verdict_block[:, k + 1], limits)
         verdict_block = torch.cat([verdict_block[:, : k + 1], accepted[:, None]], dim=1)
     targets, accepted = verdict_block[:, : k + 1], verdict_block[:, k + 1]
-    verdicts = HostCopy(verdict_block)
     hidden = outputs.hidden.view(n, k + 1, -1)
-    # The host's share of the next round, while the device verifies this one.
-    grow_for_next_round(requests, k, *target_pools)
     next_chains, block, boundary, hidden = fixed_extend.launch(
         items, verdict_block, hidden, inputs.gathered
     )
+    # One copy home: the verdicts with the next chains, read once the extend is done (the
+    # host's work until the next extend is queued is what the device waits for).
     next_rounds = HostCopy(block)
+    # The host's share of the next round, while the device runs this one.
+    grow_for_next_round(requests, k, *target_pools)
     queued = None
     if forward_every_token is not None and forward.graph is not None:
         if holds_next_round(requests, k):
             queued = queue_next_verify(forward, targets, accepted, next_chains, forward_every_token)
-    tokens, counts = read_verdicts(verdicts, k)
+    tokens, counts = read_verdicts(next_rounds, k)
     done = DeviceRound(tokens, counts, items, next_rounds, next_chains, boundary, hidden)
     if queued is not None:
         num_tokens = [req.num_tokens + len(t) for req, t in zip(requests, tokens)]
@@ -221,10 +224,12 @@ def run_device_round(
 
 
 def read_verdicts(verdicts: HostCopy, k: int) -> tuple[list[list[int]], list[int]]:
-    """Each request's committed tokens and accepted count from a round's [n, K+2] copy (the
-    K+1 committed candidates, then the accepted count), once it has landed."""
+    """Each request's committed tokens and accepted count from a copy whose last K+2 columns
+    are a round's verdicts (the K+1 committed candidates, then the accepted count), once it
+    has landed."""
+    verdicts.wait()
     tokens, counts = [], []
-    for row in verdicts.tolist():
+    for row in verdicts.host.numpy()[:, -(k + 2) :].astype(np.int64).tolist():
         count = row[k + 1]
         tokens.append(row[: count + 1])
         counts.append(count)

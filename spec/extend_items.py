@@ -74,10 +74,14 @@ class GatheredItems:
 
     def aligned(self, k: int) -> bool:
         """Whether every depth d is valid up to where this extend starts (m-d >= 1), read from
-        the sequences now: an extend applied since the gathering moves them."""
-        valid = np.array([[seq.valid_len for seq in depth] for depth in self.seqs])
-        expected = self.newest[None, :] - np.arange(len(self.seqs))[:, None]
-        return bool(self.newest.min() >= k and (valid == expected).all())
+        the sequences now: an extend applied since the gathering moves them. In Python: for a
+        few requests, building arrays to compare costs the host more."""
+        newest = self.newest.tolist()
+        return min(newest) >= k and all(
+            seq.valid_len == m - d
+            for d, depth in enumerate(self.seqs)
+            for seq, m in zip(depth, newest, strict=True)
+        )
 
 
 # Positions a depth with forks grows by beyond what a step needs (grow_depths): a few steps'
@@ -98,6 +102,8 @@ def grow_depths(
     it must grow, within its row table: a growth is a row-table write, which each step would
     otherwise pay in every depth."""
     end = items.newest + k + 1
+    if not any(fork_rows or ()) and (items.held >= end).all():
+        return  # every depth holds its slots up to m+K already: most rounds
     forks = np.zeros(len(depths), dtype=np.int64) if fork_rows is None else np.array(fork_rows)
     need = np.where(
         forks[:, None] > 0, end[None, :] + forks[:, None], np.minimum(end, items.num_positions)
