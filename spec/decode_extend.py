@@ -251,8 +251,9 @@ class FixedDecodeExtend:
         eager_items: list[FixedExtendItem] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every depth over the buffers: the chains [size, K], the chains and their
-        probabilities as one float64 block [size, 2K] (then the trees, for a tree shape), and
-        the new boundary states [K-1, size, hidden]. What a graph captures."""
+        probabilities as one float64 block [size, 2K] (then the trees, for a tree shape, then
+        the verdicts it read, K+2 columns), and the new boundary states [K-1, size, hidden].
+        What a graph captures."""
         size, k = buffers.size, self.k
         accepted = buffers.accepted
         every = buffers.every

@@ -8,12 +8,13 @@ need no processing (no penalty, bias, min_tokens or grammar), that speculate one
 and whose draft state the fixed-shape extend runs (spec/decode_extend.py), acceptance is a
 comparison on the device: the accepted count is the length of the prefix where the chain
 equals the target's argmax. The extend reads the targets and the counts where they are, so
-verify, acceptance and extend are queued back to back. One copy brings the round home, once
-the extend is done: each request's targets and accepted count, its next chain and the chain's
-probabilities. What the device then waits for is the host's work from that copy to the next
-extend's launch (committing, scheduling, gathering, filling the extend's inputs), so the
-host's other work of a round (the next round's target slots, queuing its verify) comes after
-that launch.
+verify, acceptance and extend are queued back to back. Where the device queues the next
+round's verify itself (below), one copy brings the round home once the extend is done: each
+request's targets and accepted count, its next chain and the chain's probabilities. What the
+device then waits for is the host's work from that copy to the next extend's launch
+(committing, scheduling, gathering, filling the extend's inputs). Elsewhere the targets and
+counts come home in a copy of their own as soon as the verify is done, so the host commits
+them and queues the next verify while the device runs the extend, then reads the chains.
 
 The extend then runs before the host commits: a request that the round ends (EOS, a stop
 string) has drafted a chain it will not use, and its draft KV is freed with its target KV.
@@ -152,7 +153,9 @@ class DeviceRound:
     tokens: list[list[int]]
     accepted: list[int]
     items: list[FixedExtendItem]
-    chains_copy: HostCopy  # per request its next chain, then the chain's probabilities
+    # Per request its next chain, the chain's probabilities, its tree's nodes (a tree shape)
+    # and its verdicts: the extend's block (FixedDecodeExtend.launch).
+    chains_copy: HostCopy
     next_chains: torch.Tensor  # [n, K] the same chains, on the device
     boundary: torch.Tensor  # [K-1, n, hidden]
     verify_hidden: torch.Tensor  # [n, K+1, width]: the target's over each verify span
@@ -185,11 +188,12 @@ def run_device_round(
     its `outputs` (logits and hidden states at every token): accept on the device (at most its
     lookahead's drafts a request), extend over `inputs.items` (which
     `FixedDecodeExtend.fits`).
-    The host reads the committed tokens with the next chains, once the extend is done. With
-    `forward_every_token` (the next step is
+    With `forward_every_token` (the next step is
     expected to decode the same requests), the next round's verify is queued behind the
     extend where `forward` ran in a graph and every request holds its slots for it: the
-    device then runs it while the host commits this round."""
+    device then runs it while the host commits this round, and the host reads the round's
+    committed tokens with the next chains, once the extend is done. Otherwise it reads them as
+    soon as the verify is done."""
     requests, items, lookaheads = inputs.requests, inputs.items, inputs.lookaheads
     n = len(requests)
     # Each request's span is its newest token then its chain: the chains are on the device,
@@ -203,19 +207,29 @@ def run_device_round(
         verdict_block = torch.cat([verdict_block[:, : k + 1], accepted[:, None]], dim=1)
     targets, accepted = verdict_block[:, : k + 1], verdict_block[:, k + 1]
     hidden = outputs.hidden.view(n, k + 1, -1)
+    # Whether the device will queue the next verify: its slots are taken below, after the
+    # extend's launch (a pool too full to grow them leaves the host to queue it).
+    queue_ahead = (
+        forward_every_token is not None
+        and forward.graph is not None
+        and all(has_next_chain(req, k) for req in requests)
+    )
+    # Where the device does not queue the next verify, the host reads the verdicts as soon as
+    # the verify is done: it commits them and queues that verify (the worker's finish_round)
+    # while the device runs the extend.
+    early = None if queue_ahead else HostCopy(verdict_block)
     next_chains, block, boundary, hidden = fixed_extend.launch(
         items, verdict_block, hidden, inputs.gathered
     )
-    # One copy home: the verdicts with the next chains, read once the extend is done (the
-    # host's work until the next extend is queued is what the device waits for).
+    # The next chains, and the verdicts again at the block's end: where the device queues
+    # the next verify, this one copy, read once the extend is done, brings the round home.
     next_rounds = HostCopy(block)
     # The host's share of the next round, while the device runs this one.
     grow_for_next_round(requests, k, *target_pools)
     queued = None
-    if forward_every_token is not None and forward.graph is not None:
-        if holds_next_round(requests, k):
-            queued = queue_next_verify(forward, targets, accepted, next_chains, forward_every_token)
-    tokens, counts = read_verdicts(next_rounds, k)
+    if queue_ahead and holds_next_round(requests, k):
+        queued = queue_next_verify(forward, targets, accepted, next_chains, forward_every_token)
+    tokens, counts = read_verdicts(next_rounds if early is None else early, k)
     done = DeviceRound(tokens, counts, items, next_rounds, next_chains, boundary, hidden)
     if queued is not None:
         num_tokens = [req.num_tokens + len(t) for req, t in zip(requests, tokens)]
@@ -289,10 +303,14 @@ def holds_next_round(requests: list[Request], k: int) -> bool:
     whatever this round accepts (at most k + 1 tokens committed): its slots reach position
     m + 2k + 1, and its max_tokens leave k drafts to verify after the round."""
     return all(
-        len(req.slots) >= req.num_tokens + 2 * k + 1
-        and req.params.max_tokens - len(req.output_token_ids) >= 2 * k + 2
-        for req in requests
+        len(req.slots) >= req.num_tokens + 2 * k + 1 and has_next_chain(req, k) for req in requests
     )
+
+
+def has_next_chain(req: Request, k: int) -> bool:
+    """Whether `req`'s max_tokens leave k drafts to verify after this round, whatever it
+    commits (at most k + 1 tokens)."""
+    return req.params.max_tokens - len(req.output_token_ids) >= 2 * k + 2
 
 
 def queue_next_verify(

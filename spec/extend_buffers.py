@@ -12,8 +12,8 @@ from engine.host_copy import PinnedMirror
 class ExtendBuffers:
     """The inputs one batch size reads, on the device: one int64 block filled by one copy from a
     pinned host mirror (per depth its tokens and positions, then per request its row, cache
-    length, first token, token count; then every request's accepted count), the verify's
-    hidden states and the boundary states. Each depth's KV slots are read from its row table
+    length, first token, token count; then the verdicts, below), the verify's hidden states
+    and the boundary states. Each depth's KV slots are read from its row table
     on the device, rows and positions being known there. The verdicts (per request the
     verify's K+1 targets, then its accepted count) come last: the host writes them into the
     mirror, or a round on the device copies them over it, and the forward copies the

@@ -132,13 +132,11 @@ def grow_depths(
             )  # fmt: skip
 
 
-def split_chains(copy: HostCopy, k: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
+def split_chains(copy: HostCopy, k: int) -> tuple[list[list[int]], list[list[float]]]:
     """Each request's chain and the chain's probabilities from a copy of the extend's float64
-    block (ids are exact in float64): its first K columns, then K more (K: half its width
-    unless given), once it has landed."""
+    block (ids are exact in float64): its first K columns, then K more, once it has landed."""
     copy.wait()
     values = copy.host.numpy()
-    k = values.shape[1] // 2 if k is None else k
     return values[:, :k].astype(np.int64).tolist(), values[:, k : 2 * k].tolist()
 
 

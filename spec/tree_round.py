@@ -15,8 +15,9 @@ for the host to decide between them:
   m+a), one gather and one scatter over every layer's slots;
 - the extend reads the committed tokens and the target's hidden states at the accepted path's
   rows where they are.
-Two copies bring the round home, as for chains: the committed tokens and accepted counts,
-then the next chains and trees."""
+Two copies bring the round home: the committed tokens and accepted counts as soon as the
+verify is done, then the next chains and trees (the extend's block, whose trailing verdicts
+the tree round does not read)."""
 
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ def _walked(logits: torch.Tensor, ids: torch.Tensor, width: int) -> list[list[in
 @pytest.mark.parametrize("width", [2, 4, 6])
 @pytest.mark.parametrize("extra", [0, 1, 5])
 def test_verdicts_follow_each_chain_until_a_draft_differs(width: int, extra: int) -> None:
-    """Every accept count from none to all drafts, ties broken as argmax breaks them; `extra`
-    trailing tokens (a graph's padding) that make no whole span are left out."""
+    """Every accept count from none to all drafts; `extra` trailing tokens (a graph's
+    padding) that make no whole span are left out."""
     rng = np.random.default_rng(width * 10 + extra)
     n, vocab = 9, 11
     logits = torch.from_numpy(rng.normal(size=(n * width + extra, vocab))).float()
