@@ -187,13 +187,12 @@ def run_device_round(
     """After the verify of `forward` (the spans of `inputs`, in request order) was queued,
     its `outputs` (logits and hidden states at every token): accept on the device (at most its
     lookahead's drafts a request), extend over `inputs.items` (which
-    `FixedDecodeExtend.fits`).
-    With `forward_every_token` (the next step is
-    expected to decode the same requests), the next round's verify is queued behind the
-    extend where `forward` ran in a graph and every request holds its slots for it: the
-    device then runs it while the host commits this round, and the host reads the round's
-    committed tokens with the next chains, once the extend is done. Otherwise it reads them as
-    soon as the verify is done."""
+    `FixedDecodeExtend.fits`). With `forward_every_token` (the next step is expected to
+    decode the same requests), the next round's verify is queued behind the extend where
+    `forward` ran in a graph and every request holds its slots for it: the device then runs
+    it while the host commits this round, and the host reads the round's committed tokens
+    with the next chains, once the extend is done. Otherwise it reads them as soon as the
+    verify is done."""
     requests, items, lookaheads = inputs.requests, inputs.items, inputs.lookaheads
     n = len(requests)
     # Each request's span is its newest token then its chain: the chains are on the device,
