@@ -13,11 +13,11 @@ class ExtendBuffers:
     """The inputs one batch size reads, on the device: one int64 block filled by one copy from a
     pinned host mirror (per depth its tokens and positions, then per request its row, cache
     length, first token, token count; then the verdicts, below), the verify's hidden states
-    and the boundary states. Each depth's KV slots are read from its row table
-    on the device, rows and positions being known there. The verdicts (per request the
-    verify's K+1 targets, then its accepted count) come last: the host writes them into the
-    mirror, or a round on the device copies them over it, and the forward copies the
-    committed tokens into each depth's."""
+    and the boundary states. Each depth's KV slots are read from its row table on the device,
+    rows and positions being known there. The verdicts (per request the verify's K+1
+    targets, then its accepted count) come last: the host writes them into the mirror, or a
+    round on the device copies them over it, and the forward copies the committed tokens
+    into each depth's."""
 
     def __init__(
         self,
@@ -38,10 +38,12 @@ class ExtendBuffers:
             tokens = size * width
             self.layout.append((offset, tokens))
             offset += 2 * tokens + 4 * size
-        self.verdicts_offset = offset
         self.length = offset + size * (k + 2)
         self.ints = torch.zeros(self.length, dtype=torch.int64, device=device)
         self.staged = PinnedMirror(self.ints)
+        self.verdicts = self.ints[offset:].view(size, k + 2)
+        self.accepted = self.verdicts[:, k + 1]
+        self.host_verdicts = self.staged.array[offset:].reshape(size, k + 2)
         # Every request a padding one: token 0 from position 0 over the padding row.
         self.padding = np.zeros(self.length, dtype=np.int64)
         for (offset, tokens), width, row in zip(self.layout, widths, padding_rows):
@@ -62,10 +64,6 @@ class ExtendBuffers:
         self.positions = [
             self.depth_views(d)[1].view(size, width) for d, width in enumerate(widths)
         ]
-        verdicts = self.verdicts_offset
-        self.verdicts = self.ints[verdicts:].view(size, k + 2)
-        self.accepted = self.verdicts[:, k + 1]
-        self.host_verdicts = self.staged.array[verdicts:].reshape(size, k + 2)
         # Constants the forward would otherwise make each replay, a kernel each.
         self.every = torch.arange(size, device=device)
         self.steps = torch.arange(k, device=device)
