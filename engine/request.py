@@ -126,7 +126,9 @@ class Request:
         the request may still emit minus the bonus token, so a request's KV slots stay within
         prompt + max_tokens, which admission checked against the context and the pool."""
         remaining = self.params.max_tokens - len(self.output_token_ids) - 1
-        return max(0, min(self.num_draft_tokens, remaining))
+        # Comparisons, not min and max: every request's step reads this a few times.
+        k = self.num_draft_tokens
+        return k if k <= remaining else remaining if remaining > 0 else 0
 
 
 @dataclass(frozen=True)

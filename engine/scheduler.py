@@ -128,6 +128,8 @@ class Scheduler:
     def _admit_waiting(self) -> ScheduledBatch | None:
         """The waiting requests that the next prefill step runs, in queue order, stopping at
         the first that does not fit; None when none does."""
+        if not self.waiting:
+            return None  # before step_reserve, a walk over the running requests
         admitted: list[Request] = []
         ends: list[int] = []
         tokens = 0

@@ -27,7 +27,7 @@ class StopChecker:
             # Under ignore_eos too: a grammar that has ended allows end-of-sequence only, so
             # going on would pad the answer with it up to max_tokens.
             return "stop"
-        if params.stop_strings:
+        if params.stop:  # non-empty when given (validated): no tuple made for most requests
             # A character can take up to one token per UTF-8 byte.
             window = max(len(s.encode()) for s in params.stop_strings) + _STOP_WINDOW_SLACK
             tail = self.tokenizer.decode(req.output_token_ids[-window:], skip_special_tokens=True)

@@ -92,14 +92,16 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
     `FixedDecodeExtend.fits`'s). Each item may hold draft slots where its request holds target
     slots (at least up to the positions its round may commit); its committed tokens and hidden
     states are filled on the device (`FixedDecodeExtend.launch`)."""
-    rows, newest, tokens, slots, lookaheads, items = [], [], [], [], [], []
-    num_positions, seqs = [], []
+    rows, newest, lookaheads, items, num_positions, seqs = [], [], [], [], [], []
+    tokens: list[int] = []  # [n * (K+1)], flat: a nested list costs numpy twice as much
+    slots: list[int] = []
     padding = [PADDING_SLOT] * k
     empty = torch.empty(k + 1, 0)
     for req in requests:
         state = req.spec_state
         m = req.num_tokens - 1
         lookahead = req.lookahead
+        held = len(req.slots)
         if not (
             state is not None
             and req.num_draft_tokens == k
@@ -109,24 +111,26 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
             and req.params.greedy
             and samples_from_logits_alone(req)
             # A verify launched before the scheduler's step finds its slots held.
-            and len(req.slots) > m + lookahead
+            and held > m + lookahead
         ):
             return None
         assert req.kv_len == m
         rows.append(req.row)
         newest.append(m)
-        tokens.append([req.newest_token_id, *state.chain])
-        slots.append(req.slots[m : m + 1 + lookahead] + padding[: k - lookahead])
+        tokens.append(req.newest_token_id)
+        tokens += state.chain
+        slots += req.slots[m : m + 1 + lookahead]
+        slots += padding[: k - lookahead]
         lookaheads.append(lookahead)
-        held = len(req.slots)
         items.append(FixedExtendItem(state, m, [0] * (k + 1), empty, held))
         num_positions.append(held)
         seqs.append(state.seqs)
+    n = len(requests)
     return RoundInputs(
         requests,
         np.array(rows, dtype=np.int64),
-        np.array(tokens, dtype=np.int64),
-        np.array(slots, dtype=np.int64),
+        np.array(tokens, dtype=np.int64).reshape(n, k + 1),
+        np.array(slots, dtype=np.int64).reshape(n, k + 1),
         lookaheads,
         items,
         GatheredItems.from_lists(newest, num_positions, seqs),
@@ -340,6 +344,10 @@ def _recorded(batch: ForwardBatch) -> torch.cuda.Event | None:
 # each growth is a row-table write (a copy to the device and an indexed write, tens of
 # microseconds of host time), which a round would otherwise pay in the target and every depth.
 GROW_AHEAD = 16
+# When some request must grow, every request within this many positions of having to grow
+# grows with it: requests advance at their own pace, so growths one at a time would fall in
+# almost every round of a large batch; grown together, a batch's growths come every few rounds.
+GROW_TOGETHER = GROW_AHEAD // 2
 
 
 def grow_for_next_round(
@@ -351,18 +359,26 @@ def grow_for_next_round(
 ) -> None:
     """Slots for the next round's verify whatever this one accepts (at most k + 1 tokens
     committed, then the newest and `span` drafts: k for a chain, a tree's nodes), and
-    GROW_AHEAD more when they must grow, within
-    each request's own bound (prompt + max_tokens, the row's length), where the pool keeps
-    room for another step of every request after them: the scheduler then finds them held,
-    and its step does not wait for the row-table write."""
-    grants = []
+    GROW_AHEAD more when they must grow, within each request's own bound (prompt + max_tokens,
+    the row's length), where the pool keeps room for another step of every request after
+    them: the scheduler then finds them held, and its step does not wait for the row-table
+    write. When some request must grow, those within GROW_TOGETHER positions of it grow too,
+    where the pool has room for that as well."""
+    grants, needed = [], []  # in request order, and whether each must grow
+    ahead = k + 1 + (k if span is None else span)
+    max_context_len = req_to_token_pool.max_context_len
     for req in requests:
-        bound = min(
-            len(req.prompt_token_ids) + req.params.max_tokens, req_to_token_pool.max_context_len
-        )
-        need = min(req.num_tokens + k + 1 + (k if span is None else span), bound)
-        if len(req.slots) < need:
-            grants.append((req, min(need + GROW_AHEAD, bound) - len(req.slots)))
-    total = sum(n for _, n in grants)
-    if total and kv_pool.allocator.num_free - total >= (k + 1) * len(requests):
-        grow_holders(kv_pool, req_to_token_pool, grants)
+        bound = min(len(req.prompt_token_ids) + req.params.max_tokens, max_context_len)
+        need = req.num_tokens + ahead
+        held = len(req.slots)
+        if held < bound and held < need + GROW_TOGETHER:
+            grants.append((req, min(need + GROW_AHEAD, bound) - held))
+            needed.append(held < need)
+    if not any(needed):
+        return
+    free, reserve = kv_pool.allocator.num_free, (k + 1) * len(requests)
+    alone = [grant for grant, must in zip(grants, needed) if must]
+    for choice in (grants, alone):
+        if free - sum(n for _, n in choice) >= reserve:
+            grow_holders(kv_pool, req_to_token_pool, choice)
+            return

@@ -64,12 +64,14 @@ class GatheredItems:
     ) -> GatheredItems:
         """From per item its m, positions and sequences (one per depth)."""
         by_depth = list(zip(*seqs))
+        shape = (len(by_depth), len(newest))
+        flat = [seq for depth in by_depth for seq in depth]  # numpy reads flat lists faster
         return cls(
             np.array(newest, dtype=np.int64),
             np.array(num_positions, dtype=np.int64),
             by_depth,
-            np.array([[seq.row for seq in depth] for depth in by_depth], dtype=np.int64),
-            np.array([[len(seq.slots) for seq in depth] for depth in by_depth], dtype=np.int64),
+            np.array([seq.row for seq in flat], dtype=np.int64).reshape(shape),
+            np.array([len(seq.slots) for seq in flat], dtype=np.int64).reshape(shape),
         )
 
     def aligned(self, k: int) -> bool:
@@ -93,14 +95,17 @@ def grow_depths(
     depths: list[DraftRunner], items: GatheredItems, k: int, fork_rows: list[int] | None = None
 ) -> None:
     """Each depth's slots up to position m+K of every item (the padding rows write there too):
-    a sequence short of them takes every position its item may hold; entries past those point
-    at the padding slot, since the extend reads its KV slots from the row table and an entry
-    there may hold a slot that another request owns now (they are overwritten when the
-    sequence grows). A depth with `fork_rows[d]` rows of a tree's forks after its main rows
-    holds real slots up to m+K+fork_rows[d], past what its item may hold if need be: the forks'
-    rows attend one another there. Such a depth grows FORK_GROW_AHEAD positions further when
-    it must grow, within its row table: a growth is a row-table write, which each step would
-    otherwise pay in every depth."""
+    when some sequence is short of them, every sequence that holds fewer positions than its
+    item may hold takes them all, so that a batch's depths grow together every few rounds (the
+    target grows a few rounds ahead, `spec.device_round.grow_for_next_round`) rather than one
+    request at a time in almost every round. Entries past those point at the padding slot,
+    since the extend reads its KV slots from the row table and an entry there may hold a slot
+    that another request owns now (they are overwritten when the sequence grows). A depth with
+    `fork_rows[d]` rows of a tree's forks after its main rows holds real slots up to
+    m+K+fork_rows[d], past what its item may hold if need be: the forks' rows attend one
+    another there. Such a depth grows FORK_GROW_AHEAD positions further when it must grow,
+    within its row table: a growth is a row-table write, which each step would otherwise pay
+    in every depth."""
     end = items.newest + k + 1
     if not any(fork_rows or ()) and (items.held >= end).all():
         return  # every depth holds its slots up to m+K already: most rounds
@@ -108,21 +113,19 @@ def grow_depths(
     need = np.where(
         forks[:, None] > 0, end[None, :] + forks[:, None], np.minimum(end, items.num_positions)
     )
-    short = items.held < need
-    held = np.maximum(items.held, need)
+    targets = np.maximum(items.num_positions[None, :], need)
+    if forks.any():
+        widths = np.array([runner.req_to_token_pool.max_context_len for runner in depths])
+        ahead = np.minimum(need + FORK_GROW_AHEAD, widths[:, None])
+        targets = np.where(forks[:, None] > 0, np.maximum(items.num_positions, ahead), targets)
+    grow = items.held < targets if (items.held < need).any() else np.zeros_like(need, bool)
+    held = np.where(grow, targets, items.held)
     padding = held < end[None, :]
-    if not (short.any() or padding.any()):
-        return
     for d, runner in enumerate(depths):
         seqs = items.seqs[d]
-        grown = np.flatnonzero(short[d]).tolist()
+        grown = np.flatnonzero(grow[d]).tolist()
         if grown:
-            targets = np.maximum(items.num_positions, need[d])
-            if forks[d]:
-                width = runner.req_to_token_pool.max_context_len
-                ahead = np.minimum(need[d] + FORK_GROW_AHEAD, width)
-                targets = np.maximum(items.num_positions, ahead)
-            runner.grow_many([(seqs[i], int(targets[i])) for i in grown])
+            runner.grow_many([(seqs[i], int(targets[d, i])) for i in grown])
             items.rows[d, grown] = [seqs[i].row for i in grown]
         padded = np.flatnonzero(padding[d]).tolist()
         if padded:
@@ -130,6 +133,7 @@ def grow_depths(
                 [(seqs[i].row, int(held[d, i]), [PADDING_SLOT] * int(end[i] - held[d, i]))
                  for i in padded]
             )  # fmt: skip
+    items.held[:] = held
 
 
 def split_chains(copy: HostCopy, k: int) -> tuple[list[list[int]], list[list[float]]]:
