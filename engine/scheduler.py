@@ -138,6 +138,10 @@ class Scheduler:
         partial: Request | None = None
         joining = 0  # forks that join the running set with the admitted requests
         forks: list[tuple[Request, Request]] = []
+        # Slots and rows are taken once the batch is chosen, in one write to the row table:
+        # a large prefill admits tens of requests, and each write is a copy to the device.
+        grants: list[tuple[Request, int]] = []
+        granted_slots = granted_rows = 0
         for req in self.waiting:
             if len(self.running) + len(admitted) + joining + 1 + len(req.forks) > self.max_num_seqs:
                 break
@@ -153,15 +157,16 @@ class Scheduler:
             # Forks join once the prompt is done, each decoding its own step after it.
             after = (1 + req.lookahead) * (1 + len(req.forks)) if decodes_next else 0
             rows = (0 if req.row is not None else 1) + (len(req.forks) if take == need else 0)
-            if not self.kv_cache.can_grow(take + reserve + after, rows):
+            slots_after = granted_slots + take + reserve + after
+            if not self.kv_cache.can_grow(slots_after, granted_rows + rows):
                 break
-            self.kv_cache.grow(req, take)
+            grants.append((req, take))
+            granted_slots += take
+            granted_rows += rows
             admitted.append(req)
             joining += len(req.forks)
             if take == need and req.forks:
-                self.kv_cache.fork(req, req.forks, req.num_tokens)
                 forks += [(fork, req) for fork in req.forks]
-                req.forks = []
             ends.append(req.kv_len + take)
             tokens += take
             reserve += after
@@ -169,6 +174,12 @@ class Scheduler:
                 partial = req
         if not admitted:
             return None
+        self.kv_cache.grow_many(grants)
+        forked = {id(source) for _, source in forks}  # prompts that complete: forks take them
+        for req in admitted:
+            if id(req) in forked:
+                self.kv_cache.fork(req, req.forks, req.num_tokens)
+                req.forks = []
         # The admitted requests are the queue's head; a prompt left in chunks stays at its front.
         for _ in admitted:
             self.waiting.popleft()

@@ -207,6 +207,38 @@ def test_admission_does_not_force_a_preemption_on_the_next_decode(tiny_model_pat
     assert engine.kv_cache.is_empty()
 
 
+def test_a_prefill_step_admits_while_slots_and_reserve_last_in_one_row_table_write(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Admission takes the slots of every request it admits at once, after choosing them:
+    each request still counts the slots of those admitted before it and the decode step each
+    of them reserves, so 4 prompts of 12 tokens fit a pool of 64 (4 * 12 + 4 * 1 reserved)
+    and a fifth waits; and the admitted requests' rows are written in one go."""
+    llm = LLM(str(tiny_model_path), device="cpu", kv_cache_tokens=64, max_num_seqs=8)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    requests = [engine.make_request(str(i), list(range(3, 15)), params) for i in range(5)]
+    for req in requests:
+        engine.add_request(req)
+    pool = engine.kv_cache.req_to_token_pool
+    writes = []
+    write_runs = pool.write_runs
+    monkeypatch.setattr(pool, "write_runs", lambda *args: writes.append(1) or write_runs(*args))
+    batch = engine.scheduler.schedule()
+    assert batch is not None and batch.is_prefill
+    assert batch.requests == requests[:4] and list(engine.scheduler.waiting) == requests[4:]
+    assert len(writes) == 1
+    assert [len(req.slots) for req in requests] == [12, 12, 12, 12, 0]
+    rows = pool.req_to_token[[req.row for req in requests[:4]], :12].tolist()
+    assert rows == [req.slots for req in requests[:4]]
+    monkeypatch.undo()
+    engine._run(batch)  # the step that scheduled it
+    while engine.has_work():
+        engine.step()
+    assert all(len(req.output_token_ids) == 2 and not req.num_preemptions for req in requests)
+    assert engine.kv_cache.is_empty()
+
+
 def test_outputs_in_input_order_with_their_own_usage(tiny_llm: LLM) -> None:
     prompts = _varied_prompts(6)
     # Long prompts with short answers and short prompts with long ones finish out of order.
