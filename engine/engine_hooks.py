@@ -44,9 +44,10 @@ class Speculator(Protocol):
         self, requests: list[Request], default_generator: torch.Generator, launch_next: bool
     ) -> Any:
         """One target forward over each request's newest token and draft chain; returns the
-        tokens to commit (`.tokens`, `.logprobs`, one list per request) and what the draft
-        extend needs. `launch_next`: the next step is expected to decode the same requests;
-        their next verify may be queued now (`queued_verify`)."""
+        tokens to commit (`.tokens`, one list per request; `.logprobs`, one list per request or
+        None when no token has one) and what the draft extend needs. `launch_next`: the next
+        step is expected to decode the same requests; their next verify may be queued now
+        (`queued_verify`)."""
 
     def queued_verify(self) -> QueuedWork | None:
         """Work queued on the device behind the last verify that may still write the KV of

@@ -120,7 +120,11 @@ class ReqToTokenPool:
         self.write_runs(list(rows), list(starts), [len(run) for run in slots], flat)
 
     def write_runs(
-        self, rows: list[int], starts: list[int], counts: list[int], slots: Sequence[int]
+        self,
+        rows: list[int],
+        starts: list[int],
+        counts: list[int],
+        slots: Sequence[int] | np.ndarray,
     ) -> None:
         """Row rows[i] gets the next counts[i] of `slots` for its tokens starts[i]..: the
         entries of `write_many`, already concatenated, in one indexed write."""
@@ -165,4 +169,11 @@ def grow_holders(
             counts.append(n)
             holder.slots.extend(slots[taken : taken + n])
             taken += n
-    req_to_token_pool.write_runs(rows, starts, counts, slots)
+    if not slots:
+        return
+    # The allocator hands slots out ascending: ends that far apart are one run, made into an
+    # array from its ends rather than slot by slot.
+    first, last = slots[0], slots[-1]
+    whole_run = last - first == len(slots) - 1
+    values = np.arange(first, last + 1, dtype=np.int64) if whole_run else slots
+    req_to_token_pool.write_runs(rows, starts, counts, values)

@@ -103,7 +103,11 @@ class Scheduler:
         # Alone, a request always fits where nothing else holds slots (admission checked prompt +
         # max_tokens against the pool); on a decode node, slots held for transfers still on
         # their way may leave even the last running request short: it waits like the others.
-        grants = [(req, _missing_slots(req)) for req in self.running]
+        grants = []  # the requests that lack slots, and how many
+        for req in self.running:
+            missing = _missing_slots(req)
+            if missing:
+                grants.append((req, missing))
         while grants and not self.kv_cache.can_grow(sum(n for _, n in grants)):
             victim = retraction_victim(self.running)
             self.running.remove(victim)
@@ -111,7 +115,7 @@ class Scheduler:
             grants = [(req, n) for req, n in grants if req is not victim]
         if not self.running:
             return None
-        self.kv_cache.grow_many([(req, n) for req, n in grants if n])
+        self.kv_cache.grow_many(grants)
         return ScheduledBatch(list(self.running), is_prefill=False)
 
     def step_reserve(self) -> int:
@@ -235,16 +239,19 @@ class Scheduler:
         self,
         batch: ScheduledBatch,
         tokens: list[list[int]],
-        logprobs: list[list[TokenLogprob | None]],
+        logprobs: list[list[TokenLogprob | None]] | None,
         stop_checker: StopChecker | None,
         keep_slots: bool = False,
     ) -> list[Request]:
         """Commit each request's new tokens in order, stopping at the first that finishes it
         (a verify step may commit several; those after a stop are dropped). Prefill-only: the
         first token is committed unchecked (the decode node checks it) and the request leaves.
-        `keep_slots`: finished requests leave the queues with their slots still held (a step
-        still running may write them); the caller `release`s them later."""
+        `logprobs`: per request one entry per token (None where it has none), or None when no
+        token has one. `keep_slots`: finished requests leave the queues with their slots still
+        held (a step still running may write them); the caller `release`s them later."""
         finished = []
+        if logprobs is None:
+            logprobs = [()] * len(tokens)
         for req, new_tokens, new_logprobs in zip(batch.requests, tokens, logprobs):
             if self.prefill_only:
                 for token in new_tokens:
@@ -252,13 +259,16 @@ class Scheduler:
                 req.logprobs += [lp for lp in new_logprobs if lp is not None]
                 req.kv_len = req.num_tokens - 1
                 continue
-            for token, logprob in zip(new_tokens, new_logprobs):
-                req.commit(token)
-                if logprob is not None:
-                    req.logprobs.append(logprob)
-                req.finish_reason = stop_checker.check(req)
-                if req.finished:
-                    break
+            if all(logprob is None for logprob in new_logprobs):
+                req.finish_reason = stop_checker.commit(req, new_tokens)
+            else:
+                for token, logprob in zip(new_tokens, new_logprobs):
+                    req.commit(token)
+                    if logprob is not None:
+                        req.logprobs.append(logprob)
+                    req.finish_reason = stop_checker.check(req)
+                    if req.finished:
+                        break
             # Every committed token but the newest has its KV cached now.
             req.kv_len = req.num_tokens - 1
             if req.finished:

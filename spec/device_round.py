@@ -51,6 +51,7 @@ from engine.step_sampling import samples_from_logits_alone
 from engine.verify_outputs import VerifyOutputs, greedy_chain_verdicts
 from spec.decode_extend import FixedDecodeExtend
 from spec.extend_items import FixedExtendItem, GatheredItems, split_chains, split_trees
+from spec.state import SpecRequestState
 from spec.tree import DraftTree
 
 
@@ -96,20 +97,22 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
     tokens: list[int] = []  # [n * (K+1)], flat: a nested list costs numpy twice as much
     slots: list[int] = []
     padding = [PADDING_SLOT] * k
-    empty = torch.empty(k + 1, 0)
+    # The items' verdicts and hidden states are filled on the device: placeholders, never read.
+    empty, no_tokens = torch.empty(k + 1, 0), [0] * (k + 1)
     for req in requests:
         state = req.spec_state
+        if state is None:
+            return None
         m = req.num_tokens - 1
         lookahead = req.lookahead
-        held = len(req.slots)
+        slots_held = req.slots
+        held = len(slots_held)
         if not (
-            state is not None
-            and req.num_draft_tokens == k
+            req.num_draft_tokens == k
             and len(state.chain) == k
             # The round's fixed shape reaches position m + k in every row table.
             and m + 1 + k <= max_context_len
-            and req.params.greedy
-            and samples_from_logits_alone(req)
+            and _greedy_from_logits(req, state)
             # A verify launched before the scheduler's step finds its slots held.
             and held > m + lookahead
         ):
@@ -119,10 +122,10 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
         newest.append(m)
         tokens.append(req.newest_token_id)
         tokens += state.chain
-        slots += req.slots[m : m + 1 + lookahead]
+        slots += slots_held[m : m + 1 + lookahead]
         slots += padding[: k - lookahead]
         lookaheads.append(lookahead)
-        items.append(FixedExtendItem(state, m, [0] * (k + 1), empty, held))
+        items.append(FixedExtendItem(state, m, no_tokens, empty, held))
         num_positions.append(held)
         seqs.append(state.seqs)
     n = len(requests)
@@ -135,6 +138,14 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
         items,
         GatheredItems.from_lists(newest, num_positions, seqs),
     )
+
+
+def _greedy_from_logits(req: Request, state: SpecRequestState) -> bool:
+    """Whether `req` is greedy and samples from its logits alone, asked once per state."""
+    known = state.greedy_from_logits
+    if known is None:
+        known = state.greedy_from_logits = req.params.greedy and samples_from_logits_alone(req)
+    return known
 
 
 def chain_span(req: Request, drafts: list[int], num_held: int) -> Span:
@@ -228,7 +239,7 @@ def run_device_round(
     # the next verify, this one copy, read once the extend is done, brings the round home.
     next_rounds = HostCopy(block)
     # The host's share of the next round, while the device runs this one.
-    grow_for_next_round(requests, k, *target_pools)
+    grow_for_next_round(requests, k, *target_pools, gathered=inputs.gathered)
     queued = None
     if queue_ahead and holds_next_round(requests, k):
         queued = queue_next_verify(forward, targets, accepted, next_chains, forward_every_token)
@@ -245,12 +256,10 @@ def read_verdicts(verdicts: HostCopy, k: int) -> tuple[list[list[int]], list[int
     are a round's verdicts (the K+1 committed candidates, then the accepted count), once it
     has landed."""
     verdicts.wait()
-    tokens, counts = [], []
-    for row in verdicts.host.numpy()[:, -(k + 2) :].astype(np.int64).tolist():
-        count = row[k + 1]
-        tokens.append(row[: count + 1])
-        counts.append(count)
-    return tokens, counts
+    block = verdicts.host.numpy()[:, -(k + 2) :].astype(np.int64)
+    counts = block[:, k + 1].tolist()
+    rows = block[:, : k + 1].tolist()
+    return [row[: count + 1] for row, count in zip(rows, counts)], counts
 
 
 @dataclass
@@ -356,6 +365,7 @@ def grow_for_next_round(
     kv_pool: KVPool,
     req_to_token_pool: ReqToTokenPool,
     span: int | None = None,
+    gathered: GatheredItems | None = None,
 ) -> None:
     """Slots for the next round's verify whatever this one accepts (at most k + 1 tokens
     committed, then the newest and `span` drafts: k for a chain, a tree's nodes), and
@@ -363,9 +373,13 @@ def grow_for_next_round(
     the row's length), where the pool keeps room for another step of every request after
     them: the scheduler then finds them held, and its step does not wait for the row-table
     write. When some request must grow, those within GROW_TOGETHER positions of it grow too,
-    where the pool has room for that as well."""
-    grants, needed = [], []  # in request order, and whether each must grow
+    where the pool has room for that as well. `gathered`: the requests' positions and slots
+    as gathered for this round, which tell in one comparison that none must grow (most
+    rounds): slots held then are held now, a growth since only adds some."""
     ahead = k + 1 + (k if span is None else span)
+    if gathered is not None and (gathered.num_positions >= gathered.newest + 1 + ahead).all():
+        return
+    grants, needed = [], []  # in request order, and whether each must grow
     max_context_len = req_to_token_pool.max_context_len
     for req in requests:
         bound = min(len(req.prompt_token_ids) + req.params.max_tokens, max_context_len)

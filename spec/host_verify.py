@@ -14,7 +14,7 @@ from engine.host_copy import int_tensor
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampler import TokenLogprob, compute_logprobs
-from spec.acceptance import Verdict, grammar_masked_verify_logits, processed_verify_logits
+from spec.acceptance import grammar_masked_verify_logits, processed_verify_logits
 from spec.batching import Span, extend_batch
 from spec.device_round import DeviceRound
 from spec.tree import DraftTree, accept_tree
@@ -24,8 +24,8 @@ from spec.tree_verify import TreeSlots, target_draws
 @dataclass
 class VerifyResult:
     tokens: list[list[int]]  # per request: the tokens to commit
-    logprobs: list[list[TokenLogprob | None]]
-    verdicts: list[Verdict]
+    logprobs: list[list[TokenLogprob | None]] | None  # None: no token has one
+    num_accepted: list[int]  # per request: draft tokens it accepted
     num_drafts: list[int]  # per request: draft positions checked (0: no speculation this step)
     num_proposed: list[int]  # per request: draft tokens checked, every node of its tree
     hidden: list[torch.Tensor]  # per request: the target's at the newest token and kept path
@@ -88,7 +88,7 @@ def verify_on_host(
             kept_logits = kept_logits[rows]
         result.tokens.append(verdict.tokens)
         result.logprobs.append(_logprobs(req, kept_logits, verdict.tokens))
-        result.verdicts.append(verdict)
+        result.num_accepted.append(verdict.num_accepted)
         result.num_drafts.append(tree.depth)
         result.num_proposed.append(len(tree))
         result.num_outputs_before.append(len(req.output_token_ids))

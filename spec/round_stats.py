@@ -4,22 +4,35 @@ what `usage` and the nodes' stats report."""
 from __future__ import annotations
 
 from engine.request import Request, SpecStats
-from spec.acceptance import Verdict
 
 
 def count_round(
-    req: Request, num_drafts: int, num_proposed: int, verdict: Verdict, committed: int
+    requests: list[Request],
+    num_drafts: list[int],
+    num_proposed: list[int],
+    num_accepted: list[int],
+    committed: list[int],
 ) -> None:
-    stats = req.spec_stats
-    if stats is None:  # a request built without EngineCore.make_request
-        stats = req.spec_stats = SpecStats()
-    if len(stats.accepted_per_position) < num_drafts:
-        stats.accepted_per_position.extend([0] * (num_drafts - len(stats.accepted_per_position)))
-    # A stop condition may cut the committed tokens short of the accepted drafts.
-    accepted = min(verdict.num_accepted, committed)
-    stats.verify_steps += 1
-    stats.proposed_tokens += num_proposed
-    stats.accepted_tokens += accepted
-    stats.emitted_tokens += committed
-    for j in range(accepted):
-        stats.accepted_per_position[j] += 1
+    """A round's counts, per request: draft positions it checked (0: it verified no draft this
+    round, which is not a verify step), draft tokens it proposed and accepted, tokens it
+    committed."""
+    for req, drafts, proposed, accepted, emitted in zip(
+        requests, num_drafts, num_proposed, num_accepted, committed
+    ):
+        if not drafts:
+            continue
+        stats = req.spec_stats
+        if stats is None:  # a request built without EngineCore.make_request
+            stats = req.spec_stats = SpecStats()
+        per_position = stats.accepted_per_position
+        if len(per_position) < drafts:
+            per_position.extend([0] * (drafts - len(per_position)))
+        # A stop condition may cut the committed tokens short of the accepted drafts.
+        if emitted < accepted:
+            accepted = emitted
+        stats.verify_steps += 1
+        stats.proposed_tokens += proposed
+        stats.accepted_tokens += accepted
+        stats.emitted_tokens += emitted
+        for j in range(accepted):
+            per_position[j] += 1

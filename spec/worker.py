@@ -20,7 +20,6 @@ from engine.model_runner import ModelRunner
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
 from engine.verify_outputs import VerifyOutputs
-from spec.acceptance import Verdict
 from spec.batching import Span, extend_batch
 from spec.decode_extend import FixedDecodeExtend
 from spec.device_round import (
@@ -352,19 +351,22 @@ class MultiLayerEagleWorker:
         that are still running, unless something changes in between: after a round on the
         device, their next verify is queued behind this round's extend (`LaunchedVerify`)."""
         done = verified.extended
+        committed = [
+            len(req.output_token_ids) - before
+            for req, before in zip(requests, verified.num_outputs_before)
+        ]
+        count_round(
+            requests, verified.num_drafts, verified.num_proposed, verified.num_accepted, committed
+        )
         going_on = []  # (index in the batch, request, tokens committed this step)
         for i, req in enumerate(requests):
-            committed = len(req.output_token_ids) - verified.num_outputs_before[i]
-            if verified.num_drafts[i]:
-                drafts, proposed = verified.num_drafts[i], verified.num_proposed[i]
-                count_round(req, drafts, proposed, verified.verdicts[i], committed)
             if req.finished or req.spec_state is None:
                 continue
             # After a round on the device every request has its next chain (one with no
             # lookahead left verifies it with acceptance stopped at 0); elsewhere only those
             # that go on drafting are extended.
             if done is not None or req.lookahead:
-                going_on.append((i, req, committed))
+                going_on.append((i, req, committed[i]))
         if done is not None:  # the extend ran with the verify: its chains go to those going on
             indices = [i for i, _, _ in going_on]
             boundary, hidden, next_chains = done.boundary, done.verify_hidden, done.next_chains
@@ -469,8 +471,8 @@ def _decided_on_device(
     committed tokens, draft positions checked and draft tokens proposed."""
     return VerifyResult(
         tokens=done.tokens,
-        logprobs=[[None] * len(tokens) for tokens in done.tokens],
-        verdicts=[Verdict(t, a) for t, a in zip(done.tokens, done.accepted)],
+        logprobs=None,  # greedy requests that asked for none
+        num_accepted=done.accepted,
         num_drafts=num_drafts,
         num_proposed=num_proposed,
         hidden=[],

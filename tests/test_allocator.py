@@ -170,3 +170,31 @@ def test_growing_several_holders_takes_all_their_slots_or_none() -> None:
     assert first.slots == [1, 2, 3, 4, 5] and second.slots == [6, 7, 8, 9]
     assert pool.allocator.num_free == 3
     pool.allocator.check_integrity()
+
+
+def test_growth_from_one_free_run_or_from_several_writes_every_holders_slots() -> None:
+    """Growths whose slots come from one free run, and growths whose slots come from several
+    (a nearly full pool, fragmented by frees), leave each holder's row table entries equal to
+    its slots, whatever form the slots reach the table in."""
+    rng = random.Random(3)
+    pool = KVPool(40, 1, 1, 2, torch.float32, "cpu")
+    table = ReqToTokenPool(8, 64, "cpu")
+    holders = [Request(str(i), [1], SamplingParams()) for i in range(8)]
+    allocate, taken = pool.allocator.allocate, []
+    pool.allocator.allocate = lambda n: taken.append(allocate(n)) or taken[-1]
+    for _ in range(40):
+        grants = [(h, rng.randint(0, 2)) for h in holders]
+        if sum(n for _, n in grants) <= pool.allocator.num_free:
+            grow_holders(pool, table, grants)
+        victim = rng.choice(holders)  # frees leave holes the next growths fill
+        if victim.row is not None:
+            pool.allocator.free(victim.slots)
+            table.free_row(victim.row)
+            victim.slots, victim.row = [], None
+        for h in holders:
+            if h.row is not None:
+                assert table.req_to_token[h.row, : len(h.slots)].tolist() == h.slots
+    runs = [slots for slots in taken if slots]
+    assert any(s[-1] - s[0] == len(s) - 1 for s in runs)  # one free run
+    assert any(s[-1] - s[0] > len(s) - 1 for s in runs)  # several
+    pool.allocator.check_integrity()

@@ -19,6 +19,7 @@ from engine.allocator import PADDING_SLOT
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 from spec.device_round import GROW_AHEAD, grow_for_next_round
+from spec.extend_items import GatheredItems
 
 SPEC = "multi-layer-eagle"
 
@@ -149,6 +150,29 @@ def test_the_next_rounds_slots_are_taken_while_the_device_verifies() -> None:
     pool, table, (short, long) = setup(capacity=20 + 1 + 8 - 1)  # 8 free once grown: too few
     grow_for_next_round([short, long], 3, pool, table)
     assert len(short.slots) == len(long.slots) == 10
+
+
+def test_gathered_positions_tell_the_next_rounds_growth_when_none_is_due() -> None:
+    """Given the round's gathered positions and slots, `grow_for_next_round` tells from them
+    alone that no request must grow; slots gathered before a growth (fewer than held now) send
+    it to the requests themselves, which grow only if they must."""
+    pool, table = KVPool(200, 1, 1, 2, torch.float32, "cpu"), ReqToTokenPool(4, 64, "cpu")
+    reqs = [Request(str(i), [1] * 5, SamplingParams(max_tokens=50)) for i in range(2)]
+    for req in reqs:
+        req.output_token_ids = [2, 2]  # num_tokens 7; the next round needs 7 + 2k + 1 = 14
+        grow_holders(pool, table, [(req, 14)])
+
+    def gathered(newest: list[int], held: list[int]) -> GatheredItems:
+        return GatheredItems.from_lists(newest, held, [[], []])
+
+    free = pool.allocator.num_free
+    grow_for_next_round(reqs, 3, pool, table, gathered=gathered([6, 6], [14, 14]))
+    grow_for_next_round(reqs, 3, pool, table, gathered=gathered([6, 6], [10, 14]))  # stale
+    assert pool.allocator.num_free == free and [len(r.slots) for r in reqs] == [14, 14]
+    reqs[0].output_token_ids.append(2)  # one position on: it must grow, and the other with it
+    grow_for_next_round(reqs, 3, pool, table, gathered=gathered([7, 6], [14, 14]))
+    assert [len(r.slots) for r in reqs] == [8 + 2 * 3 + 1 + GROW_AHEAD, 7 + 2 * 3 + 1 + GROW_AHEAD]
+    assert table.req_to_token[reqs[0].row, : len(reqs[0].slots)].tolist() == reqs[0].slots
 
 
 def test_requests_near_their_max_tokens_stay_on_the_device(models, monkeypatch):

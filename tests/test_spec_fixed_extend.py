@@ -9,10 +9,14 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_drafts import make_good_draft, make_predictable_llama, make_random_draft
 from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
+from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
+from spec.draft_runner import DraftSeq
+from spec.extend_items import GatheredItems, grow_depths
 
 SPEC = "multi-layer-eagle"
 
@@ -115,3 +119,44 @@ def test_tensor_dumps_take_the_general_path(models, tmp_path):
     llm = _llm(models, "good", 2, debug_tensor_dump_dir=tmp_path / "dump")
     _, runs = _run(llm, [[5, 6, 7, 8, 9, 10]], [SamplingParams(max_tokens=6, temperature=0)], True)
     assert runs == 0
+
+
+class _Depth:
+    """A draft depth's pools and its growth, as `grow_depths` uses them."""
+
+    def __init__(self) -> None:
+        self.kv_pool = KVPool(300, 1, 1, 2, torch.float32, "cpu")
+        self.req_to_token_pool = ReqToTokenPool(4, 64, "cpu")
+
+    def grow_many(self, targets: list[tuple[DraftSeq, int]]) -> None:
+        grants = [(seq, max(0, n - len(seq.slots))) for seq, n in targets]
+        grow_holders(self.kv_pool, self.req_to_token_pool, grants)
+
+
+def test_a_batchs_draft_slots_grow_together_when_one_sequence_must_grow() -> None:
+    """Each depth holds its slots up to position m+K of every request. When some sequence is
+    short of that, every sequence holding fewer positions than its request may hold takes them
+    all at once (the batch's depths then grow every few rounds, not one request a round); when
+    none is short, nothing grows."""
+    k, depths = 3, [_Depth(), _Depth()]
+    held = [[24, 30, 23], [24, 30, 24]]  # per depth, per request; m + K + 1 = 24
+    seqs = [[DraftSeq() for _ in range(3)] for _ in depths]
+    for depth, row_seqs, counts in zip(depths, seqs, held):
+        depth.grow_many(list(zip(row_seqs, counts)))
+    newest, may_hold = [20, 20, 20], [40, 24, 30]  # each request's m, and the slots it holds
+
+    def gathered(depth_seqs: list[list[DraftSeq]]) -> GatheredItems:
+        return GatheredItems.from_lists(newest, may_hold, [list(s) for s in zip(*depth_seqs)])
+
+    grow_depths(depths[1:], gathered(seqs[1:]), k)
+    assert [len(seq.slots) for seq in seqs[1]] == [24, 30, 24]  # none short: none grew
+    items = gathered(seqs)
+    grow_depths(depths, items, k)
+    assert [len(seq.slots) for seq in seqs[0]] == [40, 30, 30]  # the short one, and the rest
+    assert [len(seq.slots) for seq in seqs[1]] == [40, 30, 30]
+    assert items.held.tolist() == [[40, 30, 30], [40, 30, 30]]
+    for depth, depth_seqs in zip(depths, seqs):
+        for seq in depth_seqs:
+            table = depth.req_to_token_pool.req_to_token
+            assert table[seq.row, : len(seq.slots)].tolist() == seq.slots
+        depth.kv_pool.allocator.check_integrity()

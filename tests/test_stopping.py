@@ -196,3 +196,48 @@ def test_request_filling_max_model_len_exactly(tiny_model_path: Path) -> None:
     assert len(out.token_ids) == 12
     assert out.usage.total_tokens == len(out.prompt_token_ids) + len(out.token_ids) == 32
     assert llm.engine.kv_cache.is_empty()
+
+
+class _Tokenizer:
+    """Enough of a tokenizer for stop strings: token t is the character chr(ord('a') + t % 26)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_committing_several_tokens_stops_where_a_check_per_token_does(seed: int) -> None:
+    """`StopChecker.commit` (a speculative round's several tokens at once) keeps the tokens
+    and reports the reason that committing them one by one with `check` after each does: EOS
+    (unless ignored), stop token ids, max_tokens and the context length, in that order, and
+    stop strings."""
+    import random
+
+    from engine.stopping import StopChecker
+
+    rng = random.Random(seed)
+    checker = StopChecker(_Tokenizer(), eos_token_ids=(2, 7), max_model_len=40)
+    for _ in range(300):
+        stop = rng.choice([(), (), "cd", ["xy", "b"]])
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 12),
+            ignore_eos=rng.random() < 0.3,
+            stop_token_ids=rng.sample(range(12), rng.randint(0, 2)),
+            stop=stop,
+        )
+        prompt = [3] * rng.choice([5, 30, 36])
+        if len(prompt) + params.max_tokens > 40:
+            params = SamplingParams(max_tokens=40 - len(prompt), stop=stop)
+        output = [rng.randrange(12) for _ in range(rng.randint(0, params.max_tokens - 1))]
+        new = [rng.randrange(12) for _ in range(rng.randint(1, 4))]
+        one_by_one = Request("a", prompt, params, output_token_ids=list(output))
+        reason = None
+        for token in new:
+            one_by_one.commit(token)
+            reason = checker.check(one_by_one)
+            if reason is not None:
+                break
+        at_once = Request("b", prompt, params, output_token_ids=list(output))
+        assert checker.commit(at_once, new) == reason
+        assert at_once.output_token_ids == one_by_one.output_token_ids
+        assert at_once.stopped_by_string == one_by_one.stopped_by_string
