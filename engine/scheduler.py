@@ -259,7 +259,8 @@ class Scheduler:
                 req.logprobs += [lp for lp in new_logprobs if lp is not None]
                 req.kv_len = req.num_tokens - 1
                 continue
-            if all(logprob is None for logprob in new_logprobs):
+            if new_tokens and all(logprob is None for logprob in new_logprobs):
+                # No logprob to keep: the tokens are checked for a stop in one call.
                 req.finish_reason = stop_checker.commit(req, new_tokens)
             else:
                 for token, logprob in zip(new_tokens, new_logprobs):
