@@ -244,11 +244,11 @@ class Scheduler:
         keep_slots: bool = False,
     ) -> list[Request]:
         """Commit each request's new tokens in order, stopping at the first that finishes it
-        (a verify step may commit several; those after a stop are dropped). Prefill-only: the
-        first token is committed unchecked (the decode node checks it) and the request leaves.
-        `logprobs`: per request one entry per token (None where it has none), or None when no
-        token has one. `keep_slots`: finished requests leave the queues with their slots still
-        held (a step still running may write them); the caller `release`s them later."""
+        (`StopChecker.commit`). Prefill-only: the first token is committed unchecked (the
+        decode node checks it) and the request leaves. `logprobs`: per request one entry per
+        token (None where it has none), or None when no token has one. `keep_slots`: finished
+        requests leave the queues with their slots still held (a step still running may write
+        them); the caller `release`s them later."""
         finished = []
         if logprobs is None:
             logprobs = [()] * len(tokens)
@@ -259,17 +259,8 @@ class Scheduler:
                 req.logprobs += [lp for lp in new_logprobs if lp is not None]
                 req.kv_len = req.num_tokens - 1
                 continue
-            if new_tokens and all(logprob is None for logprob in new_logprobs):
-                # No logprob to keep: the tokens are checked for a stop in one call.
-                req.finish_reason = stop_checker.commit(req, new_tokens)
-            else:
-                for token, logprob in zip(new_tokens, new_logprobs):
-                    req.commit(token)
-                    if logprob is not None:
-                        req.logprobs.append(logprob)
-                    req.finish_reason = stop_checker.check(req)
-                    if req.finished:
-                        break
+            if new_tokens:
+                req.finish_reason = stop_checker.commit(req, new_tokens, new_logprobs)
             # Every committed token but the newest has its KV cached now.
             req.kv_len = req.num_tokens - 1
             if req.finished:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from engine.request import Request
+from engine.sampler import TokenLogprob
 
 # Decoding a few extra tokens before a stop string's possible start covers tokens that
 # produce no full character on their own (byte fallback).
@@ -39,33 +41,23 @@ class StopChecker:
             return "length"
         return None
 
-    def commit(self, req: Request, tokens: list[int]) -> str | None:
-        """Commit `tokens` in order, stopping at the first that finishes `req`; returns the
-        finish reason (None to go on). The tokens `check` would let pass are the same: for a
-        request with no grammar and no stop string, whose stop conditions read only the token
-        itself and the output's length, without a call per token (a speculative round commits
-        several tokens for each of its requests)."""
-        params = req.params
-        if req.grammar is not None or params.stop:
-            for token in tokens:
-                req.commit(token)
-                reason = self.check(req)
-                if reason is not None:
-                    return reason
-            return None
-        out = req.output_token_ids
-        # The tokens that fit before max_tokens or the model's length ends the request.
-        room = min(params.max_tokens - len(out), self.max_model_len - req.num_tokens)
-        eos = () if params.ignore_eos else self.eos_token_ids
-        stop_ids = params.stop_token_ids
+    def commit(
+        self,
+        req: Request,
+        tokens: list[int],
+        logprobs: Sequence[TokenLogprob | None] = (),
+    ) -> str | None:
+        """Commit `tokens` in order with their `logprobs` (one per token where given, None for
+        none), `check`ing after each and stopping at the first that finishes `req`; returns the
+        finish reason (None to go on). A verify step commits several tokens; those after a stop
+        are dropped."""
         for i, token in enumerate(tokens):
-            if token in eos or token in stop_ids:
-                out += tokens[: i + 1]
-                return "stop"
-            if i + 1 >= room:
-                out += tokens[: i + 1]
-                return "length"
-        out += tokens
+            req.commit(token)
+            if i < len(logprobs) and logprobs[i] is not None:
+                req.logprobs.append(logprobs[i])
+            reason = self.check(req)
+            if reason is not None:
+                return reason
         return None
 
     def final_text(self, req: Request) -> str:

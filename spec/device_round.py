@@ -51,7 +51,6 @@ from engine.step_sampling import samples_from_logits_alone
 from engine.verify_outputs import VerifyOutputs, greedy_chain_verdicts
 from spec.decode_extend import FixedDecodeExtend
 from spec.extend_items import FixedExtendItem, GatheredItems, split_chains, split_trees
-from spec.state import SpecRequestState
 from spec.tree import DraftTree
 
 
@@ -112,7 +111,8 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
             and len(state.chain) == k
             # The round's fixed shape reaches position m + k in every row table.
             and m + 1 + k <= max_context_len
-            and _greedy_from_logits(req, state)
+            and req.params.greedy
+            and samples_from_logits_alone(req)
             # A verify launched before the scheduler's step finds its slots held.
             and held > m + lookahead
         ):
@@ -138,14 +138,6 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
         items,
         GatheredItems.from_lists(newest, num_positions, seqs),
     )
-
-
-def _greedy_from_logits(req: Request, state: SpecRequestState) -> bool:
-    """Whether `req` is greedy and samples from its logits alone, asked once per state."""
-    known = state.greedy_from_logits
-    if known is None:
-        known = state.greedy_from_logits = req.params.greedy and samples_from_logits_alone(req)
-    return known
 
 
 def chain_span(req: Request, drafts: list[int], num_held: int) -> Span:

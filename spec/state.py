@@ -79,9 +79,6 @@ class SpecRequestState:
     # The target's at position m-1, or (a batch's tensor, index) to read it from: the decode
     # step's extend keeps its verify's hidden states whole, read only if someone asks.
     hidden_at: torch.Tensor | tuple[torch.Tensor, tuple[int, int]] | None = None
-    # Whether the request's rounds may be decided on the device as far as its sampling goes
-    # (spec.device_round.gather_round), once asked: its parameters and grammar never change.
-    greedy_from_logits: bool | None = None
 
     @property
     def target_hidden(self) -> torch.Tensor | None:
