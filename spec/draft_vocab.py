@@ -91,11 +91,18 @@ class DraftHead:
         """hidden [B, hidden_size] -> (the `n` most likely token ids [B, n] in the target's
         vocabulary, most likely first; their probabilities [B, n]), from one evaluation of the
         head."""
-        if n == 1 and triton_usable(hidden):
+        if triton_usable(hidden):
             from engine.kernels.top1 import top1_with_probability
+            from engine.kernels.topk import MAX_K, topk_with_probability
 
-            return top1_with_probability(self._logits(hidden, as_float=False), self.vocab)
-        probs = torch.softmax(self._logits(hidden), dim=-1)
+            logits = self._logits(hidden, as_float=False)
+            if n == 1:
+                return top1_with_probability(logits, self.vocab)
+            if n <= MAX_K:
+                return topk_with_probability(logits, min(n, logits.shape[-1]), self.vocab)
+            probs = torch.softmax(logits.float(), dim=-1)
+        else:
+            probs = torch.softmax(self._logits(hidden), dim=-1)
         if n == 1:  # one reduction, where a top-k over the vocabulary sorts in several passes
             top_p, top = probs.max(dim=-1, keepdim=True)
         else:

@@ -1,5 +1,6 @@
 """The kernels a draft depth's forward takes on a GPU against the torch code they replace: the
-top-1 proposal with its probability (in place of softmax, max and the vocabulary lookup), the
+top-1 proposal with its probability (in place of softmax, max and the vocabulary lookup), a
+tree node's top-k proposals with theirs (in place of softmax, top-k and the lookup), the
 RMSNorm written into a slice of a wider tensor (the depth's fc input without a concatenation),
 and the rotary table looked up in the model's dtype. GPU only; the CPU keeps the torch code."""
 
@@ -66,6 +67,56 @@ def test_top1_takes_the_first_of_tied_maxima_and_strided_rows() -> None:
     torch.testing.assert_close(probs, expected_probs, atol=1e-7, rtol=1e-5)
 
 
+def _reference_topk(logits: torch.Tensor, k: int, vocab: torch.Tensor | None):
+    """Largest logits first, equal ones lowest index first (a stable descending sort), with
+    their softmax probabilities."""
+    full = logits.float()
+    top = full.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    probs = torch.softmax(full, dim=-1).gather(1, top)
+    return (top if vocab is None else vocab[top]), probs
+
+
+@pytest.mark.parametrize("size", [7, 1000, 8192, 20000, 49152])
+@pytest.mark.parametrize("k", [2, 3, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_vocab", [False, True])
+def test_topk_matches_a_stable_sort_and_softmax(size: int, k: int, dtype, with_vocab) -> None:
+    from engine.kernels.topk import topk_with_probability
+
+    k = min(k, size)
+    torch.manual_seed(size + k)
+    # In bfloat16 many of 4 * randn's values repeat: ties inside and across blocks.
+    logits = (4 * torch.randn(21, size, device="cuda")).to(dtype)
+    vocab = None
+    if with_vocab:
+        vocab = torch.randperm(3 * size, device="cuda")[:size].sort().values
+    ids, probs = topk_with_probability(logits, k, vocab)
+    expected_ids, expected_probs = _reference_topk(logits, k, vocab)
+    assert ids.dtype == torch.int64 and ids.shape == (21, k) and probs.shape == (21, k)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(probs, expected_probs, atol=1e-6, rtol=1e-5)
+
+
+def test_topk_ties_strided_rows_and_infinite_logits() -> None:
+    from engine.kernels.topk import topk_with_probability
+
+    wide = torch.full((3, 30000), -2.0, device="cuda", dtype=torch.bfloat16)
+    logits = wide[:, :20000]  # rows 30000 apart, each over three blocks of 8192
+    logits[0, [19999, 8192, 17, 9000]] = 5.0  # tied maxima in three blocks
+    logits[1] = float("-inf")
+    logits[1, [3, 12000]] = 1.0  # two finite logits: the rest of the top are -inf, index order
+    logits[2, 100] = float("inf")
+    ids, probs = topk_with_probability(logits, 5)
+    assert ids[0].tolist() == [17, 8192, 9000, 19999, 0]
+    assert ids[1].tolist() == [3, 12000, 0, 1, 2]
+    torch.testing.assert_close(probs[1, :2], torch.full((2,), 0.5, device="cuda"))
+    assert probs[1, 2:].tolist() == [0.0, 0.0, 0.0]
+    expected_ids, expected_probs = _reference_topk(logits[:1], 5, None)
+    assert torch.equal(ids[:1], expected_ids)
+    torch.testing.assert_close(probs[:1], expected_probs, atol=1e-7, rtol=1e-5)
+    assert ids[2, 0].item() == 100
+
+
 def test_draft_head_proposes_what_the_torch_path_proposes() -> None:
     from engine.models.llama import LlamaForCausalLM
     from spec.draft_vocab import DraftHead
@@ -81,8 +132,12 @@ def test_draft_head_proposes_what_the_torch_path_proposes() -> None:
         with torch.inference_mode():
             ids, probs = head.propose_top(hidden, 1)
             expected_ids, expected_probs = _torch_top1(head._logits(hidden), head.vocab)
+            tree_ids, tree_probs = head.propose_top(hidden, 8)
+            expected_tree = _reference_topk(head._logits(hidden), 8, head.vocab)
         assert torch.equal(ids, expected_ids)
         torch.testing.assert_close(probs, expected_probs, atol=1e-6, rtol=1e-5)
+        assert torch.equal(tree_ids, expected_tree[0])
+        torch.testing.assert_close(tree_probs, expected_tree[1], atol=1e-6, rtol=1e-5)
 
 
 def test_rms_norm_into_a_column_slice() -> None:

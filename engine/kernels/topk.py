@@ -1,0 +1,113 @@
+"""The k most likely tokens of each row of logits and their softmax probabilities, in one
+pass over the row: what each node of a draft token tree proposes (k from 2 to 16). Torch takes
+a float32 copy, a softmax, a top-k and the draft vocabulary's lookup; its top-k over a few
+rows of thousands of columns runs one block per row through several radix passes, about 50 us
+on an H200 for a tree depth's rows, where this kernel reads each row once.
+
+Each program reads one row in blocks. Per block it takes the block's k largest logits one at
+a time (a max, then the first index holding it) and keeps each one that beats the worst of the
+k kept so far; beside that it keeps per lane a running maximum and the sum of exp(x - maximum),
+rescaled as the maximum grows, as engine/kernels/top1.py does. The kept ones are written largest
+first; equal logits go lowest index first. A probability is exp(x - max) / sum in float32: the
+order is the logits', which equals the probabilities' except where distinct logits round to
+one probability."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_K = 16
+
+
+@triton.jit
+def _topk_kernel(
+    logits_ptr,
+    vocab_ptr,
+    ids_ptr,
+    probs_ptr,
+    stride_row,
+    size,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    HAS_VOCAB: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    lanes = tl.arange(0, BLOCK)
+    slots = tl.arange(0, K_PAD)
+    real_slot = slots < K
+    # The kept logits and their indices; empty slots hold -inf at indices past the row, so
+    # that any logit of the row beats them.
+    kept = tl.full([K_PAD], float("-inf"), tl.float32)
+    kept_index = size + slots
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, size, BLOCK):
+        index = start + lanes
+        valid = index < size
+        x = tl.load(base + index, mask=valid, other=float("-inf")).to(tl.float32)
+        grown = tl.maximum(best, x)
+        scale = tl.where(best == grown, 1.0, tl.exp(best - grown))
+        term = tl.where(x == grown, 1.0, tl.exp(x - grown))
+        term = tl.where(x == float("-inf"), 0.0, term)
+        total = total * scale + term
+        best = grown
+        alive = valid
+        for _ in tl.static_range(K):
+            top = tl.max(tl.where(alive, x, float("-inf")), axis=0)
+            first = tl.min(tl.where(alive & (x == top), index, size), axis=0)
+            alive = alive & (index != first)
+            # The worst kept: the lowest logit, and of equal ones the highest index.
+            worst = tl.min(tl.where(real_slot, kept, float("inf")), axis=0)
+            worst_index = tl.max(tl.where(real_slot & (kept == worst), kept_index, -1), axis=0)
+            beats = (first < size) & ((top > worst) | ((top == worst) & (first < worst_index)))
+            replace = beats & (kept_index == worst_index) & real_slot
+            kept = tl.where(replace, top, kept)
+            kept_index = tl.where(replace, first, kept_index)
+    row_max = tl.max(best, axis=0)
+    weights = tl.where(best == row_max, 1.0, tl.exp(best - row_max))
+    weights = tl.where(best == float("-inf"), 0.0, weights)
+    denominator = tl.sum(total * weights, axis=0)
+    out = row * K
+    remaining = real_slot
+    for j in tl.static_range(K):
+        top = tl.max(tl.where(remaining, kept, float("-inf")), axis=0)
+        first = tl.min(tl.where(remaining & (kept == top), kept_index, size + K_PAD), axis=0)
+        remaining = remaining & (kept_index != first)
+        token = first.to(tl.int64)
+        if HAS_VOCAB:
+            token = tl.load(vocab_ptr + first).to(tl.int64)
+        tl.store(ids_ptr + out + j, token)
+        tl.store(probs_ptr + out + j, tl.exp(top - row_max) / denominator)
+
+
+def topk_with_probability(
+    logits: torch.Tensor, k: int, vocab: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] (any float dtype, rows contiguous), 1 <= k <= min(V, MAX_K) -> (each row's
+    k most likely tokens [B, k] int64, largest first, mapped through `vocab` [V] when given;
+    their softmax probabilities [B, k] float32)."""
+    rows, size = logits.shape
+    assert logits.stride(1) == 1
+    assert 1 <= k <= min(size, MAX_K), f"k={k} for rows of {size} (at most {MAX_K})"
+    ids = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
+    probs = torch.empty((rows, k), dtype=torch.float32, device=logits.device)
+    if rows:
+        block = min(8192, triton.next_power_of_2(size))
+        _topk_kernel[(rows,)](
+            logits,
+            ids if vocab is None else vocab,
+            ids,
+            probs,
+            logits.stride(0),
+            size,
+            K=k,
+            K_PAD=triton.next_power_of_2(k),
+            HAS_VOCAB=vocab is not None,
+            BLOCK=block,
+            num_warps=8 if block >= 4096 else 4,
+        )
+    return ids, probs
