@@ -1,10 +1,10 @@
 """Where one decode step's time goes on a GPU: kernels per step and per layer, GPU time per step
-against wall time per step, and the kernels that take it, from a torch.profiler trace of greedy
-decode steps.
+against wall time per step, and the count and time per step of the `--kernels N` costliest
+kernels, from a torch.profiler trace of greedy decode steps.
 
     python bench/gpu_profile.py [--model PATH | --shape llama8b] [--batch-size 1] [--steps 20]
         [--disable-cuda-graph] [--spec [--draft-model PATH] [--num-draft-steps K]]
-        [--host-profile N]
+        [--kernels N] [--host-profile N]
 
 Without --model it builds random weights of SmolLM2-135M's shapes, or of another shape of
 bench/random_models.py (`--shape llama8b`). Per-step figures are the difference of two runs
@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument(
         "--num-draft-tokens", type=int, default=None, help="with --spec: the tree's nodes"
     )
+    parser.add_argument("--kernels", type=int, default=25, help="kernel names listed")
     parser.add_argument(
         "--host-profile", type=int, default=0, metavar="N", help="the N costliest host functions"
     )
@@ -118,7 +119,7 @@ def main() -> None:
             generate(new_tokens)
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         counts.append((len(kernels), sum(e.device_time for e in kernels), kernels))
-    (short_n, short_us, _), (long_n, long_us, kernels) = counts
+    (short_n, short_us, short_kernels), (long_n, long_us, kernels) = counts
     per_step = (long_n - short_n) / steps
     layers = llm.model_config.num_layers
     gpu_ms = (long_us - short_us) / steps / 1000
@@ -129,14 +130,16 @@ def main() -> None:
     per_layer = per_step / layers
     print(f"kernels per {what}: {per_step:.1f} ({per_layer:.1f} a target layer of {layers})")
     print(f"GPU time per {what}: {gpu_ms:.3f} ms; wall time: {wall_ms:.3f} ms")
+    # Per step: the longer run's kernels less the shorter run's, by name.
     by_name: Counter[str] = Counter()
     time_by_name: Counter[str] = Counter()
-    for e in kernels:
-        by_name[e.name[:70]] += 1
-        time_by_name[e.name[:70]] += e.device_time
-    print(f"{'kernel':72} {'count':>6} {'total us':>10}")
-    for name, us in time_by_name.most_common(25):
-        print(f"{name:72} {by_name[name]:6d} {us:10.0f}")
+    for sign, run_kernels in ((1, kernels), (-1, short_kernels)):
+        for e in run_kernels:
+            by_name[e.name[:70]] += sign
+            time_by_name[e.name[:70]] += sign * e.device_time
+    print(f"{'kernel (per ' + what + ')':72} {'count':>6} {'us':>8}")
+    for name, us in time_by_name.most_common(args.kernels):
+        print(f"{name:72} {by_name[name] / steps:6.1f} {us / steps:8.1f}")
     if args.host_profile:
         print_host_profile(lambda: generate(lengths[1]), long_steps, args.host_profile)
 

@@ -3,6 +3,7 @@ side by side in one run.
 
     python bench/spec.py [--device cpu|cuda] [--model PATH] [--draft-model PATH|random]
         [--num-draft-chains 1 3] [--trees 4:8 4:12] [--temperature 0.7] [--repeats 3]
+        [--requests N] [--continuous]
 
 Plain decoding and one speculative engine per --num-draft-chains value and per --trees
 TOPK:NODES draft tree (spec/tree.py) answer the held-out chat prompts
@@ -14,13 +15,18 @@ tree expands TOPK nodes per level, each proposing its TOPK likeliest children, a
 the NODES likeliest. The draft is the shipped default draft for the default model unless
 --draft-model names one; `--draft-model random` makes an untrained one, which shows the cost of
 speculating and nothing else. Each engine runs --repeats passes, alternating with the others;
-the table shows median tokens/s and the range of pass-against-pass speedups. Prints a table
+the table shows median tokens/s and the range of pass-against-pass speedups. A pass runs its
+requests (`--requests`, the held-out prompts in turn) in waves of BATCH, each wave finished
+before the next, so the request that accepts least sets a wave's length; with --continuous it
+submits them all at once to engines built with max_num_seqs=BATCH, which admit a request
+whenever one finishes, as a server under steady load does. Prints a table
 and rewrites the "Speculative decoding (DEVICE)" section of docs/BENCHMARKS.md (raw figures
 in docs/bench/spec_DEVICE.json)."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -48,8 +54,15 @@ def random_draft(llm: LLM, num_draft_steps: int, folder: Path) -> Path:
 
 
 def run(
-    llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, temperature: float
+    llm: LLM,
+    prompts: list[list[int]],
+    batch: int,
+    max_tokens: int,
+    temperature: float,
+    continuous: bool,
 ) -> dict:
+    """One pass over `prompts`: in waves of `batch`, each finished before the next starts, or
+    (`continuous`) all at once through an engine that keeps at most `batch` running."""
     params = [
         SamplingParams(
             max_tokens=max_tokens, temperature=temperature, seed=i if temperature else None
@@ -57,9 +70,10 @@ def run(
         for i in range(len(prompts))
     ]
     llm.generate(prompts[:batch], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    wave = len(prompts) if continuous else batch
     outputs, started = [], time.perf_counter()
-    for start in range(0, len(prompts), batch):
-        outputs += llm.generate(prompts[start : start + batch], params[start : start + batch])
+    for start in range(0, len(prompts), wave):
+        outputs += llm.generate(prompts[start : start + wave], params[start : start + wave])
     elapsed = time.perf_counter() - started
     emitted = sum(o.usage.completion_tokens for o in outputs)
     totals = spec_totals(o.usage for o in outputs)
@@ -75,7 +89,7 @@ def run(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default=None)
@@ -100,69 +114,46 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompts", type=int, default=16, help="held-out conversations used")
     parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests a pass, the held-out conversations in turn (default: --prompts)",
+    )
+    parser.add_argument(
+        "--continuous",
+        action="store_true",
+        help="each pass submits all its requests at once to engines that keep at most BATCH "
+        "running (max_num_seqs=BATCH), as a server does; default: waves of BATCH requests, "
+        "each wave finished before the next",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=3, help="passes per engine, alternating; medians shown"
     )
     parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
 
     keep_large_allocations_in_heap()
-    common = {"device": args.device, "max_num_seqs": max(args.batch_sizes)}
     chain_counts = list(dict.fromkeys(args.num_draft_chains))
     trees = [tuple(int(v) for v in shape.split(":")) for shape in args.trees]
     shapes = [{"num_draft_chains": chains} for chains in chain_counts] + [
         {"speculative_topk": topk, "num_draft_tokens": nodes} for topk, nodes in trees
     ]
-    plain = LLM(args.model, **common)
-    with tempfile.TemporaryDirectory() as scratch:
-        if args.draft_model == "random":
-            draft = random_draft(plain, args.num_draft_steps, Path(scratch) / "draft")
-            draft_name = "a random (untrained) draft"
-        elif args.draft_model is not None:
-            draft, draft_name = Path(args.draft_model), args.draft_model
-        elif args.model is None and default_draft_path() is not None:
-            draft, draft_name = default_draft_path(), "the shipped default draft"
-        else:
-            sys.exit("bench/spec.py: --draft-model is needed for a model without a shipped draft")
-        speculative = [
-            LLM(
-                args.model,
-                **common,
-                speculative_algorithm="multi-layer-eagle",
-                draft_model=draft,
-                num_draft_steps=args.num_draft_steps,
-                **shape,
-            )
-            for shape in shapes
-        ]
-    conversations = heldout_prompts()[: args.prompts]
-    prompts = [plain.apply_chat_template(c) for c in conversations]
     rows = []
-    for batch in args.batch_sizes:
-        # Engines alternate pass by pass, so a slow spell of the machine hits all of them.
-        passes: list[list[dict]] = [[] for _ in range(1 + len(speculative))]
-        for _ in range(args.repeats):
-            for runs, llm in zip(passes, [plain, *speculative]):
-                runs.append(run(llm, prompts, batch, args.max_tokens, args.temperature))
-        base, plain_tok_s = passes[0][0], median(r["tok_s"] for r in passes[0])
-        for llm, runs in zip(speculative, passes[1:]):
-            spec, spec_tok_s = runs[0], median(r["tok_s"] for r in runs)
-            rows.append(
-                {
-                    "batch": batch,
-                    "drafts": _shape_name(llm),
-                    "plain_tok_s": plain_tok_s,
-                    "spec_tok_s": spec_tok_s,
-                    "speedup": spec_tok_s / plain_tok_s,
-                    "plain_passes": [r["tok_s"] for r in passes[0]],
-                    "spec_passes": [r["tok_s"] for r in runs],
-                    "accept_length": spec["accept_length"],
-                    "acceptance": spec["acceptance"],
-                    "completion_tokens": spec["completion_tokens"],
-                    "identical": None if args.temperature else base["tokens"] == spec["tokens"],
-                }
-            )
+    with tempfile.TemporaryDirectory() as scratch:
+        # Waves share one set of engines; continuous batching needs max_num_seqs = the batch.
+        sizes = [[b] for b in args.batch_sizes] if args.continuous else [args.batch_sizes]
+        for group in sizes:
+            plain, speculative, draft_name = build_engines(args, shapes, max(group), Path(scratch))
+            texts = [plain.apply_chat_template(c) for c in heldout_prompts()[: args.prompts]]
+            prompts = [texts[i % len(texts)] for i in range(args.requests or len(texts))]
+            for batch in group:
+                rows += measure(args, plain, speculative, prompts, batch)
+            del plain, speculative
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     lines = [
         "| batch | drafts | plain tokens/s | speculative tokens/s | speedup | speedup range "
         "| accept length | acceptance per draft position | identical output |",
@@ -187,7 +178,7 @@ def main() -> None:
     where = device_description(args.device)
     body = (
         f"Command: `{command.strip()}` (default model, {where}, K = {args.num_draft_steps} "
-        f"draft depths from {draft_name}, the first {len(prompts)} held-out chat prompts, "
+        f"draft depths from {draft_name}, {_workload(args, len(prompts))}, "
         f"{sampling}, at most {args.max_tokens} new tokens, stopping at EOS; tokens/s: the median "
         f"of {args.repeats} passes per engine, the engines alternating).\n\n" + table + "\n\n"
         "Accept length: tokens per verify step, bonus token included. Acceptance per draft "
@@ -202,6 +193,84 @@ def main() -> None:
         {"rows": rows, "command": command, "where": where},
         f"spec_{device}.json",
     )
+
+
+def build_engines(
+    args: argparse.Namespace, shapes: list[dict], max_num_seqs: int, scratch: Path
+) -> tuple[LLM, list[LLM], str]:
+    """The plain engine, one speculative engine per draft shape, and the draft's description."""
+    common = {"device": args.device, "max_num_seqs": max_num_seqs}
+    plain = LLM(args.model, **common)
+    if args.draft_model == "random":
+        draft = scratch / "draft"
+        if not draft.exists():
+            random_draft(plain, args.num_draft_steps, draft)
+        draft_name = "a random (untrained) draft"
+    elif args.draft_model is not None:
+        draft, draft_name = Path(args.draft_model), args.draft_model
+    elif args.model is None and default_draft_path() is not None:
+        draft, draft_name = default_draft_path(), "the shipped default draft"
+    else:
+        sys.exit("bench/spec.py: --draft-model is needed for a model without a shipped draft")
+    speculative = [
+        LLM(
+            args.model,
+            **common,
+            speculative_algorithm="multi-layer-eagle",
+            draft_model=draft,
+            num_draft_steps=args.num_draft_steps,
+            **shape,
+        )
+        for shape in shapes
+    ]
+    return plain, speculative, draft_name
+
+
+def measure(
+    args: argparse.Namespace,
+    plain: LLM,
+    speculative: list[LLM],
+    prompts: list[list[int]],
+    batch: int,
+) -> list[dict]:
+    """A table row per speculative engine at `batch`, the engines alternating pass by pass so
+    that a slow spell of the machine hits all of them."""
+    passes: list[list[dict]] = [[] for _ in range(1 + len(speculative))]
+    for _ in range(args.repeats):
+        for runs, llm in zip(passes, [plain, *speculative]):
+            runs.append(
+                run(llm, prompts, batch, args.max_tokens, args.temperature, args.continuous)
+            )
+    base, plain_tok_s = passes[0][0], median(r["tok_s"] for r in passes[0])
+    rows = []
+    for llm, runs in zip(speculative, passes[1:]):
+        spec, spec_tok_s = runs[0], median(r["tok_s"] for r in runs)
+        rows.append(
+            {
+                "batch": batch,
+                "drafts": _shape_name(llm),
+                "plain_tok_s": plain_tok_s,
+                "spec_tok_s": spec_tok_s,
+                "speedup": spec_tok_s / plain_tok_s,
+                "plain_passes": [r["tok_s"] for r in passes[0]],
+                "spec_passes": [r["tok_s"] for r in runs],
+                "accept_length": spec["accept_length"],
+                "acceptance": spec["acceptance"],
+                "completion_tokens": spec["completion_tokens"],
+                "identical": None if args.temperature else base["tokens"] == spec["tokens"],
+            }
+        )
+    return rows
+
+
+def _workload(args: argparse.Namespace, requests: int) -> str:
+    conversations = min(args.prompts, len(heldout_prompts()))
+    what = f"the first {conversations} held-out chat prompts"
+    if requests != conversations:
+        what = f"{requests} requests cycling through {what}"
+    if args.continuous:
+        return what + ", all submitted at once, at most BATCH running (continuous batching)"
+    return what + ", in waves of BATCH requests"
 
 
 def _range(row: dict) -> str:
