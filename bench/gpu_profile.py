@@ -138,7 +138,8 @@ def main() -> None:
             by_name[e.name[:70]] += sign
             time_by_name[e.name[:70]] += sign * e.device_time
     print(f"{'kernel (per ' + what + ')':72} {'count':>6} {'us':>8}")
-    for name, us in time_by_name.most_common(args.kernels):
+    listed = [(n, us) for n, us in time_by_name.most_common() if by_name[n] or abs(us) > 0.5]
+    for name, us in listed[: args.kernels]:
         print(f"{name:72} {by_name[name] / steps:6.1f} {us / steps:8.1f}")
     if args.host_profile:
         print_host_profile(lambda: generate(lengths[1]), long_steps, args.host_profile)

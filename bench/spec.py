@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.requests is not None and args.requests < 1:
+        parser.error("--requests must be at least 1")
 
     keep_large_allocations_in_heap()
     chain_counts = list(dict.fromkeys(args.num_draft_chains))
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     if args.no_write:
         return
-    command = "python bench/spec.py " + " ".join(sys.argv[1:])
+    command = "python bench/spec.py " + " ".join(sys.argv[1:] if argv is None else argv)
     sampling = f"temperature {args.temperature}, seeded" if args.temperature else "greedy"
     device = torch.device(args.device).type
     where = device_description(args.device)

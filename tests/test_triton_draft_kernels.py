@@ -117,6 +117,19 @@ def test_topk_ties_strided_rows_and_infinite_logits() -> None:
     assert ids[2, 0].item() == 100
 
 
+def test_topk_of_nan_logits_names_real_tokens() -> None:
+    """A broken model's NaN logits count as -inf: the ids stay inside the vocabulary (the next
+    embedding lookup reads them), the finite logits first."""
+    from engine.kernels.topk import topk_with_probability
+
+    logits = torch.full((2, 10000), float("nan"), device="cuda")
+    logits[1, [9000, 5]] = 2.0
+    vocab = torch.arange(10000, device="cuda") * 3
+    ids, _ = topk_with_probability(logits, 4, vocab)
+    assert ids[0].tolist() == [0, 3, 6, 9]
+    assert ids[1].tolist() == [15, 27000, 0, 3]
+
+
 def test_draft_head_proposes_what_the_torch_path_proposes() -> None:
     from engine.models.llama import LlamaForCausalLM
     from spec.draft_vocab import DraftHead

@@ -10,7 +10,7 @@ k kept so far; beside that it keeps per lane a running maximum and the sum of ex
 rescaled as the maximum grows, as engine/kernels/top1.py does. The kept ones are written largest
 first; equal logits go lowest index first. A probability is exp(x - max) / sum in float32: the
 order is the logits', which equals the probabilities' except where distinct logits round to
-one probability."""
+one probability. A NaN logit counts as -inf."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ def _topk_kernel(
         index = start + lanes
         valid = index < size
         x = tl.load(base + index, mask=valid, other=float("-inf")).to(tl.float32)
+        # A NaN (a broken model) counts as -inf: every kept slot then still names a token.
+        x = tl.where(x == x, x, float("-inf"))
         grown = tl.maximum(best, x)
         scale = tl.where(best == grown, 1.0, tl.exp(best - grown))
         term = tl.where(x == grown, 1.0, tl.exp(x - grown))
