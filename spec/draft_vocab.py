@@ -92,17 +92,12 @@ class DraftHead:
         vocabulary, most likely first; their probabilities [B, n]), from one evaluation of the
         head."""
         if triton_usable(hidden):
-            from engine.kernels.top1 import top1_with_probability
             from engine.kernels.topk import MAX_K, topk_with_probability
 
-            logits = self._logits(hidden, as_float=False)
-            if n == 1:
-                return top1_with_probability(logits, self.vocab)
             if n <= MAX_K:
+                logits = self._logits(hidden, as_float=False)
                 return topk_with_probability(logits, min(n, logits.shape[-1]), self.vocab)
-            probs = torch.softmax(logits.float(), dim=-1)
-        else:
-            probs = torch.softmax(self._logits(hidden), dim=-1)
+        probs = torch.softmax(self._logits(hidden), dim=-1)
         if n == 1:  # one reduction, where a top-k over the vocabulary sorts in several passes
             top_p, top = probs.max(dim=-1, keepdim=True)
         else:

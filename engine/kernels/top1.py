@@ -19,6 +19,26 @@ import triton.language as tl
 
 
 @triton.jit
+def running_sum(best, total, x):
+    """Block `x` added to each lane's running maximum `best` and sum `total` of
+    exp(logit - maximum), the sum rescaled as the maximum grows."""
+    grown = tl.maximum(best, x)
+    # exp of (-inf) - (-inf) is NaN: unchanged maxima and masked lanes are spelled out.
+    scale = tl.where(best == grown, 1.0, tl.exp(best - grown))
+    term = tl.where(x == grown, 1.0, tl.exp(x - grown))
+    term = tl.where(x == float("-inf"), 0.0, term)
+    return grown, total * scale + term
+
+
+@triton.jit
+def softmax_denominator(best, total, top):
+    """The row's sum of exp(logit - top) from the lanes' `running_sum`s; `top` the row max."""
+    weights = tl.where(best == top, 1.0, tl.exp(best - top))
+    weights = tl.where(best == float("-inf"), 0.0, weights)
+    return tl.sum(total * weights, axis=0)
+
+
+@triton.jit
 def _top1_kernel(
     logits_ptr,
     vocab_ptr,
@@ -38,20 +58,12 @@ def _top1_kernel(
     for start in range(0, size, BLOCK):
         index = start + lanes
         x = tl.load(base + index, mask=index < size, other=float("-inf")).to(tl.float32)
-        grown = tl.maximum(best, x)
         # Strictly greater: a lane keeps the first index of its maximum.
         best_index = tl.where(x > best, index, best_index)
-        # exp of (-inf) - (-inf) is NaN: unchanged maxima and masked lanes are spelled out.
-        scale = tl.where(best == grown, 1.0, tl.exp(best - grown))
-        term = tl.where(x == grown, 1.0, tl.exp(x - grown))
-        term = tl.where(x == float("-inf"), 0.0, term)
-        total = total * scale + term
-        best = grown
+        best, total = running_sum(best, total, x)
     top = tl.max(best, axis=0)
     first = tl.min(tl.where(best == top, best_index, size), axis=0)
-    weights = tl.where(best == top, 1.0, tl.exp(best - top))
-    weights = tl.where(best == float("-inf"), 0.0, weights)
-    denominator = tl.sum(total * weights, axis=0)
+    denominator = softmax_denominator(best, total, top)
     token = first.to(tl.int64)
     if HAS_VOCAB:
         token = tl.load(vocab_ptr + first).to(tl.int64)
@@ -64,21 +76,28 @@ def top1_with_probability(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype, rows contiguous) -> (each row's most likely token [B, 1]
     int64, mapped through `vocab` [V] when given; its softmax probability [B, 1] float32)."""
-    rows, size = logits.shape
-    assert logits.stride(1) == 1
-    ids = torch.empty((rows, 1), dtype=torch.int64, device=logits.device)
-    probs = torch.empty((rows, 1), dtype=torch.float32, device=logits.device)
-    if rows:
-        block = min(4096, triton.next_power_of_2(size))
-        _top1_kernel[(rows,)](
+    ids, probs = top_outputs(logits, 1)
+    if ids.shape[0]:
+        block = min(4096, triton.next_power_of_2(logits.shape[1]))
+        _top1_kernel[(ids.shape[0],)](
             logits,
             ids if vocab is None else vocab,
             ids,
             probs,
             logits.stride(0),
-            size,
+            logits.shape[1],
             HAS_VOCAB=vocab is not None,
             BLOCK=block,
             num_warps=8 if block >= 4096 else 4,
         )
+    return ids, probs
+
+
+def top_outputs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids [B, k] int64 and probabilities [B, k] float32 a proposal kernel writes, for
+    logits [B, V] whose rows are contiguous."""
+    assert logits.dim() == 2 and logits.stride(1) == 1
+    rows = logits.shape[0]
+    ids = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
+    probs = torch.empty((rows, k), dtype=torch.float32, device=logits.device)
     return ids, probs

@@ -18,6 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.top1 import (
+    running_sum,
+    softmax_denominator,
+    top1_with_probability,
+    top_outputs,
+)
+
 MAX_K = 16
 
 
@@ -51,12 +58,7 @@ def _topk_kernel(
         x = tl.load(base + index, mask=valid, other=float("-inf")).to(tl.float32)
         # A NaN (a broken model) counts as -inf: every kept slot then still names a token.
         x = tl.where(x == x, x, float("-inf"))
-        grown = tl.maximum(best, x)
-        scale = tl.where(best == grown, 1.0, tl.exp(best - grown))
-        term = tl.where(x == grown, 1.0, tl.exp(x - grown))
-        term = tl.where(x == float("-inf"), 0.0, term)
-        total = total * scale + term
-        best = grown
+        best, total = running_sum(best, total, x)
         alive = valid
         for _ in tl.static_range(K):
             top = tl.max(tl.where(alive, x, float("-inf")), axis=0)
@@ -70,9 +72,7 @@ def _topk_kernel(
             kept = tl.where(replace, top, kept)
             kept_index = tl.where(replace, first, kept_index)
     row_max = tl.max(best, axis=0)
-    weights = tl.where(best == row_max, 1.0, tl.exp(best - row_max))
-    weights = tl.where(best == float("-inf"), 0.0, weights)
-    denominator = tl.sum(total * weights, axis=0)
+    denominator = softmax_denominator(best, total, row_max)
     out = row * K
     remaining = real_slot
     for j in tl.static_range(K):
@@ -91,15 +91,15 @@ def topk_with_probability(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype, rows contiguous), 1 <= k <= min(V, MAX_K) -> (each row's
     k most likely tokens [B, k] int64, largest first, mapped through `vocab` [V] when given;
-    their softmax probabilities [B, k] float32)."""
-    rows, size = logits.shape
-    assert logits.stride(1) == 1
+    their softmax probabilities [B, k] float32). k = 1 takes top1's kernel."""
+    size = logits.shape[1]
     assert 1 <= k <= min(size, MAX_K), f"k={k} for rows of {size} (at most {MAX_K})"
-    ids = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
-    probs = torch.empty((rows, k), dtype=torch.float32, device=logits.device)
-    if rows:
+    if k == 1:
+        return top1_with_probability(logits, vocab)
+    ids, probs = top_outputs(logits, k)
+    if ids.shape[0]:
         block = min(8192, triton.next_power_of_2(size))
-        _topk_kernel[(rows,)](
+        _topk_kernel[(ids.shape[0],)](
             logits,
             ids if vocab is None else vocab,
             ids,
