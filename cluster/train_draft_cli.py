@@ -36,6 +36,7 @@ def run_train_draft(args: argparse.Namespace) -> None:
             checkpoint_every=args.checkpoint_every,
             weight_decay=args.weight_decay,
             hidden_noise=args.hidden_noise,
+            detach_between_depths=args.detach_between_depths,
         ),
         save_dtype=args.save_dtype,
         draft_vocab_size=args.draft_vocab_size or None,
@@ -145,6 +146,11 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="noise on the target hidden states in training, relative to their RMS",
+    )
+    parser.add_argument(
+        "--detach-between-depths",
+        action="store_true",
+        help="a depth's loss trains that depth alone, not the depths whose outputs it reads",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps")

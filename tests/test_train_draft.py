@@ -6,6 +6,7 @@ engine speculates with: test_draft_resolution.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,12 +20,17 @@ from train_helpers import checkpoint, read_log
 from cluster.cli import main
 from engine import LLM
 from engine.loader import EngineArgs, resolve
+from engine.model_runner import build_model
+from engine.models.rope import RotaryEmbedding
+from engine.weights import iter_safetensors
 from spec import load_draft
 from spec.batching import Span, extend_batch
+from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftInput, DraftSeq
+from spec.train.data import Sequences
 from spec.train.dense import draft_forward, target_forward
 from spec.train.pipeline import HELDOUT_CHAINS, TrainDraftConfig, train_draft
-from spec.train.trainer import Schedule
+from spec.train.trainer import Schedule, distillation_step, make_block
 
 NUM_DRAFT_STEPS = 3
 DRAFT_VOCAB_SIZE = 200
@@ -105,6 +111,66 @@ def test_dense_forwards_match_the_engine_runners(speculating_llm: LLM) -> None:
         torch.testing.assert_close(dense_outputs[d][:n], out, atol=1e-5, rtol=1e-5)
         hidden = out
     assert worker.is_empty()
+
+
+def test_distillation_step_scores_each_depth_on_its_answer_positions(
+    speculating_llm: LLM,
+) -> None:
+    """The step's loss and agreement per depth against a reference written out per row:
+    depth d at position i learns the target's distribution at i+d+1, where x[i+d+2] is an
+    answer token. Rows of different lengths and prompts share one padded block."""
+    runner = speculating_llm.engine.runner
+    worker = speculating_llm.engine.speculator
+    draft = SimpleNamespace(depths=[depth_runner.module for depth_runner in worker.depths])
+    generator = torch.Generator().manual_seed(3)
+    vocab = runner.model_config.vocab_size
+    rows = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (14, 9, 12)]
+    data = Sequences(rows, [4, 6, 3], {})
+    block = make_block(data, [0, 1, 2], 1024, torch.device("cpu"))
+    with torch.no_grad():
+        result = distillation_step(draft, runner.model, runner.rotary, block)
+        hidden, last = target_forward(runner.model, runner.rotary, block.tokens)
+        outputs = draft_forward(draft, runner.model, runner.rotary, block.tokens, hidden)
+    width = block.tokens.shape[1]
+    target_logits = runner.model.lm_head_logits(last).view(len(rows), width, -1)
+    for d, out in enumerate(outputs):
+        logits = runner.model.lm_head_logits(out).view(len(rows), width, -1)
+        losses, agreements = [], []
+        for b, (row, prompt_len) in enumerate(zip(rows, data.prompt_lens)):
+            for i in range(len(row)):
+                if prompt_len <= i + d + 2 <= len(row) - 1:
+                    labels = target_logits[b, i + d + 1]
+                    log_p = torch.log_softmax(logits[b, i], -1)
+                    losses.append(-(torch.softmax(labels, -1) * log_p).sum())
+                    agreements.append(float(logits[b, i].argmax() == labels.argmax()))
+        assert result.num_positions[d] == len(losses)
+        assert result.depth_loss[d] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)
+        assert result.depth_accuracy[d] == pytest.approx(sum(agreements) / len(agreements))
+    assert float(result.loss) == pytest.approx(sum(result.depth_loss), rel=1e-5)
+
+
+@pytest.mark.parametrize("detach", [False, True], ids=["joined", "detached"])
+def test_detached_depths_train_on_their_own_loss_alone(predictable_path: Path, detach) -> None:
+    """With detach_between_depths, depth 0's gradient is that of its own loss (what a draft
+    of depth 0 alone gets); without it, the later depths' losses reach it too."""
+    spec = resolve(EngineArgs(model=str(predictable_path), device="cpu"))
+    # As the trainer builds it: plain weights, which a backward pass goes through.
+    engine_config = dataclasses.replace(spec.engine_config, cpu_packed_linear=False)
+    target = build_model(spec.model_config, engine_config, iter_safetensors(spec.path))
+    target.requires_grad_(False)
+    rotary = RotaryEmbedding(spec.model_config.rope, spec.model_config.head_dim, 1024, "cpu")
+    torch.manual_seed(5)
+    both = MultiLayerEagleDraft(spec.model_config, 2)
+    alone = MultiLayerEagleDraft(spec.model_config, 1)
+    alone.depths[0].load_state_dict(both.depths[0].state_dict())
+    rows = [list(range(3, 17)), list(range(20, 31))]
+    block = make_block(Sequences(rows, [4, 3], {}), [0, 1], 1024, torch.device("cpu"))
+    grads = []
+    for draft in (both, alone):
+        distillation_step(draft, target, rotary, block, detach).loss.backward()
+        grads.append(draft.depths[0].fc.weight.grad)
+    assert grads[0].abs().sum() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-7) == detach
 
 
 # --- 2. training helps, and the trainer's replay is the engine's count ---------------------
@@ -213,6 +279,25 @@ def test_cli_trains_a_draft(predictable_path: Path, tmp_path: Path, capsys) -> N
 
     assert main(cli_args(tmp_path, predictable_path, "--aux-layers", "99")) == 2
     assert "aux_layers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [[], ["--detach-between-depths"]], ids=["joined", "detached"])
+def test_cli_passes_detach_between_depths_to_the_schedule(
+    monkeypatch: pytest.MonkeyPatch, predictable_path: Path, tmp_path: Path, flag: list[str]
+) -> None:
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def capture(config: TrainDraftConfig) -> dict:
+        seen.append(config)
+        raise Stop
+
+    monkeypatch.setattr("spec.train.pipeline.train_draft", capture)
+    with pytest.raises(Stop):
+        main(cli_args(tmp_path, predictable_path, *flag))
+    assert seen[0].schedule.detach_between_depths == bool(flag)
 
 
 def test_cli_refuses_zero_draft_steps(predictable_path: Path, tmp_path: Path, capsys) -> None:

@@ -84,7 +84,8 @@ def make_batches(
 
 @dataclass
 class Block:
-    """A padded batch: tokens [B, T], each row's real length and prompt length."""
+    """A padded batch: tokens [B, T] on the training device, each row's real length and prompt
+    length on the host (what decides the trained positions, known before any kernel runs)."""
 
     tokens: torch.Tensor
     lens: torch.Tensor
@@ -99,23 +100,41 @@ def make_block(data: Sequences, indices: list[int], max_len: int, device: torch.
         tokens[b, : len(row)] = torch.tensor(row)
     lens = torch.tensor([len(r) for r in rows])
     prompt_lens = torch.tensor([min(data.prompt_lens[i], max_len) for i in indices])
-    return Block(tokens.to(device), lens.to(device), prompt_lens.to(device))
+    return Block(_to_device(tokens, device), lens, prompt_lens)
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`, copied from pinned memory without waiting for the device's queue
+    (a step's inputs go over while the previous step still runs)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def drafted_positions(block: Block, depth: int) -> torch.Tensor:
-    """[B, T] bool: where depth `depth` predicts an answer token that exists. At position i it
-    predicts x[i+depth+2], from the target's distribution at i+depth+1."""
+    """[B, T] bool, on the host: where depth `depth` predicts an answer token that exists. At
+    position i it predicts x[i+depth+2], from the target's distribution at i+depth+1."""
     t = block.tokens.shape[1]
-    label = torch.arange(t, device=block.tokens.device)[None, :] + depth + 1
+    label = torch.arange(t, device=block.lens.device)[None, :] + depth + 1
     return (label >= block.prompt_lens[:, None] - 1) & (label <= block.lens[:, None] - 2)
 
 
 @dataclass
 class StepResult:
     loss: torch.Tensor  # the sum over depths, with its graph
-    depth_loss: list[float]
-    depth_accuracy: list[float]  # top-1 agreement with the target, teacher-forced
+    # [2, K], detached, on the step's device: each depth's loss (row 0) and top-1 agreement
+    # with the target, teacher-forced (row 1). Read on the host only when logged: reading
+    # them every step would make the host wait for the device every step.
+    stats: torch.Tensor
     num_positions: list[int]
+
+    @property
+    def depth_loss(self) -> list[float]:
+        return self.stats[0].tolist()
+
+    @property
+    def depth_accuracy(self) -> list[float]:
+        return self.stats[1].tolist()
 
 
 def distillation_step(
@@ -141,24 +160,23 @@ def distillation_step(
     outputs = draft_forward(
         draft, target, rotary, block.tokens, target_hidden, detach_between_depths
     )
-    total = torch.zeros((), device=block.tokens.device)
-    losses, accuracies, counts = [], [], []
+    device = block.tokens.device
+    total = torch.zeros((), device=device)
+    stats = torch.zeros(2, len(outputs), device=device)
+    counts = []
     for d, out in enumerate(outputs):
-        rows = drafted_positions(block, d).reshape(-1).nonzero().squeeze(1)
+        # Chosen on the host: no kernel waits for a count of positions.
+        rows = _to_device(drafted_positions(block, d).reshape(-1).nonzero().squeeze(1), device)
+        counts.append(rows.numel())
         if rows.numel() == 0:
-            losses.append(0.0)
-            accuracies.append(0.0)
-            counts.append(0)
             continue
         labels = target_logits[rows + d + 1]
         logits = target.lm_head_logits(out[rows])
         loss = -(F.softmax(labels, dim=-1) * F.log_softmax(logits, dim=-1)).sum(-1).mean()
         total = total + loss
-        losses.append(float(loss.detach()))
-        agree = logits.detach().argmax(-1) == labels.argmax(-1)
-        accuracies.append(float(agree.float().mean()))
-        counts.append(int(rows.numel()))
-    return StepResult(total, losses, accuracies, counts)
+        stats[0, d] = loss.detach()
+        stats[1, d] = (logits.detach().argmax(-1) == labels.argmax(-1)).float().mean()
+    return StepResult(total, stats, counts)
 
 
 @dataclass
@@ -287,8 +305,12 @@ class DraftTrainer:
         self.autocast = self.device.type == "cuda"
         self.run_key = {**run_key, **schedule.resume_key()}
         self.progress_bar = progress_bar
+        # One kernel for the update on a GPU, in place of a few per parameter group.
         self.optimizer = torch.optim.AdamW(
-            draft.parameters(), lr=schedule.lr, weight_decay=schedule.weight_decay
+            draft.parameters(),
+            lr=schedule.lr,
+            weight_decay=schedule.weight_decay,
+            fused=self.device.type == "cuda",
         )
         self.progress = Progress()
         self.lengths = [min(len(t), schedule.max_seq_len) for t in train.tokens]
@@ -404,10 +426,10 @@ class DraftTrainer:
                     window.append(result)
                     bar.update(1)
                     if self.progress.step % s.log_every == 0 or self.progress.step == total:
-                        self._log_window(window, lr)
+                        losses, accuracies = self._log_window(window, lr)
                         bar.set_postfix(
-                            loss=f"{sum(window[-1].depth_loss):.3f}",
-                            acc="/".join(f"{a:.2f}" for a in window[-1].depth_accuracy),
+                            loss=f"{sum(losses):.3f}",
+                            acc="/".join(f"{a:.2f}" for a in accuracies),
                         )
                         window = []
                     if self.progress.step % s.checkpoint_every == 0:
@@ -426,26 +448,26 @@ class DraftTrainer:
                 self.save_checkpoint()
         return self.progress
 
-    def _log_window(self, window: list[StepResult], lr: float) -> None:
-        if not window:
-            return
-        k = len(window[0].depth_loss)
+    def _log_window(self, window: list[StepResult], lr: float) -> tuple[list[float], list[float]]:
+        """Log the window's means, each step weighted by its positions; returns the last step's
+        losses and agreements. One read of the device for the whole window."""
+        stats = torch.stack([r.stats for r in window]).tolist()  # [steps][2][K]
+        k = len(window[0].num_positions)
         weights = [[r.num_positions[d] for r in window] for d in range(k)]
 
-        def mean(values: list[list[float]], d: int) -> float:
+        def mean(row: int, d: int) -> float:
             total = sum(weights[d]) or 1
-            return sum(v * w for v, w in zip(values[d], weights[d])) / total
+            return sum(step[row][d] * w for step, w in zip(stats, weights[d])) / total
 
-        losses = [[r.depth_loss[d] for r in window] for d in range(k)]
-        accs = [[r.depth_accuracy[d] for r in window] for d in range(k)]
         self.log(
             {
                 "step": self.progress.step,
                 "epoch": self.progress.epoch,
                 "lr": lr,
-                "loss": [round(mean(losses, d), 5) for d in range(k)],
-                "accuracy": [round(mean(accs, d), 5) for d in range(k)],
+                "loss": [round(mean(0, d), 5) for d in range(k)],
+                "accuracy": [round(mean(1, d), 5) for d in range(k)],
                 "positions": sum(sum(w) for w in weights),
                 "elapsed_s": round(self.progress.elapsed_s, 2),
             }
         )
+        return stats[-1][0], stats[-1][1]
