@@ -37,6 +37,7 @@ def run_train_draft(args: argparse.Namespace) -> None:
             weight_decay=args.weight_decay,
             hidden_noise=args.hidden_noise,
             detach_between_depths=args.detach_between_depths,
+            depth_loss_decay=args.depth_loss_decay,
         ),
         save_dtype=args.save_dtype,
         draft_vocab_size=args.draft_vocab_size or None,
@@ -151,6 +152,13 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
         "--detach-between-depths",
         action="store_true",
         help="a depth's loss trains that depth alone, not the depths whose outputs it reads",
+    )
+    parser.add_argument(
+        "--depth-loss-decay",
+        type=float,
+        default=1.0,
+        metavar="GAMMA",
+        help="depth d's loss counts GAMMA**d in each step's total (default 1: all alike)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps")

@@ -147,6 +147,11 @@ def test_distillation_step_scores_each_depth_on_its_answer_positions(
         assert result.depth_loss[d] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)
         assert result.depth_accuracy[d] == pytest.approx(sum(agreements) / len(agreements))
     assert float(result.loss) == pytest.approx(sum(result.depth_loss), rel=1e-5)
+    with torch.no_grad():
+        decayed = distillation_step(draft, runner.model, runner.rotary, block, depth_loss_decay=0.5)
+    assert decayed.depth_loss == pytest.approx(result.depth_loss, rel=1e-6)
+    weighted = sum(0.5**d * loss for d, loss in enumerate(result.depth_loss))
+    assert float(decayed.loss) == pytest.approx(weighted, rel=1e-5)
 
 
 @pytest.mark.parametrize("detach", [False, True], ids=["joined", "detached"])
@@ -281,9 +286,13 @@ def test_cli_trains_a_draft(predictable_path: Path, tmp_path: Path, capsys) -> N
     assert "aux_layers" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", [[], ["--detach-between-depths"]], ids=["joined", "detached"])
-def test_cli_passes_detach_between_depths_to_the_schedule(
-    monkeypatch: pytest.MonkeyPatch, predictable_path: Path, tmp_path: Path, flag: list[str]
+@pytest.mark.parametrize(
+    "flags, detach, decay",
+    [([], False, 1.0), (["--detach-between-depths", "--depth-loss-decay", "0.8"], True, 0.8)],
+    ids=["defaults", "given"],
+)
+def test_cli_passes_the_depth_settings_to_the_schedule(
+    monkeypatch: pytest.MonkeyPatch, predictable_path: Path, tmp_path: Path, flags, detach, decay
 ) -> None:
     class Stop(Exception):
         pass
@@ -296,8 +305,9 @@ def test_cli_passes_detach_between_depths_to_the_schedule(
 
     monkeypatch.setattr("spec.train.pipeline.train_draft", capture)
     with pytest.raises(Stop):
-        main(cli_args(tmp_path, predictable_path, *flag))
-    assert seen[0].schedule.detach_between_depths == bool(flag)
+        main(cli_args(tmp_path, predictable_path, *flags))
+    assert seen[0].schedule.detach_between_depths == detach
+    assert seen[0].schedule.depth_loss_decay == decay
 
 
 def test_cli_refuses_zero_draft_steps(predictable_path: Path, tmp_path: Path, capsys) -> None:
@@ -305,6 +315,8 @@ def test_cli_refuses_zero_draft_steps(predictable_path: Path, tmp_path: Path, ca
     assert "num_draft_steps" in capsys.readouterr().err
     assert main(cli_args(tmp_path, predictable_path, "--draft-intermediate-size", "0")) == 2
     assert "draft_intermediate_size must be positive" in capsys.readouterr().err
+    assert main(cli_args(tmp_path, predictable_path, "--depth-loss-decay", "0")) == 2
+    assert "depth_loss_decay must be positive" in capsys.readouterr().err
     assert not (tmp_path / "answers.pt").exists()
 
 

@@ -114,6 +114,10 @@ class TrainDraftConfig:
             raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
         if self.schedule.epochs < 1 or self.schedule.tokens_per_batch < 2:
             raise ValueError("epochs must be >= 1 and tokens_per_batch >= 2")
+        if not self.schedule.depth_loss_decay > 0:
+            raise ValueError(
+                f"depth_loss_decay must be positive, got {self.schedule.depth_loss_decay}"
+            )
 
 
 def evaluate_draft(

@@ -53,6 +53,9 @@ class Schedule:
     # Gaussian noise added to the target hidden states depth 0 reads, relative to each state's
     # RMS: the draft must not lean on details of states it has seen (EAGLE trains with noise).
     hidden_noise: float = 0.0
+    # Depth d's loss counts decay**d in the step's total (1: all alike). EAGLE-3's training
+    # weights its steps so, with 0.8: the first depths, accepted most often, matter most.
+    depth_loss_decay: float = 1.0
 
     def resume_key(self) -> dict:
         return {
@@ -145,9 +148,11 @@ def distillation_step(
     detach_between_depths: bool = False,
     hidden_noise: float = 0.0,
     noise_seed: int = 0,
+    depth_loss_decay: float = 1.0,
 ) -> StepResult:
-    """Cross-entropy of each depth against the target's own distribution (soft labels).
-    `noise_seed` seeds the hidden-state noise: one seed per step keeps a resumed run exact."""
+    """Cross-entropy of each depth against the target's own distribution (soft labels), summed
+    with depth d's weighted by depth_loss_decay**d. `noise_seed` seeds the hidden-state noise:
+    one seed per step keeps a resumed run exact."""
     target_hidden, last = target_forward(target, rotary, block.tokens)
     if hidden_noise > 0:
         rms = target_hidden.float().pow(2).mean(-1, keepdim=True).sqrt()
@@ -173,7 +178,7 @@ def distillation_step(
         labels = target_logits[rows + d + 1]
         logits = target.lm_head_logits(out[rows])
         loss = -(F.softmax(labels, dim=-1) * F.log_softmax(logits, dim=-1)).sum(-1).mean()
-        total = total + loss
+        total = total + depth_loss_decay**d * loss
         stats[0, d] = loss.detach()
         stats[1, d] = (logits.detach().argmax(-1) == labels.argmax(-1)).float().mean()
     return StepResult(total, stats, counts)
@@ -415,6 +420,7 @@ class DraftTrainer:
                             s.detach_between_depths,
                             s.hidden_noise,
                             noise_seed=s.seed * 1_000_003 + self.progress.step,
+                            depth_loss_decay=s.depth_loss_decay,
                         )
                     self.optimizer.zero_grad(set_to_none=True)
                     result.loss.backward()
