@@ -112,3 +112,27 @@ def test_replay_of_a_draft_that_is_never_right(monkeypatch) -> None:
     result = replay(monkeypatch, ROW, 3, [set(), set()], max_tokens=100)
     assert result.verify_steps == 5  # x4 .. x8, one per step
     assert result.accept_length == 1.0 and result.acceptance == [0.0, 0.0]
+
+
+# --- the log: one record per window, each step weighted by its positions ----------------
+
+
+def test_logged_window_weights_each_step_by_its_positions() -> None:
+    records = []
+    trainer = SimpleNamespace(
+        log=records.append, progress=trainer_module.Progress(step=20, epoch=1, elapsed_s=3.0)
+    )
+    window = [
+        trainer_module.StepResult(torch.zeros(()), torch.tensor(stats), counts)
+        for stats, counts in (
+            ([[2.0, 4.0], [0.5, 0.25]], [30, 10]),
+            ([[1.0, 3.0], [1.0, 0.75]], [10, 30]),
+        )
+    ]
+    last = trainer_module.DraftTrainer._log_window(trainer, window, 1e-3)
+    (record,) = records
+    assert record["loss"] == pytest.approx([(2 * 30 + 1 * 10) / 40, (4 * 10 + 3 * 30) / 40])
+    assert record["accuracy"] == pytest.approx([(0.5 * 30 + 10) / 40, (0.25 * 10 + 0.75 * 30) / 40])
+    assert record["positions"] == 80
+    assert (record["step"], record["epoch"], record["lr"]) == (20, 1, 1e-3)
+    assert last == ([1.0, 3.0], [1.0, 0.75])

@@ -109,7 +109,7 @@ def make_block(data: Sequences, indices: list[int], max_len: int, device: torch.
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` on `device`, copied from pinned memory without waiting for the device's queue
     (a step's inputs go over while the previous step still runs)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 
@@ -341,8 +341,26 @@ class DraftTrainer:
             )
         self.draft.load_state_dict(saved["draft"])
         self.optimizer.load_state_dict(saved["optimizer"])
+        self._keep_fused()
         self.progress = Progress(**saved["progress"])
         return True
+
+    def _keep_fused(self) -> None:
+        """A loaded optimizer state brings its own groups' settings: a checkpoint saved by an
+        unfused AdamW would turn the fused one off, and its update would then read each
+        step count from the GPU, every step. Fused again, with the counts where it keeps them."""
+        fused = self.device.type == "cuda"
+        for group in self.optimizer.param_groups:
+            if bool(group.get("fused")) == fused:
+                continue
+            group["fused"] = fused
+            for param in group["params"]:
+                state = self.optimizer.state.get(param, {})
+                if "step" in state:
+                    step = state["step"]
+                    state["step"] = (
+                        step.to(param.device, torch.float32) if fused else step.to("cpu")
+                    )
 
     def save_checkpoint(self) -> None:
         partial = self.checkpoint_path.with_name(CHECKPOINT_FILE + ".partial")
