@@ -80,18 +80,15 @@ def main(argv: list[str] | None = None) -> None:
         schedule = Schedule(
             epochs=1, tokens_per_batch=args.tokens_per_batch, lr=1e-3, checkpoint_every=10**9
         )
-        out = Path(tempfile.mkdtemp(prefix="train_step_run_"))
-        trainer = DraftTrainer(draft, target, rotary, data, None, schedule, out, {}, False)
-        batches = make_batches(trainer.lengths, args.tokens_per_batch, 0, 0)
+        # The run's epoch: the sequences of the first `steps` batches of the whole set (as
+        # drawn for seed 0, epoch 0), which the trainer groups again into about as many.
+        batches = make_batches([len(t) for t in data.tokens], args.tokens_per_batch, 0, 0)
         if len(batches) < steps:
             raise SystemExit(f"only {len(batches)} batches for {steps} steps")
-        # The run's epoch is its first `steps` batches (as drawn for seed 0, epoch 0).
-        trainer.lengths = [trainer.lengths[i] for batch in batches[:steps] for i in batch]
-        trainer.train_data = Sequences(
-            [data.tokens[i] for batch in batches[:steps] for i in batch],
-            [data.prompt_lens[i] for batch in batches[:steps] for i in batch],
-            data.meta,
-        )
+        chosen = [i for batch in batches[:steps] for i in batch]
+        part = Sequences([data.tokens[i] for i in chosen], [data.prompt_lens[i] for i in chosen])
+        out = Path(tempfile.mkdtemp(prefix="train_step_run_"))
+        trainer = DraftTrainer(draft, target, rotary, part, None, schedule, out, {}, False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()

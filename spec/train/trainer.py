@@ -340,27 +340,15 @@ class DraftTrainer:
                 f"({', '.join(differ)}); use another --out folder or --restart"
             )
         self.draft.load_state_dict(saved["draft"])
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self._keep_fused()
+        state = saved["optimizer"]
+        # A checkpoint's groups replace this optimizer's settings: one saved by an unfused AdamW
+        # would turn the fused one off, whose update then reads each step count from the GPU
+        # every step. Told fused, the loader also puts the counts where the fused update wants.
+        for group in state["param_groups"]:
+            group["fused"] = self.optimizer.defaults["fused"]
+        self.optimizer.load_state_dict(state)
         self.progress = Progress(**saved["progress"])
         return True
-
-    def _keep_fused(self) -> None:
-        """A loaded optimizer state brings its own groups' settings: a checkpoint saved by an
-        unfused AdamW would turn the fused one off, and its update would then read each
-        step count from the GPU, every step. Fused again, with the counts where it keeps them."""
-        fused = self.device.type == "cuda"
-        for group in self.optimizer.param_groups:
-            if bool(group.get("fused")) == fused:
-                continue
-            group["fused"] = fused
-            for param in group["params"]:
-                state = self.optimizer.state.get(param, {})
-                if "step" in state:
-                    step = state["step"]
-                    state["step"] = (
-                        step.to(param.device, torch.float32) if fused else step.to("cpu")
-                    )
 
     def save_checkpoint(self) -> None:
         partial = self.checkpoint_path.with_name(CHECKPOINT_FILE + ".partial")
