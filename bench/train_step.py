@@ -30,8 +30,9 @@ from engine.model_runner import build_model  # noqa: E402
 from engine.models.rope import RotaryEmbedding  # noqa: E402
 from engine.weights import iter_safetensors  # noqa: E402
 from spec.draft_model import MultiLayerEagleDraft  # noqa: E402
+from spec.train.batches import make_batches  # noqa: E402
 from spec.train.data import Sequences  # noqa: E402
-from spec.train.trainer import DraftTrainer, Schedule, make_batches  # noqa: E402
+from spec.train.trainer import DraftTrainer, Schedule  # noqa: E402
 
 
 def random_sequences(count: int, vocab_size: int, seed: int) -> Sequences:

@@ -27,10 +27,11 @@ from spec import load_draft
 from spec.batching import Span, extend_batch
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftInput, DraftSeq
+from spec.train.batches import make_block
 from spec.train.data import Sequences
 from spec.train.dense import draft_forward, target_forward
 from spec.train.pipeline import HELDOUT_CHAINS, TrainDraftConfig, train_draft
-from spec.train.trainer import Schedule, distillation_step, make_block
+from spec.train.trainer import Schedule, distillation_step
 
 NUM_DRAFT_STEPS = 3
 DRAFT_VOCAB_SIZE = 200

@@ -10,9 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import spec.train.replay as replay_module
 import spec.train.trainer as trainer_module
+from spec.train.batches import Block, drafted_positions, make_batches
 from spec.train.data import Sequences
-from spec.train.trainer import Block, drafted_positions, make_batches, validate
+from spec.train.replay import validate
 
 # --- batches and the positions each depth is trained on --------------------------------
 
@@ -75,8 +77,8 @@ def replay(
             outputs.append(torch.nn.functional.one_hot(torch.tensor(preds), vocab).float())
         return outputs
 
-    monkeypatch.setattr(trainer_module, "target_forward", lambda *args: (None, None))
-    monkeypatch.setattr(trainer_module, "draft_forward", fake_draft_forward)
+    monkeypatch.setattr(replay_module, "target_forward", lambda *args: (None, None))
+    monkeypatch.setattr(replay_module, "draft_forward", fake_draft_forward)
     data = Sequences([row], [prompt_len], {"max_tokens": max_tokens})
     identity_head = SimpleNamespace(lm_head_logits=lambda hidden: hidden)
     draft = SimpleNamespace(num_draft_steps=len(correct), vocab=None)

@@ -25,9 +25,17 @@ import torch.nn.functional as F
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from spec.draft_model import MultiLayerEagleDraft
-from spec.draft_vocab import DraftHead
+from spec.train.batches import (
+    Block,
+    drafted_positions,
+    make_batches,
+    make_block,
+    to_device,
+    training_autocast,
+)
 from spec.train.data import Sequences, progress_interval
 from spec.train.dense import draft_forward, target_forward
+from spec.train.replay import Validation, validate
 
 CHECKPOINT_FILE = "checkpoint.pt"
 LOG_FILE = "train_log.jsonl"
@@ -63,63 +71,6 @@ class Schedule:
             "seed": self.seed,
             "max_seq_len": self.max_seq_len,
         }
-
-
-def make_batches(
-    lengths: list[int], tokens_per_batch: int, seed: int, epoch: int
-) -> list[list[int]]:
-    """Sequences grouped by length so that padding stays small, each group at most
-    `tokens_per_batch` padded tokens (a longer sequence goes alone), in an order drawn from
-    (seed, epoch): the same on a resumed run."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        if current and lengths[i] * (len(current) + 1) > tokens_per_batch:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return [batches[j] for j in torch.randperm(len(batches), generator=generator).tolist()]
-
-
-@dataclass
-class Block:
-    """A padded batch: tokens [B, T] on the training device, each row's real length and prompt
-    length on the host (what decides the trained positions, known before any kernel runs)."""
-
-    tokens: torch.Tensor
-    lens: torch.Tensor
-    prompt_lens: torch.Tensor
-
-
-def make_block(data: Sequences, indices: list[int], max_len: int, device: torch.device) -> Block:
-    rows = [data.tokens[i][:max_len] for i in indices]
-    width = max(len(r) for r in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.int64)
-    for b, row in enumerate(rows):
-        tokens[b, : len(row)] = torch.tensor(row)
-    lens = torch.tensor([len(r) for r in rows])
-    prompt_lens = torch.tensor([min(data.prompt_lens[i], max_len) for i in indices])
-    return Block(_to_device(tokens, device), lens, prompt_lens)
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device`, copied from pinned memory without waiting for the device's queue
-    (a step's inputs go over while the previous step still runs)."""
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
-def drafted_positions(block: Block, depth: int) -> torch.Tensor:
-    """[B, T] bool, on the host: where depth `depth` predicts an answer token that exists. At
-    position i it predicts x[i+depth+2], from the target's distribution at i+depth+1."""
-    t = block.tokens.shape[1]
-    label = torch.arange(t, device=block.lens.device)[None, :] + depth + 1
-    return (label >= block.prompt_lens[:, None] - 1) & (label <= block.lens[:, None] - 2)
 
 
 @dataclass
@@ -171,7 +122,7 @@ def distillation_step(
     counts = []
     for d, out in enumerate(outputs):
         # Chosen on the host: no kernel waits for a count of positions.
-        rows = _to_device(drafted_positions(block, d).reshape(-1).nonzero().squeeze(1), device)
+        rows = to_device(drafted_positions(block, d).reshape(-1).nonzero().squeeze(1), device)
         counts.append(rows.numel())
         if rows.numel() == 0:
             continue
@@ -182,89 +133,6 @@ def distillation_step(
         stats[0, d] = loss.detach()
         stats[1, d] = (logits.detach().argmax(-1) == labels.argmax(-1)).float().mean()
     return StepResult(total, stats, counts)
-
-
-@dataclass
-class Validation:
-    """Greedy speculative decoding replayed on held-out answers, teacher-forced: each verify
-    step at chain position i accepts the leading depths whose top-1 equals the target's next
-    tokens, commits those plus the target's bonus token, and the next chain starts after them.
-    On the target's own greedy answers this is the engine's accept length (up to rounding)."""
-
-    accept_length: float  # tokens per verify step, bonus included
-    acceptance: list[float]  # per draft position j: share of verify steps that accepted it
-    depth_accuracy: list[float]  # per depth: top-1 agreement at every answer position
-    verify_steps: int
-    answer_tokens: int
-
-
-@torch.no_grad()
-def validate(
-    draft: MultiLayerEagleDraft,
-    target: LlamaForCausalLM,
-    rotary: RotaryEmbedding,
-    data: Sequences,
-    tokens_per_batch: int,
-    max_seq_len: int,
-    device: torch.device,
-    autocast: bool,
-) -> Validation:
-    k = draft.num_draft_steps
-    # What the engine proposes with: the draft's vocabulary, if it has one.
-    head = DraftHead(target, draft.vocab)
-    max_tokens = data.meta.get("max_tokens") or max(len(t) for t in data.tokens)
-    steps = emitted = 0
-    accepted_at = [0] * k
-    agree, counted = [0] * k, [0] * k
-    for indices in make_batches([len(t) for t in data.tokens], tokens_per_batch, 0, 0):
-        block = make_block(data, indices, max_seq_len, device)
-        with _autocast(device, autocast):
-            target_hidden, _ = target_forward(target, rotary, block.tokens)
-            outputs = draft_forward(draft, target, rotary, block.tokens, target_hidden)
-            preds = [head.argmax(out).view_as(block.tokens) for out in outputs]
-        tokens = block.tokens.tolist()
-        preds_cpu = [p.tolist() for p in preds]
-        for b in range(len(indices)):
-            n, length = int(block.prompt_lens[b]), int(block.lens[b])
-            row = tokens[b]
-            for d in range(k):
-                # depth d at i predicts row[i+d+2], for i+d+2 in the answer
-                for i in range(max(0, n - d - 2), length - d - 2):
-                    agree[d] += preds_cpu[d][b][i] == row[i + d + 2]
-                    counted[d] += 1
-            i = n - 1  # the first chain comes from the prefill, at the prompt's last position
-            while i + 2 <= length - 1:
-                remaining = length - 1 - (i + 1)  # tokens after x[i+1] still to produce
-                # The engine drafts no further than max_tokens leaves room for, and a step with
-                # no room for a draft is a plain decode step, not a verify step.
-                lookahead = min(k, max_tokens - (i + 2 - n) - 1)
-                if lookahead <= 0:
-                    i += 1
-                    continue
-                accepted = 0
-                while accepted < min(lookahead, remaining) and (
-                    preds_cpu[accepted][b][i] == row[i + accepted + 2]
-                ):
-                    accepted += 1
-                # The answer's end cuts a step short, bonus token first (as a stop does).
-                committed = min(accepted + 1, remaining)
-                steps += 1
-                emitted += committed
-                for j in range(min(accepted, committed)):
-                    accepted_at[j] += 1
-                i += committed
-    return Validation(
-        accept_length=emitted / steps if steps else 0.0,
-        acceptance=[a / steps if steps else 0.0 for a in accepted_at],
-        depth_accuracy=[a / c if c else 0.0 for a, c in zip(agree, counted)],
-        verify_steps=steps,
-        answer_tokens=emitted,
-    )
-
-
-def _autocast(device: torch.device, enabled: bool):
-    # bf16 matmuls on GPU with float32 master weights; CPU runs float32 throughout.
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 def learning_rate(schedule: Schedule, step: int, total_steps: int) -> float:
@@ -417,7 +285,7 @@ class DraftTrainer:
                     for group in self.optimizer.param_groups:
                         group["lr"] = lr
                     block = make_block(self.train_data, indices, s.max_seq_len, self.device)
-                    with _autocast(self.device, self.autocast):
+                    with training_autocast(self.device, self.autocast):
                         result = distillation_step(
                             self.draft,
                             self.target,
