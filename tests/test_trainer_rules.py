@@ -119,7 +119,9 @@ def test_replay_of_a_draft_that_is_never_right(monkeypatch) -> None:
 # --- the log: one record per window, each step weighted by its positions ----------------
 
 
-def test_logged_window_weights_each_step_by_its_positions() -> None:
+def test_logged_window_weights_each_step_by_its_positions(monkeypatch) -> None:
+    # The clock is read when the window's figures have come back from the device.
+    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: 10.0)
     records = []
     trainer = SimpleNamespace(
         log=records.append, progress=trainer_module.Progress(step=20, epoch=1, elapsed_s=3.0)
@@ -131,10 +133,11 @@ def test_logged_window_weights_each_step_by_its_positions() -> None:
             ([[1.0, 3.0], [1.0, 0.75]], [10, 30]),
         )
     ]
-    last = trainer_module.DraftTrainer._log_window(trainer, window, 1e-3)
+    last = trainer_module.DraftTrainer._log_window(trainer, window, 1e-3, 4.0)
     (record,) = records
     assert record["loss"] == pytest.approx([(2 * 30 + 1 * 10) / 40, (4 * 10 + 3 * 30) / 40])
     assert record["accuracy"] == pytest.approx([(0.5 * 30 + 10) / 40, (0.25 * 10 + 0.75 * 30) / 40])
     assert record["positions"] == 80
     assert (record["step"], record["epoch"], record["lr"]) == (20, 1, 1e-3)
+    assert record["elapsed_s"] == trainer.progress.elapsed_s == 6.0
     assert last == ([1.0, 3.0], [1.0, 0.75])

@@ -306,7 +306,7 @@ class DraftTrainer:
                     window.append(result)
                     bar.update(1)
                     if self.progress.step % s.log_every == 0 or self.progress.step == total:
-                        losses, accuracies = self._log_window(window, lr)
+                        losses, accuracies = self._log_window(window, lr, started)
                         bar.set_postfix(
                             loss=f"{sum(losses):.3f}",
                             acc="/".join(f"{a:.2f}" for a in accuracies),
@@ -328,10 +328,15 @@ class DraftTrainer:
                 self.save_checkpoint()
         return self.progress
 
-    def _log_window(self, window: list[StepResult], lr: float) -> tuple[list[float], list[float]]:
+    def _log_window(
+        self, window: list[StepResult], lr: float, started: float
+    ) -> tuple[list[float], list[float]]:
         """Log the window's means, each step weighted by its positions; returns the last step's
         losses and agreements. One read of the device for the whole window."""
         stats = torch.stack([r.stats for r in window]).tolist()  # [steps][2][K]
+        # The read waited for the window's steps, so the clock now counts their device time too
+        # (the host runs up to a step ahead of the device between reads).
+        self.progress.elapsed_s = time.perf_counter() - started
         k = len(window[0].num_positions)
         weights = [[r.num_positions[d] for r in window] for d in range(k)]
 
