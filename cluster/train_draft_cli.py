@@ -45,6 +45,7 @@ def run_train_draft(args: argparse.Namespace) -> None:
         generate_only=args.generate_only,
         data_from=tuple(args.data_from or ()),
         evaluate=not args.no_evaluate,
+        compare_drafts=tuple(args.compare_draft or ()),
         progress=not args.no_progress,
     )
     summary = train_draft(config)
@@ -64,13 +65,15 @@ def run_train_draft(args: argparse.Namespace) -> None:
             f"draft vocabulary: {vocab['size']} tokens, "
             f"{vocab['heldout_answer_coverage']:.2%} of held-out answer tokens"
         )
-    for key in ("engine_heldout", "engine_heldout_chains"):
-        engine = summary.get(key)
+    runs = [("", summary.get(key)) for key in ("engine_heldout", "engine_heldout_chains")]
+    runs += [(f", {e['draft']}", e) for e in summary.get("engine_heldout_compared", [])]
+    for which, engine in runs:
         if engine and engine["accept_length"] is not None:
             acceptance = ", ".join(f"{a:.2f}" for a in engine["acceptance"])
             print(
-                f"held-out, engine, {engine['draft_chains']} draft chain(s): accept length "
-                f"{engine['accept_length']:.2f} (acceptance per draft position: {acceptance})"
+                f"held-out, engine{which}, {engine['draft_chains']} draft chain(s): accept "
+                f"length {engine['accept_length']:.2f} (acceptance per draft position: "
+                f"{acceptance})"
             )
 
 
@@ -190,5 +193,12 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-evaluate", action="store_true", help="skip the engine run on held-out prompts"
+    )
+    parser.add_argument(
+        "--compare-draft",
+        action="append",
+        metavar="DIR",
+        help="after the new draft, the engine runs this draft folder (e.g. the shipped one) "
+        "over the same held-out prompts, one chain, for figures from one engine (repeatable)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,12 +20,14 @@ from train_helpers import checkpoint, read_log
 
 from cluster.cli import main
 from engine import LLM
+from engine.errors import ModelLoadError
 from engine.loader import EngineArgs, resolve
 from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.weights import iter_safetensors
 from spec import load_draft
 from spec.batching import Span, extend_batch
+from spec.config import DraftMismatchError
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftInput, DraftSeq
 from spec.train.batches import make_block
@@ -182,26 +185,28 @@ def test_detached_depths_train_on_their_own_loss_alone(predictable_path: Path, d
 # --- 2. training helps, and the trainer's replay is the engine's count ---------------------
 
 
+def trained_config(out: Path, model: Path, **changes) -> TrainDraftConfig:
+    return TrainDraftConfig(
+        out_dir=out,
+        model=str(model),
+        device="cpu",
+        num_prompts=128,
+        num_heldout=8,
+        max_tokens=24,
+        generate_batch=32,
+        schedule=Schedule(epochs=6, tokens_per_batch=2048, log_every=5, checkpoint_every=10),
+        progress=False,
+        save_dtype="float32",
+        # Fewer than the 320 ids: the shipped draft proposes from a vocabulary.
+        draft_vocab_size=DRAFT_VOCAB_SIZE,
+        **changes,
+    )
+
+
 @pytest.fixture(scope="module")
 def trained(predictable_path: Path, tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("trained")
-    summary = train_draft(
-        TrainDraftConfig(
-            out_dir=out,
-            model=str(predictable_path),
-            device="cpu",
-            num_prompts=128,
-            num_heldout=8,
-            max_tokens=24,
-            generate_batch=32,
-            schedule=Schedule(epochs=6, tokens_per_batch=2048, log_every=5, checkpoint_every=10),
-            progress=False,
-            save_dtype="float32",
-            # Fewer than the 320 ids: the shipped draft proposes from a vocabulary.
-            draft_vocab_size=DRAFT_VOCAB_SIZE,
-        )
-    )
-    return out, summary
+    return out, train_draft(trained_config(out, predictable_path))
 
 
 def test_training_raises_the_heldout_accept_length(trained) -> None:
@@ -233,6 +238,39 @@ def test_replay_equals_the_engines_accept_length(trained) -> None:
     chains = summary["engine_heldout_chains"]
     assert chains["draft_chains"] == HELDOUT_CHAINS > 1
     assert chains["acceptance"][0] >= engine["acceptance"][0]
+
+
+def test_a_compared_draft_runs_on_the_same_engine_and_prompts(
+    trained, predictable_path: Path, tmp_path: Path
+) -> None:
+    # The finished run again, in a copy, with its own draft to compare: the same weights on
+    # the same engine and prompts give the same figures, under the compared draft's name.
+    out, summary = trained
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    compared = tmp_path / "compared"
+    shutil.copytree(out / "draft", compared)
+    rerun = train_draft(trained_config(again, predictable_path, compare_drafts=(compared,)))
+    assert rerun["resumed"] and rerun["steps"] == summary["steps"]
+    (result,) = rerun["engine_heldout_compared"]
+    assert result == {"draft": str(compared), **summary["engine_heldout"]}
+    assert result["verify_steps"] > 0
+
+
+def test_a_draft_that_does_not_fit_is_refused_before_any_work(
+    predictable_path: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "other-target"
+    make_tiny_llama(other, seed=3, hidden_size=48)
+    mismatched = tmp_path / "mismatched"
+    make_random_draft(mismatched, other, NUM_DRAFT_STEPS, seed=2)
+    out = tmp_path / "out"
+    for folder, error in ((tmp_path / "missing", ModelLoadError), (mismatched, DraftMismatchError)):
+        with pytest.raises(error, match=str(folder)):
+            train_draft(trained_config(out, predictable_path, compare_drafts=(folder,)))
+        assert not out.exists() or not any(out.iterdir())
+    with pytest.raises(ValueError, match="compare_drafts needs the held-out evaluation"):
+        trained_config(out, predictable_path, compare_drafts=(mismatched,), evaluate=False)
 
 
 def test_saved_draft_loads_with_the_trained_weights(trained, predictable_path: Path) -> None:
@@ -309,6 +347,28 @@ def test_cli_passes_the_depth_settings_to_the_schedule(
         main(cli_args(tmp_path, predictable_path, *flags))
     assert seen[0].schedule.detach_between_depths == detach
     assert seen[0].schedule.depth_loss_decay == decay
+
+
+def test_cli_compares_drafts_only_with_the_evaluation(
+    monkeypatch: pytest.MonkeyPatch, predictable_path: Path, tmp_path: Path, capsys
+) -> None:
+    args = cli_args(tmp_path, predictable_path, "--compare-draft", "a", "--compare-draft", "b")
+    assert main(args) == 2
+    assert "compare_drafts needs the held-out evaluation" in capsys.readouterr().err
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def capture(config: TrainDraftConfig) -> dict:
+        seen.append(config)
+        raise Stop
+
+    monkeypatch.setattr("spec.train.pipeline.train_draft", capture)
+    with pytest.raises(Stop):
+        main([arg for arg in args if arg != "--no-evaluate"])
+    assert seen[0].compare_drafts == (Path("a"), Path("b"))
 
 
 def test_cli_refuses_zero_draft_steps(predictable_path: Path, tmp_path: Path, capsys) -> None:

@@ -33,6 +33,7 @@ from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.request import spec_totals
 from engine.weights import iter_safetensors, model_fingerprint
+from spec.config import DraftConfig, draft_target_config
 from spec.draft_model import MultiLayerEagleDraft, save_draft
 from spec.draft_vocab import choose_draft_vocab, count_tokens, coverage
 from spec.train.data import Sequences
@@ -79,11 +80,21 @@ class TrainDraftConfig:
     # Other output folders whose answer files are trained on too (same target, same max_tokens).
     data_from: tuple[Path, ...] = ()
     evaluate: bool = True
+    # Other draft folders for the same target that the engine runs over the held-out set after
+    # the new draft, in the same process: figures from one engine, where figures from an
+    # earlier run may come from an engine that computed differently.
+    compare_drafts: tuple[Path, ...] = ()
     progress: bool = True
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
         self.data_from = tuple(Path(folder) for folder in self.data_from)
+        self.compare_drafts = tuple(Path(folder) for folder in self.compare_drafts)
+        if self.compare_drafts and (not self.evaluate or self.generate_only):
+            raise ValueError(
+                "compare_drafts needs the held-out evaluation (not with --no-evaluate or "
+                "--generate-only)"
+            )
         places = [folder.resolve() for folder in (self.out_dir, *self.data_from)]
         if len(set(places)) != len(places):
             raise ValueError("data_from must name other folders than out_dir, each once")
@@ -168,6 +179,11 @@ def train_draft(config: TrainDraftConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     args = EngineArgs(model=config.model, device=config.device, dtype=config.dtype)
     spec = resolve(args)
+    # Refused before hours of generating and training, not after.
+    for folder in config.compare_drafts:
+        DraftConfig.load(folder).check_target(
+            draft_target_config(spec.model_config, folder), folder
+        )
     started = time.perf_counter()
     own, held = generate_data(config, args, spec)
     generate_s = time.perf_counter() - started
@@ -259,9 +275,10 @@ def train_draft(config: TrainDraftConfig) -> dict:
             **{
                 k: v
                 for k, v in asdict(config).items()
-                if k not in ("schedule", "out_dir", "data_from")
+                if k not in ("schedule", "out_dir", "data_from", "compare_drafts")
             },
             "data_from": [str(folder) for folder in config.data_from],
+            "compare_drafts": [str(folder) for folder in config.compare_drafts],
             "schedule": asdict(config.schedule),
         },
         "data": data,
@@ -288,6 +305,20 @@ def train_draft(config: TrainDraftConfig) -> dict:
                 dtype=config.dtype,
                 num_draft_chains=chains,
             )
+        summary["engine_heldout_compared"] = [
+            {
+                "draft": str(folder),
+                **evaluate_draft(
+                    config.model,
+                    folder,
+                    heldout_prompts()[: config.num_heldout],
+                    config.max_tokens,
+                    device=config.device,
+                    dtype=config.dtype,
+                ),
+            }
+            for folder in config.compare_drafts
+        ]
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
