@@ -1,7 +1,7 @@
 """Speculative decoding on the offline engine: accept length and tokens/s with and without it,
 side by side in one run.
 
-    python bench/spec.py [--device cpu|cuda] [--model PATH] [--draft-model PATH|random]
+    python bench/spec.py [--device cpu|cuda] [--model PATH] [--draft-model PATH|random ...]
         [--num-draft-chains 1 3] [--trees 4:8 4:12] [--temperature 0.7] [--repeats 3]
         [--requests N] [--continuous]
 
@@ -14,14 +14,16 @@ verifies N draft chains that start with the first depth's N most likely tokens; 
 tree expands TOPK nodes per level, each proposing its TOPK likeliest children, and verifies
 the NODES likeliest. The draft is the shipped default draft for the default model unless
 --draft-model names one; `--draft-model random` makes an untrained one, which shows the cost of
-speculating and nothing else. Each engine runs --repeats passes, alternating with the others;
-the table shows median tokens/s and the range of pass-against-pass speedups. A pass runs its
-requests (`--requests`, the held-out prompts in turn) in waves of BATCH, each wave finished
-before the next, so the request that accepts least sets a wave's length; with --continuous it
-submits them all at once to engines built with max_num_seqs=BATCH, which admit a request
-whenever one finishes, as a server under steady load does. Prints a table
-and rewrites the "Speculative decoding (DEVICE)" section of docs/BENCHMARKS.md (raw figures
-in docs/bench/spec_DEVICE.json)."""
+speculating and nothing else. Several --draft-model values (`shipped` names the shipped draft)
+each get those engines, and the table gains a draft column: drafts compared side by side in one
+run, each with its own number of depths unless --num-draft-steps sets one for all. Each engine
+runs --repeats passes, alternating with the others; the table shows median tokens/s and the
+range of pass-against-pass speedups. A pass runs its requests (`--requests`, the held-out
+prompts in turn) in waves of BATCH, each wave finished before the next, so the request that
+accepts least sets a wave's length; with --continuous it submits them all at once to engines
+built with max_num_seqs=BATCH, which admit a request whenever one finishes, as a server under
+steady load does. Prints a table and rewrites the "Speculative decoding (DEVICE)" section of
+docs/BENCHMARKS.md (raw figures in docs/bench/spec_DEVICE.json)."""
 
 from __future__ import annotations
 
@@ -93,8 +95,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default=None)
-    parser.add_argument("--draft-model", default=None, help="a draft folder, or 'random'")
-    parser.add_argument("--num-draft-steps", type=int, default=3)
+    parser.add_argument(
+        "--draft-model",
+        nargs="+",
+        default=None,
+        help="draft folders, 'shipped' or 'random' (an untrained one); several are compared "
+        "side by side (default: the shipped draft)",
+    )
+    parser.add_argument(
+        "--num-draft-steps",
+        type=int,
+        default=None,
+        help="draft depths used (default: all each draft has; 3 for a random draft)",
+    )
     parser.add_argument(
         "--num-draft-chains",
         type=int,
@@ -147,25 +160,29 @@ def main(argv: list[str] | None = None) -> None:
         # Waves share one set of engines; continuous batching needs max_num_seqs = the batch.
         sizes = [[b] for b in args.batch_sizes] if args.continuous else [args.batch_sizes]
         for group in sizes:
-            plain, speculative, draft_name = build_engines(args, shapes, max(group), Path(scratch))
+            plain, speculative, names = build_engines(args, shapes, max(group), Path(scratch))
             texts = [plain.apply_chat_template(c) for c in heldout_prompts()[: args.prompts]]
             prompts = [texts[i % len(texts)] for i in range(args.requests or len(texts))]
             for batch in group:
-                rows += measure(args, plain, speculative, prompts, batch)
+                rows += measure(args, plain, speculative, names, prompts, batch)
             del plain, speculative
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+    several = len({r["draft"] for r in rows}) > 1
     lines = [
-        "| batch | drafts | plain tokens/s | speculative tokens/s | speedup | speedup range "
+        "| batch | " + ("draft | " if several else "") + "drafts | plain tokens/s | "
+        "speculative tokens/s | speedup | speedup range "
         "| accept length | acceptance per draft position | identical output |",
-        "| ---: | :--- | ---: | ---: | ---: | :--- | ---: | :--- | :---: |",
+        "| ---: | " + (":--- | " if several else "") + ":--- | ---: | ---: | ---: | :--- | ---: "
+        "| :--- | :---: |",
     ]
     for r in rows:
         acceptance = ", ".join(f"{a:.2f}" for a in r["acceptance"])
         same = {None: "sampled", True: "yes", False: "NO"}[r["identical"]]
+        draft = f"{r['draft']} | " if several else ""
         lines.append(
-            f"| {r['batch']} | {r['drafts']} | {r['plain_tok_s']:.1f} | "
+            f"| {r['batch']} | {draft}{r['drafts']} | {r['plain_tok_s']:.1f} | "
             f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {_range(r)} | "
             f"{r['accept_length']:.2f} | "
             f"{acceptance} | {same} |"
@@ -179,8 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device).type
     where = device_description(args.device)
     body = (
-        f"Command: `{command.strip()}` (default model, {where}, K = {args.num_draft_steps} "
-        f"draft depths from {draft_name}, {_workload(args, len(prompts))}, "
+        f"Command: `{command.strip()}` (default model, {where}, {_drafts(rows)}, "
+        f"{_workload(args, len(prompts))}, "
         f"{sampling}, at most {args.max_tokens} new tokens, stopping at EOS; tokens/s: the median "
         f"of {args.repeats} passes per engine, the engines alternating).\n\n" + table + "\n\n"
         "Accept length: tokens per verify step, bonus token included. Acceptance per draft "
@@ -199,39 +216,53 @@ def main(argv: list[str] | None = None) -> None:
 
 def build_engines(
     args: argparse.Namespace, shapes: list[dict], max_num_seqs: int, scratch: Path
-) -> tuple[LLM, list[LLM], str]:
-    """The plain engine, one speculative engine per draft shape, and the draft's description."""
+) -> tuple[LLM, list[LLM], list[str]]:
+    """The plain engine, one speculative engine per draft and draft shape (draft by draft), and
+    each speculative engine's draft name."""
     common = {"device": args.device, "max_num_seqs": max_num_seqs}
     plain = LLM(args.model, **common)
-    if args.draft_model == "random":
-        draft = scratch / "draft"
-        if not draft.exists():
-            random_draft(plain, args.num_draft_steps, draft)
-        draft_name = "a random (untrained) draft"
-    elif args.draft_model is not None:
-        draft, draft_name = Path(args.draft_model), args.draft_model
-    elif args.model is None and default_draft_path() is not None:
-        draft, draft_name = default_draft_path(), "the shipped default draft"
-    else:
-        sys.exit("bench/spec.py: --draft-model is needed for a model without a shipped draft")
-    speculative = [
-        LLM(
-            args.model,
-            **common,
-            speculative_algorithm="multi-layer-eagle",
-            draft_model=draft,
-            num_draft_steps=args.num_draft_steps,
-            **shape,
-        )
-        for shape in shapes
-    ]
-    return plain, speculative, draft_name
+    speculative, names = [], []
+    for draft, name in _drafts_of(args, plain, scratch):
+        for shape in shapes:
+            speculative.append(
+                LLM(
+                    args.model,
+                    **common,
+                    speculative_algorithm="multi-layer-eagle",
+                    draft_model=draft,
+                    num_draft_steps=args.num_draft_steps,
+                    **shape,
+                )
+            )
+            names.append(name)
+    return plain, speculative, names
+
+
+def _drafts_of(args: argparse.Namespace, plain: LLM, scratch: Path) -> list[tuple[Path, str]]:
+    """Each --draft-model value's folder and name: a random draft is made once in `scratch`."""
+    drafts = []
+    for value in args.draft_model or ["shipped"]:
+        if value == "random":
+            folder = scratch / "draft"
+            if not folder.exists():
+                random_draft(plain, args.num_draft_steps or 3, folder)
+            drafts.append((folder, "a random (untrained) draft"))
+        elif value == "shipped":
+            if args.model is not None or default_draft_path() is None:
+                sys.exit(
+                    "bench/spec.py: --draft-model is needed for a model without a shipped draft"
+                )
+            drafts.append((default_draft_path(), "the shipped default draft"))
+        else:
+            drafts.append((Path(value), value))
+    return drafts
 
 
 def measure(
     args: argparse.Namespace,
     plain: LLM,
     speculative: list[LLM],
+    names: list[str],
     prompts: list[list[int]],
     batch: int,
 ) -> list[dict]:
@@ -245,11 +276,13 @@ def measure(
             )
     base, plain_tok_s = passes[0][0], median(r["tok_s"] for r in passes[0])
     rows = []
-    for llm, runs in zip(speculative, passes[1:]):
+    for llm, name, runs in zip(speculative, names, passes[1:]):
         spec, spec_tok_s = runs[0], median(r["tok_s"] for r in runs)
         rows.append(
             {
                 "batch": batch,
+                "draft": name,
+                "num_draft_steps": llm.engine.speculator.num_draft_steps,
                 "drafts": _shape_name(llm),
                 "plain_tok_s": plain_tok_s,
                 "spec_tok_s": spec_tok_s,
@@ -263,6 +296,12 @@ def measure(
             }
         )
     return rows
+
+
+def _drafts(rows: list[dict]) -> str:
+    """The drafts the rows ran, with their depths, for the section's opening line."""
+    drafts = dict.fromkeys((r["draft"], r["num_draft_steps"]) for r in rows)
+    return "; ".join(f"K = {k} draft depths from {name}" for name, k in drafts)
 
 
 def _workload(args: argparse.Namespace, requests: int) -> str:

@@ -29,3 +29,35 @@ def test_a_pass_submits_waves_or_every_request_at_once(monkeypatch, capsys, cont
     assert calls == per_engine * 2
     row = capsys.readouterr().out.strip().splitlines()[-1]
     assert row.startswith("| 2 | 1 chain |") and row.endswith("| yes |")
+
+
+def test_several_drafts_are_compared_side_by_side(monkeypatch, capsys) -> None:
+    engines: list[int] = []  # id of the engine of each pass, warm-ups left out
+    generate = spec_bench.LLM.generate
+
+    def recording(llm, prompts, params, *args, **kwargs):
+        if isinstance(params, list):
+            engines.append(id(llm))
+        return generate(llm, prompts, params, *args, **kwargs)
+
+    monkeypatch.setattr(spec_bench.LLM, "generate", recording)
+    spec_bench.main(ARGS + ["--repeats", "2", "--draft-model", "shipped", "random"])
+    # Plain, then one engine per draft, alternating pass by pass: three waves a pass.
+    passes = [engines[i : i + 3] for i in range(0, len(engines), 3)]
+    assert len(passes) == 6 and len(set(map(tuple, passes))) == 3
+    assert passes[:3] == passes[3:]
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-4].startswith("| batch | draft | drafts |")
+    shipped, random = lines[-2], lines[-1]
+    assert shipped.startswith("| 2 | the shipped default draft | 1 chain |")
+    assert random.startswith("| 2 | a random (untrained) draft | 1 chain |")
+    assert shipped.endswith("| yes |") and random.endswith("| yes |")
+
+
+def test_the_section_names_each_draft_and_its_depths() -> None:
+    rows = [
+        {"draft": "a", "num_draft_steps": 3},
+        {"draft": "a", "num_draft_steps": 3},
+        {"draft": "b", "num_draft_steps": 4},
+    ]
+    assert spec_bench._drafts(rows) == "K = 3 draft depths from a; K = 4 draft depths from b"
