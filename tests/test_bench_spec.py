@@ -8,6 +8,9 @@ from __future__ import annotations
 import pytest
 
 from bench import spec as spec_bench
+from engine.default_model import default_model_path
+from engine.loader import EngineArgs, resolve
+from spec.draft_model import MultiLayerEagleDraft, save_draft
 
 ARGS = ["--prompts", "3", "--requests", "5", "--batch-sizes", "2", "--max-tokens", "6",
         "--repeats", "1", "--no-write"]  # fmt: skip
@@ -31,8 +34,14 @@ def test_a_pass_submits_waves_or_every_request_at_once(monkeypatch, capsys, cont
     assert row.startswith("| 2 | 1 chain |") and row.endswith("| yes |")
 
 
-def test_several_drafts_are_compared_side_by_side(monkeypatch, capsys) -> None:
-    engines: list[int] = []  # id of the engine of each pass, warm-ups left out
+def test_several_drafts_are_compared_side_by_side(monkeypatch, capsys, tmp_path) -> None:
+    # The shipped draft, named with the default model given as a folder, and a two-depth
+    # draft, which runs its own two depths: no --num-draft-steps.
+    model = default_model_path()
+    two_depths = tmp_path / "two-depths"
+    config = resolve(EngineArgs(model=str(model), device="cpu")).model_config
+    save_draft(two_depths, MultiLayerEagleDraft(config, 2), model.name)
+    engines: list[int] = []  # the engine of each wave, warm-ups left out
     generate = spec_bench.LLM.generate
 
     def recording(llm, prompts, params, *args, **kwargs):
@@ -41,17 +50,20 @@ def test_several_drafts_are_compared_side_by_side(monkeypatch, capsys) -> None:
         return generate(llm, prompts, params, *args, **kwargs)
 
     monkeypatch.setattr(spec_bench.LLM, "generate", recording)
-    spec_bench.main(ARGS + ["--repeats", "2", "--draft-model", "shipped", "random"])
+    drafts = ["--model", str(model), "--draft-model", "shipped", str(two_depths)]
+    spec_bench.main(ARGS + ["--repeats", "2"] + drafts)
     # Plain, then one engine per draft, alternating pass by pass: three waves a pass.
-    passes = [engines[i : i + 3] for i in range(0, len(engines), 3)]
-    assert len(passes) == 6 and len(set(map(tuple, passes))) == 3
+    passes = [tuple(engines[i : i + 3]) for i in range(0, len(engines), 3)]
+    assert len(passes) == 6 and len(set(passes)) == 3
     assert passes[:3] == passes[3:]
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-4].startswith("| batch | draft | drafts |")
-    shipped, random = lines[-2], lines[-1]
-    assert shipped.startswith("| 2 | the shipped default draft | 1 chain |")
-    assert random.startswith("| 2 | a random (untrained) draft | 1 chain |")
-    assert shipped.endswith("| yes |") and random.endswith("| yes |")
+    shipped, two = (line.split(" | ") for line in lines[-2:])
+    assert shipped[1:3] == ["the shipped default draft", "1 chain"]
+    assert two[1:3] == [str(two_depths), "1 chain"]
+    # Acceptance per draft position: one figure a depth.
+    assert (len(shipped[-2].split(", ")), len(two[-2].split(", "))) == (3, 2)
+    assert shipped[-1] == two[-1] == "yes |"
 
 
 def test_the_section_names_each_draft_and_its_depths() -> None:

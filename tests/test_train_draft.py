@@ -27,7 +27,6 @@ from engine.models.rope import RotaryEmbedding
 from engine.weights import iter_safetensors
 from spec import load_draft
 from spec.batching import Span, extend_batch
-from spec.config import DraftMismatchError
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_runner import DraftInput, DraftSeq
 from spec.train.batches import make_block
@@ -264,12 +263,19 @@ def test_a_draft_that_does_not_fit_is_refused_before_any_work(
     make_tiny_llama(other, seed=3, hidden_size=48)
     mismatched = tmp_path / "mismatched"
     make_random_draft(mismatched, other, NUM_DRAFT_STEPS, seed=2)
+    weightless = tmp_path / "weightless"
+    make_random_draft(weightless, predictable_path, NUM_DRAFT_STEPS, seed=2)
+    (weightless / "model.safetensors").unlink()
     out = tmp_path / "out"
-    for folder, error in ((tmp_path / "missing", ModelLoadError), (mismatched, DraftMismatchError)):
-        with pytest.raises(error, match=str(folder)):
+    for folder, reason in (
+        (tmp_path / "missing", "config"),
+        (mismatched, "does not fit the target"),
+        (weightless, "could not read draft weights"),
+    ):
+        with pytest.raises(ModelLoadError, match=f"--compare-draft {folder}: .*{reason}"):
             train_draft(trained_config(out, predictable_path, compare_drafts=(folder,)))
         assert not out.exists() or not any(out.iterdir())
-    with pytest.raises(ValueError, match="compare_drafts needs the held-out evaluation"):
+    with pytest.raises(ValueError, match="needs the held-out evaluation"):
         trained_config(out, predictable_path, compare_drafts=(mismatched,), evaluate=False)
 
 
@@ -354,7 +360,7 @@ def test_cli_compares_drafts_only_with_the_evaluation(
 ) -> None:
     args = cli_args(tmp_path, predictable_path, "--compare-draft", "a", "--compare-draft", "b")
     assert main(args) == 2
-    assert "compare_drafts needs the held-out evaluation" in capsys.readouterr().err
+    assert "--compare-draft) needs the held-out evaluation" in capsys.readouterr().err
 
     class Stop(Exception):
         pass

@@ -28,13 +28,14 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
+from engine.errors import ModelLoadError
 from engine.loader import EngineArgs, resolve
 from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.request import spec_totals
 from engine.weights import iter_safetensors, model_fingerprint
-from spec.config import DraftConfig, draft_target_config
-from spec.draft_model import MultiLayerEagleDraft, save_draft
+from spec.config import draft_target_config
+from spec.draft_model import MultiLayerEagleDraft, load_draft, save_draft
 from spec.draft_vocab import choose_draft_vocab, count_tokens, coverage
 from spec.train.data import Sequences
 from spec.train.generate import generate_data, load_data_from
@@ -92,8 +93,8 @@ class TrainDraftConfig:
         self.compare_drafts = tuple(Path(folder) for folder in self.compare_drafts)
         if self.compare_drafts and (not self.evaluate or self.generate_only):
             raise ValueError(
-                "compare_drafts needs the held-out evaluation (not with --no-evaluate or "
-                "--generate-only)"
+                "compare_drafts (--compare-draft) needs the held-out evaluation: not with "
+                "--no-evaluate or --generate-only"
             )
         places = [folder.resolve() for folder in (self.out_dir, *self.data_from)]
         if len(set(places)) != len(places):
@@ -179,11 +180,15 @@ def train_draft(config: TrainDraftConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     args = EngineArgs(model=config.model, device=config.device, dtype=config.dtype)
     spec = resolve(args)
-    # Refused before hours of generating and training, not after.
+    # Loaded once here (on the CPU) so that a draft that cannot run is refused before hours of
+    # generating and training, not after.
     for folder in config.compare_drafts:
-        DraftConfig.load(folder).check_target(
-            draft_target_config(spec.model_config, folder), folder
-        )
+        try:
+            load_draft(
+                folder, draft_target_config(spec.model_config, folder), None, "cpu", torch.float32
+            )
+        except ModelLoadError as err:
+            raise ModelLoadError(f"--compare-draft {folder}: {err}") from err
     started = time.perf_counter()
     own, held = generate_data(config, args, spec)
     generate_s = time.perf_counter() - started
@@ -305,6 +310,8 @@ def train_draft(config: TrainDraftConfig) -> dict:
                 dtype=config.dtype,
                 num_draft_chains=chains,
             )
+        # Saved before the compared drafts run: the new draft's figures stay if one of them fails.
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         summary["engine_heldout_compared"] = [
             {
                 "draft": str(folder),
