@@ -331,14 +331,9 @@ def test_cli_trains_a_draft(predictable_path: Path, tmp_path: Path, capsys) -> N
     assert "aux_layers" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "flags, detach, decay",
-    [([], False, 1.0), (["--detach-between-depths", "--depth-loss-decay", "0.8"], True, 0.8)],
-    ids=["defaults", "given"],
-)
-def test_cli_passes_the_depth_settings_to_the_schedule(
-    monkeypatch: pytest.MonkeyPatch, predictable_path: Path, tmp_path: Path, flags, detach, decay
-) -> None:
+def config_from_cli(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> TrainDraftConfig:
+    """The config the CLI hands to train_draft, which is stopped there."""
+
     class Stop(Exception):
         pass
 
@@ -350,9 +345,21 @@ def test_cli_passes_the_depth_settings_to_the_schedule(
 
     monkeypatch.setattr("spec.train.pipeline.train_draft", capture)
     with pytest.raises(Stop):
-        main(cli_args(tmp_path, predictable_path, *flags))
-    assert seen[0].schedule.detach_between_depths == detach
-    assert seen[0].schedule.depth_loss_decay == decay
+        main(argv)
+    return seen[0]
+
+
+@pytest.mark.parametrize(
+    "flags, detach, decay",
+    [([], False, 1.0), (["--detach-between-depths", "--depth-loss-decay", "0.8"], True, 0.8)],
+    ids=["defaults", "given"],
+)
+def test_cli_passes_the_depth_settings_to_the_schedule(
+    monkeypatch: pytest.MonkeyPatch, predictable_path: Path, tmp_path: Path, flags, detach, decay
+) -> None:
+    config = config_from_cli(monkeypatch, cli_args(tmp_path, predictable_path, *flags))
+    assert config.schedule.detach_between_depths == detach
+    assert config.schedule.depth_loss_decay == decay
 
 
 def test_cli_compares_drafts_only_with_the_evaluation(
@@ -362,19 +369,8 @@ def test_cli_compares_drafts_only_with_the_evaluation(
     assert main(args) == 2
     assert "--compare-draft) needs the held-out evaluation" in capsys.readouterr().err
 
-    class Stop(Exception):
-        pass
-
-    seen = []
-
-    def capture(config: TrainDraftConfig) -> dict:
-        seen.append(config)
-        raise Stop
-
-    monkeypatch.setattr("spec.train.pipeline.train_draft", capture)
-    with pytest.raises(Stop):
-        main([arg for arg in args if arg != "--no-evaluate"])
-    assert seen[0].compare_drafts == (Path("a"), Path("b"))
+    config = config_from_cli(monkeypatch, [arg for arg in args if arg != "--no-evaluate"])
+    assert config.compare_drafts == (Path("a"), Path("b"))
 
 
 def test_cli_refuses_zero_draft_steps(predictable_path: Path, tmp_path: Path, capsys) -> None:

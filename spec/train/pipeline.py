@@ -214,7 +214,7 @@ def train_draft(config: TrainDraftConfig) -> dict:
         data["data_from_conversations"] = len(train) - len(own)
     if config.generate_only:
         summary = {"model": str(spec.path), "data": data, "generate_s": round(generate_s, 1)}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _write_summary(out, summary)
         return summary
 
     engine_config = dataclasses.replace(spec.engine_config, cpu_packed_linear=False)
@@ -299,35 +299,32 @@ def train_draft(config: TrainDraftConfig) -> dict:
     }
     if config.evaluate:
         del trainer, target
-        # The chain alone, then with alternative chains (`--num-draft-chains`).
-        for key, chains in (("engine_heldout", 1), ("engine_heldout_chains", HELDOUT_CHAINS)):
-            summary[key] = evaluate_draft(
+
+        def heldout(draft: Path, chains: int = 1) -> dict:
+            return evaluate_draft(
                 config.model,
-                draft_dir,
+                draft,
                 heldout_prompts()[: config.num_heldout],
                 config.max_tokens,
                 device=config.device,
                 dtype=config.dtype,
                 num_draft_chains=chains,
             )
+
+        # The chain alone, then with alternative chains (`--num-draft-chains`).
+        summary["engine_heldout"] = heldout(draft_dir)
+        summary["engine_heldout_chains"] = heldout(draft_dir, HELDOUT_CHAINS)
         # Saved before the compared drafts run: the new draft's figures stay if one of them fails.
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _write_summary(out, summary)
         summary["engine_heldout_compared"] = [
-            {
-                "draft": str(folder),
-                **evaluate_draft(
-                    config.model,
-                    folder,
-                    heldout_prompts()[: config.num_heldout],
-                    config.max_tokens,
-                    device=config.device,
-                    dtype=config.dtype,
-                ),
-            }
-            for folder in config.compare_drafts
+            {"draft": str(folder), **heldout(folder)} for folder in config.compare_drafts
         ]
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _write_summary(out, summary)
     return summary
+
+
+def _write_summary(out: Path, summary: dict) -> None:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _draft_vocab(
