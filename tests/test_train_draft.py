@@ -147,7 +147,9 @@ def test_distillation_step_scores_each_depth_on_its_answer_positions(
                     losses.append(-(torch.softmax(labels, -1) * log_p).sum())
                     agreements.append(float(logits[b, i].argmax() == labels.argmax()))
         assert result.num_positions[d] == len(losses)
-        assert result.depth_loss[d] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)
+        assert result.depth_loss[d] == pytest.approx(
+            float(torch.stack(losses).mean().detach()), rel=1e-5
+        )
         assert result.depth_accuracy[d] == pytest.approx(sum(agreements) / len(agreements))
     assert float(result.loss) == pytest.approx(sum(result.depth_loss), rel=1e-5)
     with torch.no_grad():
