@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import spec.default_draft as default_draft
 from engine import LLM
 from engine.loader import EngineArgs, resolve
-from spec import draft_target_config, load_draft, resolve_draft_model
+from spec import load_draft, resolve_draft_model
 
 
 def test_an_explicit_draft_wins() -> None:
@@ -37,9 +37,10 @@ def test_the_shipped_draft_fits_the_embedded_model() -> None:
         pytest.skip("the package was installed without the shipped draft")
     weights = shipped / "model.safetensors"
     assert weights.stat().st_size <= 32 * 10**6
-    # As an engine speculating with it does: the target's config derived from the draft (the
-    # layers its depth 0 reads).
-    target = draft_target_config(resolve(EngineArgs(device="cpu")).model_config, shipped)
+    # The target's config as an engine speculating on the default model resolves it: with the
+    # layers the shipped draft's depth 0 reads.
+    args = EngineArgs(device="cpu", speculative_algorithm="multi-layer-eagle")
+    target = resolve(args).model_config
     draft = load_draft(shipped, target, None, "cpu", torch.float32)
     assert draft.num_draft_steps >= 3
     dtypes = {t.dtype for name, t in load_file(str(weights)).items() if name != "draft_vocab"}
