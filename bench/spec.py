@@ -2,7 +2,8 @@
 side by side in one run.
 
     python bench/spec.py [--device cpu|cuda] [--model PATH] [--draft-model PATH|shipped|random ...]
-        [--num-draft-chains 1 3] [--trees 4:8 4:12] [--temperature 0.7] [--repeats 3]
+        [--num-draft-chains 1 3] [--trees 4:8 4:12] [--draft-vocab draft full]
+        [--temperature 0.7] [--repeats 3]
         [--requests N] [--continuous]
 
 Plain decoding and one speculative engine per --num-draft-chains value and per --trees
@@ -16,9 +17,10 @@ the NODES likeliest. The draft is the shipped default draft for the default mode
 --draft-model names one; `--draft-model random` makes an untrained one, which shows the cost of
 speculating and nothing else. Several --draft-model values (`shipped` names the shipped draft)
 each get those engines, and the table gains a draft column: drafts compared side by side in one
-run, each with its own number of depths unless --num-draft-steps sets one for all. Each engine
-runs --repeats passes, alternating with the others; the table shows median tokens/s and the
-range of pass-against-pass speedups. A pass runs its requests (`--requests`, the held-out
+run, each with its own number of depths unless --num-draft-steps sets one for all. So do several
+--draft-vocab values: a draft proposing from its folder's vocabulary, then from the whole one.
+Each engine runs --repeats passes, alternating with the others; the table shows median tokens/s
+and the range of pass-against-pass speedups. A pass runs its requests (`--requests`, the held-out
 prompts in turn) in waves of BATCH, each wave finished before the next, so the request that
 accepts least sets a wave's length; with --continuous it submits them all at once to engines
 built with max_num_seqs=BATCH, which admit a request whenever one finishes, as a server under
@@ -121,6 +123,14 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         metavar="TOPK:NODES",
         help="one speculative engine per draft tree shape, e.g. 4:8",
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        nargs="+",
+        choices=("draft", "full"),
+        default=[None],
+        help="one speculative engine per value: proposals from the draft folder's vocabulary "
+        "or the target's whole one (default: the engine's default for the device)",
     )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -232,20 +242,29 @@ def build_engines(
     common = {"device": args.device, "max_num_seqs": max_num_seqs}
     plain = LLM(args.model, **common)
     speculative, names = [], []
+    vocabs = list(dict.fromkeys(args.draft_vocab))
     for draft, name in _drafts_of(args, plain, scratch):
-        for shape in shapes:
-            speculative.append(
-                LLM(
+        for vocab in vocabs:
+            for shape in shapes:
+                llm = LLM(
                     args.model,
                     **common,
                     speculative_algorithm="multi-layer-eagle",
                     draft_model=draft,
                     num_draft_steps=args.num_draft_steps,
+                    draft_vocab=vocab,
                     **shape,
                 )
-            )
-            names.append(name)
+                speculative.append(llm)
+                names.append(name + _vocab_name(llm) if len(vocabs) > 1 else name)
     return plain, speculative, names
+
+
+def _vocab_name(llm: LLM) -> str:
+    head = llm.engine.speculator.head
+    if head.vocab is None:
+        return ", whole vocabulary"
+    return f", {head.vocab.numel():,}-token vocabulary"
 
 
 def _drafts_of(args: argparse.Namespace, plain: LLM, scratch: Path) -> list[tuple[Path, str]]:

@@ -148,6 +148,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "draft depths; needs --speculative-topk >= 2)",
     )
     parser.add_argument(
+        "--draft-vocab",
+        choices=("draft", "full"),
+        default=None,
+        help="tokens a draft may propose: 'draft', the vocabulary its folder ships (a smaller "
+        "LM head, which a CPU needs); 'full', the target's whole vocabulary (longer accepts); "
+        "default: full on a GPU, draft on a CPU",
+    )
+    parser.add_argument(
         "--debug-tensor-dump-dir",
         type=os.path.abspath,
         default=None,

@@ -35,6 +35,7 @@ def engine_args(args: argparse.Namespace):
         num_draft_chains=args.num_draft_chains,
         speculative_topk=args.speculative_topk,
         num_draft_tokens=args.num_draft_tokens,
+        draft_vocab=args.draft_vocab,
         debug_tensor_dump_dir=args.debug_tensor_dump_dir,
         debug_tensor_dump_layers=args.debug_tensor_dump_layers,
     )

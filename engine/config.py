@@ -171,6 +171,9 @@ class EngineConfig:
     # MAX_DRAFT_TREE_TOKENS); 1: chains.
     speculative_topk: int = 1
     num_draft_tokens: int = 0
+    # A draft that ships a vocabulary proposes from it ("draft") or from the target's whole
+    # vocabulary ("full"); a draft without one always uses the whole vocabulary.
+    draft_vocab: str = "draft"
     # float32 linear layers on CPU run through oneDNN with prepacked weights (see cpu_linear.py).
     cpu_packed_linear: bool = True
     # Set by --debug-tensor-dump-dir: where this engine's forward passes are dumped.
@@ -200,6 +203,8 @@ class EngineConfig:
         check_draft_tree(
             self.speculative_topk, self.num_draft_tokens or None, self.num_draft_chains
         )
+        if self.draft_vocab not in ("draft", "full"):
+            raise ValueError(f"draft_vocab must be 'draft' or 'full', got {self.draft_vocab!r}")
 
     @property
     def draft_request_rows(self) -> int:

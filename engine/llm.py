@@ -49,6 +49,7 @@ class LLM:
         num_draft_chains: int | None = None,
         speculative_topk: int | None = None,
         num_draft_tokens: int | None = None,
+        draft_vocab: str | None = None,
         debug_tensor_dump_dir: str | os.PathLike | None = None,
         debug_tensor_dump_layers: Sequence[int] | None = None,
         enable_tracing: bool = False,
@@ -62,6 +63,9 @@ class LLM:
         With `speculative_topk` k > 1 every request drafts a token tree instead (spec/tree.py):
         each expanded node proposes its k likeliest children, k nodes are expanded per level,
         and the `num_draft_tokens` likeliest nodes (default k x depths) are verified at once.
+        `draft_vocab`: "draft" proposes only from the vocabulary a draft folder ships (fewer
+        LM-head rows a depth, which a CPU needs), "full" from the target's whole vocabulary
+        (longer accepts); default: "full" on a GPU, "draft" elsewhere.
         `debug_tensor_dump_dir` dumps every forward pass (engine/debug_dump.py) under
         DIR/offline/<target|draft-N>/rank0/, keeping only `debug_tensor_dump_layers` if given.
         Prompts longer than `chunked_prefill_size` tokens are prefilled in chunks of it, between
@@ -102,6 +106,7 @@ class LLM:
             num_draft_chains=num_draft_chains,
             speculative_topk=speculative_topk,
             num_draft_tokens=num_draft_tokens,
+            draft_vocab=draft_vocab,
             debug_tensor_dump_dir=model_path_arg(debug_tensor_dump_dir),
             debug_tensor_dump_layers=(
                 None if debug_tensor_dump_layers is None else tuple(debug_tensor_dump_layers)

@@ -28,6 +28,11 @@ DEFAULT_GPU_KV_FRACTION = 0.8
 # against the long prompt's own. A GPU prefills a chunk in a few milliseconds of which the
 # eager forward's launches are a fixed part, so small chunks cost it more than a CPU.
 DEFAULT_CHUNKED_PREFILL_SIZE = {"cpu": 2048, "cuda": 4096}
+DRAFT_VOCAB_CHOICES = ("draft", "full")
+# docs/BENCHMARKS.md, "The whole vocabulary on a GPU": a CPU pays for every row of the LM head a
+# depth reads, so it keeps a draft's smaller vocabulary; a GPU reads the whole head in about the
+# same time and accepts more with it.
+DRAFT_VOCAB_DEFAULT = {"cpu": "draft", "cuda": "full"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,10 @@ class EngineArgs:
     # nodes verified (default: topk x the draft's depths).
     speculative_topk: int | None = None
     num_draft_tokens: int | None = None
+    # The tokens each draft depth may propose (spec/draft_vocab.py): "draft", the vocabulary
+    # its folder ships (if any); "full", the target's whole vocabulary; None: DRAFT_VOCAB_DEFAULT
+    # for the device.
+    draft_vocab: str | None = None
     # Debugging (engine/debug_dump.py): every module's output per forward pass, under
     # DIR/<node>/<target|draft-N>/rank0/. Give an absolute path to a cluster: each node resolves
     # a relative one in its own working directory. Layers: the target decoder layers kept.
@@ -97,6 +106,14 @@ class EngineArgs:
                 )
             topk = 1 if self.speculative_topk is None else self.speculative_topk
             check_draft_tree(topk, self.num_draft_tokens, self.num_draft_chains)
+        if self.draft_vocab is not None:
+            if self.draft_vocab not in DRAFT_VOCAB_CHOICES:
+                raise ValueError(
+                    f"draft_vocab must be one of {', '.join(DRAFT_VOCAB_CHOICES)}, "
+                    f"got {self.draft_vocab!r}"
+                )
+            if self.speculative_algorithm is None:
+                raise ValueError("draft_vocab needs a speculative_algorithm")
         if self.debug_tensor_dump_layers is not None and self.debug_tensor_dump_dir is None:
             raise ValueError("debug_tensor_dump_layers needs debug_tensor_dump_dir")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
@@ -166,6 +183,7 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
         num_draft_chains=_draft_chains(args),
         speculative_topk=args.speculative_topk or 1,
         num_draft_tokens=args.num_draft_tokens or 0,
+        draft_vocab=args.draft_vocab or DRAFT_VOCAB_DEFAULT.get(torch.device(device).type, "draft"),
         tensor_dump=tensor_dump_config(
             args.debug_tensor_dump_dir,
             args.debug_tensor_dump_layers,

@@ -40,6 +40,10 @@ def build_speculator(
     draft = load_draft(
         draft_model, runner.model_config, num_draft_steps, config.device, config.dtype
     )
+    if config.draft_vocab == "full":
+        # The depths were trained against the whole head; a shipped vocabulary only narrows
+        # what they may propose, to save the head's other rows.
+        draft.vocab = None
     return MultiLayerEagleWorker(runner, draft)
 
 

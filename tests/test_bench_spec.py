@@ -73,3 +73,13 @@ def test_the_section_names_each_draft_and_its_depths() -> None:
         {"draft": "b", "num_draft_steps": 4},
     ]
     assert spec_bench._drafts(rows) == "K = 3 draft depths from a; K = 4 draft depths from b"
+
+
+def test_the_draft_vocabularies_are_compared_side_by_side(capsys) -> None:
+    spec_bench.main(ARGS + ["--draft-vocab", "draft", "full"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-4].startswith("| batch | draft | drafts |")
+    own, whole = (line.split(" | ") for line in lines[-2:])
+    assert own[1] == "the shipped default draft, 8,192-token vocabulary"
+    assert whole[1] == "the shipped default draft, whole vocabulary"
+    assert own[-1] == whole[-1] == "yes |"

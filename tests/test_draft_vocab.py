@@ -13,8 +13,10 @@ from safetensors.torch import load_file, save_file
 from tiny_drafts import make_good_draft, make_predictable_llama, target_config
 from tiny_models import make_tiny_llama
 
+from cluster.cli import build_parser
+from cluster.cli_commands import engine_args
 from engine import LLM, ModelLoadError, SamplingParams
-from engine.loader import EngineArgs, resolve
+from engine.loader import DRAFT_VOCAB_DEFAULT, EngineArgs, resolve
 from engine.model_runner import build_model
 from engine.models.cpu_linear import PackedLinear, packed_linear_available
 from engine.request import spec_totals
@@ -156,7 +158,9 @@ def _with_vocab(draft: Path, target: Path, vocab: torch.Tensor, out: Path) -> Pa
     return out
 
 
-def _speculate(target: Path, draft: Path, prompts, params) -> tuple[list[list[int]], float, set]:
+def _speculate(
+    target: Path, draft: Path, prompts, params, draft_vocab: str | None = None
+) -> tuple[list[list[int]], float, set]:
     llm = LLM(
         str(target),
         device="cpu",
@@ -164,6 +168,7 @@ def _speculate(target: Path, draft: Path, prompts, params) -> tuple[list[list[in
         max_num_seqs=8,
         speculative_algorithm=SPEC,
         draft_model=str(draft),
+        draft_vocab=draft_vocab,
     )
     proposed: set[int] = set()
     head = llm.engine.speculator.head
@@ -205,3 +210,43 @@ def test_speculation_with_a_vocabulary_keeps_the_output(predictable, tmp_path: P
     assert full_accept > 1.5
     assert cover_accept >= full_accept
     assert cut_accept < full_accept - 0.3
+
+    # The same cut folder, told to ignore its vocabulary, proposes what the whole head does.
+    uncut_out, uncut_accept, _ = _speculate(
+        target, tmp_path / "cut", prompts, params, draft_vocab="full"
+    )
+    assert uncut_out == plain
+    assert uncut_accept == pytest.approx(full_accept)
+
+
+# --- choosing it per engine -------------------------------------------------------------------
+
+
+def test_a_cpu_engine_keeps_the_draft_vocabulary_unless_told_otherwise(predictable) -> None:
+    target, draft = predictable
+    common = {"model": str(target), "device": "cpu", "speculative_algorithm": SPEC}
+    assert resolve(EngineArgs(**common, draft_model=str(draft))).engine_config.draft_vocab == (
+        "draft"
+    )
+    full = resolve(EngineArgs(**common, draft_model=str(draft), draft_vocab="full"))
+    assert full.engine_config.draft_vocab == "full"
+
+
+def test_a_gpu_engine_proposes_from_the_whole_vocabulary_by_default() -> None:
+    assert DRAFT_VOCAB_DEFAULT == {"cpu": "draft", "cuda": "full"}
+
+
+def test_a_bad_draft_vocab_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="draft_vocab must be one of draft, full, got 'half'"):
+        EngineArgs(speculative_algorithm=SPEC, draft_vocab="half")
+    with pytest.raises(ValueError, match="draft_vocab needs a speculative_algorithm"):
+        EngineArgs(draft_vocab="full")
+
+
+def test_the_draft_vocab_flag_reaches_the_engine_and_a_bad_one_is_a_message(capsys) -> None:
+    flags = ["--speculative-algorithm", SPEC, "--draft-vocab", "full"]
+    assert engine_args(build_parser().parse_args(["serve", *flags])).draft_vocab == "full"
+    assert engine_args(build_parser().parse_args(["serve"])).draft_vocab is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-algorithm", SPEC, "--draft-vocab", "x"])
+    assert "invalid choice: 'x'" in capsys.readouterr().err
