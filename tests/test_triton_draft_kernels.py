@@ -37,7 +37,8 @@ def _torch_top1(logits: torch.Tensor, vocab: torch.Tensor | None):
 @pytest.mark.parametrize("size", [7, 1000, 8192, 49152])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_vocab", [False, True])
-def test_top1_matches_softmax_and_max(size: int, dtype, with_vocab: bool) -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_top1_matches_softmax_and_max(size: int, dtype, with_vocab: bool, split: bool) -> None:
     from engine.kernels.top1 import top1_with_probability
 
     torch.manual_seed(size)
@@ -45,14 +46,15 @@ def test_top1_matches_softmax_and_max(size: int, dtype, with_vocab: bool) -> Non
     vocab = None
     if with_vocab:
         vocab = torch.randperm(3 * size, device="cuda")[:size].sort().values
-    ids, probs = top1_with_probability(logits, vocab)
+    ids, probs = top1_with_probability(logits, vocab, split)
     expected_ids, expected_probs = _torch_top1(logits, vocab)
     assert ids.dtype == torch.int64 and ids.shape == (33, 1)
     assert torch.equal(ids, expected_ids)
     torch.testing.assert_close(probs, expected_probs, atol=1e-6, rtol=1e-5)
 
 
-def test_top1_takes_the_first_of_tied_maxima_and_strided_rows() -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_top1_takes_the_first_of_tied_maxima_and_strided_rows(split: bool) -> None:
     from engine.kernels.top1 import top1_with_probability
 
     wide = torch.zeros(3, 9000, device="cuda", dtype=torch.bfloat16)
@@ -60,7 +62,7 @@ def test_top1_takes_the_first_of_tied_maxima_and_strided_rows() -> None:
     logits[0, [17, 4000, 4999]] = 3.0  # tied, in different blocks and lanes
     logits[1, 4999] = 1.0
     logits[2] = -1.0  # all equal: the first wins, probability 1 / 5000
-    ids, probs = top1_with_probability(logits)
+    ids, probs = top1_with_probability(logits, None, split)
     assert ids[:, 0].tolist() == [17, 4999, 0]
     expected_ids, expected_probs = _torch_top1(logits, None)
     assert torch.equal(ids, expected_ids)
@@ -80,7 +82,10 @@ def _reference_topk(logits: torch.Tensor, k: int, vocab: torch.Tensor | None):
 @pytest.mark.parametrize("k", [2, 3, 8, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_vocab", [False, True])
-def test_topk_matches_a_stable_sort_and_softmax(size: int, k: int, dtype, with_vocab) -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_topk_matches_a_stable_sort_and_softmax(
+    size: int, k: int, dtype, with_vocab, split
+) -> None:
     from engine.kernels.topk import topk_with_probability
 
     k = min(k, size)
@@ -90,14 +95,15 @@ def test_topk_matches_a_stable_sort_and_softmax(size: int, k: int, dtype, with_v
     vocab = None
     if with_vocab:
         vocab = torch.randperm(3 * size, device="cuda")[:size].sort().values
-    ids, probs = topk_with_probability(logits, k, vocab)
+    ids, probs = topk_with_probability(logits, k, vocab, split)
     expected_ids, expected_probs = _reference_topk(logits, k, vocab)
     assert ids.dtype == torch.int64 and ids.shape == (21, k) and probs.shape == (21, k)
     assert torch.equal(ids, expected_ids)
     torch.testing.assert_close(probs, expected_probs, atol=1e-6, rtol=1e-5)
 
 
-def test_topk_ties_strided_rows_and_infinite_logits() -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_topk_ties_strided_rows_and_infinite_logits(split: bool) -> None:
     from engine.kernels.topk import topk_with_probability
 
     wide = torch.full((3, 30000), -2.0, device="cuda", dtype=torch.bfloat16)
@@ -106,7 +112,7 @@ def test_topk_ties_strided_rows_and_infinite_logits() -> None:
     logits[1] = float("-inf")
     logits[1, [3, 12000]] = 1.0  # two finite logits: the rest of the top are -inf, index order
     logits[2, 100] = float("inf")
-    ids, probs = topk_with_probability(logits, 5)
+    ids, probs = topk_with_probability(logits, 5, None, split)
     assert ids[0].tolist() == [17, 8192, 9000, 19999, 0]
     assert ids[1].tolist() == [3, 12000, 0, 1, 2]
     torch.testing.assert_close(probs[1, :2], torch.full((2,), 0.5, device="cuda"))
@@ -117,7 +123,8 @@ def test_topk_ties_strided_rows_and_infinite_logits() -> None:
     assert ids[2, 0].item() == 100
 
 
-def test_topk_of_nan_logits_names_real_tokens() -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_topk_of_nan_logits_names_real_tokens(split: bool) -> None:
     """A broken model's NaN logits count as -inf: the ids stay inside the vocabulary (the next
     embedding lookup reads them), the finite logits first."""
     from engine.kernels.topk import topk_with_probability
@@ -125,7 +132,7 @@ def test_topk_of_nan_logits_names_real_tokens() -> None:
     logits = torch.full((2, 10000), float("nan"), device="cuda")
     logits[1, [9000, 5]] = 2.0
     vocab = torch.arange(10000, device="cuda") * 3
-    ids, _ = topk_with_probability(logits, 4, vocab)
+    ids, _ = topk_with_probability(logits, 4, vocab, split)
     assert ids[0].tolist() == [0, 3, 6, 9]
     assert ids[1].tolist() == [15, 27000, 0, 3]
 

@@ -17,6 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.split_topk import split_topk_into
+
+# Rows longer than this are split across programs: `python bench/proposal_kernels.py` on an
+# H200 (docs/BENCHMARKS.md, "Proposal kernels").
+SPLIT_ABOVE = 8192
+
 
 @triton.jit
 def running_sum(best, total, x):
@@ -72,12 +78,18 @@ def _top1_kernel(
 
 
 def top1_with_probability(
-    logits: torch.Tensor, vocab: torch.Tensor | None = None
+    logits: torch.Tensor, vocab: torch.Tensor | None = None, split: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype, rows contiguous) -> (each row's most likely token [B, 1]
-    int64, mapped through `vocab` [V] when given; its softmax probability [B, 1] float32)."""
+    int64, mapped through `vocab` [V] when given; its softmax probability [B, 1] float32).
+    `split`: each row across many programs (engine/kernels/split_topk.py), or one program a
+    row (None: split rows longer than SPLIT_ABOVE)."""
     ids, probs = top_outputs(logits, 1)
-    if ids.shape[0]:
+    if split is None:
+        split = logits.shape[1] > SPLIT_ABOVE
+    if ids.shape[0] and split:
+        split_topk_into(logits, 1, vocab, ids, probs)
+    elif ids.shape[0]:
         block = min(4096, triton.next_power_of_2(logits.shape[1]))
         _top1_kernel[(ids.shape[0],)](
             logits,

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.split_topk import split_topk_into
 from engine.kernels.top1 import (
     running_sum,
     softmax_denominator,
@@ -26,6 +27,9 @@ from engine.kernels.top1 import (
 )
 
 MAX_K = 16
+# Rows longer than this are split across programs (engine/kernels/split_topk.py):
+# `python bench/proposal_kernels.py` on an H200 (docs/BENCHMARKS.md, "Proposal kernels").
+SPLIT_ABOVE = 2048
 
 
 @triton.jit
@@ -87,17 +91,22 @@ def _topk_kernel(
 
 
 def topk_with_probability(
-    logits: torch.Tensor, k: int, vocab: torch.Tensor | None = None
+    logits: torch.Tensor, k: int, vocab: torch.Tensor | None = None, split: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype, rows contiguous), 1 <= k <= min(V, MAX_K) -> (each row's
     k most likely tokens [B, k] int64, largest first, mapped through `vocab` [V] when given;
-    their softmax probabilities [B, k] float32). k = 1 takes top1's kernel."""
+    their softmax probabilities [B, k] float32). k = 1 takes top1's kernels. `split`: each row
+    across many programs, or one program a row (None: split rows longer than SPLIT_ABOVE)."""
     size = logits.shape[1]
     assert 1 <= k <= min(size, MAX_K), f"k={k} for rows of {size} (at most {MAX_K})"
     if k == 1:
-        return top1_with_probability(logits, vocab)
+        return top1_with_probability(logits, vocab, split)
     ids, probs = top_outputs(logits, k)
-    if ids.shape[0]:
+    if split is None:
+        split = size > SPLIT_ABOVE
+    if ids.shape[0] and split:
+        split_topk_into(logits, k, vocab, ids, probs)
+    elif ids.shape[0]:
         block = min(8192, triton.next_power_of_2(size))
         _topk_kernel[(ids.shape[0],)](
             logits,
