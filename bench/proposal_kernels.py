@@ -5,8 +5,8 @@ row split across programs (engine/kernels/split_topk.py), by row length, rows an
 
 Each case is captured in a CUDA graph of 20 calls, replayed until about 50 ms have passed; the
 table gives microseconds a call, the graph's launch shared out, and whether the two kernels
-gave the same tokens. Prints the table only: docs/BENCHMARKS.md, "Proposal kernels", keeps the
-figures a run gave and the thresholds chosen from them."""
+gave the same tokens. Prints the table only: docs/BENCHMARKS.md, "The whole vocabulary on a
+GPU", keeps the figures a run gave and the thresholds chosen from them."""
 
 from __future__ import annotations
 

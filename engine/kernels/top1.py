@@ -20,7 +20,7 @@ import triton.language as tl
 from engine.kernels.split_topk import split_topk_into
 
 # Rows longer than this are split across programs: `python bench/proposal_kernels.py` on an
-# H200 (docs/BENCHMARKS.md, "Proposal kernels").
+# H200 (docs/BENCHMARKS.md, "The whole vocabulary on a GPU").
 SPLIT_ABOVE = 8192
 
 

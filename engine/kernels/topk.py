@@ -28,7 +28,8 @@ from engine.kernels.top1 import (
 
 MAX_K = 16
 # Rows longer than this are split across programs (engine/kernels/split_topk.py):
-# `python bench/proposal_kernels.py` on an H200 (docs/BENCHMARKS.md, "Proposal kernels").
+# `python bench/proposal_kernels.py` on an H200 (docs/BENCHMARKS.md, "The whole vocabulary on
+# a GPU").
 SPLIT_ABOVE = 2048
 
 
