@@ -256,15 +256,17 @@ def build_engines(
                     **shape,
                 )
                 speculative.append(llm)
-                names.append(name + _vocab_name(llm) if len(vocabs) > 1 else name)
+                names.append(name + _vocab_name(llm, vocab) if len(vocabs) > 1 else name)
     return plain, speculative, names
 
 
-def _vocab_name(llm: LLM) -> str:
+def _vocab_name(llm: LLM, asked: str | None) -> str:
     head = llm.engine.speculator.head
-    if head.vocab is None:
-        return ", whole vocabulary"
-    return f", {head.vocab.numel():,}-token vocabulary"
+    if head.vocab is not None:
+        return f", {head.vocab.numel():,}-token vocabulary"
+    if asked == "draft":
+        return ", whole vocabulary (it ships none)"
+    return ", whole vocabulary"
 
 
 def _drafts_of(args: argparse.Namespace, plain: LLM, scratch: Path) -> list[tuple[Path, str]]:

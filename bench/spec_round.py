@@ -162,7 +162,12 @@ def main() -> None:
             draft = drafts.get(label)
             extra = {}
             if draft is not None:
-                extra = {"speculative_algorithm": "multi-layer-eagle", "draft_model": draft}
+                # "draft": each folder as saved, the second's vocabulary used on a GPU too.
+                extra = {
+                    "speculative_algorithm": "multi-layer-eagle",
+                    "draft_model": draft,
+                    "draft_vocab": "draft",
+                }
             llm = LLM(str(target), **common, **extra)
             for batch in args.batch_sizes:
                 row = measure(llm, prompts, batch, args.tokens, args.device)

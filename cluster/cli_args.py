@@ -152,8 +152,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=("draft", "full"),
         default=None,
         help="tokens a draft may propose: 'draft', the vocabulary its folder ships (a smaller "
-        "LM head, which a CPU needs); 'full', the target's whole vocabulary (longer accepts); "
-        "default: full on a GPU, draft on a CPU",
+        "LM head, which a CPU needs; a draft that ships none proposes from the whole "
+        "vocabulary); 'full', the target's whole vocabulary (longer accepts); default: full on "
+        "a GPU, draft on a CPU",
     )
     parser.add_argument(
         "--debug-tensor-dump-dir",

@@ -204,7 +204,7 @@ class EngineConfig:
             self.speculative_topk, self.num_draft_tokens or None, self.num_draft_chains
         )
         if self.draft_vocab not in ("draft", "full"):
-            raise ValueError(f"draft_vocab must be 'draft' or 'full', got {self.draft_vocab!r}")
+            raise ValueError(f"draft_vocab must be one of draft, full, got {self.draft_vocab!r}")
 
     @property
     def draft_request_rows(self) -> int:

@@ -83,3 +83,11 @@ def test_the_draft_vocabularies_are_compared_side_by_side(capsys) -> None:
     assert own[1] == "the shipped default draft, 8,192-token vocabulary"
     assert whole[1] == "the shipped default draft, whole vocabulary"
     assert own[-1] == whole[-1] == "yes |"
+
+
+def test_a_draft_without_a_vocabulary_is_named_so(capsys) -> None:
+    spec_bench.main(ARGS + ["--draft-model", "random", "--draft-vocab", "draft", "full"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    asked_own, whole = (line.split(" | ")[1] for line in lines[-2:])
+    assert asked_own == "a random (untrained) draft, whole vocabulary (it ships none)"
+    assert whole == "a random (untrained) draft, whole vocabulary"

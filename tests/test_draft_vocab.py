@@ -16,7 +16,7 @@ from tiny_models import make_tiny_llama
 from cluster.cli import build_parser
 from cluster.cli_commands import engine_args
 from engine import LLM, ModelLoadError, SamplingParams
-from engine.loader import DRAFT_VOCAB_DEFAULT, EngineArgs, resolve
+from engine.loader import EngineArgs, resolve
 from engine.model_runner import build_model
 from engine.models.cpu_linear import PackedLinear, packed_linear_available
 from engine.request import spec_totals
@@ -232,8 +232,14 @@ def test_a_cpu_engine_keeps_the_draft_vocabulary_unless_told_otherwise(predictab
     assert full.engine_config.draft_vocab == "full"
 
 
-def test_a_gpu_engine_proposes_from_the_whole_vocabulary_by_default() -> None:
-    assert DRAFT_VOCAB_DEFAULT == {"cpu": "draft", "cuda": "full"}
+def test_a_gpu_engine_proposes_from_the_whole_vocabulary_by_default(predictable) -> None:
+    # Resolving reads no GPU when the KV pool's size is given: this runs anywhere.
+    target, draft = predictable
+    common = {"model": str(target), "device": "cuda", "kv_cache_tokens": 64}
+    spec = {"speculative_algorithm": SPEC, "draft_model": str(draft)}
+    assert resolve(EngineArgs(**common, **spec)).engine_config.draft_vocab == "full"
+    keep = resolve(EngineArgs(**common, **spec, draft_vocab="draft"))
+    assert keep.engine_config.draft_vocab == "draft"
 
 
 def test_a_bad_draft_vocab_is_refused_with_the_choices() -> None:

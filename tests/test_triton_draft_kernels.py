@@ -121,6 +121,8 @@ def test_topk_ties_strided_rows_and_infinite_logits(split: bool) -> None:
     assert torch.equal(ids[:1], expected_ids)
     torch.testing.assert_close(probs[:1], expected_probs, atol=1e-7, rtol=1e-5)
     assert ids[2, 0].item() == 100
+    if split:  # a lone +inf takes all the probability; the one-program kernel gives NaN
+        assert probs[2, 0].item() == 1.0
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -218,3 +220,37 @@ def test_rotary_lookup_in_the_model_dtype() -> None:
     assert torch.equal(sin, full_sin.to(torch.bfloat16))
     again = rotary.lookup(positions, torch.bfloat16)
     assert torch.equal(again[0], cos) and torch.equal(again[1], sin)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_top1_of_nan_and_infinite_logits_names_real_tokens(split: bool) -> None:
+    from engine.kernels.top1 import top1_with_probability
+
+    logits = torch.zeros(2, 20000, device="cuda")
+    logits[0, [7, 15000]] = float("nan")
+    logits[0, 9000] = 3.0
+    logits[1, 12345] = float("inf")
+    ids, probs = top1_with_probability(logits, None, split)
+    assert ids[:, 0].tolist() == [9000, 12345]
+    assert probs[1, 0].item() == 1.0
+    if split:  # NaN counts as -inf there: the rest of the row shares the probability
+        expected = torch.softmax(torch.where(logits[0].isnan(), -torch.inf, logits[0]), -1)
+        torch.testing.assert_close(probs[0, 0], expected[9000])
+
+
+def test_long_rows_are_split_and_short_ones_are_not(monkeypatch) -> None:
+    from engine.kernels import top1, topk
+
+    split_calls: list[tuple[int, int]] = []
+    original = top1.split_topk_into
+
+    def recording(logits, k, vocab, ids, probs):
+        split_calls.append((logits.shape[1], k))
+        original(logits, k, vocab, ids, probs)
+
+    monkeypatch.setattr(top1, "split_topk_into", recording)
+    monkeypatch.setattr(topk, "split_topk_into", recording)
+    for k, limit in ((1, top1.SPLIT_ABOVE), (8, topk.SPLIT_ABOVE)):
+        for size in (limit, limit + 1):
+            topk.topk_with_probability(torch.randn(3, size, device="cuda"), k)
+    assert split_calls == [(top1.SPLIT_ABOVE + 1, 1), (topk.SPLIT_ABOVE + 1, 8)]

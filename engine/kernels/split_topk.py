@@ -6,9 +6,11 @@ at batch 1 has one to eight rows, so a few of the GPU's 132 multiprocessors walk
 row block by block while the rest idle (about 70 us a depth for the top 8 on an H200). Here a
 first kernel gives each CHUNK of a row its own program, which keeps the chunk's k largest logits
 (largest first, equal ones lowest index first), its maximum and its sum of exp(x - maximum); a
-second kernel, one program a row, merges the chunks' candidates and sums. The order and the
-probabilities are the one-program kernels' (engine/kernels/top1.py, topk.py): a NaN logit counts
-as -inf, and a probability is exp(x - max) / sum in float32."""
+second kernel, one program a row, merges the chunks' candidates and sums. The order is the
+one-program kernels' (engine/kernels/top1.py, topk.py): largest first, equal logits lowest index
+first. A probability is exp(x - max) / sum in float32, as theirs. A NaN logit counts as -inf, as in
+topk.py (top1.py's kernel gives such a row a NaN probability), and each of n +inf logits has
+probability 1 / n (theirs give NaN, or 1 for a single one in top1.py)."""
 
 from __future__ import annotations
 
@@ -100,7 +102,9 @@ def _merge_kernel(
         if HAS_VOCAB:
             token = tl.load(vocab_ptr + first).to(tl.int64)
         tl.store(ids_ptr + row * K + j, token)
-        tl.store(probs_ptr + row * K + j, tl.exp(best - row_max) / denominator)
+        # inf - inf is NaN: a +inf logit's share is spelled out.
+        share = tl.where(best == row_max, 1.0, tl.exp(best - row_max))
+        tl.store(probs_ptr + row * K + j, share / denominator)
 
 
 def split_topk_into(

@@ -9,7 +9,8 @@ merged at the end. The probability of the maximum is 1 / sum, as softmax's is, w
 taken in another order (float32 throughout). Ties go to the lowest index, as torch's max on
 the probabilities (where distinct logits round to one probability, torch's can differ). A
 row of NaN or infinite logits (a broken model) gives a token and a probability that mean
-nothing, as torch's do."""
+nothing, as torch's do. Rows longer than SPLIT_ABOVE go to engine/kernels/split_topk.py, which
+counts a NaN as -inf."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from engine.kernels.split_topk import split_topk_into
 
 # Rows longer than this are split across programs: `python bench/proposal_kernels.py` on an
 # H200 (docs/BENCHMARKS.md, "The whole vocabulary on a GPU").
-SPLIT_ABOVE = 8192
+SPLIT_ABOVE = 4096
 
 
 @triton.jit

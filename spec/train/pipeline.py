@@ -156,6 +156,8 @@ def evaluate_draft(
         draft_model=draft_dir,
         num_draft_steps=num_draft_steps,
         num_draft_chains=num_draft_chains,
+        # The folder as saved, on every device: its vocabulary is what the replay scores too.
+        draft_vocab="draft",
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     outputs = []
