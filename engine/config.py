@@ -203,14 +203,24 @@ class EngineConfig:
         check_draft_tree(
             self.speculative_topk, self.num_draft_tokens or None, self.num_draft_chains
         )
-        if self.draft_vocab not in ("draft", "full"):
-            raise ValueError(f"draft_vocab must be one of draft, full, got {self.draft_vocab!r}")
+        check_draft_vocab_choice(self.draft_vocab)
 
     @property
     def draft_request_rows(self) -> int:
         """Rows of each draft depth's request table: max_num_seqs for requests, the rest for
         the forks of draft trees (spec/tree_extender.py), as many as a level expands."""
         return self.max_num_seqs * max(self.num_draft_chains, self.speculative_topk)
+
+
+# What a draft may propose from (EngineConfig.draft_vocab).
+DRAFT_VOCAB_CHOICES = ("draft", "full")
+
+
+def check_draft_vocab_choice(value: str) -> None:
+    if value not in DRAFT_VOCAB_CHOICES:
+        raise ValueError(
+            f"draft_vocab must be one of {', '.join(DRAFT_VOCAB_CHOICES)}, got {value!r}"
+        )
 
 
 # A tree's verify span is the newest token then the nodes, each token's visible rows a 64-bit

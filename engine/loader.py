@@ -14,6 +14,7 @@ from engine.config import (
     EngineConfig,
     ModelConfig,
     check_draft_tree,
+    check_draft_vocab_choice,
     default_device,
     resolve_dtype,
 )
@@ -28,7 +29,6 @@ DEFAULT_GPU_KV_FRACTION = 0.8
 # against the long prompt's own. A GPU prefills a chunk in a few milliseconds of which the
 # eager forward's launches are a fixed part, so small chunks cost it more than a CPU.
 DEFAULT_CHUNKED_PREFILL_SIZE = {"cpu": 2048, "cuda": 4096}
-DRAFT_VOCAB_CHOICES = ("draft", "full")
 # docs/BENCHMARKS.md, "The whole vocabulary on a GPU": a CPU pays for every row of the LM head a
 # depth reads, so it keeps a draft's smaller vocabulary; a GPU reads the whole head in about the
 # same time and accepts more with it.
@@ -107,11 +107,7 @@ class EngineArgs:
             topk = 1 if self.speculative_topk is None else self.speculative_topk
             check_draft_tree(topk, self.num_draft_tokens, self.num_draft_chains)
         if self.draft_vocab is not None:
-            if self.draft_vocab not in DRAFT_VOCAB_CHOICES:
-                raise ValueError(
-                    f"draft_vocab must be one of {', '.join(DRAFT_VOCAB_CHOICES)}, "
-                    f"got {self.draft_vocab!r}"
-                )
+            check_draft_vocab_choice(self.draft_vocab)
             if self.speculative_algorithm is None:
                 raise ValueError("draft_vocab needs a speculative_algorithm")
         if self.debug_tensor_dump_layers is not None and self.debug_tensor_dump_dir is None:

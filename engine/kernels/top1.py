@@ -86,11 +86,11 @@ def top1_with_probability(
     `split`: each row across many programs (engine/kernels/split_topk.py), or one program a
     row (None: split rows longer than SPLIT_ABOVE)."""
     ids, probs = top_outputs(logits, 1)
-    if split is None:
-        split = logits.shape[1] > SPLIT_ABOVE
-    if ids.shape[0] and split:
+    if not ids.shape[0]:
+        return ids, probs
+    if (logits.shape[1] > SPLIT_ABOVE) if split is None else split:
         split_topk_into(logits, 1, vocab, ids, probs)
-    elif ids.shape[0]:
+    else:
         block = min(4096, triton.next_power_of_2(logits.shape[1]))
         _top1_kernel[(ids.shape[0],)](
             logits,

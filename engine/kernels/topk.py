@@ -103,11 +103,11 @@ def topk_with_probability(
     if k == 1:
         return top1_with_probability(logits, vocab, split)
     ids, probs = top_outputs(logits, k)
-    if split is None:
-        split = size > SPLIT_ABOVE
-    if ids.shape[0] and split:
+    if not ids.shape[0]:
+        return ids, probs
+    if (size > SPLIT_ABOVE) if split is None else split:
         split_topk_into(logits, k, vocab, ids, probs)
-    elif ids.shape[0]:
+    else:
         block = min(8192, triton.next_power_of_2(size))
         _topk_kernel[(ids.shape[0],)](
             logits,
