@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
-from engine.forward_batch import ForwardBatch, Span
+from engine.forward_batch import ForwardBatch, Span, ancestor_bits
 from engine.graph_inputs import (
     IDS,
     LAST,
@@ -265,6 +265,47 @@ class CudaGraphs:
         rows = self.inputs[3 + ROWS, :n]
         self.inputs[SLOTS, :used].view(n, width).copy_(table[rows[:, None], positions])
         self.inputs[3 + SEQ_LENS, :n] += kept + 1
+
+    def advance_trees(
+        self,
+        batch: ForwardBatch,
+        kept: torch.Tensor,
+        candidates: torch.Tensor,
+        nodes: torch.Tensor,
+        depth: int,
+    ) -> None:
+        """`advance_uniform` for spans of token trees (a graph set of trees, spans of one
+        width loaded by `load`): each span's root moves past kept[i] + 1 positions and brings
+        candidates[i, kept[i]]; its nodes are those of `nodes` [n, 3 * count] (tokens, parents
+        with -1 for the root, levels: spec.device_tree's, in any number type), node j at cache
+        position root + 1 + j and rotary position root + its level, seeing itself, the root and
+        its ancestors (at most `depth` levels above it). A round's next tree verify, queued
+        before the host has read the trees."""
+        n = candidates.shape[0]
+        count = nodes.shape[1] // 3
+        width = count + 1
+        assert self.trees and batch.graph is self and batch.num_tokens == n * width
+        table = self.req_to_token_pool.req_to_token
+        if triton_usable(self.inputs):
+            from engine.kernels.spans import advance_tree_spans
+
+            advance_tree_spans(
+                self.inputs, kept, candidates, nodes, depth, table,
+                3 + ROWS, 3 + SEQ_LENS, TREE_BITS,
+            )  # fmt: skip
+            return
+        used = n * width
+        tokens, parents, levels = nodes.to(torch.int64).reshape(n, 3, count).unbind(1)
+        positions = self.inputs[POSITIONS, :used].view(n, width)
+        root = positions[:, :1] + (kept + 1)[:, None]
+        head = candidates.gather(1, kept[:, None])
+        self.inputs[IDS, :used].view(n, width).copy_(torch.cat([head, tokens], dim=1))
+        rows = self.inputs[3 + ROWS, :n]
+        cache = root + torch.arange(width, device=root.device)
+        self.inputs[SLOTS, :used].view(n, width).copy_(table[rows[:, None], cache])
+        positions.copy_(torch.cat([root, root + levels], dim=1))
+        self.inputs[3 + SEQ_LENS, :n] = root[:, 0] + width
+        self.inputs[TREE_BITS, :used].view(n, width).copy_(ancestor_bits(parents, depth))
 
     def fits_uniform(self, num_requests: int, width: int) -> bool:
         """Whether `load_uniform` takes `num_requests` spans of `width` tokens."""

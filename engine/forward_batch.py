@@ -160,3 +160,22 @@ def tree_bits(spans: list[Span]) -> list[int]:
         # the sign bit.
         bits.extend((mask | 1 << j) & ((2 << j) - 1) for j, mask in enumerate(span.visible))
     return bits
+
+
+def ancestor_bits(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """`tree_bits` of token trees on the device: parents [n, count] (each node's parent node,
+    -1 for the root; a node's ancestors at most `depth` levels above it) to [n, count + 1]
+    masks over each span (the root, then the nodes), each row seeing itself, the root and its
+    ancestors."""
+    n, count = parents.shape
+    rows = torch.arange(1, count + 1, device=parents.device)
+    own = torch.ones_like(rows) << rows
+    bits = torch.ones((n, count + 1), dtype=torch.int64, device=parents.device)
+    nodes = own | 1
+    parent = parents
+    for _ in range(depth):
+        up = parent >= 0
+        nodes = nodes | torch.where(up, torch.ones_like(parent) << (parent + 1), 0)
+        parent = torch.where(up, parents.gather(1, parent.clamp_min(0)), -1)
+    bits[:, 1:] = nodes
+    return bits

@@ -299,15 +299,19 @@ def launch_verify(
     batch.input_ids[: n * width].view(n, width)[:, 1:].copy_(next_chains)
     outputs = forward_every_token(batch)
     num_tokens = [req.num_tokens for req in inputs.requests]
-    return LaunchedVerify(inputs.requests, num_tokens, batch, outputs, _recorded(batch), inputs)
+    return LaunchedVerify(
+        inputs.requests, num_tokens, batch, outputs, recorded_behind(batch), inputs
+    )
 
 
-def holds_next_round(requests: list[Request], k: int) -> bool:
-    """Whether every request's next round verifies a full chain in slots it holds now,
-    whatever this round accepts (at most k + 1 tokens committed): its slots reach position
-    m + 2k + 1, and its max_tokens leave k drafts to verify after the round."""
+def holds_next_round(requests: list[Request], k: int, span: int | None = None) -> bool:
+    """Whether every request's next round verifies a full chain (or a tree of `span` nodes)
+    in slots it holds now, whatever this round accepts (at most k + 1 tokens committed): its
+    slots reach position m + k + 1 + span (m + 2k + 1 for a chain), and its max_tokens leave k
+    drafts to verify after the round."""
+    ahead = k + 1 + (k if span is None else span)
     return all(
-        len(req.slots) >= req.num_tokens + 2 * k + 1 and has_next_chain(req, k) for req in requests
+        len(req.slots) >= req.num_tokens + ahead and has_next_chain(req, k) for req in requests
     )
 
 
@@ -331,10 +335,10 @@ def queue_next_verify(
     requests must hold their slots for it (`holds_next_round`)."""
     forward.graph.advance_uniform(forward, accepted, targets, next_chains)
     outputs = forward_every_token(forward)
-    return forward, outputs, _recorded(forward)
+    return forward, outputs, recorded_behind(forward)
 
 
-def _recorded(batch: ForwardBatch) -> torch.cuda.Event | None:
+def recorded_behind(batch: ForwardBatch) -> torch.cuda.Event | None:
     """An event behind the work queued so far, on a GPU."""
     if not batch.input_ids.is_cuda:
         return None

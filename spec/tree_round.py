@@ -16,8 +16,14 @@ for the host to decide between them:
 - the extend reads the committed tokens and the target's hidden states at the accepted path's
   rows where they are.
 Two copies bring the round home: the committed tokens and accepted counts as soon as the
-verify is done, then the next chains and trees (the extend's block, whose trailing verdicts
-the tree round does not read)."""
+verify is done, then the next chains and trees (the extend's block, which ends with the same
+verdicts). Where the verify ran in a graph and every request holds its slots for its next
+tree whatever this round accepts, the device also queues the next round's verify behind the
+extend, before the host has read anything (`queue_next_tree_verify`): each span's root moves
+past the accepted path to the target's token after it, and its nodes, positions, slots and
+ancestor masks are written from the extend's trees into the graph's buffer. The host then
+reads the round from the block alone, and the device verifies the next trees while the host
+commits this round's tokens, as a round of chains does (spec/device_round.py)."""
 
 from __future__ import annotations
 
@@ -27,14 +33,22 @@ import numpy as np
 import torch
 
 from engine.allocator import PADDING_SLOT
-from engine.forward_batch import Span
+from engine.forward_batch import ForwardBatch, Span
 from engine.host_copy import HostCopy, int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
 from engine.verify_outputs import VerifyOutputs
 from spec.decode_extend import FixedDecodeExtend
-from spec.device_round import DeviceRound, grow_for_next_round, read_verdicts
+from spec.device_round import (
+    DeviceRound,
+    LaunchedVerify,
+    grow_for_next_round,
+    has_next_chain,
+    holds_next_round,
+    read_verdicts,
+    recorded_behind,
+)
 from spec.extend_items import FixedExtendItem, GatheredItems
 from spec.tree import DraftTree
 
@@ -157,17 +171,22 @@ def keep_accepted_kv(
 
 
 def run_tree_round(
+    forward: ForwardBatch,
     outputs: VerifyOutputs,
     inputs: TreeRoundInputs,
     fixed_extend: FixedDecodeExtend,
     k: int,
     target_pools: tuple[KVPool, ReqToTokenPool],
+    forward_every_token=None,
 ) -> DeviceRound:
-    """After the verify of `inputs.spans` was queued, its `outputs` (logits and hidden states
-    at every token): accept on the device, keep the accepted nodes' KV, extend over
-    `inputs.items` (which `FixedDecodeExtend.fits`). The host reads the committed tokens as
-    soon as the verify is done, while the device runs the extend; the next chains and trees
-    are read after."""
+    """After the verify of `forward` (`inputs.spans`) was queued, its `outputs` (logits and
+    hidden states at every token): accept on the device, keep the accepted nodes' KV, extend
+    over `inputs.items` (which `FixedDecodeExtend.fits`). With `forward_every_token` (the next
+    step is expected to verify the same requests), where `forward` ran in a graph and every
+    request holds its slots for the next tree whatever this round accepts, the next verify is
+    queued behind the extend, its spans written from the extend's trees on the device
+    (`queue_next_tree_verify`); the host then reads the committed tokens with the next trees.
+    Otherwise it reads them as soon as the verify is done, while the device runs the extend."""
     logits, hidden = outputs.logits, outputs.hidden
     requests = inputs.requests
     n, count = len(requests), inputs.nodes.shape[2]
@@ -181,7 +200,14 @@ def run_tree_round(
     accepted, path = accept_on_device(targets, tokens, parents, levels, k)
     committed = targets.gather(1, path)
     verdict_block = torch.cat([committed, accepted[:, None]], dim=1)
-    verdicts = HostCopy(verdict_block)
+    queue_ahead = (
+        forward_every_token is not None
+        and forward.graph is not None
+        and all(has_next_chain(req, k) for req in requests)
+    )
+    # Where the device queues the next verify, the host reads the verdicts with the next
+    # trees (the extend's block ends with them); else as soon as the verify is done.
+    verdicts = None if queue_ahead else HostCopy(verdict_block)
     kv_pool, req_to_token_pool = target_pools
     keep_accepted_kv(kv_pool, req_to_token_pool.req_to_token, rows, newest, path, accepted)
     hidden = hidden.view(n, count + 1, -1)
@@ -192,10 +218,14 @@ def run_tree_round(
         inputs.items, verdict_block, hidden, inputs.gathered
     )
     next_rounds = HostCopy(block)
-    tokens_out, counts = read_verdicts(verdicts, k)
     layout = fixed_extend.layout
     assert layout is not None
-    return DeviceRound(
+    queued = None
+    if queue_ahead and holds_next_round(requests, k, span=layout.budget):
+        nodes = block[:, 2 * k : 2 * k + 3 * layout.budget]
+        queued = queue_next_tree_verify(forward, committed, accepted, nodes, k, forward_every_token)
+    tokens_out, counts = read_verdicts(next_rounds if verdicts is None else verdicts, k)
+    done = DeviceRound(
         tokens_out,
         counts,
         inputs.items,
@@ -205,3 +235,26 @@ def run_tree_round(
         hidden,
         tree_budget=layout.budget,
     )
+    if queued is not None:
+        num_tokens = [req.num_tokens + len(t) for req, t in zip(requests, tokens_out)]
+        done.next_verify = LaunchedVerify(list(requests), num_tokens, *queued)
+    return done
+
+
+def queue_next_tree_verify(
+    forward: ForwardBatch,
+    committed: torch.Tensor,
+    accepted: torch.Tensor,
+    nodes: torch.Tensor,
+    k: int,
+    forward_every_token,
+) -> tuple[ForwardBatch, VerifyOutputs, torch.cuda.Event | None]:
+    """The verify after this round's (`forward`, spans of one width in a graph of trees whose
+    graph ran it), queued before the host has read this round's outcome: each request's
+    root moves past its accepted nodes to the target's token after them (`committed` [n, K+1]
+    at `accepted` [n]), and its nodes are its next tree's (`nodes` [n, 3 * budget], the
+    extend's block: spec/device_tree.py), all on the device. Its requests must hold their
+    slots for it (`holds_next_round`)."""
+    forward.graph.advance_trees(forward, accepted, committed, nodes, k)
+    outputs = forward_every_token(forward)
+    return forward, outputs, recorded_behind(forward)

@@ -241,7 +241,9 @@ class MultiLayerEagleWorker:
             budget = self.fixed_extend.layout.budget
             trees = gather_tree_round(requests, self.num_draft_steps, budget, rows)
             if trees is not None and self.fixed_extend.fits(trees.items, trees.gathered):
-                return self._tree_round(trees)
+                if launched is not None and launched.runs(requests):
+                    return self._tree_round(trees, launch_next, launched)
+                return self._tree_round(trees, launch_next)
         runner = self.runner
         if self.fixed_extend.layout is not None:
             # Own slots for every node, this round's and the next's, where the pool has room:
@@ -325,18 +327,28 @@ class MultiLayerEagleWorker:
         KV of every request that round verified (`LaunchedVerify.settle`)."""
         return self._launched
 
-    def _tree_round(self, inputs: TreeRoundInputs) -> VerifyResult:
+    def _tree_round(
+        self,
+        inputs: TreeRoundInputs,
+        launch_next: bool = False,
+        launched: LaunchedVerify | None = None,
+    ) -> VerifyResult:
         """The verify of every request's tree, acceptance and the draft extend queued back to
-        back (spec.tree_round)."""
+        back (spec.tree_round): the verify `launched` before this step where it is theirs, and
+        with `launch_next` the next verify where the device can queue it."""
         runner, k = self.runner, self.num_draft_steps
         outputs_before = [len(req.output_token_ids) for req in inputs.requests]
         pools = (runner.kv_pool, runner.req_to_token_pool)
-        batch = runner.graph_batch(inputs.spans) or extend_batch(
-            inputs.spans, *pools, runner.attention, runner.device
-        )
-        done = run_tree_round(
-            runner.forward_every_token(batch), inputs, self.fixed_extend, k, pools
-        )
+        if launched is not None:
+            batch, outputs = launched.batch, launched.outputs
+        else:
+            batch = runner.graph_batch(inputs.spans) or extend_batch(
+                inputs.spans, *pools, runner.attention, runner.device
+            )
+            outputs = runner.forward_every_token(batch)
+        forward = runner.forward_every_token if launch_next else None
+        done = run_tree_round(batch, outputs, inputs, self.fixed_extend, k, pools, forward)
+        self._launched = done.next_verify
         trees = inputs.trees
         depths, sizes = [tree.depth for tree in trees], [len(tree) for tree in trees]
         return _decided_on_device(done, outputs_before, depths, sizes)

@@ -85,9 +85,9 @@ def _record_trees(llm: LLM, monkeypatch, device_tree: bool) -> tuple[list, dict[
         counts["fixed"] += 1
         return launch(items, *args)
 
-    def counted_round(inputs):
+    def counted_round(inputs, *args):
         counts["rounds"] += 1
-        return tree_round(inputs)
+        return tree_round(inputs, *args)
 
     monkeypatch.setattr(worker, "finish_round", recorded_finish)
     monkeypatch.setattr(fixed, "launch", counted_launch)

@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 import torch
 from devices import DEVICES
+from emulated_graphs import with_emulated_graphs
 from tiny_drafts import make_good_draft, make_predictable_llama
 
 import spec.device_round as device_round
 from engine import LLM, SamplingParams
 from engine.cuda_graph import CudaGraphs
-from engine.forward_batch import Span, extend_batch
-from engine.graph_inputs import IDS, POSITIONS, Q_LENS, Q_STARTS, ROWS, SLOTS
 from engine.kv_pool import KVPool, ReqToTokenPool
 from spec.device_round import holds_next_round
 
@@ -112,39 +111,6 @@ def _llm(models, device: str, **kwargs) -> LLM:
         str(target), device=device, speculative_algorithm=SPEC, draft_model=str(draft),
         num_draft_steps=3, **options,
     )  # fmt: skip
-
-
-class _ReplayedEagerly(CudaGraphs):
-    """Verify graphs on a CPU: a replay runs the eager forward over whatever the static buffer
-    holds, so a round takes the path of a captured verify (the next one queued from the
-    device, its spans moved in the buffer) where no graph can be captured."""
-
-    def __init__(self, runner, max_span: int, max_tokens: int) -> None:
-        attention = SimpleNamespace(supports_cuda_graph=True)
-        pools = (runner.kv_pool, runner.req_to_token_pool)
-        super().__init__("verify", None, attention, *pools, [8, 16, 32, max_tokens], max_span)
-        self.runner = runner
-
-    def replay(self, batch):
-        columns, requests = self.inputs, self.inputs[3:]
-        spans = []
-        for i in range(batch.batch_size):
-            first, count = int(requests[Q_STARTS, i]), int(requests[Q_LENS, i])
-            ids, positions, slots = (
-                columns[row, first : first + count].tolist() for row in (IDS, POSITIONS, SLOTS)
-            )
-            spans.append(Span(int(requests[ROWS, i]), positions[0], ids, slots))
-        runner = self.runner
-        pools = (runner.kv_pool, runner.req_to_token_pool)
-        eager = extend_batch(spans, *pools, runner.attention, runner.device)
-        self.num_replays += 1
-        return runner.forward_every_token(eager)
-
-
-def _with_emulated_graphs(llm: LLM) -> LLM:
-    runner = llm.engine.runner
-    runner.verify_graphs = _ReplayedEagerly(runner, 4, 4 * 16)
-    return llm
 
 
 def _workload(seed: int, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -270,7 +236,7 @@ def test_requests_ending_under_a_verify_queued_from_the_device(models, monkeypat
         for i, out in enumerate(plain)
     ]
     expected = _plain(models, prompts, params)
-    llm = _with_emulated_graphs(_llm(models, "cpu"))
+    llm = with_emulated_graphs(_llm(models, "cpu"))
     counts = _counted(llm, monkeypatch)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == expected
@@ -286,7 +252,7 @@ def test_aborts_and_retractions_under_a_verify_queued_from_the_device(models, kv
     prompts, _ = _workload(6, 6)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     expected = _plain(models, prompts, [params] * len(prompts))
-    llm = _with_emulated_graphs(_llm(models, "cpu", kv_cache_tokens=kv_cache_tokens))
+    llm = with_emulated_graphs(_llm(models, "cpu", kv_cache_tokens=kv_cache_tokens))
     engine = llm.engine
     requests = [engine.make_request(str(i), p, params) for i, p in enumerate(prompts)]
     for req in requests:

@@ -1,0 +1,60 @@
+"""Verify graphs on a CPU: a graph set whose replay runs the eager forward over whatever its
+static buffer holds, so that a speculative round takes the path of a captured verify (the
+next one queued from the device, its spans moved in the buffer) where no graph can be
+captured."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from engine.cuda_graph import CudaGraphs
+from engine.forward_batch import Span, extend_batch
+from engine.graph_inputs import IDS, POSITIONS, Q_LENS, Q_STARTS, ROWS, SLOTS, TREE_BITS
+from engine.llm import LLM
+
+
+class ReplayedEagerly(CudaGraphs):
+    """A replay rebuilds each request's span from the buffer (ids, positions, slots, and for
+    trees each token's mask) and runs it eagerly: whatever wrote the buffer, the forward is the
+    one a captured graph would run over it."""
+
+    def __init__(self, runner, max_span: int, max_tokens: int, trees: bool = False) -> None:
+        attention = SimpleNamespace(supports_cuda_graph=True)
+        pools = (runner.kv_pool, runner.req_to_token_pool)
+        buckets = sorted({8, 16, 32, max_tokens})
+        super().__init__("verify", None, attention, *pools, buckets, max_span, trees=trees)
+        self.runner = runner
+
+    def replay(self, batch):
+        columns, requests = self.inputs, self.inputs[3:]
+        spans = []
+        for i in range(batch.batch_size):
+            first, count = int(requests[Q_STARTS, i]), int(requests[Q_LENS, i])
+            ids, positions, slots = (
+                columns[row, first : first + count].tolist() for row in (IDS, POSITIONS, SLOTS)
+            )
+            visible = None
+            if self.trees:
+                visible = columns[TREE_BITS, first : first + count].tolist()
+            spans.append(
+                Span(
+                    int(requests[ROWS, i]),
+                    positions[0],
+                    ids,
+                    slots,
+                    positions=positions if self.trees else None,
+                    visible=visible,
+                )
+            )
+        runner = self.runner
+        pools = (runner.kv_pool, runner.req_to_token_pool)
+        eager = extend_batch(spans, *pools, runner.attention, runner.device)
+        self.num_replays += 1
+        return runner.forward_every_token(eager)
+
+
+def with_emulated_graphs(llm: LLM, max_span: int = 4, trees: bool = False) -> LLM:
+    """`llm` with emulated verify graphs of spans up to `max_span` tokens, 16 of them."""
+    runner = llm.engine.runner
+    runner.verify_graphs = ReplayedEagerly(runner, max_span, max_span * 16, trees)
+    return llm
