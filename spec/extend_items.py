@@ -113,6 +113,8 @@ def grow_depths(
     need = np.where(
         forks[:, None] > 0, end[None, :] + forks[:, None], np.minimum(end, items.num_positions)
     )
+    if (items.held >= np.maximum(need, end)).all():
+        return  # the forks' depths hold theirs too: most rounds of trees
     targets = np.maximum(items.num_positions[None, :], need)
     if forks.any():
         widths = np.array([runner.req_to_token_pool.max_context_len for runner in depths])

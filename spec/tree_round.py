@@ -35,6 +35,7 @@ import torch
 from engine.allocator import PADDING_SLOT
 from engine.forward_batch import ForwardBatch, Span
 from engine.host_copy import HostCopy, int_tensor
+from engine.kernels import triton_usable
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
@@ -55,14 +56,14 @@ from spec.tree import DraftTree
 
 @dataclass
 class TreeRoundInputs:
-    """What a tree round on the device reads of its requests, gathered in one pass: their
-    verify spans, each tree's nodes as arrays [n, N] (tokens, parents, levels), each request's
-    row and newest position, and the extend's items and table."""
+    """What a tree round on the device reads of its requests, gathered in one pass: each tree
+    and its nodes as arrays (tokens, parents, levels), each request's row and newest position,
+    and the extend's items and table. Its verify spans are built only where the verify is
+    not queued already (`spans`)."""
 
     requests: list[Request]
-    spans: list[Span]
     trees: list[DraftTree]
-    nodes: np.ndarray  # [3, n, N]: tokens, parents (-1: the root), levels
+    nodes: np.ndarray  # [n, 3, N]: tokens, parents (-1: the root), levels
     rows: np.ndarray  # [n]
     items: list[FixedExtendItem]
     gathered: GatheredItems
@@ -71,6 +72,17 @@ class TreeRoundInputs:
     def newest(self) -> np.ndarray:
         return self.gathered.newest
 
+    def spans(self) -> list[Span]:
+        """Each request's verify span: its newest token then its tree's nodes, in its own
+        slots after it (node i at cache position m+1+i, rotary position m + its level)."""
+        spans = []
+        for req, tree, m in zip(self.requests, self.trees, self.newest.tolist()):
+            tokens = [req.newest_token_id, *tree.tokens]
+            slots = req.slots[m : m + 1 + len(tree)]
+            positions, visible = tree.positions(m), tree.visible()
+            spans.append(Span(req.row, m, tokens, slots, positions=positions, visible=visible))
+        return spans
+
 
 def gather_tree_round(
     requests: list[Request], k: int, num_nodes: int, max_context_len: int
@@ -78,7 +90,7 @@ def gather_tree_round(
     """The inputs of a tree round on the device, or None where some request's round cannot be
     decided there (see the module's doc): each request greedy with unprocessed logits, its
     tree of `num_nodes` nodes no deeper than its lookahead, its own slots held for them."""
-    spans, trees, nodes, rows, items = [], [], [], [], []
+    trees, nodes, rows, items = [], [], [], []
     newest, num_positions, seqs = [], [], []
     empty = torch.empty(k + 1, 0)
     for req in requests:
@@ -96,11 +108,6 @@ def gather_tree_round(
         ):
             return None
         assert req.kv_len == m
-        slots = req.slots[m : m + 1 + num_nodes]
-        tokens = [req.newest_token_id, *tree.tokens]
-        spans.append(
-            Span(req.row, m, tokens, slots, positions=tree.positions(m), visible=tree.visible())
-        )
         trees.append(tree)
         nodes.append((tree.tokens, tree.parents, tree.levels))
         rows.append(req.row)
@@ -111,9 +118,8 @@ def gather_tree_round(
         seqs.append(state.seqs)
     return TreeRoundInputs(
         requests,
-        spans,
         trees,
-        np.array(nodes, dtype=np.int64).transpose(1, 0, 2),
+        np.array(nodes, dtype=np.int64),
         np.array(rows, dtype=np.int64),
         items,
         GatheredItems.from_lists(newest, num_positions, seqs),
@@ -179,7 +185,7 @@ def run_tree_round(
     target_pools: tuple[KVPool, ReqToTokenPool],
     forward_every_token=None,
 ) -> DeviceRound:
-    """After the verify of `forward` (`inputs.spans`) was queued, its `outputs` (logits and
+    """After the verify of `forward` (`inputs.spans()`) was queued, its `outputs` (logits and
     hidden states at every token): accept on the device, keep the accepted nodes' KV, extend
     over `inputs.items` (which `FixedDecodeExtend.fits`). With `forward_every_token` (the next
     step is expected to verify the same requests), where `forward` ran in a graph and every
@@ -192,14 +198,27 @@ def run_tree_round(
     n, count = len(requests), inputs.nodes.shape[2]
     device = logits.device
     targets = logits.argmax(dim=-1).view(n, count + 1)
-    ints = int_tensor(
-        np.concatenate([inputs.nodes.reshape(-1), inputs.rows, inputs.newest]), device
-    )
-    tokens, parents, levels = ints[: 3 * n * count].view(3, n, count)
+    # Per request its nodes' tokens, parents and levels side by side, then the rows and
+    # newest positions: one copy to the device.
+    ints = int_tensor(np.concatenate([inputs.nodes.ravel(), inputs.rows, inputs.newest]), device)
+    nodes_on_device = ints[: 3 * n * count].view(n, 3 * count)
     rows, newest = ints[3 * n * count :].view(2, n)
-    accepted, path = accept_on_device(targets, tokens, parents, levels, k)
-    committed = targets.gather(1, path)
-    verdict_block = torch.cat([committed, accepted[:, None]], dim=1)
+    kv_pool, req_to_token_pool = target_pools
+    if triton_usable(targets):
+        from engine.kernels.tree_accept import accept_trees
+
+        decided = accept_trees(
+            targets, nodes_on_device, rows, newest, req_to_token_pool.req_to_token,
+            kv_pool.kv_buffer, k,
+        )  # fmt: skip
+        path, verdict_block = decided[:, : k + 1], decided[:, k + 1 :]
+        committed, accepted = verdict_block[:, : k + 1], verdict_block[:, k + 1]
+    else:
+        tokens, parents, levels = nodes_on_device.view(n, 3, count).unbind(1)
+        accepted, path = accept_on_device(targets, tokens, parents, levels, k)
+        committed = targets.gather(1, path)
+        verdict_block = torch.cat([committed, accepted[:, None]], dim=1)
+        keep_accepted_kv(kv_pool, req_to_token_pool.req_to_token, rows, newest, path, accepted)
     queue_ahead = (
         forward_every_token is not None
         and forward.graph is not None
@@ -208,8 +227,6 @@ def run_tree_round(
     # Where the device queues the next verify, the host reads the verdicts with the next
     # trees (the extend's block ends with them); else as soon as the verify is done.
     verdicts = None if queue_ahead else HostCopy(verdict_block)
-    kv_pool, req_to_token_pool = target_pools
-    keep_accepted_kv(kv_pool, req_to_token_pool.req_to_token, rows, newest, path, accepted)
     hidden = hidden.view(n, count + 1, -1)
     hidden = hidden.gather(1, path[:, :, None].expand(-1, -1, hidden.shape[2]))
     # The host's share of the next round, while the device verifies this one.

@@ -342,8 +342,9 @@ class MultiLayerEagleWorker:
         if launched is not None:
             batch, outputs = launched.batch, launched.outputs
         else:
-            batch = runner.graph_batch(inputs.spans) or extend_batch(
-                inputs.spans, *pools, runner.attention, runner.device
+            spans = inputs.spans()
+            batch = runner.graph_batch(spans) or extend_batch(
+                spans, *pools, runner.attention, runner.device
             )
             outputs = runner.forward_every_token(batch)
         forward = runner.forward_every_token if launch_next else None

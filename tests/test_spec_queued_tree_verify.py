@@ -166,7 +166,7 @@ def _counted(llm: LLM, monkeypatch) -> dict[str, int]:
         if launched is not None and launched.inputs is None:  # written by the device
             graphs, size = launched.batch.graph, launched.batch.graph_batch_size
             table = llm.engine.runner.req_to_token_pool
-            expected = padded_columns(size, inputs.spans, table.padding_row, trees=True)
+            expected = padded_columns(size, inputs.spans(), table.padding_row, trees=True)
             assert graphs.inputs[:, :size].tolist() == expected
             counts["checked"] += 1
         return run_tree_round(inputs, launch_next, launched)
