@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -18,10 +19,31 @@ class TokenLogprob:
     top_logprobs: list[tuple[int, float]]  # most likely first; empty unless asked for
 
 
+@dataclass(frozen=True)
+class PositionSeed:
+    """The seed stream of one output position of a seeded request (engine.step_sampling): the
+    generator that draws it is made only where a draw fills noise from it (on a CPU). A GPU
+    needs only one number drawn from it (`derived_seed`), kept per position: a speculative
+    step asks again for positions the step before verified and did not commit, and a draft
+    tree for every node of a level."""
+
+    key: int
+
+    def generator(self) -> torch.Generator:
+        return torch.Generator().manual_seed(self.key)
+
+    def derived_seed(self) -> int:
+        return _seed_of_key(self.key)
+
+
+# A generator, or where only its position is known so far, that position's seed stream.
+SeedSource = torch.Generator | PositionSeed
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    generators: list[SeedSource | None],
     default_generator: torch.Generator,
 ) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B] (on the CPU): `sample_on_device`, then one copy."""
@@ -31,7 +53,7 @@ def sample(
 def sample_on_device(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    generators: list[SeedSource | None],
     default_generator: torch.Generator,
 ) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B] on the logits' device, queued without waiting
@@ -56,7 +78,7 @@ def sample_on_device(
     return greedy.index_copy(0, int_tensor(rows, logits.device), drawn)
 
 
-def exponential_noise(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+def exponential_noise(probs: torch.Tensor, generators: list[SeedSource]) -> torch.Tensor:
     """Exp(1) noise shaped like `probs` [R, V], row r drawn from `generators[r]`.
 
     Generators are host generators. On the CPU each row is filled from its own, as
@@ -66,11 +88,20 @@ def exponential_noise(probs: torch.Tensor, generators: list[torch.Generator]) ->
     a seeded request still draws the same noise in any batch."""
     if probs.device.type == "cpu":
         noise = torch.empty_like(probs)
-        for row, generator in zip(noise, generators):
+        for row, source in zip(noise, generators):
+            generator = source.generator() if isinstance(source, PositionSeed) else source
             row.exponential_(generator=generator)
         return noise
-    seeds = int_tensor([_derived_seed(g) for g in generators], probs.device)
+    seeds = int_tensor(noise_seeds(generators), probs.device)
     return hashed_exponential(seeds, probs.shape[1]).to(probs.dtype)
+
+
+def noise_seeds(generators: list[SeedSource]) -> list[int]:
+    """The seed of each row's noise on a GPU: a number drawn from the row's generator."""
+    return [
+        source.derived_seed() if isinstance(source, PositionSeed) else _derived_seed(source)
+        for source in generators
+    ]
 
 
 # splitmix64's constants, as the signed 64-bit integers torch computes with.
@@ -103,6 +134,13 @@ def hashed_exponential(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def _derived_seed(generator: torch.Generator) -> int:
     return int(torch.randint(2**63 - 1, (), generator=generator, dtype=torch.int64))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _seed_of_key(key: int) -> int:
+    """`_derived_seed` of a fresh generator seeded with `key`: always the same number, so it
+    is drawn once (making and seeding a generator costs the host microseconds a row)."""
+    return _derived_seed(torch.Generator().manual_seed(key))
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -10,22 +10,28 @@ import torch
 from engine.grammar_mask import mask_request_logits
 from engine.logits_processors import process_request_logits
 from engine.request import Request
-from engine.sampler import TokenLogprob, compute_logprobs, sample, sample_on_device
+from engine.sampler import (
+    PositionSeed,
+    TokenLogprob,
+    compute_logprobs,
+    sample,
+    sample_on_device,
+)
 
 
-def position_generator(seed: int, index: int) -> torch.Generator:
-    """The generator that draws output token number `index` of a request seeded with `seed`."""
-    key = (seed * 0x9E3779B97F4A7C15 + index) % (2**63)
-    return torch.Generator().manual_seed(key)
+def position_seed(seed: int, index: int) -> PositionSeed:
+    """The seed stream that draws output token number `index` of a request seeded with `seed`
+    (a generator seeded with a key of the two)."""
+    return PositionSeed((seed * 0x9E3779B97F4A7C15 + index) % (2**63))
 
 
-def step_generator(req: Request, in_flight: int = 0) -> torch.Generator | None:
+def step_generator(req: Request, in_flight: int = 0) -> PositionSeed | None:
     """A seeded request draws each token from a generator keyed by (seed, token index), so the
     same seed gives the same tokens whichever node or batch samples a given position.
     `in_flight`: tokens sampled before this one that are not committed yet (overlap)."""
     if req.params.seed is None:
         return None
-    return position_generator(req.params.seed, len(req.output_token_ids) + in_flight)
+    return position_seed(req.params.seed, len(req.output_token_ids) + in_flight)
 
 
 def sample_next_tokens(

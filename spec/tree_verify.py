@@ -17,7 +17,7 @@ from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.sampler import sample_on_device
-from engine.step_sampling import position_generator
+from engine.step_sampling import position_seed
 from spec.tree import DraftTree
 
 
@@ -94,7 +94,7 @@ def target_draws(
         for r, level in enumerate([0, *tree.levels]):
             rows.append(starts[i] + r)
             params.append(req.params)
-            generators.append(None if seed is None else position_generator(seed, done + level))
+            generators.append(None if seed is None else position_seed(seed, done + level))
         owners.append(i)
     if not rows:
         return {}

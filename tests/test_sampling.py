@@ -11,7 +11,16 @@ from devices import DEVICES
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.sampler import filtered_probs, filtered_probs_batch, hashed_exponential, sample
+from engine.sampler import (
+    PositionSeed,
+    exponential_noise,
+    filtered_probs,
+    filtered_probs_batch,
+    hashed_exponential,
+    noise_seeds,
+    sample,
+)
+from engine.step_sampling import position_seed
 
 PROMPTS = ["Hello world", "The quick brown fox", "a", "Once upon a time, in a land far away"]
 
@@ -352,6 +361,33 @@ def test_hashed_noise_races_to_the_right_frequencies() -> None:
     assert chi2 < _CHI2_CRITICAL[4], (chi2, counts.tolist())
     mean = float(hashed_exponential(torch.arange(64), 4096).double().mean())
     assert mean == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_positions_seed_stream_is_its_generators(monkeypatch) -> None:
+    """A seeded position's noise seed on a GPU is the number its generator draws first, the
+    same however often the position is asked for, and a CPU's noise row is filled from that
+    generator; a GPU asks for each position's generator once (a speculative step asks again
+    for positions it verified before)."""
+    keys = [position_seed(seed, index).key for seed in (0, 7, 2**40) for index in (0, 3)]
+    for key in keys:
+        drawn = torch.randint(
+            2**63 - 1, (), generator=torch.Generator().manual_seed(key), dtype=torch.int64
+        )
+        assert noise_seeds([PositionSeed(key)] * 2) == [int(drawn)] * 2
+    made = []
+    real = torch.Generator
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "Generator", counted)
+    fresh = position_seed(12345, 6789)
+    noise_seeds([fresh, fresh, position_seed(12345, 6789)])
+    assert len(made) == 1
+    probs = torch.full((2, 50), 0.02)
+    noise = exponential_noise(probs, [fresh, real().manual_seed(fresh.key)])
+    assert torch.equal(noise[0], noise[1])
 
 
 # --- logprobs ------------------------------------------------------------------------------------
