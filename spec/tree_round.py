@@ -12,18 +12,21 @@ for the host to decide between them:
   the target's argmax at its parent's row and its parent is accepted (siblings carry distinct
   tokens, so at most one node a level is);
 - the accepted nodes' KV moves on the device to the positions the request keeps (m+1 ..
-  m+a), one gather and one scatter over every layer's slots;
+  m+a), every layer's at once (on a GPU, acceptance, the committed tokens and the move are
+  one Triton kernel, engine/kernels/tree_accept.py);
 - the extend reads the committed tokens and the target's hidden states at the accepted path's
   rows where they are.
 Two copies bring the round home: the committed tokens and accepted counts as soon as the
 verify is done, then the next chains and trees (the extend's block, which ends with the same
-verdicts). Where the verify ran in a graph and every request holds its slots for its next
-tree whatever this round accepts, the device also queues the next round's verify behind the
-extend, before the host has read anything (`queue_next_tree_verify`): each span's root moves
-past the accepted path to the target's token after it, and its nodes, positions, slots and
-ancestor masks are written from the extend's trees into the graph's buffer. The host then
-reads the round from the block alone, and the device verifies the next trees while the host
-commits this round's tokens, as a round of chains does (spec/device_round.py)."""
+verdicts). Where the engine's next step is expected to verify the same requests, the verify
+ran in a graph, and every request holds its slots for its next tree whatever this round
+accepts and has k drafts left to verify after it, the device also queues the next round's
+verify behind the extend, before the host has read anything (`queue_next_tree_verify`), and
+the verdicts come home with the block alone: each span's root moves past the accepted path
+to the target's token after it, and its nodes, positions, slots and ancestor masks are
+written from the extend's trees into the graph's buffer. The device then verifies the next
+trees while the host commits this round's tokens, as a round of chains does
+(spec/device_round.py)."""
 
 from __future__ import annotations
 
@@ -45,7 +48,6 @@ from spec.device_round import (
     DeviceRound,
     LaunchedVerify,
     grow_for_next_round,
-    has_next_chain,
     holds_next_round,
     read_verdicts,
     recorded_behind,
@@ -189,10 +191,11 @@ def run_tree_round(
     hidden states at every token): accept on the device, keep the accepted nodes' KV, extend
     over `inputs.items` (which `FixedDecodeExtend.fits`). With `forward_every_token` (the next
     step is expected to verify the same requests), where `forward` ran in a graph and every
-    request holds its slots for the next tree whatever this round accepts, the next verify is
-    queued behind the extend, its spans written from the extend's trees on the device
-    (`queue_next_tree_verify`); the host then reads the committed tokens with the next trees.
-    Otherwise it reads them as soon as the verify is done, while the device runs the extend."""
+    request holds its slots for the next tree whatever this round accepts and has k drafts
+    left to verify after it (`holds_next_round`), the next verify is queued behind the extend,
+    its spans written from the extend's trees on the device (`queue_next_tree_verify`); the
+    host then reads the committed tokens with the next trees. Otherwise it reads them as soon
+    as the verify is done, while the device runs the extend."""
     logits, hidden = outputs.logits, outputs.hidden
     requests = inputs.requests
     n, count = len(requests), inputs.nodes.shape[2]
@@ -219,27 +222,29 @@ def run_tree_round(
         committed = targets.gather(1, path)
         verdict_block = torch.cat([committed, accepted[:, None]], dim=1)
         keep_accepted_kv(kv_pool, req_to_token_pool.req_to_token, rows, newest, path, accepted)
+    # The host's share of the next round, while the device verifies this one.
+    grow_for_next_round(
+        requests, k, kv_pool, req_to_token_pool, span=max(k, count), gathered=inputs.gathered
+    )
     queue_ahead = (
         forward_every_token is not None
         and forward.graph is not None
-        and all(has_next_chain(req, k) for req in requests)
+        and holds_next_round(requests, k, span=count)
     )
     # Where the device queues the next verify, the host reads the verdicts with the next
     # trees (the extend's block ends with them); else as soon as the verify is done.
     verdicts = None if queue_ahead else HostCopy(verdict_block)
     hidden = hidden.view(n, count + 1, -1)
     hidden = hidden.gather(1, path[:, :, None].expand(-1, -1, hidden.shape[2]))
-    # The host's share of the next round, while the device verifies this one.
-    grow_for_next_round(requests, k, kv_pool, req_to_token_pool, span=max(k, count))
     next_chains, block, boundary, hidden = fixed_extend.launch(
         inputs.items, verdict_block, hidden, inputs.gathered
     )
     next_rounds = HostCopy(block)
     layout = fixed_extend.layout
-    assert layout is not None
+    assert layout is not None and layout.budget == count
     queued = None
-    if queue_ahead and holds_next_round(requests, k, span=layout.budget):
-        nodes = block[:, 2 * k : 2 * k + 3 * layout.budget]
+    if queue_ahead:
+        nodes = block[:, 2 * k : 2 * k + 3 * count]
         queued = queue_next_tree_verify(forward, committed, accepted, nodes, k, forward_every_token)
     tokens_out, counts = read_verdicts(next_rounds if verdicts is None else verdicts, k)
     done = DeviceRound(

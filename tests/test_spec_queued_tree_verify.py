@@ -129,18 +129,21 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 TREE = dict(speculative_topk=2, num_draft_tokens=10)
 
 
-def _llm(models, **kwargs) -> LLM:
+def _llm(models, device: str = "cpu", **kwargs) -> LLM:
+    """The tree engine; on a CPU with emulated verify graphs, on a GPU with captured ones."""
     target, draft = models
     options = dict(kv_cache_tokens=8192, max_num_seqs=16) | kwargs
     llm = LLM(
-        str(target), device="cpu", speculative_algorithm=SPEC, draft_model=str(draft),
+        str(target), device=device, speculative_algorithm=SPEC, draft_model=str(draft),
         num_draft_steps=3, **TREE, **options,
     )  # fmt: skip
+    if device != "cpu":
+        return llm
     return with_emulated_graphs(llm, max_span=1 + TREE["num_draft_tokens"], trees=True)
 
 
-def _plain(models, prompts, params) -> list[list[int]]:
-    plain = LLM(str(models[0]), device="cpu", kv_cache_tokens=8192, max_num_seqs=16)
+def _plain(models, prompts, params, device: str = "cpu") -> list[list[int]]:
+    plain = LLM(str(models[0]), device=device, kv_cache_tokens=8192, max_num_seqs=16)
     return [o.token_ids for o in plain.generate(prompts, params)]
 
 
@@ -194,14 +197,15 @@ def _check_empty(llm: LLM) -> None:
     assert engine.kv_cache.is_empty() and engine.speculator.is_empty()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n", [1, 6])
-def test_tree_verifies_queued_from_the_device_change_no_output(models, monkeypatch, n):
+def test_tree_verifies_queued_from_the_device_change_no_output(models, monkeypatch, n, device):
     """Requests ending at different rounds (max_tokens, EOS for some): the device queues each
     next tree verify, the rounds take them, and the tokens are those of plain decoding;
-    every slot comes back."""
+    every slot comes back. On a GPU: captured graphs, the Triton kernels, CUDA events."""
     prompts, params = _workload(4 + n, n)
-    expected = _plain(models, prompts, params)
-    llm = _llm(models)
+    expected = _plain(models, prompts, params, device)
+    llm = _llm(models, device)
     counts = _counted(llm, monkeypatch)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == expected
@@ -241,8 +245,16 @@ def test_requests_ending_under_a_tree_verify_queued_from_the_device(models, monk
     expected = _plain(models, prompts, params)
     llm = _llm(models)
     counts = _counted(llm, monkeypatch)
+    engine, held = llm.engine, []
+    finish_round = engine.speculator.finish_round
+
+    def recorded_finish(*args, **kwargs):
+        held.append(len(engine.speculative.held))  # ended under a queued verify this step
+        return finish_round(*args, **kwargs)
+
+    monkeypatch.setattr(engine.speculator, "finish_round", recorded_finish)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-    assert counts["from_device"] > 0
+    assert counts["from_device"] > 0 and sum(held) > 0
     _check_empty(llm)
 
 

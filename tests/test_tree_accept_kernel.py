@@ -1,7 +1,7 @@
 """The Triton kernel that decides a round of draft trees (engine/kernels/tree_accept.py)
 against the torch code it replaces on a GPU (spec.tree_round.accept_on_device, the committed
-tokens, keep_accepted_kv): the same paths, verdicts and KV moves, for trees of every size the
-engine grows and for paths of every length."""
+tokens, keep_accepted_kv): the same paths, verdicts and KV moves, for trees from one node to
+62 (the most a visibility mask holds), 1 to 8 levels deep, and paths of every length."""
 
 from __future__ import annotations
 

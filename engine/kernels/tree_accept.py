@@ -60,6 +60,8 @@ def _tree_accept_kernel(
     # span row to m + j. A node's span row is never below its level, so a move never
     # overwrites a node that a later level still reads.
     for level in range(1, k + 1):
+        # At most one node a level is accepted: siblings carry distinct tokens (one top-k's,
+        # spec/device_tree.py), so only one can equal their parent's argmax.
         span_row = tl.sum(tl.where(kept & (levels == level), cols + 1, 0), axis=0)
         if chunk == 0:
             tl.store(out + level, span_row.to(tl.int64))
