@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from devices import DEVICES
-from emulated_graphs import with_emulated_graphs
+from queued_rounds import check_empty, count_rounds, plain_outputs, with_emulated_graphs
 from tiny_drafts import make_good_draft, make_predictable_llama
 
 import spec.tree_round as tree_round
@@ -143,8 +143,7 @@ def _llm(models, device: str = "cpu", **kwargs) -> LLM:
 
 
 def _plain(models, prompts, params, device: str = "cpu") -> list[list[int]]:
-    plain = LLM(str(models[0]), device=device, kv_cache_tokens=8192, max_num_seqs=16)
-    return [o.token_ids for o in plain.generate(prompts, params)]
+    return plain_outputs(models[0], prompts, params, device)
 
 
 def _workload(seed: int, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -161,8 +160,6 @@ def _counted(llm: LLM, monkeypatch) -> dict[str, int]:
     """Counts of rounds, of verifies taken from the round before and of those queued from the
     device; each taken verify's buffer checked against the spans the host gathers for it."""
     worker = llm.engine.speculator
-    counts = {"rounds": 0, "taken": 0, "from_device": 0, "checked": 0}
-    verify, queue = worker.verify, tree_round.queue_next_tree_verify
     run_tree_round = worker._tree_round
 
     def checked_tree_round(inputs, launch_next=False, launched=None):
@@ -175,26 +172,9 @@ def _counted(llm: LLM, monkeypatch) -> dict[str, int]:
         return run_tree_round(inputs, launch_next, launched)
 
     monkeypatch.setattr(worker, "_tree_round", checked_tree_round)
-
-    def counted_verify(requests, *args):
-        counts["rounds"] += 1
-        pending = worker._launched
-        counts["taken"] += pending is not None and pending.runs(requests)
-        return verify(requests, *args)
-
-    def counted_queue(*args):
-        counts["from_device"] += 1
-        return queue(*args)
-
-    monkeypatch.setattr(worker, "verify", counted_verify)
-    monkeypatch.setattr(tree_round, "queue_next_tree_verify", counted_queue)
+    counts = count_rounds(llm, monkeypatch, tree_round, "queue_next_tree_verify")
+    counts["checked"] = 0
     return counts
-
-
-def _check_empty(llm: LLM) -> None:
-    engine = llm.engine
-    assert not engine.has_work() and not engine.speculative.held
-    assert engine.kv_cache.is_empty() and engine.speculator.is_empty()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -212,7 +192,7 @@ def test_tree_verifies_queued_from_the_device_change_no_output(models, monkeypat
     assert counts["from_device"] > 0 and counts["taken"] == counts["checked"] > 0
     if n == 1:  # nothing ends but at the last round: every round but the first took one
         assert counts["taken"] == counts["from_device"] >= counts["rounds"] // 2
-    _check_empty(llm)
+    check_empty(llm)
 
 
 def test_tree_verifies_are_not_queued_without_graphs(models, monkeypatch):
@@ -255,7 +235,7 @@ def test_requests_ending_under_a_tree_verify_queued_from_the_device(models, monk
     monkeypatch.setattr(engine.speculator, "finish_round", recorded_finish)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert counts["from_device"] > 0 and sum(held) > 0
-    _check_empty(llm)
+    check_empty(llm)
 
 
 @pytest.mark.parametrize("kv_cache_tokens", [8192, 300])
@@ -284,4 +264,4 @@ def test_aborts_and_retractions_under_a_tree_verify_queued_from_the_device(model
             assert req.output_token_ids == expected[i]
     if kv_cache_tokens == 300:
         assert engine.scheduler.num_retractions > 0
-    _check_empty(llm)
+    check_empty(llm)

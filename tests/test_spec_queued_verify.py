@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from devices import DEVICES
-from emulated_graphs import with_emulated_graphs
+from queued_rounds import check_empty, count_rounds, plain_outputs, with_emulated_graphs
 from tiny_drafts import make_good_draft, make_predictable_llama
 
 import spec.device_round as device_round
@@ -170,23 +170,7 @@ def test_requests_ended_under_a_queued_verify_keep_their_slots_until_it_has_run(
 
 
 def _counted(llm: LLM, monkeypatch) -> dict[str, int]:
-    worker = llm.engine.speculator
-    counts = {"rounds": 0, "taken": 0, "from_device": 0}
-    verify, queue = worker.verify, device_round.queue_next_verify
-
-    def counted_verify(requests, *args):
-        counts["rounds"] += 1
-        pending = worker._launched
-        counts["taken"] += pending is not None and pending.runs(requests)
-        return verify(requests, *args)
-
-    def counted_queue(*args):
-        counts["from_device"] += 1
-        return queue(*args)
-
-    monkeypatch.setattr(worker, "verify", counted_verify)
-    monkeypatch.setattr(device_round, "queue_next_verify", counted_queue)
-    return counts
+    return count_rounds(llm, monkeypatch, device_round, "queue_next_verify")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -213,14 +197,7 @@ def test_verifies_queued_from_the_device_change_no_output(models, monkeypatch, d
 
 
 def _plain(models, prompts, params) -> list[list[int]]:
-    plain = LLM(str(models[0]), device="cpu", kv_cache_tokens=8192, max_num_seqs=16)
-    return [o.token_ids for o in plain.generate(prompts, params)]
-
-
-def _check_empty(llm: LLM) -> None:
-    engine = llm.engine
-    assert not engine.has_work() and not engine.speculative.held
-    assert engine.kv_cache.is_empty() and engine.speculator.is_empty()
+    return plain_outputs(models[0], prompts, params)
 
 
 def test_requests_ending_under_a_verify_queued_from_the_device(models, monkeypatch):
@@ -241,7 +218,7 @@ def test_requests_ending_under_a_verify_queued_from_the_device(models, monkeypat
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == expected
     assert counts["from_device"] > 0
-    _check_empty(llm)
+    check_empty(llm)
 
 
 @pytest.mark.parametrize("kv_cache_tokens", [8192, 300])
@@ -270,4 +247,4 @@ def test_aborts_and_retractions_under_a_verify_queued_from_the_device(models, kv
             assert req.output_token_ids == expected[i]
     if kv_cache_tokens == 300:
         assert engine.scheduler.num_retractions > 0
-    _check_empty(llm)
+    check_empty(llm)

@@ -1,7 +1,8 @@
-"""Verify graphs on a CPU: a graph set whose replay runs the eager forward over whatever its
-static buffer holds, so that a speculative round takes the path of a captured verify (the
-next one queued from the device, its spans moved in the buffer) where no graph can be
-captured."""
+"""Helpers of the tests of verifies queued from the device. Verify graphs on a CPU: a graph
+set whose replay runs the eager forward over whatever its static buffer holds, so that a
+speculative round takes the path of a captured verify (the next one queued from the device,
+its spans moved in the buffer) where no graph can be captured. Counts of the rounds that took
+a queued verify, plain decoding's output, and the pools' state after a run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from engine.cuda_graph import CudaGraphs
 from engine.forward_batch import Span, extend_batch
 from engine.graph_inputs import IDS, POSITIONS, Q_LENS, Q_STARTS, ROWS, SLOTS, TREE_BITS
 from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 
 
 class ReplayedEagerly(CudaGraphs):
@@ -58,3 +60,40 @@ def with_emulated_graphs(llm: LLM, max_span: int = 4, trees: bool = False) -> LL
     runner = llm.engine.runner
     runner.verify_graphs = ReplayedEagerly(runner, max_span, max_span * 16, trees)
     return llm
+
+
+def count_rounds(llm: LLM, monkeypatch, module, queue: str) -> dict[str, int]:
+    """Counts, while `llm` runs: rounds verified, rounds that took a verify queued before them,
+    and verifies queued from the device (calls of `module.queue`, patched)."""
+    worker = llm.engine.speculator
+    counts = {"rounds": 0, "taken": 0, "from_device": 0}
+    verify, queued = worker.verify, getattr(module, queue)
+
+    def counted_verify(requests, *args):
+        counts["rounds"] += 1
+        pending = worker._launched
+        counts["taken"] += pending is not None and pending.runs(requests)
+        return verify(requests, *args)
+
+    def counted_queue(*args):
+        counts["from_device"] += 1
+        return queued(*args)
+
+    monkeypatch.setattr(worker, "verify", counted_verify)
+    monkeypatch.setattr(module, queue, counted_queue)
+    return counts
+
+
+def plain_outputs(
+    target, prompts: list[list[int]], params: list[SamplingParams], device: str = "cpu"
+) -> list[list[int]]:
+    """The token ids plain decoding of `target` gives."""
+    plain = LLM(str(target), device=device, kv_cache_tokens=8192, max_num_seqs=16)
+    return [o.token_ids for o in plain.generate(prompts, params)]
+
+
+def check_empty(llm: LLM) -> None:
+    """Nothing left running or held, and every slot back in the pools."""
+    engine = llm.engine
+    assert not engine.has_work() and not engine.speculative.held
+    assert engine.kv_cache.is_empty() and engine.speculator.is_empty()
