@@ -25,9 +25,10 @@ def position_seed(seed: int, index: int) -> PositionSeed:
     return PositionSeed((seed * 0x9E3779B97F4A7C15 + index) % (2**63))
 
 
-def step_generator(req: Request, in_flight: int = 0) -> PositionSeed | None:
-    """A seeded request draws each token from a generator keyed by (seed, token index), so the
-    same seed gives the same tokens whichever node or batch samples a given position.
+def step_seed(req: Request, in_flight: int = 0) -> PositionSeed | None:
+    """A seeded request draws each token from the seed stream of (seed, token index)
+    (`position_seed`), so the same seed gives the same tokens whichever node or batch samples
+    a given position.
     `in_flight`: tokens sampled before this one that are not committed yet (overlap)."""
     if req.params.seed is None:
         return None
@@ -45,7 +46,7 @@ def sample_next_tokens(
     token, then its sampling settings), and its logprob entry. The one sampling step of every
     node that samples after a forward."""
     params = [req.params for req in requests]
-    generators = [step_generator(req) for req in requests]
+    generators = [step_seed(req) for req in requests]
     processed = process_request_logits(logits, requests, eos_token_ids)
     processed = mask_request_logits(processed, requests, unprocessed=logits)
     tokens = sample(processed, params, generators, default_generator)
@@ -70,5 +71,5 @@ def sample_overlapped(
     """The next tokens of requests that sample from their logits alone (engine.overlap), left
     on the device; request i has `in_flight[i]` tokens sampled and not committed yet."""
     params = [req.params for req in requests]
-    generators = [step_generator(req, ahead) for req, ahead in zip(requests, in_flight)]
+    generators = [step_seed(req, ahead) for req, ahead in zip(requests, in_flight)]
     return sample_on_device(logits, params, generators, default_generator)

@@ -81,7 +81,7 @@ class PrefillNode(ServingNode):
         config = self.spec.engine_config
         self.speculator = speculator_from_args(args, self.runner)
         self.num_draft_steps = self.speculator.num_draft_steps if self.speculator else 0
-        # Unseeded sampling differs per node on purpose; seeded requests use step_generator.
+        # Unseeded sampling differs per node on purpose; seeded requests use step_seed.
         self.engine = EngineCore(
             self.runner,
             self.spec.tokenizer,

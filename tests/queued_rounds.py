@@ -6,6 +6,7 @@ a queued verify, plain decoding's output, and the pools' state after a run."""
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 from engine.cuda_graph import CudaGraphs
@@ -97,3 +98,49 @@ def check_empty(llm: LLM) -> None:
     engine = llm.engine
     assert not engine.has_work() and not engine.speculative.held
     assert engine.kv_cache.is_empty() and engine.speculator.is_empty()
+
+
+def workload(seed: int, n: int, shortest: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """`n` random prompts, greedy, request i at most `shortest` + 9i tokens, every other one
+    stopping at EOS: requests that end at different rounds."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(4, 30))] for _ in range(n)]
+    params = [
+        SamplingParams(max_tokens=shortest + 9 * i, temperature=0, ignore_eos=i % 2 == 0)
+        for i in range(n)
+    ]
+    return prompts, params
+
+
+def stop_token_workload(
+    target, prompts: list[list[int]]
+) -> tuple[list[SamplingParams], list[list[int]]]:
+    """Params under which request i stops at the token plain decoding gives at its output
+    position 9 + 4i (within 60 tokens), and plain decoding's output under them."""
+    long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    plain = plain_outputs(target, prompts, [long] * len(prompts))
+    params = [
+        SamplingParams(
+            max_tokens=60, temperature=0, ignore_eos=True, stop_token_ids=[out[9 + 4 * i]]
+        )
+        for i, out in enumerate(plain)
+    ]
+    return params, plain_outputs(target, prompts, params)
+
+
+def run_aborting_one(llm: LLM, prompts: list[list[int]], params: SamplingParams, choose):
+    """Run `prompts` step by step; after the first step that leaves a verify queued from the
+    device (its inputs gathered later), abort the request `choose(requests, queued)` picks.
+    Returns the requests and the aborted one (None if no verify was queued from the device)."""
+    engine = llm.engine
+    requests = [engine.make_request(str(i), p, params) for i, p in enumerate(prompts)]
+    for req in requests:
+        engine.add_request(req)
+    aborted = None
+    while engine.has_work():
+        engine.step()
+        queued = engine.speculator.queued_verify()
+        if aborted is None and queued is not None and queued.inputs is None:
+            aborted = choose(requests, queued)
+            assert engine.abort(aborted.request_id) is aborted
+    return requests, aborted

@@ -5,7 +5,6 @@ masks on the device (CudaGraphs.advance_trees)."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +12,15 @@ import numpy as np
 import pytest
 import torch
 from devices import DEVICES
-from queued_rounds import check_empty, count_rounds, plain_outputs, with_emulated_graphs
+from queued_rounds import (
+    check_empty,
+    count_rounds,
+    plain_outputs,
+    run_aborting_one,
+    stop_token_workload,
+    with_emulated_graphs,
+    workload,
+)
 from tiny_drafts import make_good_draft, make_predictable_llama
 
 import spec.tree_round as tree_round
@@ -146,16 +153,6 @@ def _plain(models, prompts, params, device: str = "cpu") -> list[list[int]]:
     return plain_outputs(models[0], prompts, params, device)
 
 
-def _workload(seed: int, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(4, 30))] for _ in range(n)]
-    params = [
-        SamplingParams(max_tokens=30 + 9 * i, temperature=0, ignore_eos=i % 2 == 0)
-        for i in range(n)
-    ]
-    return prompts, params
-
-
 def _counted(llm: LLM, monkeypatch) -> dict[str, int]:
     """Counts of rounds, of verifies taken from the round before and of those queued from the
     device; each taken verify's buffer checked against the spans the host gathers for it."""
@@ -183,7 +180,7 @@ def test_tree_verifies_queued_from_the_device_change_no_output(models, monkeypat
     """Requests ending at different rounds (max_tokens, EOS for some): the device queues each
     next tree verify, the rounds take them, and the tokens are those of plain decoding;
     every slot comes back. On a GPU: captured graphs, the Triton kernels, CUDA events."""
-    prompts, params = _workload(4 + n, n)
+    prompts, params = workload(4 + n, n, 30)
     expected = _plain(models, prompts, params, device)
     llm = _llm(models, device)
     counts = _counted(llm, monkeypatch)
@@ -198,7 +195,7 @@ def test_tree_verifies_queued_from_the_device_change_no_output(models, monkeypat
 def test_tree_verifies_are_not_queued_without_graphs(models, monkeypatch):
     """Eager verify batches cannot be moved on the device: nothing is queued, the output is
     the same."""
-    prompts, params = _workload(9, 3)
+    prompts, params = workload(9, 3, 30)
     expected = _plain(models, prompts, params)
     target, draft = models
     llm = LLM(
@@ -213,16 +210,8 @@ def test_tree_verifies_are_not_queued_without_graphs(models, monkeypatch):
 def test_requests_ending_under_a_tree_verify_queued_from_the_device(models, monkeypatch):
     """Stop tokens end requests while the next tree verify is queued: they are held until it
     has run, the output is plain decoding's, and the pools come back empty."""
-    prompts, _ = _workload(5, 6)
-    long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    plain = _plain(models, prompts, [long] * len(prompts))
-    params = [
-        SamplingParams(
-            max_tokens=60, temperature=0, ignore_eos=True, stop_token_ids=[out[9 + 4 * i]]
-        )
-        for i, out in enumerate(plain)
-    ]
-    expected = _plain(models, prompts, params)
+    prompts, _ = workload(5, 6, 30)
+    params, expected = stop_token_workload(models[0], prompts)
     llm = _llm(models)
     counts = _counted(llm, monkeypatch)
     engine, held = llm.engine, []
@@ -243,25 +232,17 @@ def test_aborts_and_retractions_under_a_tree_verify_queued_from_the_device(model
     """A request aborted while its next tree verify is queued from the device, and (in a pool
     too small for every request) requests retracted meanwhile: the others' output is plain
     decoding's and every slot comes back."""
-    prompts, _ = _workload(6, 6)
+    prompts, _ = workload(6, 6, 30)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     expected = _plain(models, prompts, [params] * len(prompts))
     llm = _llm(models, kv_cache_tokens=kv_cache_tokens)
-    engine = llm.engine
-    requests = [engine.make_request(str(i), p, params) for i, p in enumerate(prompts)]
-    for req in requests:
-        engine.add_request(req)
-    aborted = None
-    while engine.has_work():
-        engine.step()
-        queued = engine.speculator.queued_verify()
-        if aborted is None and queued is not None and queued.inputs is None:
-            aborted = queued.requests[-1]  # one the queued verify runs
-            assert engine.abort(aborted.request_id) is aborted
+    requests, aborted = run_aborting_one(
+        llm, prompts, params, lambda _, queued: queued.requests[-1]
+    )
     assert aborted is not None, "no tree verify was queued from the device"
     for i, req in enumerate(requests):
         if req is not aborted:
             assert req.output_token_ids == expected[i]
     if kv_cache_tokens == 300:
-        assert engine.scheduler.num_retractions > 0
+        assert llm.engine.scheduler.num_retractions > 0
     check_empty(llm)

@@ -5,7 +5,6 @@ round ends keep their slots until that verify has run (SpeculativeSteps.release_
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +12,15 @@ import numpy as np
 import pytest
 import torch
 from devices import DEVICES
-from queued_rounds import check_empty, count_rounds, plain_outputs, with_emulated_graphs
+from queued_rounds import (
+    check_empty,
+    count_rounds,
+    plain_outputs,
+    run_aborting_one,
+    stop_token_workload,
+    with_emulated_graphs,
+    workload,
+)
 from tiny_drafts import make_good_draft, make_predictable_llama
 
 import spec.device_round as device_round
@@ -113,16 +120,6 @@ def _llm(models, device: str, **kwargs) -> LLM:
     )  # fmt: skip
 
 
-def _workload(seed: int, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(4, 30))] for _ in range(n)]
-    params = [
-        SamplingParams(max_tokens=14 + 9 * i, temperature=0, ignore_eos=i % 2 == 0)
-        for i in range(n)
-    ]
-    return prompts, params
-
-
 class _Slow:
     """A queued verify that reports itself still running until settled."""
 
@@ -142,7 +139,7 @@ def test_requests_ended_under_a_queued_verify_keep_their_slots_until_it_has_run(
     """With a verify queued behind each round, a request that the round ends keeps its target
     slots until the next round's verify has been read (or the engine waits for it), then
     frees them: the pools come back empty and the output is unchanged."""
-    prompts, params = _workload(3, 6)
+    prompts, params = workload(3, 6, 14)
     expected = [o.token_ids for o in _llm(models, "cpu").generate(prompts, params)]
     llm = _llm(models, "cpu")
     engine = llm.engine
@@ -178,7 +175,7 @@ def test_verifies_queued_from_the_device_change_no_output(models, monkeypatch, d
     """Requests ending at different rounds (max_tokens, EOS for some): where the rounds run in
     graphs, the device queues the next verify, every round but the last takes a verify queued
     before it, and the tokens are those of plain decoding."""
-    prompts, params = _workload(4, 6)
+    prompts, params = workload(4, 6, 14)
     plain = LLM(str(models[0]), device=device, kv_cache_tokens=8192, max_num_seqs=16)
     expected = [o.token_ids for o in plain.generate(prompts, params)]
     llm = _llm(models, device)
@@ -203,16 +200,8 @@ def _plain(models, prompts, params) -> list[list[int]]:
 def test_requests_ending_under_a_verify_queued_from_the_device(models, monkeypatch):
     """Stop tokens end requests while the next verify is queued from the device: they are
     held until it has run, the output is plain decoding's, and the pools come back empty."""
-    prompts, _ = _workload(5, 6)
-    long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    plain = _plain(models, prompts, [long] * len(prompts))
-    params = [
-        SamplingParams(
-            max_tokens=60, temperature=0, ignore_eos=True, stop_token_ids=[out[9 + 4 * i]]
-        )
-        for i, out in enumerate(plain)
-    ]
-    expected = _plain(models, prompts, params)
+    prompts, _ = workload(5, 6, 14)
+    params, expected = stop_token_workload(models[0], prompts)
     llm = with_emulated_graphs(_llm(models, "cpu"))
     counts = _counted(llm, monkeypatch)
     got = [o.token_ids for o in llm.generate(prompts, params)]
@@ -226,25 +215,15 @@ def test_aborts_and_retractions_under_a_verify_queued_from_the_device(models, kv
     """A request aborted while the next verify is queued from the device, and (in a pool too
     small for every request) requests retracted meanwhile: the others' output is plain
     decoding's and every slot comes back."""
-    prompts, _ = _workload(6, 6)
+    prompts, _ = workload(6, 6, 14)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     expected = _plain(models, prompts, [params] * len(prompts))
     llm = with_emulated_graphs(_llm(models, "cpu", kv_cache_tokens=kv_cache_tokens))
-    engine = llm.engine
-    requests = [engine.make_request(str(i), p, params) for i, p in enumerate(prompts)]
-    for req in requests:
-        engine.add_request(req)
-    aborted = None
-    while engine.has_work():
-        engine.step()
-        queued = engine.speculator.queued_verify()
-        if aborted is None and queued is not None and queued.inputs is None:
-            aborted = requests[2]
-            assert engine.abort(aborted.request_id) is aborted
+    requests, aborted = run_aborting_one(llm, prompts, params, lambda requests, _: requests[2])
     assert aborted is not None, "no verify was queued from the device"
     for i, req in enumerate(requests):
         if req is not aborted:
             assert req.output_token_ids == expected[i]
     if kv_cache_tokens == 300:
-        assert engine.scheduler.num_retractions > 0
+        assert llm.engine.scheduler.num_retractions > 0
     check_empty(llm)
