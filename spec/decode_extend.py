@@ -30,15 +30,9 @@ from spec.device_tree import DeviceTree, ForkColumns, TreeLayout
 from spec.draft_runner import DraftRunner
 from spec.draft_vocab import DraftHead
 from spec.extend_buffers import ExtendBuffers
-from spec.extend_items import (
-    FixedExtendItem,
-    GatheredItems,
-    grow_depths,
-    split_chains,
-    split_trees,
-)
+from spec.extend_items import FixedExtendItem, GatheredItems, PendingDrafts, grow_depths
 from spec.state import BatchRows, whole_batch
-from spec.tree import DraftTree, TreeShape
+from spec.tree import TreeShape
 
 
 class FixedDecodeExtend:
@@ -113,11 +107,13 @@ class FixedDecodeExtend:
         """Extend every depth over `items` and give each its next chain (and tree) and
         boundary states."""
         _, block, boundary, verify_hidden = self.launch(items)
-        copy = HostCopy(block)
-        ids, chain_probs = split_chains(copy, self.k)
-        trees = None if self.layout is None else split_trees(copy, self.k, self.layout.budget)
+        drafts = self.pending_drafts(HostCopy(block))
         counts = [len(item.committed) for item in items]
-        self.apply(items, counts, ids, chain_probs, boundary, verify_hidden, trees)
+        self.apply(items, counts, drafts, list(range(len(items))), boundary, verify_hidden)
+
+    def pending_drafts(self, block: HostCopy) -> PendingDrafts:
+        """The next drafts in the copy of a `launch`'s block, read when first asked for."""
+        return PendingDrafts(block, self.k, None if self.layout is None else self.layout.budget)
 
     @torch.inference_mode()
     def launch(
@@ -162,22 +158,19 @@ class FixedDecodeExtend:
         self,
         items: list[FixedExtendItem],
         counts: list[int],
-        chains: list[list[int]],
-        probs: list[list[float]],
+        drafts: PendingDrafts,
+        rows: list[int],
         boundary: torch.Tensor,
         verify_hidden: torch.Tensor,
-        trees: list[DraftTree] | None = None,
     ) -> None:
         """Give each item its next chain (and tree) and boundary states after `launch`:
-        `counts[i]` tokens committed by its verify, `chains[i]` its chain and `probs[i]` the
-        chain's probabilities (`split_chains`), `trees[i]` its tree (`split_trees`), row i of
+        `counts[i]` tokens committed by its verify, request `rows[i]`'s drafts of `drafts`
+        (read when first asked for: the host need not wait for the extend here), row i of
         `boundary` [K-1, n, hidden] and of `verify_hidden` [n, K+1, width]."""
-        for i, (item, count, chain, chain_probs) in enumerate(zip(items, counts, chains, probs)):
+        for i, (item, count, row) in enumerate(zip(items, counts, rows)):
             state = item.state
             m_next = item.m + count  # the newest position after the step
-            state.chain = chain
-            state.chain_probs = chain_probs
-            state.tree = None if trees is None else trees[i]
+            state.drafts_from(drafts, row)
             state.boundary = BatchRows(boundary, i)
             state.hidden_at = (verify_hidden, (i, count - 1))
             for d, seq in enumerate(state.seqs):

@@ -8,13 +8,13 @@ need no processing (no penalty, bias, min_tokens or grammar), that speculate one
 and whose draft state the fixed-shape extend runs (spec/decode_extend.py), acceptance is a
 comparison on the device: the accepted count is the length of the prefix where the chain
 equals the target's argmax. The extend reads the targets and the counts where they are, so
-verify, acceptance and extend are queued back to back. Where the device queues the next
-round's verify itself (below), one copy brings the round home once the extend is done: each
-request's targets and accepted count, its next chain and the chain's probabilities. What the
-device then waits for is the host's work from that copy to the next extend's launch
-(committing, scheduling, gathering, filling the extend's inputs). Elsewhere the targets and
-counts come home in a copy of their own as soon as the verify is done, so the host commits
-them and queues the next verify while the device runs the extend, then reads the chains.
+verify, acceptance and extend are queued back to back. The targets and accepted counts come
+home in a copy of their own as soon as the verify is done, so the host commits them while
+the device runs the extend. The next chains come home in a second copy, which the host reads
+only where it needs them (`SpecRequestState.drafts_from`): where the device queues the next
+round's verify itself (below), it needs none, and the device runs the extend and that verify
+while the host commits, schedules and gathers the next round; elsewhere the host queues the
+next verify itself and reads the chains when it gathers the round after.
 
 The extend then runs before the host commits: a request that the round ends (EOS, a stop
 string) has drafted a chain it will not use, and its draft KV is freed with its target KV.
@@ -50,8 +50,7 @@ from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
 from engine.verify_outputs import VerifyOutputs, greedy_chain_verdicts
 from spec.decode_extend import FixedDecodeExtend
-from spec.extend_items import FixedExtendItem, GatheredItems, split_chains, split_trees
-from spec.tree import DraftTree
+from spec.extend_items import FixedExtendItem, GatheredItems
 
 
 @dataclass
@@ -85,17 +84,21 @@ class RoundInputs:
         ]
 
 
-def gather_round(requests: list[Request], k: int, max_context_len: int) -> RoundInputs | None:
+def gather_round(
+    requests: list[Request], k: int, max_context_len: int, chains_read: bool = True
+) -> RoundInputs | None:
     """The inputs of a round on the device for an engine that drafts chains of `k` into row
     tables of `max_context_len` positions, or None where some request's round cannot be
     decided on the device (see the module's doc; the fixed extend's own conditions are
     `FixedDecodeExtend.fits`'s). Each item may hold draft slots where its request holds target
     slots (at least up to the positions its round may commit); its committed tokens and hidden
-    states are filled on the device (`FixedDecodeExtend.launch`)."""
+    states are filled on the device (`FixedDecodeExtend.launch`). Without `chains_read` (a
+    verify the device queued, whose chains are its extend's full ones, on the device), the
+    host reads no chain: the tokens after each newest are left 0."""
     rows, newest, lookaheads, items, num_positions, seqs = [], [], [], [], [], []
     tokens: list[int] = []  # [n * (K+1)], flat: a nested list costs numpy twice as much
     slots: list[int] = []
-    padding = [PADDING_SLOT] * k
+    padding, padding_tokens = [PADDING_SLOT] * k, [0] * k
     # The items' verdicts and hidden states are filled on the device: placeholders, never read.
     empty, no_tokens = torch.empty(k + 1, 0), [0] * (k + 1)
     for req in requests:
@@ -108,7 +111,7 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
         held = len(slots_held)
         if not (
             req.num_draft_tokens == k
-            and len(state.chain) == k
+            and (not chains_read or len(state.chain) == k)
             # The round's fixed shape reaches position m + k in every row table.
             and m + 1 + k <= max_context_len
             and req.params.greedy
@@ -121,7 +124,7 @@ def gather_round(requests: list[Request], k: int, max_context_len: int) -> Round
         rows.append(req.row)
         newest.append(m)
         tokens.append(req.newest_token_id)
-        tokens += state.chain
+        tokens += state.chain if chains_read else padding_tokens
         slots += slots_held[m : m + 1 + lookahead]
         slots += padding[: k - lookahead]
         lookaheads.append(lookahead)
@@ -166,20 +169,8 @@ class DeviceRound:
     next_chains: torch.Tensor  # [n, K] the same chains, on the device
     boundary: torch.Tensor  # [K-1, n, hidden]
     verify_hidden: torch.Tensor  # [n, K+1, width]: the target's over each verify span
-    tree_budget: int | None = None  # the nodes of each next tree, when the extend grows trees
     # The next round's verify of the same requests, queued from the device (queue_next_verify).
     next_verify: LaunchedVerify | None = None
-
-    def chains(self) -> tuple[list[list[int]], list[list[float]]]:
-        """Each request's next chain and the chain's probabilities, once the extend is done on
-        the device."""
-        return split_chains(self.chains_copy, self.next_chains.shape[1])
-
-    def trees(self) -> list[DraftTree] | None:
-        """Each request's next tree, when the extend grows trees."""
-        if self.tree_budget is None:
-            return None
-        return split_trees(self.chains_copy, self.next_chains.shape[1], self.tree_budget)
 
 
 def run_device_round(
@@ -197,9 +188,9 @@ def run_device_round(
     `FixedDecodeExtend.fits`). With `forward_every_token` (the next step is expected to
     decode the same requests), the next round's verify is queued behind the extend where
     `forward` ran in a graph and every request holds its slots for it: the device then runs
-    it while the host commits this round, and the host reads the round's committed tokens
-    with the next chains, once the extend is done. Otherwise it reads them as soon as the
-    verify is done."""
+    it while the host commits this round. The host reads the committed tokens as soon as the
+    verify is done; the next chains come home in a copy of their own, read only where the
+    host needs them."""
     requests, items, lookaheads = inputs.requests, inputs.items, inputs.lookaheads
     n = len(requests)
     # Each request's span is its newest token then its chain: the chains are on the device,
@@ -220,22 +211,21 @@ def run_device_round(
         and forward.graph is not None
         and all(has_next_chain(req, k) for req in requests)
     )
-    # Where the device does not queue the next verify, the host reads the verdicts as soon as
-    # the verify is done: it commits them and queues that verify (the worker's finish_round)
-    # while the device runs the extend.
-    early = None if queue_ahead else HostCopy(verdict_block)
+    # The host reads the verdicts as soon as the verify is done (copied before anything else
+    # is queued), and commits them while the device runs the extend, and the next verify where
+    # it queues that; it reads the next chains only if it needs them (the worker's
+    # finish_round).
+    verdicts = HostCopy(verdict_block)
     next_chains, block, boundary, hidden = fixed_extend.launch(
         items, verdict_block, hidden, inputs.gathered
     )
-    # The next chains, and the verdicts again at the block's end: where the device queues
-    # the next verify, this one copy, read once the extend is done, brings the round home.
     next_rounds = HostCopy(block)
     # The host's share of the next round, while the device runs this one.
     grow_for_next_round(requests, k, *target_pools, gathered=inputs.gathered)
     queued = None
     if queue_ahead and holds_next_round(requests, k):
         queued = queue_next_verify(forward, targets, accepted, next_chains, forward_every_token)
-    tokens, counts = read_verdicts(next_rounds if early is None else early, k)
+    tokens, counts = read_verdicts(verdicts, k)
     done = DeviceRound(tokens, counts, items, next_rounds, next_chains, boundary, hidden)
     if queued is not None:
         num_tokens = [req.num_tokens + len(t) for req, t in zip(requests, tokens)]
@@ -267,6 +257,9 @@ class LaunchedVerify:
     outputs: VerifyOutputs
     queued: torch.cuda.Event | None  # recorded behind it on a GPU
     inputs: RoundInputs | None = None
+    # A tree round's: the trees it verifies, where the extend that grew them left them
+    # ([n, 3 * nodes], spec.tree_round.gather_tree_round).
+    tree_nodes: torch.Tensor | None = None
 
     def settle(self) -> None:
         """Wait until it has run: its KV writes land before its slots change hands (a

@@ -138,6 +138,28 @@ def grow_depths(
     items.held[:] = held
 
 
+class PendingDrafts:
+    """A batch's next drafts in a copy of the extend's block (`FixedDecodeExtend.launch`), on
+    its way to the host: split for every request at once, when some request first asks for
+    its own (`SpecRequestState.drafts_from`). `tree_budget`: each tree's nodes, when the
+    extend grows trees."""
+
+    def __init__(self, copy: HostCopy, k: int, tree_budget: int | None = None) -> None:
+        self.copy = copy
+        self.k = k
+        self.tree_budget = tree_budget
+        self._split: tuple[list, list, list[DraftTree] | None] | None = None
+
+    def drafts(self, i: int) -> tuple[list[int], list[float], DraftTree | None]:
+        if self._split is None:
+            chains, probs = split_chains(self.copy, self.k)
+            budget = self.tree_budget
+            trees = None if budget is None else split_trees(self.copy, self.k, budget)
+            self._split = (chains, probs, trees)
+        chains, probs, trees = self._split
+        return chains[i], probs[i], None if trees is None else trees[i]
+
+
 def split_chains(copy: HostCopy, k: int) -> tuple[list[list[int]], list[list[float]]]:
     """Each request's chain and the chain's probabilities from a copy of the extend's float64
     block (ids are exact in float64): its first K columns, then K more, once it has landed."""

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from spec.draft_runner import DraftSeq
 from spec.tree import DraftTree
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -64,14 +67,41 @@ def whole_batch(rows: Sequence[BatchRows | Sequence[torch.Tensor | None]]) -> to
     return batch
 
 
+class DraftsOnTheirWay(Protocol):
+    """A batch's next drafts on their way from the device to the host (an extend's block):
+    request i's chain, the chain's probabilities and its tree (None: a chain alone), once
+    they have landed (spec.extend_items.PendingDrafts)."""
+
+    def drafts(self, i: int) -> tuple[list[int], list[float], DraftTree | None]: ...
+
+
+class Drafted(Generic[T]):
+    """One of a request's next drafts (`SpecRequestState.chain`, `chain_probs`, `tree`), kept
+    in the field of its name with an underscore: read or written, it first lets the drafts on
+    their way land."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = "_" + name
+
+    def __get__(self, state: SpecRequestState | None, owner: type | None = None) -> T:
+        if state is None:
+            return self  # type: ignore[return-value]
+        state._landed()
+        return getattr(state, self.field)
+
+    def __set__(self, state: SpecRequestState, value: T) -> None:
+        state._landed()
+        setattr(state, self.field, value)
+
+
 @dataclass
 class SpecRequestState:
+    """`chain`, `chain_probs` and `tree`: the drafts the next verify checks, read from the
+    extend that proposed them only when someone asks (`drafts_from`). A round decided on the
+    device asks for none of them while the device queues its next verify, so the host commits
+    a round's tokens while the device still runs the round's extend."""
+
     seqs: list[DraftSeq]  # one per depth, each in that depth's own pools
-    chain: list[int] = field(default_factory=list)  # [K] draft tokens for the next verify
-    chain_probs: list[float] = field(default_factory=list)
-    # The draft tree the next verify checks, when the engine drafts trees (spec/tree.py);
-    # None: `chain` alone.
-    tree: DraftTree | None = None
     # boundary[d] (d < K-1): depth d's output at position m-d-1 (m: the newest token's
     # position), None while m-d-1 < 0. Depth d+1's next extend starts there. A list, or the
     # request's rows of the batch the decode step's extend ran in.
@@ -79,6 +109,36 @@ class SpecRequestState:
     # The target's at position m-1, or (a batch's tensor, index) to read it from: the decode
     # step's extend keeps its verify's hidden states whole, read only if someone asks.
     hidden_at: torch.Tensor | tuple[torch.Tensor, tuple[int, int]] | None = None
+
+    # [K] draft tokens for the next verify, their probabilities, and the draft tree it checks
+    # when the engine drafts trees (spec/tree.py; None: the chain alone). Read and written
+    # through `chain`, `chain_probs` and `tree` below.
+    _chain: list[int] = field(default_factory=list, init=False, repr=False)
+    _chain_probs: list[float] = field(default_factory=list, init=False, repr=False)
+    _tree: DraftTree | None = field(default=None, init=False, repr=False)
+    # Where the next drafts come from while they are on their way to the host: the batch's
+    # drafts and this request's index there.
+    _pending: tuple[DraftsOnTheirWay, int] | None = field(default=None, init=False, repr=False)
+
+    def drafts_from(self, drafts: DraftsOnTheirWay, index: int) -> None:
+        """The next drafts are request `index`'s of `drafts`, read when first asked for."""
+        self._pending = (drafts, index)
+
+    def wait_for_drafts(self) -> None:
+        """Wait until the extend that proposes the next drafts has run, if it may still be
+        running: it writes this request's draft KV until then."""
+        self._landed()
+
+    def _landed(self) -> None:
+        if self._pending is not None:
+            drafts, index = self._pending
+            self._pending = None
+            self._chain, self._chain_probs, self._tree = drafts.drafts(index)
+
+    # Not fields: each reads or writes its underscored field once the drafts have landed.
+    chain = Drafted["list[int]"]()
+    chain_probs = Drafted["list[float]"]()
+    tree = Drafted["DraftTree | None"]()
 
     @property
     def target_hidden(self) -> torch.Tensor | None:

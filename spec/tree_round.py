@@ -16,17 +16,18 @@ for the host to decide between them:
   one Triton kernel, engine/kernels/tree_accept.py);
 - the extend reads the committed tokens and the target's hidden states at the accepted path's
   rows where they are.
-Two copies bring the round home: the committed tokens and accepted counts as soon as the
-verify is done, then the next chains and trees (the extend's block, which ends with the same
-verdicts). Where the engine's next step is expected to verify the same requests, the verify
-ran in a graph, and every request holds its slots for its next tree whatever this round
-accepts and has k drafts left to verify after it, the device also queues the next round's
-verify behind the extend, before the host has read anything (`queue_next_tree_verify`), and
-the verdicts come home with the block alone: each span's root moves past the accepted path
-to the target's token after it, and its nodes, positions, slots and ancestor masks are
-written from the extend's trees into the graph's buffer. The device then verifies the next
-trees while the host commits this round's tokens, as a round of chains does
-(spec/device_round.py)."""
+Two copies bring the round home: the committed tokens and accepted counts as soon as they are
+decided, then the next chains and trees (the extend's block), read only where the host asks
+for a request's drafts. Where the engine's next step is expected to verify the same
+requests, the verify ran in a graph, and every request holds its slots for its next tree
+whatever this round accepts and has k drafts left to verify after it, the device also queues
+the next round's verify behind the extend, before the host has read anything
+(`queue_next_tree_verify`): each span's root moves past the accepted path to the target's
+token after it, and its nodes, positions, slots and ancestor masks are written from the
+extend's trees into the graph's buffer. The device then runs the extend and verifies the
+next trees while the host commits this round's tokens, as a round of chains does
+(spec/device_round.py), and the round that takes that verify reads the trees' nodes where
+the extend left them, not on the host (`gather_tree_round` with `device_nodes`)."""
 
 from __future__ import annotations
 
@@ -61,14 +62,18 @@ class TreeRoundInputs:
     """What a tree round on the device reads of its requests, gathered in one pass: each tree
     and its nodes as arrays (tokens, parents, levels), each request's row and newest position,
     and the extend's items and table. Its verify spans are built only where the verify is
-    not queued already (`spans`)."""
+    not queued already (`spans`). Where the device queued it, the trees are not read on the
+    host: their nodes are where the extend before left them (`device_nodes`)."""
 
     requests: list[Request]
-    trees: list[DraftTree]
-    nodes: np.ndarray  # [n, 3, N]: tokens, parents (-1: the root), levels
+    trees: list[DraftTree] | None
+    nodes: np.ndarray | None  # [n, 3, N]: tokens, parents (-1: the root), levels
     rows: np.ndarray  # [n]
     items: list[FixedExtendItem]
     gathered: GatheredItems
+    num_nodes: int  # N
+    # [n, 3 * N] on the device, float64 (the extend's block, spec/device_tree.py)
+    device_nodes: torch.Tensor | None = None
 
     @property
     def newest(self) -> np.ndarray:
@@ -77,6 +82,7 @@ class TreeRoundInputs:
     def spans(self) -> list[Span]:
         """Each request's verify span: its newest token then its tree's nodes, in its own
         slots after it (node i at cache position m+1+i, rotary position m + its level)."""
+        assert self.trees is not None, "a verify the device queued has its spans there"
         spans = []
         for req, tree, m in zip(self.requests, self.trees, self.newest.tolist()):
             tokens = [req.newest_token_id, *tree.tokens]
@@ -87,31 +93,43 @@ class TreeRoundInputs:
 
 
 def gather_tree_round(
-    requests: list[Request], k: int, num_nodes: int, max_context_len: int
+    requests: list[Request],
+    k: int,
+    num_nodes: int,
+    max_context_len: int,
+    device_nodes: torch.Tensor | None = None,
 ) -> TreeRoundInputs | None:
     """The inputs of a tree round on the device, or None where some request's round cannot be
     decided there (see the module's doc): each request greedy with unprocessed logits, its
-    tree of `num_nodes` nodes no deeper than its lookahead, its own slots held for them."""
-    trees, nodes, rows, items = [], [], [], []
+    tree of `num_nodes` nodes no deeper than its lookahead, its own slots held for them.
+    `device_nodes`: the trees' nodes where the extend that grew them left them, for a verify
+    the device queued (`LaunchedVerify.tree_nodes`): the host then reads no tree, and each
+    request's lookahead covers every depth."""
+    trees: list[DraftTree] | None = None if device_nodes is not None else []
+    nodes, rows, items = [], [], []
     newest, num_positions, seqs = [], [], []
     empty = torch.empty(k + 1, 0)
     for req in requests:
         state = req.spec_state
-        tree: DraftTree | None = None if state is None else state.tree
         m = req.num_tokens - 1
         if not (
-            tree is not None
-            and len(tree) == num_nodes
-            and tree.depth <= req.lookahead
+            state is not None
             and m + 1 + max(num_nodes, k) <= max_context_len
             and req.params.greedy
             and samples_from_logits_alone(req)
             and len(req.slots) > m + num_nodes
         ):
             return None
+        if trees is None:
+            if req.lookahead < k:
+                return None
+        else:
+            tree: DraftTree | None = state.tree
+            if tree is None or len(tree) != num_nodes or tree.depth > req.lookahead:
+                return None
+            trees.append(tree)
+            nodes.append((tree.tokens, tree.parents, tree.levels))
         assert req.kv_len == m
-        trees.append(tree)
-        nodes.append((tree.tokens, tree.parents, tree.levels))
         rows.append(req.row)
         held = len(req.slots)
         items.append(FixedExtendItem(state, m, [0] * (k + 1), empty, held))
@@ -121,10 +139,12 @@ def gather_tree_round(
     return TreeRoundInputs(
         requests,
         trees,
-        np.array(nodes, dtype=np.int64),
+        None if trees is None else np.array(nodes, dtype=np.int64),
         np.array(rows, dtype=np.int64),
         items,
         GatheredItems.from_lists(newest, num_positions, seqs),
+        num_nodes,
+        device_nodes,
     )
 
 
@@ -193,19 +213,24 @@ def run_tree_round(
     step is expected to verify the same requests), where `forward` ran in a graph and every
     request holds its slots for the next tree whatever this round accepts and has k drafts
     left to verify after it (`holds_next_round`), the next verify is queued behind the extend,
-    its spans written from the extend's trees on the device (`queue_next_tree_verify`); the
-    host then reads the committed tokens with the next trees. Otherwise it reads them as soon
-    as the verify is done, while the device runs the extend."""
+    its spans written from the extend's trees on the device (`queue_next_tree_verify`). The
+    host reads the committed tokens as soon as they are decided, while the device runs the
+    extend."""
     logits, hidden = outputs.logits, outputs.hidden
     requests = inputs.requests
-    n, count = len(requests), inputs.nodes.shape[2]
+    n, count = len(requests), inputs.num_nodes
     device = logits.device
     targets = logits.argmax(dim=-1).view(n, count + 1)
-    # Per request its nodes' tokens, parents and levels side by side, then the rows and
-    # newest positions: one copy to the device.
-    ints = int_tensor(np.concatenate([inputs.nodes.ravel(), inputs.rows, inputs.newest]), device)
-    nodes_on_device = ints[: 3 * n * count].view(n, 3 * count)
-    rows, newest = ints[3 * n * count :].view(2, n)
+    if inputs.device_nodes is not None:
+        nodes_on_device = inputs.device_nodes
+        rows, newest = int_tensor(np.concatenate([inputs.rows, inputs.newest]), device).view(2, n)
+    else:
+        # Per request its nodes' tokens, parents and levels side by side, then the rows and
+        # newest positions: one copy to the device.
+        host = np.concatenate([inputs.nodes.ravel(), inputs.rows, inputs.newest])
+        ints = int_tensor(host, device)
+        nodes_on_device = ints[: 3 * n * count].view(n, 3 * count)
+        rows, newest = ints[3 * n * count :].view(2, n)
     kv_pool, req_to_token_pool = target_pools
     if triton_usable(targets):
         from engine.kernels.tree_accept import accept_trees
@@ -217,7 +242,7 @@ def run_tree_round(
         path, verdict_block = decided[:, : k + 1], decided[:, k + 1 :]
         committed, accepted = verdict_block[:, : k + 1], verdict_block[:, k + 1]
     else:
-        tokens, parents, levels = nodes_on_device.view(n, 3, count).unbind(1)
+        tokens, parents, levels = nodes_on_device.long().view(n, 3, count).unbind(1)
         accepted, path = accept_on_device(targets, tokens, parents, levels, k)
         committed = targets.gather(1, path)
         verdict_block = torch.cat([committed, accepted[:, None]], dim=1)
@@ -231,9 +256,10 @@ def run_tree_round(
         and forward.graph is not None
         and holds_next_round(requests, k, span=count)
     )
-    # Where the device queues the next verify, the host reads the verdicts with the next
-    # trees (the extend's block ends with them); else as soon as the verify is done.
-    verdicts = None if queue_ahead else HostCopy(verdict_block)
+    # The host reads the verdicts as soon as they are decided, and commits them while the
+    # device runs the extend (and the next verify where it queues that): copied before
+    # anything else is queued.
+    verdicts = HostCopy(verdict_block)
     hidden = hidden.view(n, count + 1, -1)
     hidden = hidden.gather(1, path[:, :, None].expand(-1, -1, hidden.shape[2]))
     next_chains, block, boundary, hidden = fixed_extend.launch(
@@ -246,7 +272,7 @@ def run_tree_round(
     if queue_ahead:
         nodes = block[:, 2 * k : 2 * k + 3 * count]
         queued = queue_next_tree_verify(forward, committed, accepted, nodes, k, forward_every_token)
-    tokens_out, counts = read_verdicts(next_rounds if verdicts is None else verdicts, k)
+    tokens_out, counts = read_verdicts(verdicts, k)
     done = DeviceRound(
         tokens_out,
         counts,
@@ -255,11 +281,10 @@ def run_tree_round(
         next_chains,
         boundary,
         hidden,
-        tree_budget=layout.budget,
     )
     if queued is not None:
         num_tokens = [req.num_tokens + len(t) for req, t in zip(requests, tokens_out)]
-        done.next_verify = LaunchedVerify(list(requests), num_tokens, *queued)
+        done.next_verify = LaunchedVerify(list(requests), num_tokens, *queued, tree_nodes=nodes)
     return done
 
 

@@ -227,7 +227,8 @@ class MultiLayerEagleWorker:
             rows = self.runner.req_to_token_pool.max_context_len
             k = self.num_draft_steps
             if launched is not None and launched.runs(requests):
-                inputs = launched.inputs or gather_round(requests, k, rows)
+                # Queued from the device, its chains are there: the host reads none of them.
+                inputs = launched.inputs or gather_round(requests, k, rows, chains_read=False)
                 if inputs is not None and self.fixed_extend.fits(inputs.items, inputs.gathered):
                     outputs = launched.outputs
                     return self._device_round(inputs, launched.batch, outputs, launch_next)
@@ -239,11 +240,16 @@ class MultiLayerEagleWorker:
         elif self.fixed_extend.layout is not None:
             rows = self.runner.req_to_token_pool.max_context_len
             budget = self.fixed_extend.layout.budget
-            trees = gather_tree_round(requests, self.num_draft_steps, budget, rows)
-            if trees is not None and self.fixed_extend.fits(trees.items, trees.gathered):
-                if launched is not None and launched.runs(requests):
+            k = self.num_draft_steps
+            taken = launched is not None and launched.runs(requests)
+            if taken and launched.tree_nodes is not None:
+                # Queued from the device: the host reads none of the trees it verifies.
+                trees = gather_tree_round(requests, k, budget, rows, launched.tree_nodes)
+                if trees is not None and self.fixed_extend.fits(trees.items, trees.gathered):
                     return self._tree_round(trees, launch_next, launched)
-                return self._tree_round(trees, launch_next)
+            trees = gather_tree_round(requests, k, budget, rows)
+            if trees is not None and self.fixed_extend.fits(trees.items, trees.gathered):
+                return self._tree_round(trees, launch_next, launched if taken else None)
         runner = self.runner
         if self.fixed_extend.layout is not None:
             # Own slots for every node, this round's and the next's, where the pool has room:
@@ -351,7 +357,10 @@ class MultiLayerEagleWorker:
         done = run_tree_round(batch, outputs, inputs, self.fixed_extend, k, pools, forward)
         self._launched = done.next_verify
         trees = inputs.trees
-        depths, sizes = [tree.depth for tree in trees], [len(tree) for tree in trees]
+        if trees is None:  # trees the host did not read: as deep as the extend grows them
+            depths, sizes = [k] * len(inputs.requests), [inputs.num_nodes] * len(inputs.requests)
+        else:
+            depths, sizes = [tree.depth for tree in trees], [len(tree) for tree in trees]
         return _decided_on_device(done, outputs_before, depths, sizes)
 
     @torch.inference_mode()
@@ -395,16 +404,15 @@ class MultiLayerEagleWorker:
             if launch_next and going_on and self.shape.is_chain and not queued:
                 self._launched = None
                 self._launch_verify([req for _, req, _ in going_on], next_chains)
-            chains, probs = done.chains()
-            trees = done.trees()
+            # Read when first asked for: a round the device queues the next verify of reads
+            # none, and the host goes on while the device runs the extend.
             self.fixed_extend.apply(
                 [done.items[i] for i in indices],
                 [committed for _, _, committed in going_on],
-                [chains[i] for i in indices],
-                [probs[i] for i in indices],
+                self.fixed_extend.pending_drafts(done.chains_copy),
+                indices,
                 boundary,
                 hidden,
-                None if trees is None else [trees[i] for i in indices],
             )
             return
         hidden = verified.hidden  # per request: the target's at the newest token and kept path
@@ -455,6 +463,8 @@ class MultiLayerEagleWorker:
         state: SpecRequestState | None = req.spec_state
         if state is None:
             return
+        # Its slots may change hands to a transfer's stream: the extend writing them first.
+        state.wait_for_drafts()
         for runner, seq in zip(self.depths, state.seqs):
             runner.release(seq)
         req.spec_state = None

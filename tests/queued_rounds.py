@@ -65,15 +65,21 @@ def with_emulated_graphs(llm: LLM, max_span: int = 4, trees: bool = False) -> LL
 
 def count_rounds(llm: LLM, monkeypatch, module, queue: str) -> dict[str, int]:
     """Counts, while `llm` runs: rounds verified, rounds that took a verify queued before them,
-    and verifies queued from the device (calls of `module.queue`, patched)."""
+    verifies queued from the device (calls of `module.queue`, patched), and rounds that took
+    one of those with every request's drafts still on their way to the host (`unread`: the
+    host read none before the round)."""
     worker = llm.engine.speculator
-    counts = {"rounds": 0, "taken": 0, "from_device": 0}
+    counts = {"rounds": 0, "taken": 0, "from_device": 0, "taken_from_device": 0, "unread": 0}
     verify, queued = worker.verify, getattr(module, queue)
 
     def counted_verify(requests, *args):
         counts["rounds"] += 1
         pending = worker._launched
-        counts["taken"] += pending is not None and pending.runs(requests)
+        taken = pending is not None and pending.runs(requests)
+        counts["taken"] += taken
+        if taken and pending.inputs is None:
+            counts["taken_from_device"] += 1
+            counts["unread"] += all(req.spec_state._pending is not None for req in requests)
         return verify(requests, *args)
 
     def counted_queue(*args):

@@ -161,9 +161,17 @@ def _counted(llm: LLM, monkeypatch) -> dict[str, int]:
 
     def checked_tree_round(inputs, launch_next=False, launched=None):
         if launched is not None and launched.inputs is None:  # written by the device
+            # The host gathered none of the trees: they are still on their way from the
+            # device (reading them now, for the check, waits for them).
+            assert inputs.trees is None and inputs.device_nodes is not None
+            assert all(req.spec_state._pending is not None for req in inputs.requests)
             graphs, size = launched.batch.graph, launched.batch.graph_batch_size
             table = llm.engine.runner.req_to_token_pool
-            expected = padded_columns(size, inputs.spans(), table.padding_row, trees=True)
+            k, rows = worker.num_draft_steps, table.max_context_len
+            gathered = tree_round.gather_tree_round(inputs.requests, k, inputs.num_nodes, rows)
+            nodes = np.stack([[t.tokens, t.parents, t.levels] for t in gathered.trees])
+            assert inputs.device_nodes.tolist() == nodes.reshape(len(nodes), -1).tolist()
+            expected = padded_columns(size, gathered.spans(), table.padding_row, trees=True)
             assert graphs.inputs[:, :size].tolist() == expected
             counts["checked"] += 1
         return run_tree_round(inputs, launch_next, launched)
@@ -187,6 +195,7 @@ def test_tree_verifies_queued_from_the_device_change_no_output(models, monkeypat
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == expected
     assert counts["from_device"] > 0 and counts["taken"] == counts["checked"] > 0
+    assert counts["unread"] == counts["taken_from_device"] == counts["checked"]
     if n == 1:  # nothing ends but at the last round: every round but the first took one
         assert counts["taken"] == counts["from_device"] >= counts["rounds"] // 2
     check_empty(llm)

@@ -186,6 +186,9 @@ def test_verifies_queued_from_the_device_change_no_output(models, monkeypatch, d
     assert counts["taken"] == counts["rounds"] - 1 > 0
     if device == "cuda":
         assert counts["from_device"] > 0
+        # The host commits a round while the device still runs its extend: it reads no chain
+        # before a round that the device queued.
+        assert counts["unread"] == counts["taken_from_device"] > 0
     else:  # eager batches cannot be moved on the device
         assert counts["from_device"] == 0
     engine = llm.engine
@@ -207,6 +210,7 @@ def test_requests_ending_under_a_verify_queued_from_the_device(models, monkeypat
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == expected
     assert counts["from_device"] > 0
+    assert counts["unread"] == counts["taken_from_device"] > 0
     check_empty(llm)
 
 

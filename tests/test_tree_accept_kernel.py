@@ -51,8 +51,13 @@ def _targets(rng: np.random.Generator, tokens, parents, stop: float) -> np.ndarr
 
 @pytest.mark.parametrize("count,k", [(1, 1), (8, 3), (24, 3), (24, 5), (62, 8)])
 @pytest.mark.parametrize("stop", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("nodes_from", ["host", "block"])
 @torch.inference_mode()
-def test_the_kernel_decides_trees_as_torch_does(count: int, k: int, stop: float) -> None:
+def test_the_kernel_decides_trees_as_torch_does(
+    count: int, k: int, stop: float, nodes_from: str
+) -> None:
+    """`nodes_from`: an int64 tensor of their own (copied from the host), or float64 columns
+    of a wider block, as the extend that grew the trees leaves them on the device."""
     rng = np.random.default_rng(count * 10 + k)
     n, context, device = 9, 160, "cuda"
     pool = KVPool(n * context + 8, 30, 3, 64, torch.bfloat16, device)  # rows of 11,520
@@ -80,8 +85,13 @@ def test_the_kernel_decides_trees_as_torch_does(count: int, k: int, stop: float)
     from engine.kernels.tree_accept import accept_trees
 
     pool.kv_buffer.copy_(before)
+    nodes_in = on["nodes"]
+    if nodes_from == "block":  # the chains (2K columns) before them, the verdicts after
+        block = torch.full((n, 2 * k + 3 * count + k + 2), -7.0, dtype=torch.float64)
+        block[:, 2 * k : 2 * k + 3 * count] = torch.from_numpy(nodes.astype(np.float64))
+        nodes_in = block.to(device)[:, 2 * k : 2 * k + 3 * count]
     decided = accept_trees(
-        on["targets"], on["nodes"], on["rows"], on["newest"], table.req_to_token,
+        on["targets"], nodes_in, on["rows"], on["newest"], table.req_to_token,
         pool.kv_buffer, k,
     )  # fmt: skip
     assert torch.equal(decided[:, : k + 1], path)

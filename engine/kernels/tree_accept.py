@@ -14,7 +14,9 @@ import triton.language as tl
 @triton.jit
 def _tree_accept_kernel(
     targets_ptr,  # [n, count + 1] int64: the target's argmax at the root and each node
-    nodes_ptr,  # [n, 3 * count] int64: tokens, parents (-1: the root), levels
+    nodes_ptr,  # [n, 3 * count] int64 or float64, rows `nodes_stride` apart: tokens,
+    # parents (-1: the root), levels
+    nodes_stride,
     rows_ptr,  # [n] each request's row in the table
     newest_ptr,  # [n] each request's position m (the root's)
     table_ptr,  # the request table [max_reqs + 1, context]
@@ -31,10 +33,10 @@ def _tree_accept_kernel(
     chunk = tl.program_id(1)
     cols = tl.arange(0, NODES)  # node index
     mask = cols < count
-    nodes = nodes_ptr + i * 3 * count + cols
-    tokens = tl.load(nodes, mask=mask, other=-1)
-    parents = tl.load(nodes + count, mask=mask, other=-1)
-    levels = tl.load(nodes + 2 * count, mask=mask, other=0)
+    nodes = nodes_ptr + i * nodes_stride + cols
+    tokens = tl.load(nodes, mask=mask, other=-1).to(tl.int64)
+    parents = tl.load(nodes + count, mask=mask, other=-1).to(tl.int64)
+    levels = tl.load(nodes + 2 * count, mask=mask, other=0).to(tl.int64)
     targets = targets_ptr + i * (count + 1)
     match = mask & (tokens == tl.load(targets + parents + 1, mask=mask, other=-1))
     # Level by level: a node is accepted where it matches and its parent (the root, or a node
@@ -89,14 +91,16 @@ def accept_trees(
     k: int,
 ) -> torch.Tensor:
     """targets [n, count + 1] (the argmax at the root and each node), `nodes` [n, 3 * count]
-    (tokens, parents, levels), each request's table row and newest position m: [n, 2K + 3],
+    (tokens, parents, levels; int64, or float64 as the extend's block holds them, each row
+    contiguous), each request's table row and newest position m: [n, 2K + 3],
     per request the path (the span row of each level's accepted node: 0 for the root and past
     the accepted ones), then the verdicts: the K+1 committed candidates (the argmax at each
     row of the path) and the accepted count. The accepted nodes' KV in `kv_buffer`
     (slot-major) moves from m + their span row to m + their level."""
     n, width = targets.shape
     count = width - 1
-    assert nodes.shape == (n, 3 * count) and nodes.is_contiguous() and targets.is_contiguous()
+    assert nodes.shape == (n, 3 * count) and nodes.stride(1) == 1 and targets.is_contiguous()
+    assert nodes.dtype in (torch.int64, torch.float64)
     assert table.stride(1) == 1 and kv_buffer.is_contiguous()
     row_size = kv_buffer[0].numel()
     out = torch.empty((n, 2 * k + 3), dtype=torch.int64, device=targets.device)
@@ -104,6 +108,7 @@ def accept_trees(
     _tree_accept_kernel[grid](
         targets,
         nodes,
+        nodes.stride(0),
         rows,
         newest,
         table,
