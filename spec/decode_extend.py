@@ -107,13 +107,15 @@ class FixedDecodeExtend:
         """Extend every depth over `items` and give each its next chain (and tree) and
         boundary states."""
         _, block, boundary, verify_hidden = self.launch(items)
-        drafts = self.pending_drafts(HostCopy(block))
+        drafts = self.pending_drafts(block)
         counts = [len(item.committed) for item in items]
         self.apply(items, counts, drafts, list(range(len(items))), boundary, verify_hidden)
 
-    def pending_drafts(self, block: HostCopy) -> PendingDrafts:
-        """The next drafts in the copy of a `launch`'s block, read when first asked for."""
-        return PendingDrafts(block, self.k, None if self.layout is None else self.layout.budget)
+    def pending_drafts(self, block: torch.Tensor) -> PendingDrafts:
+        """The next drafts of a `launch`'s block, copied to the host behind the work queued so
+        far and read when first asked for."""
+        budget = None if self.layout is None else self.layout.budget
+        return PendingDrafts(HostCopy(block), self.k, budget)
 
     @torch.inference_mode()
     def launch(

@@ -50,7 +50,7 @@ from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
 from engine.verify_outputs import VerifyOutputs, greedy_chain_verdicts
 from spec.decode_extend import FixedDecodeExtend
-from spec.extend_items import FixedExtendItem, GatheredItems
+from spec.extend_items import FixedExtendItem, GatheredItems, PendingDrafts
 
 
 @dataclass
@@ -163,9 +163,9 @@ class DeviceRound:
     tokens: list[list[int]]
     accepted: list[int]
     items: list[FixedExtendItem]
-    # Per request its next chain, the chain's probabilities, its tree's nodes (a tree shape)
-    # and its verdicts: the extend's block (FixedDecodeExtend.launch).
-    chains_copy: HostCopy
+    # Per request its next chain, the chain's probabilities and its tree (a tree shape), on
+    # their way from the extend's block (FixedDecodeExtend.launch) to the host.
+    next_drafts: PendingDrafts
     next_chains: torch.Tensor  # [n, K] the same chains, on the device
     boundary: torch.Tensor  # [K-1, n, hidden]
     verify_hidden: torch.Tensor  # [n, K+1, width]: the target's over each verify span
@@ -219,14 +219,14 @@ def run_device_round(
     next_chains, block, boundary, hidden = fixed_extend.launch(
         items, verdict_block, hidden, inputs.gathered
     )
-    next_rounds = HostCopy(block)
+    next_drafts = fixed_extend.pending_drafts(block)
     # The host's share of the next round, while the device runs this one.
     grow_for_next_round(requests, k, *target_pools, gathered=inputs.gathered)
     queued = None
     if queue_ahead and holds_next_round(requests, k):
         queued = queue_next_verify(forward, targets, accepted, next_chains, forward_every_token)
     tokens, counts = read_verdicts(verdicts, k)
-    done = DeviceRound(tokens, counts, items, next_rounds, next_chains, boundary, hidden)
+    done = DeviceRound(tokens, counts, items, next_drafts, next_chains, boundary, hidden)
     if queued is not None:
         num_tokens = [req.num_tokens + len(t) for req, t in zip(requests, tokens)]
         done.next_verify = LaunchedVerify(list(requests), num_tokens, *queued)

@@ -168,11 +168,17 @@ def split_chains(copy: HostCopy, k: int) -> tuple[list[list[int]], list[list[flo
     return values[:, :k].astype(np.int64).tolist(), values[:, k : 2 * k].tolist()
 
 
+def tree_columns(k: int, budget: int) -> slice:
+    """The columns of the extend's block that hold each request's tree of `budget` nodes: its
+    tokens, parents and levels, after the K chain ids and their K probabilities."""
+    return slice(2 * k, 2 * k + 3 * budget)
+
+
 def split_trees(copy: HostCopy, k: int, budget: int) -> list[DraftTree]:
     """Each request's draft tree from the same block, after its chains (columns 2K on: the
     nodes' tokens, parents and levels; spec/device_tree.py)."""
     copy.wait()
-    values = copy.host.numpy()[:, 2 * k : 2 * k + 3 * budget].astype(np.int64)
+    values = copy.host.numpy()[:, tree_columns(k, budget)].astype(np.int64)
     tokens, parents, levels = (
         values[:, :budget],
         values[:, budget : 2 * budget],

@@ -53,7 +53,7 @@ from spec.device_round import (
     read_verdicts,
     recorded_behind,
 )
-from spec.extend_items import FixedExtendItem, GatheredItems
+from spec.extend_items import FixedExtendItem, GatheredItems, tree_columns
 from spec.tree import DraftTree
 
 
@@ -265,19 +265,19 @@ def run_tree_round(
     next_chains, block, boundary, hidden = fixed_extend.launch(
         inputs.items, verdict_block, hidden, inputs.gathered
     )
-    next_rounds = HostCopy(block)
+    next_drafts = fixed_extend.pending_drafts(block)
     layout = fixed_extend.layout
     assert layout is not None and layout.budget == count
     queued = None
     if queue_ahead:
-        nodes = block[:, 2 * k : 2 * k + 3 * count]
+        nodes = block[:, tree_columns(k, count)]
         queued = queue_next_tree_verify(forward, committed, accepted, nodes, k, forward_every_token)
     tokens_out, counts = read_verdicts(verdicts, k)
     done = DeviceRound(
         tokens_out,
         counts,
         inputs.items,
-        next_rounds,
+        next_drafts,
         next_chains,
         boundary,
         hidden,

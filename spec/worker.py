@@ -409,7 +409,7 @@ class MultiLayerEagleWorker:
             self.fixed_extend.apply(
                 [done.items[i] for i in indices],
                 [committed for _, _, committed in going_on],
-                self.fixed_extend.pending_drafts(done.chains_copy),
+                done.next_drafts,
                 indices,
                 boundary,
                 hidden,
