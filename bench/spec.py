@@ -2,7 +2,8 @@
 side by side in one run.
 
     python bench/spec.py [--device cpu|cuda] [--model PATH] [--draft-model PATH|shipped|random ...]
-        [--num-draft-chains 1 3] [--trees 4:8 4:12] [--draft-vocab draft full]
+        [--num-draft-steps 3 5] [--num-draft-chains 1 3] [--trees 4:8 4:12]
+        [--draft-vocab draft full]
         [--temperature 0.7] [--repeats 3]
         [--requests N] [--continuous]
 
@@ -18,6 +19,7 @@ the NODES likeliest. The draft is the shipped default draft for the default mode
 speculating and nothing else. Several --draft-model values (`shipped` names the shipped draft)
 each get those engines, and the table gains a draft column: drafts compared side by side in one
 run, each with its own number of depths unless --num-draft-steps sets one for all. So do several
+--num-draft-steps values (steps beyond a draft's depths run its last depth again) and several
 --draft-vocab values: a draft proposing from its folder's vocabulary, then from the whole one.
 Each engine runs --repeats passes, alternating with the others; the table shows median tokens/s
 and the range of pass-against-pass speedups. A pass runs its requests (`--requests`, the held-out
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import sys
 import tempfile
 import time
@@ -107,8 +110,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--num-draft-steps",
         type=int,
-        default=None,
-        help="draft depths used (default: all each draft has; 3 for a random draft)",
+        nargs="+",
+        default=[None],
+        help="one speculative engine per value: draft steps a round (default: one per depth "
+        "each draft has, 3 for a random draft; steps beyond a draft's depths run its last "
+        "depth again)",
     )
     parser.add_argument(
         "--num-draft-chains",
@@ -158,8 +164,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--repeats must be at least 1")
     if args.requests is not None and args.requests < 1:
         parser.error("--requests must be at least 1")
-    if args.num_draft_steps is not None and args.num_draft_steps < 1:
+    if any(k is not None and k < 1 for k in args.num_draft_steps):
         parser.error("--num-draft-steps must be at least 1")
+    args.num_draft_steps = list(dict.fromkeys(args.num_draft_steps))
     if args.draft_model is None:
         if args.model is not None:
             parser.error("--draft-model is needed for a model other than the default one")
@@ -243,20 +250,23 @@ def build_engines(
     plain = LLM(args.model, **common)
     speculative, names = [], []
     vocabs = list(dict.fromkeys(args.draft_vocab))
+    steps = args.num_draft_steps
     for draft, name in _drafts_of(args, plain, scratch):
-        for vocab in vocabs:
-            for shape in shapes:
-                llm = LLM(
-                    args.model,
-                    **common,
-                    speculative_algorithm="multi-layer-eagle",
-                    draft_model=draft,
-                    num_draft_steps=args.num_draft_steps,
-                    draft_vocab=vocab,
-                    **shape,
-                )
-                speculative.append(llm)
-                names.append(name + _vocab_name(llm, vocab) if len(vocabs) > 1 else name)
+        for vocab, k, shape in itertools.product(vocabs, steps, shapes):
+            llm = LLM(
+                args.model,
+                **common,
+                speculative_algorithm="multi-layer-eagle",
+                draft_model=draft,
+                num_draft_steps=k,
+                draft_vocab=vocab,
+                **shape,
+            )
+            speculative.append(llm)
+            label = name + _vocab_name(llm, vocab) if len(vocabs) > 1 else name
+            if len(steps) > 1:
+                label += f", {llm.engine.speculator.num_draft_steps} steps"
+            names.append(label)
     return plain, speculative, names
 
 
@@ -276,7 +286,7 @@ def _drafts_of(args: argparse.Namespace, plain: LLM, scratch: Path) -> list[tupl
         if value == "random":
             folder = scratch / "draft"
             if not folder.exists():
-                random_draft(plain, args.num_draft_steps or 3, folder)
+                random_draft(plain, 3, folder)  # more steps reuse depth 2
             drafts.append((folder, "a random (untrained) draft"))
         elif value == "shipped":
             # Made for the default model; the engine refuses it for a target of other shapes.
@@ -327,9 +337,9 @@ def measure(
 
 
 def _drafts(rows: list[dict]) -> str:
-    """The drafts the rows ran, with their depths, for the section's opening line."""
+    """The drafts the rows ran, with their steps, for the section's opening line."""
     drafts = dict.fromkeys((r["draft"], r["num_draft_steps"]) for r in rows)
-    return "; ".join(f"K = {k} draft depths from {name}" for name, k in drafts)
+    return "; ".join(f"K = {k} draft steps from {name}" for name, k in drafts)
 
 
 def _workload(args: argparse.Namespace, requests: int) -> str:

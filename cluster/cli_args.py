@@ -124,7 +124,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-draft-steps",
         type=int,
         default=None,
-        help="draft depths K to use (default: every depth the draft has)",
+        help="draft steps K a round (default: one per depth the draft has; steps beyond its "
+        "depths run its last depth again)",
     )
     parser.add_argument(
         "--num-draft-chains",

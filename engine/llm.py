@@ -56,9 +56,10 @@ class LLM:
     ) -> None:
         """With `speculative_algorithm` ("multi-layer-eagle") and `draft_model` (a draft folder,
         see docs/draft-format.md; by default the shipped draft for the default model), every
-        request speculates with `num_draft_steps` draft depths (default: all the draft has)
-        unless `generate(..., speculative=False)` opts it out. With `num_draft_chains` N > 1,
-        greedy requests draft N chains that start with depth 0's N most likely tokens, and
+        request speculates with `num_draft_steps` draft steps (default: one per depth the
+        draft has; steps beyond its depths run its last depth again) unless
+        `generate(..., speculative=False)` opts it out. With `num_draft_chains` N > 1, greedy
+        requests draft N chains that start with depth 0's N most likely tokens, and
         each step keeps the one the target accepts furthest (output unchanged); by default 1.
         With `speculative_topk` k > 1 every request drafts a token tree instead (spec/tree.py):
         each expanded node proposes its k likeliest children, k nodes are expanded per level,

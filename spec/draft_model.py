@@ -26,6 +26,8 @@ from spec.draft_vocab import check_draft_vocab
 
 WEIGHTS_FILE = "model.safetensors"
 VOCAB_TENSOR = "draft_vocab"
+# Draft steps an engine may run: each has its own KV pool, and a verify span grows with them.
+MAX_DRAFT_STEPS = 16
 
 
 class DraftDepth(nn.Module):
@@ -96,6 +98,18 @@ class MultiLayerEagleDraft(nn.Module):
         return len(self.depths)
 
     @property
+    def num_stored_depths(self) -> int:
+        """Depths with weights of their own: the steps after them run the last one again."""
+        return len({id(depth) for depth in self.depths})
+
+    def reuse_last_depth(self, num_draft_steps: int) -> None:
+        """Run the last depth again at every step up to `num_draft_steps`, as a one-layer
+        EAGLE draft runs its layer step after step. Only the weights are shared: each step
+        still has its own runner, token pool and KV pool in the engine."""
+        while len(self.depths) < num_draft_steps:
+            self.depths.append(self.depths[-1])
+
+    @property
     def intermediate_size(self) -> int:
         return self.layer_config.intermediate_size
 
@@ -103,7 +117,8 @@ class MultiLayerEagleDraft(nn.Module):
 def save_draft(
     path: str | os.PathLike, draft: MultiLayerEagleDraft, target_name: str = "unknown"
 ) -> None:
-    """Write `draft` as a draft folder: config.json and model.safetensors with HF layer names."""
+    """Write `draft` as a draft folder: config.json and model.safetensors with HF layer names
+    (the depths with weights of their own: a reused last depth is written once)."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = draft.vocab
@@ -111,9 +126,10 @@ def save_draft(
         problem = check_draft_vocab(vocab.cpu(), draft.config.vocab_size)
         if problem:
             raise ValueError(f"the draft vocabulary {problem}")
+    stored = draft.num_stored_depths
     config = DraftConfig.for_target(
         draft.config,
-        draft.num_draft_steps,
+        stored,
         target_name,
         None if vocab is None else vocab.numel(),
         draft.intermediate_size,
@@ -122,7 +138,7 @@ def save_draft(
     tensors: dict[str, torch.Tensor] = {}
     if vocab is not None:
         tensors[VOCAB_TENSOR] = vocab
-    for d, depth in enumerate(draft.depths):
+    for d, depth in enumerate(draft.depths[:stored]):
         prefix = f"depths.{d}."
         tensors[prefix + "enorm.weight"] = depth.enorm.weight
         tensors[prefix + "hnorm.weight"] = depth.hnorm.weight
@@ -142,16 +158,19 @@ def load_draft(
     device: str | torch.device,
     dtype: torch.dtype,
 ) -> MultiLayerEagleDraft:
-    """The draft's first `num_draft_steps` depths (all by default), refused with
-    DraftMismatchError when it was made for a target of other shapes."""
+    """The draft's first `num_draft_steps` depths (all by default; more steps than the folder
+    has depths run its last depth again), refused with DraftMismatchError when it was made for
+    a target of other shapes."""
     folder = Path(path)
     config = DraftConfig.load(folder)
     config.check_target(target, folder)
-    steps = config.num_draft_steps if num_draft_steps is None else num_draft_steps
-    if not 1 <= steps <= config.num_draft_steps:
+    asked = config.num_draft_steps if num_draft_steps is None else num_draft_steps
+    if not 1 <= asked <= MAX_DRAFT_STEPS:
         raise ModelLoadError(
-            f"num_draft_steps={steps}, but draft {folder} has {config.num_draft_steps} depths"
+            f"num_draft_steps={asked}: must be 1 to {MAX_DRAFT_STEPS} (draft {folder} has "
+            f"{config.num_draft_steps} depths; steps beyond them run its last depth again)"
         )
+    steps = min(asked, config.num_draft_steps)
     try:
         tensors = load_file(str(folder / WEIGHTS_FILE))
     except (OSError, SafetensorError) as err:
@@ -192,6 +211,7 @@ def load_draft(
                     f"expected {tuple(param.shape)}"
                 )
             param.data.copy_(tensor)
+    draft.reuse_last_depth(asked)
     return draft.to(dtype).eval()
 
 

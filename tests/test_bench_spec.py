@@ -72,7 +72,19 @@ def test_the_section_names_each_draft_and_its_depths() -> None:
         {"draft": "a", "num_draft_steps": 3},
         {"draft": "b", "num_draft_steps": 4},
     ]
-    assert spec_bench._drafts(rows) == "K = 3 draft depths from a; K = 4 draft depths from b"
+    assert spec_bench._drafts(rows) == "K = 3 draft steps from a; K = 4 draft steps from b"
+
+
+def test_numbers_of_draft_steps_are_compared_side_by_side(capsys) -> None:
+    # The shipped draft has three depths: a fourth step runs the third again.
+    spec_bench.main(ARGS + ["--num-draft-steps", "2", "4"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-4].startswith("| batch | draft | drafts |")
+    two, four = (line.split(" | ") for line in lines[-2:])
+    assert two[1:3] == ["the shipped default draft, 2 steps", "1 chain"]
+    assert four[1:3] == ["the shipped default draft, 4 steps", "1 chain"]
+    assert (len(two[-2].split(", ")), len(four[-2].split(", "))) == (2, 4)
+    assert two[-1] == four[-1] == "yes |"
 
 
 def test_the_draft_vocabularies_are_compared_side_by_side(capsys) -> None:

@@ -135,11 +135,10 @@ def test_files_follow_the_documented_names(target: Path, tmp_path: Path) -> None
 
 
 def test_fewer_steps_than_the_draft_has(target: Path, tmp_path: Path) -> None:
+    # More steps than depths: tests/test_reused_depth.py.
     make_random_draft(tmp_path / "draft", target, 4)
     draft = load_draft(tmp_path / "draft", target_config(target), 2, "cpu", torch.float32)
     assert draft.num_draft_steps == 2
-    with pytest.raises(ModelLoadError, match="num_draft_steps=5.*4 depths"):
-        load_draft(tmp_path / "draft", target_config(target), 5, "cpu", torch.float32)
 
 
 @pytest.mark.parametrize(
