@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from devices import DEVICES
 from safetensors.torch import load_file, save_file
 from tiny_drafts import make_good_draft, make_predictable_llama, make_random_draft, target_config
 from tiny_models import make_tiny_llama
@@ -72,15 +73,19 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     return root / "target", root / "draft", copied
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [{}, {"speculative_topk": 2, "num_draft_tokens": 12}])
-def test_an_engine_runs_the_last_depth_again(models: tuple[Path, Path, Path], shape) -> None:
+def test_an_engine_runs_the_last_depth_again(
+    models: tuple[Path, Path, Path], shape: dict, device: str
+) -> None:
+    """Where the engine runs graphs (CUDA), each step replays its own, over shared weights."""
     target, draft, copied = models
-    plain = LLM(str(target), device="cpu").generate(PROMPTS, GREEDY)
+    plain = LLM(str(target), device=device).generate(PROMPTS, GREEDY)
     runs = {}
     for name, folder, steps in (("reused", draft, 4), ("copied", copied, None)):
         llm = LLM(
             str(target),
-            device="cpu",
+            device=device,
             speculative_algorithm=SPEC,
             draft_model=str(folder),
             num_draft_steps=steps,
