@@ -174,14 +174,25 @@ class Cluster:
             self.supervisor.stop()
         self.router.close_sockets()
         for actor in self.prefill_actors + self.decode_actors:
-            try:
-                ray.get(actor.shutdown.remote(), timeout=15)
-            except Exception:  # noqa: BLE001 - a dead or stuck actor is killed below anyway
-                pass
-            ray.kill(actor)
+            _stop_node(actor)
         remove_placement_group(self.placement)
         if self.started_ray:
             ray.shutdown()
+
+
+def _stop_node(actor) -> None:
+    """Shut a node down, then let its process exit on its own and wait until it has. A node
+    process still alive when its driver exits gets Ray's SIGTERM, which can land in the middle
+    of the interpreter's cleanup and print a traceback. A node that fails to shut down or to
+    exit in time is killed, and waited for too."""
+    try:
+        ray.get(actor.shutdown.remote(), timeout=15)
+        ray.get(actor.__ray_terminate__.remote(), timeout=15)
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+        return  # it has exited: a terminated actor's caller sees its death
+    except Exception:  # noqa: BLE001 - stuck, or its shutdown failed: killed below
+        pass
+    kill_for_good(actor)
 
 
 def _node_state(slot: NodeSlot, config: ClusterConfig) -> NodeState:
