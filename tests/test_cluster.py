@@ -230,3 +230,19 @@ def test_a_dead_decode_node_ends_its_requests_with_an_error_naming_it(tiny_model
     finally:
         server.stop()
         cluster.shutdown()
+
+
+def test_shutdown_lets_every_node_exit_on_its_own(tiny_model, monkeypatch):
+    """After it shuts down, a node's process exits by itself (its atexit handlers run, and no
+    signal from Ray lands in its cleanup), and it is gone when `shutdown` returns: none is
+    killed."""
+    killed = []
+    monkeypatch.setattr(ray, "kill", lambda actor, **kw: killed.append(actor))
+    cluster = launch(tiny_model, prefill=1, decode=1, **ENGINE)
+    nodes = cluster.prefill_actors + cluster.decode_actors
+    assert len(nodes) == 2
+    cluster.shutdown()
+    assert killed == []
+    for node in nodes:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(node.ping.remote(), timeout=10)
