@@ -6,6 +6,8 @@ greedy output."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -63,12 +65,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     copied = root / "copied"
     copied.mkdir()
     save_file(tensors, str(copied / "model.safetensors"))
-    raw = DraftConfig.load(root / "draft")
-    (copied / "config.json").write_text(
-        (root / "draft" / "config.json")
-        .read_text()
-        .replace(f'"num_draft_steps": {raw.num_draft_steps}', '"num_draft_steps": 4')
-    )
+    config = dataclasses.replace(DraftConfig.load(root / "draft"), num_draft_steps=4)
+    (copied / "config.json").write_text(json.dumps(config.to_json()))
     assert DraftConfig.load(copied).num_draft_steps == 4
     return root / "target", root / "draft", copied
 
