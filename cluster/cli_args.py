@@ -109,6 +109,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(by default the host prepares a step while the device runs the one before)",
     )
     parser.add_argument(
+        "--disable-mixed-prefill",
+        action="store_true",
+        help="give each step that admits prompts a forward of its own, the running requests "
+        "waiting for it (by default they decode their next token in the same forward)",
+    )
+    parser.add_argument(
         "--speculative-algorithm",
         default=None,
         choices=["multi-layer-eagle"],

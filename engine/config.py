@@ -162,6 +162,9 @@ class EngineConfig:
     cuda_graph_max_prefill_tokens: int = 0
     # Plain decode steps launch the next step before reading their tokens (engine/overlap.py).
     overlap_schedule: bool = False
+    # A step that admits prompts while requests run decodes the running requests in the same
+    # forward (engine/scheduler.py); off: such a step stops them. Speculating engines never mix.
+    mixed_prefill: bool = True
     seed: int = 0
     # Draft chains per request when speculating: the draft tree that branches at the first
     # draft only (spec/tree.py).

@@ -42,6 +42,7 @@ class LLM:
         cuda_graph_max_bs: int | None = None,
         cuda_graph_max_prefill_tokens: int | None = None,
         overlap_schedule: bool | None = None,
+        mixed_prefill: bool = True,
         seed: int = 0,
         speculative_algorithm: str | None = None,
         draft_model: str | os.PathLike | None = None,
@@ -69,9 +70,9 @@ class LLM:
         (longer accepts); default: "full" on a GPU, "draft" elsewhere.
         `debug_tensor_dump_dir` dumps every forward pass (engine/debug_dump.py) under
         DIR/offline/<target|draft-N>/rank0/, keeping only `debug_tensor_dump_layers` if given.
-        Prompts longer than `chunked_prefill_size` tokens are prefilled in chunks of it, between
-        decode steps of the running requests (0: in one step; default 2048 on a CPU, 4096 on
-        a GPU).
+        Prompts longer than `chunked_prefill_size` tokens are prefilled in chunks of it, in or
+        between decode steps of the running requests (0: in one step; default 2048 on a CPU,
+        4096 on a GPU).
         `max_tokens_cap`: refuse (RequestRejectedError) a request asking for more max_tokens.
         `attention_backend`: "triton" (GPU), "torch" (anywhere) or "auto" (triton on a GPU).
         On a GPU, decode steps of up to `cuda_graph_max_bs` requests (default max_num_seqs)
@@ -79,6 +80,8 @@ class LLM:
         prefill steps of up to `cuda_graph_max_prefill_tokens` tokens (default 512; 0: none).
         `overlap_schedule`: prepare each plain decode step while the device runs the one
         before (engine/overlap.py); default on a GPU, off on a CPU.
+        `mixed_prefill`: a step that admits prompts while others run decodes the running
+        requests in the same forward (default); False gives admission steps of their own.
         `gpu_memory_utilization`: the fraction of the GPU's total memory this engine may take,
         for engines that share a GPU (default: the KV pool takes 80% of what is free).
         `enable_tracing` gives each output its timeline (`RequestOutput.trace`, engine.tracing)."""
@@ -100,6 +103,7 @@ class LLM:
             cuda_graph_max_bs=cuda_graph_max_bs,
             cuda_graph_max_prefill_tokens=cuda_graph_max_prefill_tokens,
             overlap_schedule=overlap_schedule,
+            mixed_prefill=mixed_prefill,
             seed=seed,
             speculative_algorithm=speculative_algorithm,
             draft_model=model_path_arg(draft_model),

@@ -67,6 +67,9 @@ class EngineArgs:
     # The host prepares each plain decode step while the device runs the one before
     # (engine/overlap.py); None: on a GPU, off on a CPU (where host and device are one).
     overlap_schedule: bool | None = None
+    # A step that admits prompts while requests run decodes them in the same forward
+    # (engine/scheduler.py); False: admission steps stop the running requests.
+    mixed_prefill: bool = True
     seed: int = 0
     # Speculative decoding (see spec/ and docs/draft-format.md); off when algorithm is None.
     speculative_algorithm: str | None = None
@@ -175,6 +178,7 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
         cuda_graph_max_bs=_cuda_graph_max_bs(args, device, backend),
         cuda_graph_max_prefill_tokens=_cuda_graph_max_prefill_tokens(args, device, backend),
         overlap_schedule=_overlap_schedule(args, device),
+        mixed_prefill=args.mixed_prefill,
         seed=args.seed,
         num_draft_chains=_draft_chains(args),
         speculative_topk=args.speculative_topk or 1,

@@ -22,7 +22,19 @@ With `chunk_size`, a prompt longer than that is prefilled over several steps, on
 (at most one prompt in chunks at a time; it keeps the head of the queue, and holds its chunks'
 KV, between them). Whole prompts behind it join its steps while the step's token budget
 allows, so a short request is not kept waiting for a long one. While a prompt is in chunks,
-prefill steps and decode steps alternate, so that running requests keep generating.
+running requests keep generating: its chunks ride in their decode steps (mixed, below), or
+where a chunk runs in a step of its own, prefill steps and decode steps alternate.
+
+With `mixed`, a step that admits prompts while requests run is one forward of both (a mixed
+step): every running request's next token (a span of one over its cached KV) and the admitted
+prompts or a prompt's chunk, so that admitting never stops the running requests. Its decode
+tokens count in the step's token budget (`max_prefill_tokens`), and it takes the running
+requests' slots for this step and keeps `step_reserve` free for the next, as a prefill step
+followed by a decode step would. A mixed step that cannot admit anything (a chunk left no
+room by the decode tokens, or the KV short of both steps' slots) leaves the step what it was
+without mixing, and so does one of more than `mixed_max_tokens` tokens (an engine whose decode
+steps replay CUDA graphs mixes only where a prefill graph holds the step: see EngineCore).
+Speculating engines do not mix: their decode step is a verify of its own.
 
 `prefill_only` (a prefill node): prompts are prefilled and sample their first token, then
 leave the scheduler without being released; their owner frees them (`KVCacheManager.release`)
@@ -51,6 +63,9 @@ class ScheduledBatch:
     # Prefill only: (fork, the request whose prompt KV it took) for parallel samples that join
     # with a prompt completed in this step (Request.forks).
     forks: list[tuple[Request, Request]] = field(default_factory=list)
+    # A mixed step: the running requests that decode their next token in the same forward,
+    # before the prompts (Scheduler's `mixed`).
+    decoding: list[Request] = field(default_factory=list)
 
     def completes(self) -> list[bool]:
         if self.ends is None:
@@ -71,7 +86,13 @@ class Scheduler:
         on_release: Callable[[Request], None] | None = None,
         chunk_size: int | None = None,
         prefill_only: bool = False,
+        mixed: bool = False,
+        mixed_max_tokens: int | None = None,
     ) -> None:
+        """`mixed`: prompts are admitted into the running requests' decode step (see the
+        module's doc); only for engines whose requests decode one token a step.
+        `mixed_max_tokens`: the most tokens a mixed step may run (None: max_prefill_tokens
+        alone bounds it; 0: no step is mixed)."""
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.kv_cache = kv_cache
@@ -80,6 +101,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_size = chunk_size
         self.prefill_only = prefill_only
+        self.mixed = mixed and not prefill_only
+        self.mixed_max_tokens = mixed_max_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Set by a prefill step that left a prompt in chunks: the next step decodes, if any
@@ -94,6 +117,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        if self.mixed and self.running and self.waiting:
+            mixed = self._admit_waiting(self.running, self.mixed_max_tokens)
+            if mixed is not None:
+                self._decode_turn = False
+                return mixed
         if not (self._decode_turn and self.running):
             prefill = self._admit_waiting()
             if prefill is not None:
@@ -129,14 +157,20 @@ class Scheduler:
         assert req.kv_len == req.num_tokens - 1 and len(req.slots) >= req.num_tokens - 1
         self.running.append(req)
 
-    def _admit_waiting(self) -> ScheduledBatch | None:
+    def _admit_waiting(
+        self, decoding: list[Request] | None = None, max_tokens: int | None = None
+    ) -> ScheduledBatch | None:
         """The waiting requests that the next prefill step runs, in queue order, stopping at
-        the first that does not fit; None when none does."""
+        the first that does not fit; None when none does. With `decoding` (the running
+        requests: a mixed step), their next tokens share the step's token budget and their
+        slots are taken with the prompts'. None too, taking nothing, where the step would
+        run more than `max_tokens` tokens."""
         if not self.waiting:
             return None  # before step_reserve, a walk over the running requests
+        decoding = decoding or []
         admitted: list[Request] = []
         ends: list[int] = []
-        tokens = 0
+        tokens = len(decoding)
         # One decode step's slots per running or admitted request stay free (`step_reserve`).
         reserve = 0 if self.prefill_only else self.step_reserve()
         partial: Request | None = None
@@ -144,8 +178,10 @@ class Scheduler:
         forks: list[tuple[Request, Request]] = []
         # Slots and rows are taken once the batch is chosen, in one write to the row table:
         # a large prefill admits tens of requests, and each write is a copy to the device.
-        grants: list[tuple[Request, int]] = []
-        granted_slots = granted_rows = 0
+        # A mixed step's decoding requests take this step's slots first.
+        grants = [(req, n) for req in decoding if (n := _missing_slots(req))]
+        granted_slots = sum(n for _, n in grants)
+        granted_rows = 0
         for req in self.waiting:
             if len(self.running) + len(admitted) + joining + 1 + len(req.forks) > self.max_num_seqs:
                 break
@@ -176,7 +212,7 @@ class Scheduler:
             reserve += after
             if take < need:
                 partial = req
-        if not admitted:
+        if not admitted or (max_tokens is not None and tokens > max_tokens):
             return None
         self.kv_cache.grow_many(grants)
         forked = {id(source) for _, source in forks}  # prompts that complete: forks take them
@@ -189,7 +225,9 @@ class Scheduler:
             self.waiting.popleft()
         if partial is not None:
             self.waiting.appendleft(partial)
-        return ScheduledBatch(admitted, is_prefill=True, ends=ends, forks=forks)
+        return ScheduledBatch(
+            admitted, is_prefill=True, ends=ends, forks=forks, decoding=list(decoding)
+        )
 
     def _release(self, req: Request) -> None:
         self.kv_cache.release(req)
@@ -215,13 +253,24 @@ class Scheduler:
     ) -> list[Request]:
         """After a prefill step: requests that prefilled a chunk advance their cached prefix;
         the others (`batch.completing`, then the `forks` that took their prompt KV, whose
-        sampled tokens and logprobs these are, in order) commit their first token."""
+        sampled tokens and logprobs these are, in order) commit their first token. A mixed
+        step's `batch.decoding` come first in `tokens` and `logprobs`, and commit their next
+        token as a decode step's requests do."""
         assert batch.ends is not None
+        finished = []
+        decoded = len(batch.decoding)
+        if decoded:
+            running = ScheduledBatch(batch.decoding, is_prefill=False)
+            finished = self.process_result(
+                running, tokens[:decoded], logprobs[:decoded], stop_checker
+            )
         for req, end, done in zip(batch.requests, batch.ends, batch.completes()):
             if not done:
                 req.kv_len = end
         completing = ScheduledBatch(batch.completing + list(forks), is_prefill=True)
-        return self.process_result(completing, tokens, logprobs, stop_checker)
+        return finished + self.process_result(
+            completing, tokens[decoded:], logprobs[decoded:], stop_checker
+        )
 
     def process_result(
         self,

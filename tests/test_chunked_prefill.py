@@ -111,8 +111,9 @@ def _request(engine, name: str, length: int, max_tokens: int = 8) -> Request:
 
 
 def test_running_requests_decode_between_chunks_and_short_ones_join_the_first(models):
+    """Without mixed steps (tests/test_mixed_steps.py has them: every step decodes)."""
     tiny, *_ = models
-    engine = _llm(tiny, 16).engine
+    engine = _llm(tiny, 16, mixed_prefill=False).engine
     running = _request(engine, "running", 5, max_tokens=20)
     engine.step()
     assert len(running.output_token_ids) == 1

@@ -8,13 +8,15 @@ layer, and one SDPA call per request costs a host dispatch per request per layer
 request's new tokens are padded to the longest span n, and the G = num_heads / num_kv_heads query
 heads that share a KV head are, with their n queries each, the rows of one small matrix product
 against that head's keys, so K and V are gathered once per layer and never repeated per query
-head. Longer spans (prompts, chunks) keep one SDPA call per request.
+head. Longer spans (prompts, chunks) keep one SDPA call per request; in a batch that has both
+(a mixed step: running requests' next tokens beside prompts), consecutive requests of one token
+each still take the batched path together, and only the others are attended one by one.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -71,10 +73,13 @@ class BatchedGroups:
 
 @dataclass
 class PerRequestMetadata:
-    """Extends with a long span: one SDPA call per request."""
+    """Extends with a long span: one SDPA call per request, but for runs of consecutive
+    requests of one new token each (a mixed step's decodes), which take the batched path."""
 
     # Per request: (first flat token index, new tokens, prefix slots or None, causal mask or None)
     spans: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
+    # The batched path's groups (BatchedGroups.groups) of the runs of one-token requests.
+    batched: list[tuple[int, int, BatchedMetadata]] = field(default_factory=list)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -88,7 +93,27 @@ class TorchAttentionBackend(AttentionBackend):
         lone_on_cpu = batch.batch_size == 1 and batch.kv_pool.kv_buffer.device.type == "cpu"
         if batch.is_decode or (short and not lone_on_cpu):
             return self._prepare_batched(batch)
-        return _prepare_per_request(batch)
+        return self._prepare_mixed(batch)
+
+    def _prepare_mixed(self, batch: ForwardBatch) -> PerRequestMetadata:
+        """Per-request metadata, with each run of two or more consecutive one-token requests
+        given to the batched path."""
+        lens = batch.extend_lens
+        starts = [0] * len(lens)
+        for i in range(1, len(lens)):
+            starts[i] = starts[i - 1] + lens[i - 1]
+        alone, batched, i = [], [], 0
+        while i < len(lens):
+            end = i
+            while end < len(lens) and lens[end] == 1:
+                end += 1
+            if end - i >= 2:
+                batched += self._prepare_batched(batch, i, end, starts[i]).groups
+                i = end
+            else:
+                alone.append(i)
+                i += 1
+        return PerRequestMetadata(_prepare_per_request(batch, alone, starts), batched)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
@@ -100,15 +125,26 @@ class TorchAttentionBackend(AttentionBackend):
             if len(meta.groups) == 1:
                 return self._batched(q, layer, batch, meta.groups[0][2])
             out = torch.empty_like(q)
-            for start, count, group in meta.groups:
-                out[start : start + count] = self._batched(
-                    q[start : start + count], layer, batch, group
-                )
+            self._batched_groups(q, layer, batch, meta.groups, out)
             return out
         out = torch.empty_like(q)
+        self._batched_groups(q, layer, batch, meta.batched, out)
         with _sdpa_backends(q):
             self._per_request(q, k, v, layer, pool, meta, out)
         return out
+
+    def _batched_groups(
+        self,
+        q: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        groups: list[tuple[int, int, BatchedMetadata]],
+        out: torch.Tensor,
+    ) -> None:
+        for start, count, group in groups:
+            out[start : start + count] = self._batched(
+                q[start : start + count], layer, batch, group
+            )
 
     def _per_request(
         self,
@@ -140,33 +176,36 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[start : start + new] = o[0].transpose(0, 1)
 
-    def _prepare_batched(self, batch: ForwardBatch) -> BatchedGroups:
-        groups, token = [], 0
-        for first, end in self._group_bounds(batch):
-            count = sum(batch.extend_lens[first:end])
-            groups.append((token, count, self._prepare_group(batch, first, end, token, count)))
+    def _prepare_batched(
+        self, batch: ForwardBatch, first: int = 0, end: int | None = None, token: int = 0
+    ) -> BatchedGroups:
+        """Requests first..end-1 (default: all), whose flat tokens begin at `token`."""
+        end = batch.batch_size if end is None else end
+        groups = []
+        for start, stop in self._group_bounds(batch, first, end):
+            count = sum(batch.extend_lens[start:stop])
+            groups.append((token, count, self._prepare_group(batch, start, stop, token, count)))
             token += count
         return BatchedGroups(groups)
 
-    def _group_bounds(self, batch: ForwardBatch) -> list[tuple[int, int]]:
-        """Consecutive groups of requests, each within BATCHED_GROUP_BYTES (a request that
-        alone needs more is a group of its own)."""
+    def _group_bounds(self, batch: ForwardBatch, first: int, end: int) -> list[tuple[int, int]]:
+        """Requests first..end-1 in consecutive groups, each within BATCHED_GROUP_BYTES (a
+        request that alone needs more is a group of its own)."""
         pool = batch.kv_pool
         kv_bytes = 2 * pool.num_kv_heads * pool.head_dim * pool.kv_buffer.element_size()
-        score_bytes = self.num_heads * max(batch.extend_lens) * 4
-        num_reqs = len(batch.seq_lens)
-        if num_reqs * max(batch.seq_lens) * (kv_bytes + score_bytes) <= BATCHED_GROUP_BYTES:
-            return [(0, num_reqs)]  # the usual case, without a walk over the requests
-        bounds, first, longest = [], 0, 0
-        for i, seq_len in enumerate(batch.seq_lens):
+        score_bytes = self.num_heads * max(batch.extend_lens[first:end]) * 4
+        seq_lens = batch.seq_lens[first:end]
+        per_token = kv_bytes + score_bytes
+        if len(seq_lens) * max(seq_lens) * per_token <= BATCHED_GROUP_BYTES:
+            return [(first, end)]  # the usual case, without a walk over the requests
+        bounds, start, longest = [], first, 0
+        for i, seq_len in enumerate(seq_lens, first):
             longest_with = max(longest, seq_len)
-            if i > first and (i + 1 - first) * longest_with * (kv_bytes + score_bytes) > (
-                BATCHED_GROUP_BYTES
-            ):
-                bounds.append((first, i))
-                first, longest_with = i, seq_len
+            if i > start and (i + 1 - start) * longest_with * per_token > BATCHED_GROUP_BYTES:
+                bounds.append((start, i))
+                start, longest_with = i, seq_len
             longest = longest_with
-        bounds.append((first, num_reqs))
+        bounds.append((start, end))
         return bounds
 
     def _prepare_group(
@@ -193,7 +232,7 @@ class TorchAttentionBackend(AttentionBackend):
             offsets = positions[None, None, :] - prefixes[:, None, None]
             keep &= _tree_visible(offsets, _padded_bits(tree_bits, new, span)[:, :, None])
         mask = _additive(keep, batch)[:, None]
-        if batch.is_decode:  # the flat tokens already are the padded queries
+        if span == 1:  # one token a request: the flat tokens already are the padded queries
             return BatchedMetadata(slots, mask, kv_rows, query_rows=None, output_rows=None)
         padding_rows = _padding_rows(new, span, self.num_heads, num_tokens)
         return BatchedMetadata(slots, mask, kv_rows, *padding_rows)
@@ -248,7 +287,13 @@ def _padding_rows(
     return query_rows.flatten(), output_rows.flatten()
 
 
-def _prepare_per_request(batch: ForwardBatch) -> PerRequestMetadata:
+def _prepare_per_request(
+    batch: ForwardBatch, requests: list[int], starts: list[int]
+) -> list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]:
+    """`PerRequestMetadata.spans` of these requests (indices into the batch, whose first flat
+    tokens are `starts`)."""
+    if not requests:
+        return []
     rows = batch.req_to_token_pool.req_to_token
     device = rows.device
     spans = []
@@ -257,8 +302,8 @@ def _prepare_per_request(batch: ForwardBatch) -> PerRequestMetadata:
     max_len = max(batch.seq_lens)
     request_slots = rows[batch.req_pool_indices, :max_len]
     positions = torch.arange(max_len, device=device)
-    start = 0
-    for i, (seq_len, new) in enumerate(zip(batch.seq_lens, batch.extend_lens)):
+    for i in requests:
+        seq_len, new, start = batch.seq_lens[i], batch.extend_lens[i], starts[i]
         prefix = seq_len - new
         # A longer span has no `visible` (its bits are all set): plain causal.
         tree = batch.tree_bits is not None and new <= TREE_MAX_TOKENS
@@ -272,8 +317,7 @@ def _prepare_per_request(batch: ForwardBatch) -> PerRequestMetadata:
             # Without a prefix the new tokens' own K and V are all the keys.
             slots = request_slots[i, :seq_len] if prefix else None
             spans.append((start, new, slots, _additive(keep, batch)))
-        start += new
-    return PerRequestMetadata(spans=spans)
+    return spans
 
 
 def _tree_visible(offsets: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
