@@ -17,8 +17,10 @@ Only steps whose every request samples from its logits alone overlap: penalties 
 read the token history, a grammar's mask needs the newest token, logprobs are read on the host,
 and speculative steps have a loop of their own. A request that joins the running set with its
 KV already cached (from a transfer) joins the next step, its input token known on the host.
-Anything else that changes the batch (a prompt to prefill, a retraction) first waits for the
-step in flight (`flush`), then runs as without overlap."""
+Anything else that changes the batch (a prompt to prefill, alone or in a mixed step beside the
+running requests, or a retraction) first waits for the step in flight (`flush`), then runs as
+without overlap. Prompts that wait for a seat (every one of max_num_seqs taken) change nothing
+yet: decode steps go on overlapping, and the step after a request finishes admits them."""
 
 from __future__ import annotations
 
@@ -95,11 +97,12 @@ class OverlapDecoder:
         assert previous is not None
         live = [req for req in previous.requests if not req.finished]
         # The running set is the step's own, then requests that joined it with their KV (from a
-        # transfer, `Scheduler.add_running`), and no prompt waits: none retracted or prefilled.
+        # transfer, `Scheduler.add_running`), and no waiting prompt has a seat: none retracted
+        # or prefilled.
         running = self.scheduler.running
         joined = running[len(live) :]
         if (
-            self.scheduler.waiting
+            self.scheduler.may_admit()
             or not _same(running[: len(live)], live)
             or not all(overlappable(req) and req.kv_len == req.num_tokens - 1 for req in joined)
         ):

@@ -146,6 +146,15 @@ class Scheduler:
         self.kv_cache.grow_many(grants)
         return ScheduledBatch(list(self.running), is_prefill=False)
 
+    def may_admit(self) -> bool:
+        """Whether the next step may admit the head of the waiting queue: a seat is free for
+        it and its parallel samples. False: the next step can only decode the running set
+        (or retract from it); a prompt waits for a request to finish."""
+        if not self.waiting:
+            return False
+        head = self.waiting[0]
+        return len(self.running) + 1 + len(head.forks) <= self.max_num_seqs
+
     def step_reserve(self) -> int:
         """Slots to keep free when admitting more work: one decode step (newest token and
         look-ahead) of every running request, so that admitting cannot force a retraction on

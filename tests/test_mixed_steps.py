@@ -301,6 +301,32 @@ def test_overlapped_steps_read_the_step_in_flight_before_a_mixed_step(tiny_model
     assert engine.overlap.in_flight is None and engine.kv_cache.is_empty()
 
 
+def test_decode_steps_keep_overlapping_while_prompts_wait_for_a_seat(tiny_model_path: Path):
+    """Every seat taken: the prompts that wait change nothing in the next step, which is
+    launched before the one in flight is read; the step after a request finishes admits."""
+    prompts = _prompts(8, seed=72)
+    params = _sampling_mix(8, seed=72)
+    expected = _llm(tiny_model_path, False).generate(prompts, params)
+    llm = _llm(tiny_model_path, True, overlap_schedule=True, max_num_seqs=2)
+    engine = llm.engine
+    overlapped_while_waiting = 0
+    step = engine.overlap.step
+
+    def watching():
+        nonlocal overlapped_while_waiting
+        waiting = bool(engine.scheduler.waiting)
+        finished = step()
+        overlapped_while_waiting += waiting and finished is not None
+        return finished
+
+    engine.overlap.step = watching
+    batches = _recorded(llm)
+    got = llm.generate(prompts, params)
+    assert _summary(got) == _summary(expected)
+    assert overlapped_while_waiting > 0 and _mixed_steps(batches) > 0
+    assert engine.kv_cache.is_empty()
+
+
 def test_an_abort_between_chunks_leaves_the_running_requests_as_they_were(tiny_model_path: Path):
     llm = _llm(tiny_model_path, True, chunked_prefill_size=8)
     engine = llm.engine
