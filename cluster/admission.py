@@ -148,7 +148,10 @@ class AdmittedRequest:
         self._admission = admission
         self.first_token_deadline = first_token_deadline  # the event loop's time()
         self.ended_by: BackendError | None = None
-        self._timeout: asyncio.Timeout | None = None  # set while awaiting the backend
+        # While awaiting the backend: the deadline's timeout before the first token, the
+        # waiting task after it (a timeout per delta would cost more than the delta).
+        self._timeout: asyncio.Timeout | None = None
+        self._waiting: asyncio.Task | None = None
 
     def watch(self, deltas: AsyncIterator[TokenDelta]) -> WatchedDeltas:
         return WatchedDeltas(self, deltas)
@@ -158,6 +161,8 @@ class AdmittedRequest:
         self.ended_by = error
         if self._timeout is not None and not self._timeout.expired():
             self._timeout.reschedule(asyncio.get_running_loop().time())
+        elif self._waiting is not None:
+            self._waiting.cancel()
 
     def release(self) -> None:
         self._admission._release(self)
@@ -188,7 +193,25 @@ class WatchedDeltas:
         if request.ended_by is not None:
             await self.aclose()
             raise request.ended_by
-        deadline = None if self._first_token_seen else request.first_token_deadline
+        if self._first_token_seen or request.first_token_deadline is None:
+            # Without a deadline (the stream's every delta after the first): `end` cancels
+            # the waiting task instead; a timeout per delta would cost more than the delta.
+            task = asyncio.current_task()
+            request._waiting = task
+            try:
+                delta = await self._deltas.__anext__()
+            except asyncio.CancelledError:
+                # That cancel is this gate's (`end`), unless another one is pending too.
+                if request.ended_by is None or task.uncancel() > 0:
+                    raise
+                await self.aclose()
+                raise request.ended_by from None
+            finally:
+                request._waiting = None
+            if not self._first_token_seen and (delta.token_ids or delta.finish_reason):
+                self._first_token_seen = True
+            return delta
+        deadline = request.first_token_deadline
         try:
             # Cancelling the wait cancels the backend's generator where it awaits: that aborts
             # the request, as a client going away does.
@@ -205,6 +228,16 @@ class WatchedDeltas:
         if delta.token_ids or delta.finish_reason is not None:
             self._first_token_seen = True
         return delta
+
+    def ready(self) -> list[TokenDelta]:
+        """The deltas the backend holds ready now (none where it cannot tell)."""
+        ready = getattr(self._deltas, "ready", None)
+        if ready is None or self._request.ended_by is not None:
+            return []
+        deltas = ready()
+        if any(d.token_ids or d.finish_reason is not None for d in deltas):
+            self._first_token_seen = True
+        return deltas
 
     async def aclose(self) -> None:
         try:

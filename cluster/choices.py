@@ -66,15 +66,22 @@ class ChoiceDelta(TokenDelta):
 _END = object()
 
 
-async def merge_choices(
-    streams: list[AsyncIterator[TokenDelta]],
-) -> AsyncIterator[ChoiceDelta]:
+class MergedChoices:
     """Every stream's deltas as they arrive, tagged with the stream's index, until every stream
     gave its last delta (the one with a finish reason). A stream that fails ends the merge with
-    its error; closing the merge closes every stream, aborting the unfinished requests."""
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    its error; closing the merge closes every stream, aborting the unfinished requests. `ready`
+    takes what has arrived without waiting, so that a writer sends it in one go."""
 
-    async def pump(index: int, stream: AsyncIterator[TokenDelta]) -> None:
+    def __init__(self, streams: list[AsyncIterator[TokenDelta]]) -> None:
+        self._streams = streams
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._running = len(streams)
+        self._error: Exception | None = None
+        self._closed = False
+        self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _pump(self, index: int, stream: AsyncIterator[TokenDelta]) -> None:
+        queue = self._queue
         try:
             async for delta in stream:
                 queue.put_nowait((index, delta))
@@ -87,26 +94,52 @@ async def merge_choices(
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        running = len(streams)
-        while running:
-            index, item = await queue.get()
-            if item is _END:
-                running -= 1
-                continue
-            if isinstance(item, Exception):
-                raise item
-            yield ChoiceDelta(**vars(item), index=index)
-    finally:
-        for task in tasks:
+    def __aiter__(self) -> MergedChoices:
+        return self
+
+    async def __anext__(self) -> ChoiceDelta:
+        while True:
+            if self._error is not None:
+                raise self._error
+            if not self._running:
+                raise StopAsyncIteration
+            delta = self._take(*await self._queue.get())
+            if delta is not None:
+                return delta
+
+    def ready(self) -> list[ChoiceDelta]:
+        deltas = []
+        while self._error is None and not self._queue.empty():
+            delta = self._take(*self._queue.get_nowait())
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _take(self, index: int, item: Any) -> ChoiceDelta | None:
+        if item is _END:
+            self._running -= 1
+            return None
+        if isinstance(item, Exception):
+            self._error = item
+            return None
+        return ChoiceDelta(**vars(item), index=index)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
             task.cancel()
         with contextlib.suppress(Exception):
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         # A pump cancelled before it ran never closed its stream.
-        for stream in streams:
+        for stream in self._streams:
             with contextlib.suppress(Exception):
                 await stream.aclose()  # type: ignore[attr-defined]
+
+
+def merge_choices(streams: list[AsyncIterator[TokenDelta]]) -> MergedChoices:
+    return MergedChoices(streams)
 
 
 def total_usage(usages: list[dict[str, Any] | None], requests: list[ChoiceRequest]) -> dict:

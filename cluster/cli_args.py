@@ -19,6 +19,13 @@ def add_model_args(parser: argparse.ArgumentParser, model_help: str, dtype_help:
     )
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def layer_list(text: str) -> tuple[int, ...]:
     """An argparse type: comma-separated layer numbers."""
     try:
@@ -285,4 +292,12 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="with --enable-tracing: also write each request's trace to DIR/<request id>.json "
         "(opens in ui.perfetto.dev)",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="stream a request's tokens once N are new (its first and last at once): fewer, "
+        "larger chunks and less front-end work per token (default 1)",
     )

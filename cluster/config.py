@@ -63,6 +63,9 @@ class ClusterConfig:
     # The nodes' logging level, and how often a busy node logs its load (<= 0: never).
     log_level: str = "info"
     stats_log_interval_s: float = 5.0
+    # A request's tokens are streamed once this many are new (its first and last at once):
+    # fewer, larger chunks for clients, and less work per token for the front ends.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.aggregated and self.replicas < 1:
@@ -91,6 +94,8 @@ class ClusterConfig:
             )
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
         if self.trace_dir is not None and not self.enable_tracing:
             raise ValueError("a trace directory needs tracing on (--enable-tracing)")
         if self.prefill_resource and self.prefill_resource == self.decode_resource:

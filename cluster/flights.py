@@ -1,6 +1,10 @@
-"""A request's flight through the router, from its routing to its end: the table of flights by
-room that the decode nodes' token updates are delivered through, and the turning of a flight's
-updates into detokenized deltas (with usage and trace at the end, an error when it failed)."""
+"""A request's flight through a front end, from its routing to its end: the table of flights by
+room that the nodes' token frames are delivered through, and the turning of a flight's news into
+deltas (with usage and trace at the end, an error when it failed).
+
+A flight gathers its news as frames bring it (tokens, the text the node detokenized, their
+log-probabilities, its end) and its stream takes everything gathered at once: a client that
+reads slower than the node generates gets the tokens that waited for it as one delta."""
 
 from __future__ import annotations
 
@@ -9,15 +13,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.backend import BackendError, TokenDelta, make_usage
-from cluster.detokenizer import IncrementalDetokenizer
 from cluster.metrics import failure_kind
 from cluster.node_state import NodeState
 from cluster.router_messages import speculation_usage, token_logprob
 from cluster.tracing import NodeTimeline, RequestTimeline, TraceStore
-from metadata.messages import TokenUpdate
+from metadata.messages import StreamEnd, TokenFrame
 
 
-@dataclass
+class NodeDied:
+    """A flight's end when a node it needs died; `stage`: where the request was then."""
+
+    def __init__(self, node: NodeState, stage: str) -> None:
+        self.node, self.stage = node, stage
+
+
+@dataclass(eq=False)
 class Flight:
     """One request (one sample of a prompt) from its routing to its end."""
 
@@ -25,31 +35,58 @@ class Flight:
     decode: NodeState
     room: int
     prompt_tokens: int
-    detokenizer: IncrementalDetokenizer
     timer: Any
     timeline: RequestTimeline | None
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # News not taken by the stream yet.
+    token_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[list[Any]] = field(default_factory=list)  # wire entries
+    end: StreamEnd | NodeDied | None = None
+    waiter: asyncio.Future | None = None
     got_first_token: bool = False
     completion_tokens: int = 0
     finished: bool = False  # its last delta or its error was taken
     ended: bool = False  # let go of (`FlightTable.end`)
 
+    def news(
+        self, tokens: list[int], text: str, logprobs: list | None, end: StreamEnd | None
+    ) -> None:
+        if self.end is not None:
+            return  # nothing comes after an end
+        self.token_ids += tokens
+        if text:
+            self.texts.append(text)
+        if logprobs:
+            self.logprobs += logprobs
+        if end is not None:
+            self.end = end
+        self._wake()
 
-class NodeDied:
-    """Queued to a flight in place of a token update when a node it needs died; `stage`: where
-    the request was then."""
+    def fail(self, died: NodeDied) -> None:
+        if self.end is None:
+            self.end = died
+            self._wake()
 
-    def __init__(self, node: NodeState, stage: str) -> None:
-        self.node, self.stage = node, stage
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    @property
+    def has_news(self) -> bool:
+        return bool(self.token_ids or self.texts or self.end is not None)
 
 
 class FlightTable:
-    """The router's flights by room, and the nodes' `in_flight` counts they hold: a flight
+    """The front end's flights by room, and the nodes' `in_flight` counts they hold: a flight
     counts on its decode node until it ends, and on its prefill node until its first token
     (`next_delta`) or its end."""
 
     def __init__(self) -> None:
         self._by_room: dict[int, Flight] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_room)
 
     def add(self, flight: Flight) -> None:
         self._by_room[flight.room] = flight
@@ -57,11 +94,23 @@ class FlightTable:
         if flight.prefill is not None:
             flight.prefill.in_flight += 1
 
-    def deliver(self, update: TokenUpdate) -> None:
-        """Queue a decode node's update to its flight; one no flight waits for is dropped."""
-        flight = self._by_room.get(update.room)
-        if flight is not None:
-            flight.queue.put_nowait(update)
+    def deliver(self, frame: TokenFrame) -> None:
+        """Hand each entry of a node's frame to its flight; an entry no flight waits for is
+        dropped (its request was let go of)."""
+        by_room = self._by_room
+        logprobs = {extra.entry: extra.logprobs for extra in frame.logprobs}
+        ends = {extra.entry: extra for extra in frame.ends}
+        token_ids, texts, offset = frame.token_ids, frame.texts, 0
+        for entry, (room, count) in enumerate(zip(frame.rooms, frame.num_tokens)):
+            flight = by_room.get(room)
+            if flight is not None:
+                flight.news(
+                    token_ids[offset : offset + count],
+                    texts[entry],
+                    logprobs.get(entry) if logprobs else None,
+                    ends.get(entry) if ends else None,
+                )
+            offset += count
 
     def end(self, flight: Flight) -> bool:
         """Let go of `flight` and its nodes' counts; False when it was let go of before."""
@@ -80,75 +129,100 @@ class FlightTable:
         for flight in list(self._by_room.values()):
             if flight.decode is node:
                 before_first = aggregated and not flight.got_first_token
-                stage = "prefill" if before_first else "decode"
-                flight.queue.put_nowait(NodeDied(node, stage))
+                flight.fail(NodeDied(node, "prefill" if before_first else "decode"))
             elif flight.prefill is node and not flight.got_first_token:
-                flight.queue.put_nowait(NodeDied(node, "prefill"))
+                flight.fail(NodeDied(node, "prefill"))
 
 
 async def next_delta(flight: Flight, prefill_stage: str, traces: TraceStore | None) -> TokenDelta:
-    """The flight's next delta (the last one with its finish reason and usage); raises
-    BackendError when it failed. `prefill_stage`: the stage a failure before the first token
-    names; `traces`: where a traced flight's trace is closed."""
-    update = await flight.queue.get()
-    prefill, decode_node, timer = flight.prefill, flight.decode, flight.timer
-    if isinstance(update, NodeDied):
-        flight.finished = True
-        timer.failed("node_down")
+    """Everything the flight gathered since the last call, as one delta (the last one with its
+    finish reason and usage); raises BackendError when it failed, after the tokens that came
+    before the failure. `prefill_stage`: the stage a failure before the first token names;
+    `traces`: where a traced flight's trace is closed."""
+    while not flight.has_news:
+        flight.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await flight.waiter
+        finally:
+            flight.waiter = None
+    tokens, texts, wire_logprobs = flight.token_ids, flight.texts, flight.logprobs
+    end = flight.end
+    failed = isinstance(end, NodeDied) or (end is not None and end.error is not None)
+    if tokens or texts:
+        flight.token_ids, flight.texts, flight.logprobs = [], [], []
+        _count_tokens(flight, len(tokens))
+        logprobs = [token_logprob(entry) for entry in wire_logprobs] if wire_logprobs else []
+        text = "".join(texts) if len(texts) != 1 else texts[0]
+        if end is None or failed:
+            # A failure is raised at the next call, after the tokens that came before it.
+            return TokenDelta(tokens, text, logprobs)
+    else:
+        text, logprobs = "", []
+    flight.finished = True
+    if isinstance(end, NodeDied):
+        flight.timer.failed("node_down")
         raise BackendError(
-            f"{update.node.name} died: {update.node.error}",
-            stage=update.stage,
-            node=update.node.name,
+            f"{end.node.name} died: {end.node.error}",
+            stage=end.stage,
+            node=end.node.name,
             status=503,
         )
-    if update.error is not None:
-        flight.finished = True
-        timer.failed(failure_kind(update.error))
+    if end.error is not None:
+        flight.timer.failed(failure_kind(end.error))
         stage = "decode" if flight.got_first_token else prefill_stage
-        raise BackendError(update.error, stage=stage, node=decode_node.name)
-    if update.token_ids and not flight.got_first_token:
+        raise BackendError(end.error, stage=stage, node=flight.decode.name)
+    return await _last_delta(flight, end, tokens, text, logprobs, traces)
+
+
+def _count_tokens(flight: Flight, count: int) -> None:
+    if count and not flight.got_first_token:
         flight.got_first_token = True
-        if prefill is not None:
-            prefill.in_flight -= 1
+        if flight.prefill is not None:
+            flight.prefill.in_flight -= 1
         if flight.timeline is not None:
             flight.timeline.mark("first_token")
-    flight.completion_tokens += len(update.token_ids)
-    timer.tokens(len(update.token_ids))
-    text = flight.detokenizer.push(update.token_ids)
-    logprobs = [token_logprob(entry) for entry in update.logprobs]
-    if update.finish_reason is None:
-        return TokenDelta(list(update.token_ids), text, logprobs)
-    flight.finished = True
-    text += flight.detokenizer.finish()
+    flight.completion_tokens += count
+    flight.timer.tokens(count)
+
+
+async def _last_delta(
+    flight: Flight,
+    end: StreamEnd,
+    tokens: list[int],
+    text: str,
+    logprobs: list,
+    traces: TraceStore | None,
+) -> TokenDelta:
+    prefill, decode_node = flight.prefill, flight.decode
     usage = make_usage(
         flight.prompt_tokens,
         flight.completion_tokens,
         prefill_node=(prefill or decode_node).name,
         decode_node=decode_node.name,
-        **speculation_usage(update.stats),
+        **speculation_usage(end.stats),
     )
-    timer.finished(update.finish_reason, usage)
+    flight.timer.finished(end.finish_reason, usage)
     if flight.timeline is not None:
         usage["trace_summary"] = await close_trace(
-            traces, flight.timeline, update, prefill, decode_node, usage
+            traces, flight.timeline, end, prefill, decode_node, usage
         )
-    return TokenDelta(list(update.token_ids), text, logprobs, update.finish_reason, usage)
+    return TokenDelta(tokens, text, logprobs, end.finish_reason, usage)
 
 
 async def close_trace(
     traces: TraceStore,
     timeline: RequestTimeline,
-    update: TokenUpdate,
+    end: StreamEnd,
     prefill: NodeState | None,
     decode: NodeState,
     usage: dict[str, Any],
 ) -> dict[str, Any]:
-    """Merge the nodes' timelines (in the finishing update's stats) into the request's
-    trace; returns its summary."""
-    reported = update.stats.get("trace") or {}
+    """Merge the nodes' timelines (in the finishing entry's stats) into the request's trace;
+    returns its summary."""
+    reported = end.stats.get("trace") or {}
     nodes = [
         NodeTimeline(node.name, reported.get(node.role, []), node.clock_offset_ns)
         for node in (prefill, decode)
         if node is not None
     ]
-    return await traces.finish(timeline, update.finish_reason, nodes, usage)
+    return await traces.finish(timeline, end.finish_reason, nodes, usage)

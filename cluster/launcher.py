@@ -122,12 +122,10 @@ class Cluster:
                 return _get(refs, role, config)
 
             epochs = None
-            if config.aggregated:
-                get([a.connect.remote(router.endpoint) for a in decode_actors], "replica")
-            else:
+            if not config.aggregated:
                 store, port = create_store_server(host)
                 epochs = PairEpochs(host, port)
-                pair_cluster(prefill_slots, decode_slots, epochs, router.endpoint, get)
+                pair_cluster(prefill_slots, decode_slots, epochs, get)
             get([a.start.remote() for a in prefill_actors + decode_actors], "node")
             cluster = cls(
                 config,
@@ -240,12 +238,10 @@ def _supervise(
         try:
             slot.info = get([actor.describe.remote()], slot.role)[0]
             slot.actor = actor
-            if slot.role == "replica":
-                get([actor.connect.remote(cluster.router.endpoint)], "replica")
-            else:
+            if slot.role != "replica":
                 every = peers_of(slot)
                 live = [peer for peer in every if peer.up]
-                pair_replacement(slot, live, every, epochs, cluster.router.endpoint, get)
+                pair_replacement(slot, live, every, epochs, get)
             get([actor.start.remote()], slot.role)
         except BaseException:
             kill_for_good(actor)

@@ -2,8 +2,8 @@
 
 EngineCore is not thread-safe, so one background thread owns it: requests and aborts reach the
 thread through a queue, the thread steps the engine while there is work, and after each step it
-hands each request's new tokens to that request's asyncio.Queue on the event loop. Everything
-else (detokenizing, formatting) happens on the event loop.
+hands each request's new tokens, and the text they complete (detokenized on that thread), to
+that request's asyncio.Queue on the event loop, where they are formatted.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.backend import BackendError, TokenDelta, make_usage
-from cluster.detokenizer import IncrementalDetokenizer
 from cluster.metrics import ClusterMetrics, RequestTimer
 from engine import LLM, RequestRejectedError, SamplingParams, TokenLogprob
+from engine.detokenizer import IncrementalDetokenizer
 from engine.prompt_embeds import PromptEmbeds
 from engine.request import Request
 
@@ -34,6 +34,7 @@ class _Tokens:
     """What the engine thread sends a request's stream after a step."""
 
     token_ids: list[int]
+    text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
     num_prompt_tokens: int
@@ -45,6 +46,7 @@ class _Stream:
     request: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    detokenizer: IncrementalDetokenizer  # used by the engine thread only
     sent: int = 0  # output tokens already handed over
 
     def put(self, item: _Tokens | BackendError) -> bool:
@@ -57,7 +59,12 @@ class _Stream:
 
 
 class LocalBackend:
-    def __init__(self, llm: LLM, model_name: str | None = None) -> None:
+    def __init__(self, llm: LLM, model_name: str | None = None, stream_interval: int = 1) -> None:
+        """`stream_interval`: hand a request's tokens over once this many are new (its first
+        and last at once)."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
+        self.stream_interval = stream_interval
         self.llm = llm
         self.engine = llm.engine
         self.tokenizer = llm.tokenizer
@@ -104,7 +111,7 @@ class LocalBackend:
         request = self.engine.make_request(
             request_id, prompt_token_ids, params, prompt_embeds=prompt_embeds
         )
-        stream = _Stream(request, asyncio.get_running_loop(), asyncio.Queue())
+        stream = self._stream(request)
         self._submit("add", stream)
         async for delta in self._deltas(stream, self.metrics.request()):
             yield delta
@@ -129,36 +136,43 @@ class LocalBackend:
 
         async def sample(index: int) -> AsyncIterator[TokenDelta]:
             if not group:
-                loop = asyncio.get_running_loop()
-                group.extend(_Stream(req, loop, asyncio.Queue()) for req in requests)
+                group.extend(self._stream(req) for req in requests)
                 self._submit("add_samples", group)
             async for delta in self._deltas(group[index], timers[index]):
                 yield delta
 
         return [sample(i) for i in range(len(requests))]
 
+    def _stream(self, request: Request) -> _Stream:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop_strings)
+        return _Stream(request, asyncio.get_running_loop(), asyncio.Queue(), detokenizer)
+
     async def _deltas(self, stream: _Stream, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
         """The deltas of a request handed to the engine thread, until its last; closed early,
         the request is aborted."""
         request = stream.request
-        detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop_strings)
         finished = False
         try:
+            waiting: list[_Tokens | BackendError] = []
             while not finished:
-                item = await stream.queue.get()
+                if not waiting:
+                    waiting.append(await stream.queue.get())
+                while not stream.queue.empty():
+                    waiting.append(stream.queue.get_nowait())
+                item = _joined(waiting)
                 if isinstance(item, BackendError):
                     finished = True  # the engine thread already dropped the request
                     timer.failed("error")
                     raise item
                 timer.tokens(len(item.token_ids))
-                text = detokenizer.push(item.token_ids)
                 usage = None
                 if item.finish_reason is not None:
                     finished = True
-                    text += detokenizer.finish()
                     usage = make_usage(item.num_prompt_tokens, item.num_output_tokens)
                     timer.finished(item.finish_reason, usage)
-                yield TokenDelta(item.token_ids, text, item.logprobs, item.finish_reason, usage)
+                yield TokenDelta(
+                    item.token_ids, item.text, item.logprobs, item.finish_reason, usage
+                )
         finally:
             if not finished:
                 timer.failed("aborted")
@@ -279,7 +293,9 @@ class LocalBackend:
             return
         for request_id, stream in list(self._streams.items()):
             request = stream.request
-            if len(request.output_token_ids) == stream.sent and not request.finished:
+            new = len(request.output_token_ids) - stream.sent
+            held = stream.sent and new < self.stream_interval
+            if not request.finished and (not new or held):
                 continue
             if not self._publish(stream) or request.finished:
                 del self._streams[request_id]
@@ -295,10 +311,16 @@ class LocalBackend:
         logprobs = (
             request.logprobs[stream.sent : end] if request.params.logprobs is not None else []
         )
+        token_ids = request.output_token_ids[stream.sent : end]
+        finish_reason = finish_reason or request.finish_reason
+        text = stream.detokenizer.push(token_ids)
+        if finish_reason is not None:
+            text += stream.detokenizer.finish()
         item = _Tokens(
-            token_ids=request.output_token_ids[stream.sent : end],
+            token_ids=token_ids,
+            text=text,
             logprobs=list(logprobs),
-            finish_reason=finish_reason or request.finish_reason,
+            finish_reason=finish_reason,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=end,
         )
@@ -338,6 +360,26 @@ class LocalBackend:
                         status=503,
                     )
                 )
+
+
+def _joined(items: list[_Tokens | BackendError]) -> _Tokens | BackendError:
+    """The first of `items` and the tokens behind it, taken off the list as one: a reader that
+    fell behind takes what waited for it at once. An error stays until the tokens before it
+    are taken."""
+    item = items.pop(0)
+    while isinstance(item, _Tokens) and item.finish_reason is None and items:
+        if isinstance(items[0], BackendError):
+            break
+        following = items.pop(0)
+        item = _Tokens(
+            item.token_ids + following.token_ids,
+            item.text + following.text,
+            item.logprobs + following.logprobs,
+            following.finish_reason,
+            following.num_prompt_tokens,
+            following.num_output_tokens,
+        )
+    return item
 
 
 class _LocalNode:

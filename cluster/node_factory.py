@@ -55,6 +55,7 @@ class NodeFactory:
             stats_log_interval_s=config.stats_log_interval_s,
             transfer_through_host=shares_gpu,
             kv_audit_interval_s=config.kv_audit_interval_s,
+            stream_interval=config.stream_interval,
             control_key=self.control_key,
         )
         return (

@@ -31,6 +31,28 @@ class NodeState:
     restarts: int = 0
     restarting: bool = False
     given_up: bool = False
+    # The requests the node holds, as it last reported them (NodeLoad), and those this front
+    # end sent it since: its load as the routing policies see it.
+    reported_requests: int | None = None
+    routed_since_report: int = 0
+
+    @property
+    def load(self) -> int:
+        """The node's requests as it reported them plus this front end's since; before its
+        first report, this front end's requests in flight there."""
+        if self.reported_requests is None:
+            return self.in_flight
+        return self.reported_requests + self.routed_since_report
+
+    def reported(self, requests: int) -> None:
+        self.reported_requests = requests
+        self.routed_since_report = 0
+
+    def forget_load(self) -> None:
+        """A replacement starts from nothing: back to this front end's own count until it
+        reports."""
+        self.reported_requests = None
+        self.routed_since_report = 0
 
     @property
     def name(self) -> str:

@@ -59,12 +59,11 @@ def pair_cluster(
     prefill: list[NodeSlot],
     decode: list[NodeSlot],
     epochs: PairEpochs,
-    router_endpoint: str,
     get: Get,
 ) -> None:
-    """Connect every node to its peers (and decode nodes to the router), then open every
-    pair's channel, all pairs at once."""
-    connect_decode(decode, prefill, router_endpoint, get)
+    """Connect every node to its peers, then open every pair's channel, all pairs at once.
+    (Front ends introduce themselves to the nodes: cluster.router.)"""
+    connect_decode(decode, prefill, get)
     connect_prefill(prefill, decode, get)
     refs = [
         slot.actor.pair_with.remote(slot.rank, [epochs.link(slot.rank, p.rank) for p in peers])
@@ -73,15 +72,11 @@ def pair_cluster(
     get(refs, "node")
 
 
-def connect_decode(
-    decode: list[NodeSlot], prefill: list[NodeSlot], router_endpoint: str, get: Get
-) -> None:
+def connect_decode(decode: list[NodeSlot], prefill: list[NodeSlot], get: Get) -> None:
     endpoints = {p.index: p.info["endpoint"] for p in prefill}
     specs = {p.index: p.info["spec"] for p in prefill}
     ranks = {p.index: p.rank for p in prefill}
-    get(
-        [d.actor.connect.remote(endpoints, specs, ranks, router_endpoint) for d in decode], "decode"
-    )
+    get([d.actor.connect.remote(endpoints, specs, ranks) for d in decode], "decode")
 
 
 def connect_prefill(prefill: list[NodeSlot], decode: list[NodeSlot], get: Get) -> None:
@@ -94,14 +89,13 @@ def pair_replacement(
     peers: list[NodeSlot],
     all_peers: list[NodeSlot],
     epochs: PairEpochs,
-    router_endpoint: str,
     get: Get,
 ) -> None:
     """Pair `slot`'s new actor with the live `peers` (new pair groups under new epochs; each
     peer swaps its socket and channel for the new node's) after connecting it to `all_peers`
     (the ones down too: a peer's endpoint is replaced when it comes back)."""
     if slot.role == "decode":
-        connect_decode([slot], all_peers, router_endpoint, get)
+        connect_decode([slot], all_peers, get)
     else:
         connect_prefill([slot], all_peers, get)
     for peer in peers:

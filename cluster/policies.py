@@ -9,8 +9,10 @@ from typing import Protocol
 
 class NodeView(Protocol):
     index: int
-    in_flight: int
     alive: bool
+
+    @property
+    def load(self) -> int: ...
 
 
 class Policy(Protocol):
@@ -26,10 +28,11 @@ class RoundRobin:
 
 
 class LeastLoad:
-    """The node with the fewest requests in flight; ties go to the lowest index."""
+    """The node with the least load (the requests it holds, as it reports them, and those sent
+    to it since: cluster.node_state); ties go to the lowest index."""
 
     def pick(self, nodes: Sequence[NodeView]) -> NodeView:
-        return min(nodes, key=lambda n: (n.in_flight, n.index))
+        return min(nodes, key=lambda n: (n.load, n.index))
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {"round_robin": RoundRobin, "least_load": LeastLoad}

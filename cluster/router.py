@@ -22,7 +22,6 @@ import zmq
 import zmq.asyncio
 
 from cluster.backend import BackendError, TokenDelta
-from cluster.detokenizer import IncrementalDetokenizer
 from cluster.flights import Flight, FlightTable, next_delta
 from cluster.loop_calls import call_in_loop
 from cluster.metrics import ClusterMetrics
@@ -40,10 +39,12 @@ from metadata.control import Outbox
 from metadata.control_auth import FrameVerifier
 from metadata.messages import (
     AbortRequest,
+    FrontendHello,
     GenerateRequest,
     MessageError,
+    NodeLoad,
     ParallelSample,
-    TokenUpdate,
+    TokenFrame,
     decode,
 )
 from metadata.serving_node import NodeHealth
@@ -90,6 +91,8 @@ class Router:
         port = self._inbox.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self._verifier = FrameVerifier(control_key, self.endpoint)
+        # Who this front end is to the nodes: they stream its requests' tokens to its inbox.
+        self.frontend_id = secrets.randbits(63)
         self.metrics = ClusterMetrics(
             prefill_nodes + decode_nodes, control_rejected=lambda: self._verifier.rejected
         )
@@ -97,7 +100,8 @@ class Router:
         # needs no await, and an abort sent from a cancelled generator's `finally` still goes
         # out.
         self._send_context = zmq.Context()
-        self._outboxes: dict[int, Outbox] = {}
+        self._outboxes: dict[int, Outbox] = {}  # decode nodes (replicas), by index
+        self._prefill_outboxes: dict[int, Outbox] = {}  # only ever says hello
         self._flights = FlightTable()
         self._tasks: list[asyncio.Task] = []
         self._closed = False
@@ -113,14 +117,22 @@ class Router:
         if self._tasks:
             return
         self._loop = asyncio.get_running_loop()
-        for node in self.decode_nodes:
-            self._outboxes[node.index] = Outbox(
-                node.endpoint, self._control_key, self._send_context
-            )
+        for node in self.decode_nodes + self.prefill_nodes:
+            self._connect(node)
         self._tasks = [
             asyncio.create_task(self._receive_updates()),
             asyncio.create_task(self._watch_health()),
         ]
+
+    def _connect(self, node: NodeState) -> None:
+        """Open (or re-open, to a replacement) the socket to `node` and introduce this front
+        end on it, before anything else goes there."""
+        outboxes = self._prefill_outboxes if node.role == "prefill" else self._outboxes
+        old = outboxes.get(node.index)
+        outbox = outboxes[node.index] = Outbox(node.endpoint, self._control_key, self._send_context)
+        if old is not None:
+            old.close()
+        outbox.send(FrontendHello(self.frontend_id, self.endpoint))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -135,7 +147,7 @@ class Router:
             return
         self._closed = True
         self._inbox.close(linger=0)
-        for outbox in self._outboxes.values():
+        for outbox in [*self._outboxes.values(), *self._prefill_outboxes.values()]:
             outbox.close()
         self._context.term()
         self._send_context.term()
@@ -189,7 +201,7 @@ class Router:
         await self.start()
         return await self.metrics.render()
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
@@ -198,20 +210,11 @@ class Router:
         trace_events: list[tuple[str, int]] | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """`trace_events`: (name, time_ns) of what happened before (arrival, tokenized), from
-        the HTTP layer when `traces` is set."""
-        flight = None
-        try:
-            (flight,) = await self._open(
-                [request_id], prompt_token_ids, [params], prompt_embeds, trace_events
-            )
-            while True:
-                delta = await self._next_delta(flight)
-                yield delta
-                if delta.finish_reason is not None:
-                    return
-        finally:
-            if flight is not None:
-                self._end_flight(flight)
+        the HTTP layer when `traces` is set. The request is sent when the stream is first
+        read."""
+        return self.generate_samples(
+            [request_id], prompt_token_ids, [params], prompt_embeds, trace_events
+        )[0]
 
     def generate_samples(
         self,
@@ -268,15 +271,9 @@ class Router:
             prefill = self._pick(self.prefill_nodes, self.prefill_policy, "prefill")
         prefilled_by = prefill or decode_node
         flights = []
-        for sample_params, timer, timeline in zip(params, timers, timelines):
+        for timer, timeline in zip(timers, timelines):
             flight = Flight(
-                prefill,
-                decode_node,
-                secrets.randbits(63),
-                len(prompt_token_ids),
-                IncrementalDetokenizer(self.tokenizer, sample_params.stop_strings),
-                timer,
-                timeline,
+                prefill, decode_node, secrets.randbits(63), len(prompt_token_ids), timer, timeline
             )
             self._flights.add(flight)
             if timeline is not None:
@@ -296,6 +293,7 @@ class Router:
                     list(prompt_token_ids),
                     sampling_spec(params[0]),
                     prefilled_by.index,
+                    self.frontend_id,
                     embeddings_spec(prompt_embeds),
                     samples[1:],
                 )
@@ -306,8 +304,8 @@ class Router:
             raise
         return flights
 
-    async def _next_delta(self, flight: Flight) -> TokenDelta:
-        return await next_delta(flight, self._prefill_stage, self.traces)
+    def _next_delta(self, flight: Flight) -> Awaitable[TokenDelta]:
+        return next_delta(flight, self._prefill_stage, self.traces)
 
     def _end_flight(self, flight: Flight) -> None:
         """Let go of a flight (once): an unfinished one is aborted on its decode node, which
@@ -321,18 +319,26 @@ class Router:
 
     # --- background tasks ---
     async def _receive_updates(self) -> None:
+        inbox, verifier, flights = self._inbox, self._verifier, self._flights
         while True:
-            data = self._verifier.open(await self._inbox.recv())
+            data = verifier.open(await inbox.recv())
             if data is None:
                 continue
             try:
-                update = decode(data)
+                msg = decode(data)
             except MessageError as err:
-                self._verifier.reject(f"malformed message: {err}")
+                verifier.reject(f"malformed message: {err}")
                 continue
-            if not isinstance(update, TokenUpdate):
-                continue
-            self._flights.deliver(update)
+            if isinstance(msg, TokenFrame):
+                flights.deliver(msg)
+            elif isinstance(msg, NodeLoad):
+                self._node_load(msg)
+
+    def _node_load(self, load: NodeLoad) -> None:
+        nodes = self.prefill_nodes if load.role == "prefill" else self.decode_nodes
+        for node in nodes:
+            if node.index == load.index:
+                node.reported(load.requests)
 
     async def _watch_health(self) -> None:
         while True:
@@ -377,11 +383,9 @@ class Router:
         """A replacement of `node` serves at `endpoint`: route to it again. Call on the event
         loop (`call_in_loop`)."""
         node.ping, node.stats, node.endpoint = ping, stats, endpoint
-        if any(n is node for n in self.decode_nodes) and self._tasks and not self._closed:
-            old = self._outboxes.get(node.index)
-            self._outboxes[node.index] = Outbox(endpoint, self._control_key, self._send_context)
-            if old is not None:
-                old.close()
+        node.forget_load()
+        if self._tasks and not self._closed:
+            self._connect(node)
         node.error = None
         node.degraded = None
         node.restarting = False
@@ -398,4 +402,6 @@ class Router:
         if not alive:
             self.metrics.failure("node_down")
             raise BackendError(f"no {role} node is alive", stage="routing", status=503)
-        return policy.pick(alive)
+        node = policy.pick(alive)
+        node.routed_since_report += 1
+        return node

@@ -1,5 +1,5 @@
 """What the router puts into the control plane's messages (the sampling parameters, the prompt's
-embeddings) and reads out of the decode node's token updates (logprobs, speculation figures)."""
+embeddings) and reads out of the nodes' token frames (logprobs, speculation figures)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def sampling_spec(params: SamplingParams) -> SamplingSpec:
 
 
 def token_logprob(entry: list) -> TokenLogprob:
-    """One `TokenUpdate.logprobs` entry: [token, logprob, [[token, logprob], ...] of the top]."""
+    """One entry of `StreamLogprobs.logprobs`: [token, logprob, [[token, logprob], ...] of the
+    top]."""
     token, logprob, top = entry
     return TokenLogprob(int(token), float(logprob), [(int(t), float(v)) for t, v in top])

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import orjson
 from fastapi import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from cluster.backend import BackendError, TokenDelta
@@ -26,7 +27,7 @@ from engine import TokenLogprob
 log = logging.getLogger("cluster.openai_api")
 
 T = TypeVar("T")
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 
 
 class ClientGone(Exception):
@@ -111,38 +112,151 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event (UTF-8 JSON, as OpenAI's)."""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-class EventStreamResponse(StreamingResponse):
-    """Streams SSE events while listening for the client going away, whatever the server's
-    ASGI version (starlette only listens below spec 2.4, and uvicorn drops writes to a closed
-    connection silently). Whichever ends first stops the other, and the event generator is
-    always closed, so the backend's generator is closed and an unfinished request aborted.
+def coalesce(deltas: list[TokenDelta]) -> list[TokenDelta]:
+    """The deltas of one write, each choice's (by `index`) joined into one, in the order the
+    choices first appear: a client that fell behind gets what waited for it as one chunk."""
+    if len(deltas) == 1:
+        return deltas
+    by_choice: dict[int, list[TokenDelta]] = {}
+    for delta in deltas:
+        by_choice.setdefault(getattr(delta, "index", 0), []).append(delta)
+    return [joined(group) for group in by_choice.values()]
 
-    The stop is one plain asyncio cancellation, not an anyio cancel scope: a scope cancels
-    every await until it exits, which would break a backend that awaits in its generator's
-    `finally` (to send an abort message, say)."""
+
+def joined(deltas: list[TokenDelta]) -> TokenDelta:
+    """Consecutive deltas of one choice as one: their tokens, text and log-probabilities in
+    order, and the last one's finish reason and usage."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return dataclasses.replace(
+        last,
+        token_ids=[t for d in deltas for t in d.token_ids],
+        text="".join(d.text for d in deltas),
+        logprobs=[lp for d in deltas for lp in d.logprobs],
+    )
+
+
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The scope key under which the app puts the server's own `send` (cluster.openai_api.ApiApp).
+RAW_SEND = "pdcluster.raw_send"
+
+
+class EventStreamResponse(Response):
+    """The SSE response for a stream whose first delta has arrived. Each write carries every
+    delta ready at the time (`coalesce`), so a stream gets at most one write per node step, and
+    a client that fell behind gets what waited for it at once. With several choices the deltas
+    carry their choice's `index` (cluster.choices), and the stream ends when each has finished;
+    `total_usage` adds up their usages (by index) for the usage chunk. A failure after the
+    first byte becomes a final `data: {"error": ...}` event, then `data: [DONE]`.
+
+    It listens for the client going away while it streams, whatever the server's ASGI version
+    (starlette only listens below spec 2.4, and uvicorn drops writes to a closed connection
+    silently). Whichever ends first stops the other, and the backend's deltas are always
+    closed, so an unfinished request is aborted. The stop is one plain asyncio cancellation,
+    not an anyio cancel scope: a scope cancels every await until it exits, which would break a
+    backend that awaits in its generator's `finally` (to send an abort message, say)."""
 
     media_type = "text/event-stream"
 
+    def __init__(
+        self,
+        first: TokenDelta,
+        deltas: AsyncIterator[TokenDelta],
+        formatter: ChunkFormatter,
+        log_line: Callable[[str, int], None],
+        num_choices: int = 1,
+        total_usage: Callable[[list[dict[str, Any] | None]], dict[str, Any] | None] = (
+            lambda usages: usages[0]
+        ),
+    ) -> None:
+        # As StreamingResponse does: no body, so no Content-Length.
+        self.status_code = 200
+        self.background = None
+        self.init_headers(HEADERS)
+        self.first = first
+        self.deltas = deltas
+        self.formatter = formatter
+        self.log_line = log_line
+        self.num_choices = num_choices
+        self.total_usage = total_usage
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream = asyncio.ensure_future(self._stream(send))
-        listen = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        stream = asyncio.ensure_future(self._stream(send, scope.get(RAW_SEND, send)))
+        listen = asyncio.ensure_future(_wait_for_disconnect_message(receive))
         try:
             await asyncio.wait({stream, listen}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in (stream, listen):
                 task.cancel()
             await asyncio.gather(stream, listen, return_exceptions=True)
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.deltas.aclose()  # type: ignore[attr-defined]
         if not stream.cancelled() and stream.exception() is not None:
             raise stream.exception()
 
-    async def _stream(self, send: Send) -> None:
-        with contextlib.suppress(OSError):
-            await self.stream_response(send)
+    async def _stream(self, send: Send, raw_send: Send) -> None:
+        """`send` starts the response, through the middlewares; `raw_send` (the server's own,
+        where the app gives it) sends its body."""
+        deltas, formatter = self.deltas, self.formatter
+        take_next = deltas.__anext__
+        ready = getattr(deltas, "ready", None)
+        completion_tokens, outcome = 0, "client disconnected"
+        usages: list[dict[str, Any] | None] = [None] * self.num_choices
+        finished = 0
+        try:
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+            )
+            batch = [self.first]
+            while True:
+                if ready is not None:
+                    batch += ready()
+                events = []
+                for delta in coalesce(batch) if len(batch) > 1 else batch:
+                    completion_tokens += len(delta.token_ids)
+                    events.append(sse(formatter.chunk(delta)))
+                    if delta.finish_reason is not None:
+                        usages[getattr(delta, "index", 0)] = delta.usage
+                        finished += 1
+                if finished >= self.num_choices:
+                    break
+                await raw_send(
+                    {"type": "http.response.body", "body": b"".join(events), "more_body": True}
+                )
+                try:
+                    batch = [await take_next()]
+                except StopAsyncIteration:
+                    raise _ended_early() from None
+            outcome = f"finish={batch[-1].finish_reason}"
+            usage_chunk = formatter.usage_chunk(self.total_usage(usages))
+            if usage_chunk is not None:
+                events.append(sse(usage_chunk))
+            await _write(raw_send, b"".join(events) + DONE, more_body=False)
+        except OSError:
+            pass  # the client went away mid-write
+        except Exception as err:
+            if not isinstance(err, BackendError):
+                log.exception("stream failed")
+                err = BackendError(f"internal error: {err!r}", stage="stream")
+            outcome = f"error: {err}"
+            with contextlib.suppress(OSError):
+                await _write(raw_send, sse(backend_error_body(err)) + DONE, more_body=False)
+        finally:
+            self.log_line(outcome, completion_tokens)
+
+
+async def _write(send: Send, body: bytes, more_body: bool = True) -> None:
+    await send({"type": "http.response.body", "body": body, "more_body": more_body})
+
+
+async def _wait_for_disconnect_message(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def event_stream(
@@ -153,40 +267,4 @@ def event_stream(
     num_choices: int = 1,
     total_usage: Callable[[list[dict[str, Any] | None]], dict[str, Any] | None] = lambda u: u[0],
 ) -> EventStreamResponse:
-    """The SSE response for a stream whose first delta has arrived. With several choices the
-    deltas carry their choice's `index` (cluster.choices), and the stream ends when each has
-    finished; `total_usage` adds up their usages (by index) for the usage chunk. A failure
-    after the first byte becomes a final `data: {"error": ...}` event, then `data: [DONE]`."""
-
-    async def events() -> AsyncIterator[str]:
-        delta, completion_tokens, outcome = first, 0, "client disconnected"
-        usages: list[dict[str, Any] | None] = [None] * num_choices
-        finished = 0
-        try:
-            while True:
-                completion_tokens += len(delta.token_ids)
-                yield sse(formatter.chunk(delta))
-                if delta.finish_reason is not None:
-                    usages[getattr(delta, "index", 0)] = delta.usage
-                    finished += 1
-                    if finished == num_choices:
-                        break
-                delta = await next_delta(deltas)
-            outcome = f"finish={delta.finish_reason}"
-            usage_chunk = formatter.usage_chunk(total_usage(usages))
-            if usage_chunk is not None:
-                yield sse(usage_chunk)
-            yield DONE
-        except Exception as err:
-            if not isinstance(err, BackendError):
-                log.exception("stream failed")
-                err = BackendError(f"internal error: {err!r}", stage="stream")
-            outcome = f"error: {err}"
-            yield sse(backend_error_body(err))
-            yield DONE
-        finally:
-            await deltas.aclose()  # type: ignore[attr-defined]
-            log_line(outcome, completion_tokens)
-
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return EventStreamResponse(events(), headers=headers)
+    return EventStreamResponse(first, deltas, formatter, log_line, num_choices, total_usage)

@@ -3,7 +3,7 @@ router, protocol, metrics and tracing as a disaggregated pair. It is the baselin
 disaggregation has to beat, and what to run where disaggregation does not pay.
 
 It speaks the decode node's side of the protocol (GenerateRequest and AbortRequest in,
-TokenUpdate out) and ignores the prefill node a request names: no KV crosses, so it joins no
+TokenFrame out) and ignores the prefill node a request names: no KV crosses, so it joins no
 process group and holds no metadata rows. Its requests wait in the engine's own queue, which
 admits them as KV frees up, and prefill and decode share its steps (EngineCore's policy:
 waiting prompts first). Parallel samples of one prompt (`GenerateRequest.samples`) share its
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 
 from decode_node.samples import sample_messages
-from decode_node.token_updates import token_update
+from decode_node.token_streams import RequestStream, TokenStreams
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
@@ -23,9 +24,10 @@ from engine.prompt_embeds import PromptEmbeds
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.tracing import set_time
-from metadata.control import Inbox, Outbox
+from metadata.control import Inbox
+from metadata.frontend_links import FrontendLinks, LoadReports
 from metadata.kv_audit import PoolCount, request_pools
-from metadata.messages import AbortRequest, GenerateRequest, TokenUpdate
+from metadata.messages import AbortRequest, FrontendHello, GenerateRequest
 from metadata.node_common import NodeOptions, load_node_engine
 from metadata.node_metrics import Activity, ActivityLog, SpeculationTotals
 from metadata.serving_node import ServingNode
@@ -38,8 +40,7 @@ IDLE_POLL_MS = 5
 @dataclass
 class _Served:
     req: Request
-    room: int
-    sent_tokens: int = 0
+    stream: RequestStream
 
 
 class AggregatedNode(ServingNode):
@@ -53,17 +54,17 @@ class AggregatedNode(ServingNode):
         )
         self.kv_cache = self.engine.kv_cache
         self.inbox = Inbox(options.host, options.control_key)
-        self.router: Outbox | None = None
+        self.frontends = FrontendLinks(options.control_key)
+        self.streams = TokenStreams(
+            self.frontends, self.spec.tokenizer, options.name, options.stream_interval
+        )
+        self.load_reports = LoadReports(self.frontends, "replica", options.index)
         self.rooms: dict[int, _Served] = {}
-        self.tokens_out = 0
         self.prompt_tokens = 0
         self.spec_totals = SpeculationTotals()
         self.activity_log = ActivityLog(options.stats_log_interval_s, log)
 
     # --- setup and health (Ray calls) ---
-    def connect(self, router_endpoint: str) -> None:
-        self.router = Outbox(router_endpoint, self.options.control_key)
-
     def stats(self) -> dict:
         allocator = self.engine.runner.kv_pool.allocator
         return {
@@ -73,7 +74,7 @@ class AggregatedNode(ServingNode):
             "retractions": self.engine.scheduler.num_retractions,
             "kv_used": allocator.num_used,
             "kv_capacity": allocator.capacity,
-            "tokens_out": self.tokens_out,
+            "tokens_out": self.streams.tokens_out,
             "prompt_tokens": self.prompt_tokens,
             "prefill_tokens": self.engine.prefill_tokens,
             **self.spec_totals.stats(),
@@ -87,14 +88,20 @@ class AggregatedNode(ServingNode):
 
     # --- the serving loop ---
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            self._housekeeping()
-            busy = self.engine.has_work()
-            for msg in self.inbox.receive(0 if busy else IDLE_POLL_MS):
-                self._handle(msg)
-            if self.engine.has_work():
-                self._step()
-            self.activity_log.tick(self._activity)
+        try:
+            while not self._stop.is_set():
+                self._housekeeping()
+                busy = self.engine.has_work()
+                for msg in self.inbox.receive(0 if busy else IDLE_POLL_MS):
+                    self._handle(msg)
+                if self.engine.has_work():
+                    self._step()
+                self.streams.flush()
+                allocator = self.engine.runner.kv_pool.allocator
+                self.load_reports.tick(len(self.rooms), allocator.num_used, allocator.capacity)
+                self.activity_log.tick(self._activity)
+        finally:
+            self.frontends.close()
 
     def _activity(self) -> Activity:
         allocator = self.engine.runner.kv_pool.allocator
@@ -105,12 +112,14 @@ class AggregatedNode(ServingNode):
             0,
             allocator.num_used,
             allocator.capacity,
-            self.tokens_out,
+            self.streams.tokens_out,
             *self.spec_totals.with_running(running),
         )
 
     def _handle(self, msg: object) -> None:
-        if isinstance(msg, GenerateRequest):
+        if isinstance(msg, FrontendHello):
+            self.frontends.open(msg.frontend, msg.endpoint)
+        elif isinstance(msg, GenerateRequest):
             self.faults.request_arrived()
             self._accept(msg)
         elif isinstance(msg, AbortRequest):
@@ -138,11 +147,12 @@ class AggregatedNode(ServingNode):
                 raise ValueError(f"room {taken[0]} is taken")
         except (RequestRejectedError, ValueError) as err:
             for m in messages:
-                self._send(TokenUpdate(m.room, [], error=f"{self.options.name}: {err}"))
+                self.streams.fail(msg.frontend, m.room, f"{self.options.name}: {err}")
             return
         for req, m in zip(requests, messages):
             set_time(req, "decode_received")
-            self.rooms[m.room] = _Served(req, m.room)
+            stream = self.streams.open(msg.frontend, m.room, req.params.stop_strings)
+            self.rooms[m.room] = _Served(req, stream)
         self.prompt_tokens += len(prompt)
         if len(requests) == 1:
             self.engine.add_request(requests[0])
@@ -154,25 +164,17 @@ class AggregatedNode(ServingNode):
         # Only the requests this step ran can have news: the running ones, and those it ended.
         for req in [*self.engine.scheduler.running, *finished]:
             served = self.rooms.get(int(req.request_id))
-            if served is None or (
-                len(req.output_token_ids) == served.sent_tokens and not req.finished
+            stream = served.stream if served is not None else None
+            if stream is None or (
+                len(req.output_token_ids) == stream.sent_tokens and not req.finished
             ):
                 continue
-            if served.sent_tokens == 0 and req.output_token_ids:
+            if stream.sent_tokens == 0 and req.output_token_ids:
                 set_time(req, "first_token")
             if req.finished:
                 set_time(req, "finish")
-                del self.rooms[served.room]
-            self._report(served)
-
-    def _report(self, served: _Served) -> None:
-        req = served.req
-        update = token_update(
-            served.room, req, served.sent_tokens, self.options.name, lambda: self._final_stats(req)
-        )
-        served.sent_tokens = len(req.output_token_ids)
-        self.tokens_out += len(update.token_ids)
-        self._send(update)
+                del self.rooms[stream.room]
+            self.streams.report(stream, req, partial(self._final_stats, req))
 
     def _final_stats(self, req: Request) -> dict:
         stats = {"stop_string": req.stopped_by_string, **self.spec_totals.usage(req)}
@@ -188,12 +190,14 @@ class AggregatedNode(ServingNode):
     def _drop_peer(self, index: int, rank: int, reason: str) -> None:
         """A replica has no peers: nothing is held for another node."""
 
+    def _drop_frontend(self, frontend: int) -> None:
+        self.frontends.forget(frontend)
+        for room, served in list(self.rooms.items()):
+            if served.stream.frontend == frontend:
+                self._abort(room)
+
     def _pool_counts(self) -> list[PoolCount]:
         requests = [served.req for served in self.rooms.values()]
         return request_pools(
             self.engine.runner.kv_pool.allocator.num_used, requests, self.speculator
         )
-
-    def _send(self, update: TokenUpdate) -> None:
-        if self.router is not None:
-            self.router.send(update)

@@ -35,20 +35,21 @@ from decode_node.samples import (
     SampleGroup,
     sample_messages,
 )
-from decode_node.token_updates import decode_final_stats, token_update
+from decode_node.token_streams import TokenStreams, decode_final_stats
 from decode_node.tracked import Tracked
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
 from engine.tracing import set_time, set_time_batch
 from metadata.control import Inbox, Outbox
+from metadata.frontend_links import FrontendLinks, LoadReports
 from metadata.handshake import PairingError, TransferSpec, check_compatible
 from metadata.kv_audit import PoolCount, request_pools
 from metadata.messages import (
     AbortRequest,
+    FrontendHello,
     GenerateRequest,
     PrefillResult,
-    TokenUpdate,
     TransferAbandoned,
     TransferAnnounce,
 )
@@ -84,12 +85,15 @@ class DecodeNode(ServingNode):
         self.inbox = Inbox(options.host, options.control_key)
         self.prefill_outboxes: dict[int, Outbox] = {}
         self.prefill_ranks: dict[int, int] = {}  # prefill node index -> its data-plane rank
-        self.router: Outbox | None = None
+        self.frontends = FrontendLinks(options.control_key)
+        self.streams = TokenStreams(
+            self.frontends, self.spec.tokenizer, options.name, options.stream_interval
+        )
+        self.load_reports = LoadReports(self.frontends, "decode", options.index)
         self.receiver: KVReceiver | None = None
         self.rooms: dict[int, Tracked] = {}
         self.prealloc: deque[Tracked] = deque()
         self.receiving: list[Tracked] = []
-        self.tokens_out = 0
         self.transfer_totals = TransferTotals("receive")
         self.activity_log = ActivityLog(options.stats_log_interval_s, log)
 
@@ -99,7 +103,6 @@ class DecodeNode(ServingNode):
         prefill_endpoints: dict[int, str],
         prefill_specs: dict[int, dict],
         prefill_ranks: dict[int, int],
-        router_endpoint: str,
     ) -> None:
         """Pair with every prefill node, refusing (PairingError) any whose KV layout, dtype,
         model or spec_hidden_size differs from this node's. `prefill_ranks`: each prefill
@@ -113,7 +116,6 @@ class DecodeNode(ServingNode):
         key = self.options.control_key
         self.prefill_outboxes = {i: Outbox(e, key) for i, e in prefill_endpoints.items()}
         self.prefill_ranks = dict(prefill_ranks)
-        self.router = Outbox(router_endpoint, key)
 
     def peer_replaced(self, index: int, endpoint: str, spec: dict, link: PairLink) -> None:
         """(Ray call) prefill-`index` was replaced by a node at `endpoint`: check that it can
@@ -141,7 +143,7 @@ class DecodeNode(ServingNode):
             "receiving": len(self.receiving),
             "kv_used": allocator.num_used,
             "kv_capacity": allocator.capacity,
-            "tokens_out": self.tokens_out,
+            "tokens_out": self.streams.tokens_out,
             "prefill_tokens": self.engine.prefill_tokens,
             **self.spec_totals.stats(),
             "transfers_in_flight": self._transfers_in_flight(),
@@ -168,15 +170,24 @@ class DecodeNode(ServingNode):
 
     # --- the serving loop ---
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            self._housekeeping()
-            for msg in self.inbox.receive(self._poll_timeout_ms()):
-                self._handle(msg)
-            self._preallocate()
-            self._land_transfers()
-            if self.engine.has_work():
-                self._step()
-            self.activity_log.tick(self._activity)
+        try:
+            while not self._stop.is_set():
+                self._housekeeping()
+                for msg in self.inbox.receive(self._poll_timeout_ms()):
+                    self._handle(msg)
+                self._preallocate()
+                self._land_transfers()
+                if self.engine.has_work():
+                    self._step()
+                self.streams.flush()
+                self._report_load()
+                self.activity_log.tick(self._activity)
+        finally:
+            self.frontends.close()
+
+    def _report_load(self) -> None:
+        allocator = self.engine.runner.kv_pool.allocator
+        self.load_reports.tick(len(self.rooms), allocator.num_used, allocator.capacity)
 
     def _activity(self) -> Activity:
         allocator = self.engine.runner.kv_pool.allocator
@@ -187,7 +198,7 @@ class DecodeNode(ServingNode):
             self._transfers_in_flight(),
             allocator.num_used,
             allocator.capacity,
-            self.tokens_out,
+            self.streams.tokens_out,
             *self.spec_totals.with_running(running),
         )
 
@@ -200,7 +211,9 @@ class DecodeNode(ServingNode):
         return WAITING_POLL_MS if waiting else IDLE_POLL_MS
 
     def _handle(self, msg: object) -> None:
-        if isinstance(msg, GenerateRequest):
+        if isinstance(msg, FrontendHello):
+            self.frontends.open(msg.frontend, msg.endpoint)
+        elif isinstance(msg, GenerateRequest):
             self.faults.request_arrived()
             self._accept(msg)
         elif isinstance(msg, TransferAnnounce):
@@ -223,12 +236,13 @@ class DecodeNode(ServingNode):
             requests = admitted_requests(msg, messages, self.engine, max_shared)
         except (RequestRejectedError, ValueError) as err:
             for m in messages:
-                self._send(TokenUpdate(m.room, [], error=f"{self.options.name}: {err}"))
+                self.streams.fail(msg.frontend, m.room, f"{self.options.name}: {err}")
             return
         members = []
         for req, m in zip(requests, messages):
             set_time(req, "decode_received")
-            members.append(Tracked(req, m))
+            stream = self.streams.open(msg.frontend, m.room, req.params.stop_strings)
+            members.append(Tracked(req, m, stream))
             self.rooms[m.room] = members[-1]
         if len(members) > 1:
             SampleGroup(members)
@@ -387,7 +401,7 @@ class DecodeNode(ServingNode):
             tracked = self.rooms.get(int(req.request_id))
             # Nothing new for a request that was retracted, or waited, this step.
             if tracked is None or (
-                len(req.output_token_ids) == tracked.sent_tokens and not req.finished
+                len(req.output_token_ids) == tracked.stream.sent_tokens and not req.finished
             ):
                 continue
             self._report(tracked)
@@ -395,17 +409,11 @@ class DecodeNode(ServingNode):
                 self._forget(tracked)
 
     def _report(self, tracked: Tracked) -> None:
-        req = tracked.req
-        update = token_update(
-            tracked.message.room,
-            req,
-            tracked.sent_tokens,
-            self.options.name,
+        self.streams.report(
+            tracked.stream,
+            tracked.req,
             lambda: decode_final_stats(tracked, self.options.index, self.spec_totals),
         )
-        tracked.sent_tokens = len(req.output_token_ids)
-        self.tokens_out += len(update.token_ids)
-        self._send(update)
 
     def _abort(self, room: int) -> None:
         tracked = self.rooms.get(room)
@@ -444,10 +452,10 @@ class DecodeNode(ServingNode):
             ):
                 # A receive is posted into these slots: free them when it ends.
                 tracked.aborted = True
-                self._send(TokenUpdate(tracked.message.room, [], error=reason))
+                self._send_error(tracked, reason)
                 return
             self.receiving.remove(tracked)
-        self._send(TokenUpdate(tracked.message.room, [], error=reason))
+        self._send_error(tracked, reason)
         self._forget(tracked)
 
     def _forget(self, tracked: Tracked) -> None:
@@ -487,7 +495,7 @@ class DecodeNode(ServingNode):
             if tracked in self.receiving:
                 self.receiving.remove(tracked)
             if not tracked.aborted:
-                self._send(TokenUpdate(tracked.message.room, [], error=reason))
+                self._send_error(tracked, reason)
             self.rooms.pop(tracked.message.room, None)
             self._release(tracked.req)
             tracked.free_row(self.metadata)
@@ -507,6 +515,11 @@ class DecodeNode(ServingNode):
             (rows_used, rows_held),
         )
 
-    def _send(self, update: TokenUpdate) -> None:
-        if self.router is not None:
-            self.router.send(update)
+    def _send_error(self, tracked: Tracked, reason: str) -> None:
+        self.streams.fail(tracked.stream.frontend, tracked.stream.room, reason)
+
+    def _drop_frontend(self, frontend: int) -> None:
+        self.frontends.forget(frontend)
+        for tracked in list(self.rooms.values()):
+            if tracked.stream.frontend == frontend:
+                self._abort(tracked.message.room)

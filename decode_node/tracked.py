@@ -13,6 +13,7 @@ from metadata.transfer import TransferHandle
 
 if TYPE_CHECKING:
     from decode_node.samples import SampleGroup
+    from decode_node.token_streams import RequestStream
     from metadata.buffers import MetadataBuffers
 
 # How long a transfer that ended waits for its PrefillResult, which the prefill node sends before
@@ -24,10 +25,10 @@ RESULT_WAIT_S = 5.0
 class Tracked:
     req: Request
     message: GenerateRequest
+    stream: RequestStream
     meta_row: int | None = None
     handle: TransferHandle | None = None
     aborted: bool = False
-    sent_tokens: int = 0
     announce: TransferAnnounce | None = None
     result: PrefillResult | None = None
     result_at: float | None = None  # perf_counter when the serving loop took the result

@@ -42,6 +42,9 @@ class NodeOptions:
     # Transfers over gloo through host memory although the pools are on a GPU: for nodes that
     # share one GPU, which NCCL refuses to pair with itself.
     transfer_through_host: bool = False
+    # A request's tokens go to its front end once this many are new (its first and last at
+    # once): larger values send fewer, larger frames (--stream-interval).
+    stream_interval: int = 1
     # The cluster's control-plane key (metadata.control_auth): every message a node sends is
     # signed with it, and every message it receives must be.
     control_key: bytes = field(repr=False, kw_only=True)

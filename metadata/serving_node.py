@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from engine.cpu_tuning import freeze_startup_heap
 from engine.kv_cache import KVCacheManager
 from engine.loader import ModelSpec
 from engine.tracing import clock_ns
@@ -42,7 +43,8 @@ class NodeHealth:
 class ServingNode:
     """Subclasses set `spec`, `kv_cache`, `metadata`, `inbox`, `speculator` and
     `num_draft_steps` in their constructor and implement `_serve`, `_open_channel`,
-    `_drop_peer` and `_pool_counts`; `_serve` calls `_housekeeping` once per iteration."""
+    `_drop_peer`, `_drop_frontend` and `_pool_counts`; `_serve` calls `_housekeeping` once per
+    iteration."""
 
     spec: ModelSpec
     kv_cache: KVCacheManager
@@ -96,13 +98,26 @@ class ServingNode:
         while a long step runs)."""
         if self._channel is not None:
             self._channel.forget_peer(rank, reason)
+        self._on_serving_thread(lambda: self._drop_peer(index, rank, reason))
+
+    def frontend_gone(self, frontend: int) -> None:
+        """(Ray call) The front end `frontend` (an API process) died, and its clients'
+        connections with it: abort every request it holds here, freeing their KV (and the
+        prefill node's), and close its socket. Returns once the serving thread has done so."""
+        self._on_serving_thread(lambda: self._drop_frontend(frontend))
+
+    def _on_serving_thread(self, work: Callable[[], None]) -> None:
+        """Run `work` on the serving thread, which owns the engine and sockets, and wait for it
+        (up to PEER_LOST_WAIT_S while a long step runs)."""
         done = threading.Event()
 
-        def drop() -> None:
-            self._drop_peer(index, rank, reason)
-            done.set()
+        def run() -> None:
+            try:
+                work()
+            finally:
+                done.set()
 
-        self._events.put(drop)
+        self._events.put(run)
         if self._thread is not None and self._thread.is_alive():
             done.wait(PEER_LOST_WAIT_S)
 
@@ -120,6 +135,7 @@ class ServingNode:
         return self.options.transfer_timeout_s
 
     def start(self) -> None:
+        freeze_startup_heap()
         self._thread = threading.Thread(target=self._serve, name=self.options.name, daemon=True)
         self._thread.start()
 
@@ -200,6 +216,9 @@ class ServingNode:
         raise NotImplementedError
 
     def _drop_peer(self, index: int, rank: int, reason: str) -> None:
+        raise NotImplementedError
+
+    def _drop_frontend(self, frontend: int) -> None:
         raise NotImplementedError
 
     def _pool_counts(self) -> list[PoolCount]:

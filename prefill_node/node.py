@@ -40,9 +40,11 @@ from engine.sampler import TokenLogprob
 from engine.tracing import set_time
 from metadata.control import Inbox, Outbox
 from metadata.faults import PREFILL_FAULT_PHASES
+from metadata.frontend_links import FrontendLinks, LoadReports
 from metadata.kv_audit import PoolCount, request_pools
 from metadata.messages import (
     AbortRequest,
+    FrontendHello,
     PrefillRequest,
     PrefillResult,
     TransferAbandoned,
@@ -93,6 +95,9 @@ class PrefillNode(ServingNode):
         self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
         self.inbox = Inbox(options.host, options.control_key)
         self.outboxes: dict[int, Outbox] = {}
+        # Front ends hear this node's load (the prefill policies weigh it).
+        self.frontends = FrontendLinks(options.control_key)
+        self.load_reports = LoadReports(self.frontends, "prefill", options.index)
         self.sender: KVSender | None = None
         # Requests waiting for a metadata row (each with its parallel samples, which enter the
         # engine together), then those in the engine (rows held), by room.
@@ -149,19 +154,25 @@ class PrefillNode(ServingNode):
 
     # --- the serving loop (one thread owns the engine and the sockets) ---
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            self._housekeeping()
-            # Only transfers in flight: block briefly rather than spin, so the sender threads
-            # get the interpreter.
-            busy = self.waiting or self.prefilling
-            timeout = 0 if busy else (WAITING_POLL_MS if self.sending else IDLE_POLL_MS)
-            for msg in self.inbox.receive(timeout):
-                self._handle(msg)
-            self._finish_transfers()
-            self._feed()
-            if self.engine.has_work():
-                self.engine.step()
-            self.activity_log.tick(self._activity)
+        try:
+            while not self._stop.is_set():
+                self._housekeeping()
+                # Only transfers in flight: block briefly rather than spin, so the sender
+                # threads get the interpreter.
+                busy = self.waiting or self.prefilling
+                timeout = 0 if busy else (WAITING_POLL_MS if self.sending else IDLE_POLL_MS)
+                for msg in self.inbox.receive(timeout):
+                    self._handle(msg)
+                self._finish_transfers()
+                self._feed()
+                if self.engine.has_work():
+                    self.engine.step()
+                allocator = self.runner.kv_pool.allocator
+                requests = self._num_waiting() + len(self.prefilling) + len(self.sending)
+                self.load_reports.tick(requests, allocator.num_used, allocator.capacity)
+                self.activity_log.tick(self._activity)
+        finally:
+            self.frontends.close()
 
     def _activity(self) -> Activity:
         allocator = self.runner.kv_pool.allocator
@@ -175,7 +186,9 @@ class PrefillNode(ServingNode):
         )
 
     def _handle(self, msg: object) -> None:
-        if isinstance(msg, PrefillRequest):
+        if isinstance(msg, FrontendHello):
+            self.frontends.open(msg.frontend, msg.endpoint)
+        elif isinstance(msg, PrefillRequest):
             self.faults.request_arrived()
             self._queue(msg)
         elif isinstance(msg, AbortRequest):
@@ -404,6 +417,10 @@ class PrefillNode(ServingNode):
             self.speculator.release(req)
         if meta_row is not None:
             self.metadata.free(meta_row)
+
+    def _drop_frontend(self, frontend: int) -> None:
+        # Its requests are aborted by their decode nodes, which tell this node.
+        self.frontends.forget(frontend)
 
     def _drop_peer(self, index: int, rank: int, reason: str) -> None:
         """decode-`index` died: drop every request bound for it and free their slots and rows,

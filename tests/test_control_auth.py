@@ -27,7 +27,7 @@ from cluster.metrics import ClusterMetrics
 from engine import LLM, SamplingParams
 from metadata.control import Inbox, Outbox
 from metadata.control_auth import KEY_BYTES, FrameSigner, FrameVerifier, new_control_key
-from metadata.messages import AbortRequest, TokenUpdate, TransferAnnounce, decode, encode
+from metadata.messages import AbortRequest, TokenFrame, TransferAnnounce, decode, encode
 from metadata.transfer import TransferHandle, TransferState
 from metadata.wire import kv_nbytes
 
@@ -297,7 +297,7 @@ def test_forged_messages_to_a_live_cluster_are_dropped_and_it_serves_on(cluster,
         captured = FrameSigner(cluster_.control_key, endpoint).sign(encode(AbortRequest(99)))
         to_decode.send(captured)  # good (an abort of no request: harmless)
         to_decode.send(captured)  # replayed
-        to_router.send(encode(TokenUpdate(room=1, token_ids=[5], finish_reason="stop")))
+        to_router.send(encode(TokenFrame(rooms=[1], num_tokens=[1], token_ids=[5], texts=["x"])))
         counted = {("prefill-0", "prefill"): 0, ("decode-0", "decode"): 3, ("router", "router"): 1}
         assert wait_for(lambda: scrape_rejected(server.url) == counted, 30)
     finally:

@@ -13,6 +13,7 @@ from collections import deque
 from types import SimpleNamespace
 
 import torch
+from stream_recorder import FRONTEND, StreamRecorder
 
 from decode_node.node import DecodeNode
 from engine.env import FaultSettings
@@ -31,7 +32,6 @@ from metadata.messages import (
     PrefillRequest,
     PrefillResult,
     SamplingSpec,
-    TokenUpdate,
     TransferAnnounce,
 )
 from metadata.node_common import NodeOptions
@@ -45,14 +45,16 @@ PREFILL_RANK = 3
 PREFILL_ERROR = "prefill-0: prefill forward failed: RuntimeError: injected"
 
 
-class Recorder:
-    """The router, the prefill node's outbox and the KV receiver, in one log."""
+class Recorder(StreamRecorder):
+    """The front end, the prefill node's outbox and the KV receiver, in one log."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.messages: list[object] = []
         self.receives: dict[int, tuple[list[int], TransferHandle]] = {}
 
     def send(self, msg) -> None:
+        super().send(msg)
         self.messages.append(msg)
 
     def expect(self, src_rank, room, pools, metadata, row) -> TransferHandle:
@@ -89,7 +91,7 @@ def node() -> tuple[DecodeNode, Recorder]:
     bare.kv_cache = cache
     bare.speculator = None
     bare.metadata = MetadataBuffers(4, 8, 0, 1, torch.float32, "cpu")
-    bare.router = recorder
+    bare.streams = recorder.streams("decode-0")
     bare.receiver = recorder
     bare.prefill_outboxes = {0: recorder}
     bare.prefill_ranks = {0: PREFILL_RANK}
@@ -98,14 +100,13 @@ def node() -> tuple[DecodeNode, Recorder]:
     bare.spec_totals = SpeculationTotals()
     bare.faults = FaultInjector("decode-0", FaultSettings())
     bare.quarantine = Quarantine()
-    bare.tokens_out = 0
     return bare, recorder
 
 
 def generate() -> GenerateRequest:
     sampling = SamplingSpec(8, 0.8, 0, 1.0, 11, [], [], True, None)
     samples = [ParallelSample(room, f"r{room}", 11 + room) for room in ROOMS[1:]]
-    return GenerateRequest(ROOMS[0], "r", PROMPT, sampling, 0, samples=samples)
+    return GenerateRequest(ROOMS[0], "r", PROMPT, sampling, 0, FRONTEND, samples=samples)
 
 
 def announce(decode: DecodeNode, room: int, prompt_room: int = 0) -> None:
@@ -144,7 +145,7 @@ def test_samples_preallocate_together_and_share_the_prompts_slots():
     announce(decode, ROOMS[2])
     assert ROOMS[2] not in recorder.receives
     assert ("discarded", ROOMS[2], 2) in recorder.messages
-    (refused,) = recorder.of(TokenUpdate)
+    (refused,) = recorder.updates
     assert refused.room == ROOMS[2] and "prompt KV" in refused.error
 
 
@@ -155,7 +156,7 @@ def test_samples_whose_first_step_can_never_fit_are_refused_not_queued():
     decode, recorder = node()
     long = dataclasses.replace(generate(), prompt_token_ids=list(range(3, 65)))
     decode._handle(long)
-    errors = {update.room: update.error for update in recorder.of(TokenUpdate)}
+    errors = {update.room: update.error for update in recorder.updates}
     assert sorted(errors) == ROOMS
     assert all("more than this node's pool of 64" in error for error in errors.values())
     assert not decode.prealloc and not decode.rooms
@@ -180,7 +181,7 @@ def test_a_sample_runs_once_the_prompt_landed_and_every_slot_comes_back():
     decode._land_transfers()
     running = decode.engine.scheduler.running
     assert sorted(r.output_token_ids[0] for r in running) == [50, 51, 52]
-    assert [u.token_ids for u in recorder.of(TokenUpdate)] == [[50], [51], [52]]
+    assert [u.token_ids for u in recorder.updates] == [[50], [51], [52]]
     for req in list(running):
         decode._abort(int(req.request_id))
     assert empty(decode)
@@ -198,7 +199,7 @@ def test_a_failed_prompt_fails_the_samples_waiting_for_it_with_its_reason():
     recorder.receives[ROOMS[0]][1].fail("room tag mismatch")  # the void transfer ended
     land(decode, recorder, ROOMS[2], 52)
     decode._land_transfers()
-    errors = {u.room: u.error for u in recorder.of(TokenUpdate)}
+    errors = {u.room: u.error for u in recorder.updates}
     assert errors[ROOMS[0]] == PREFILL_ERROR
     for room in ROOMS[1:]:
         assert errors[room] == f"the prompt's KV did not land: {PREFILL_ERROR}"

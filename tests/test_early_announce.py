@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from stream_recorder import FRONTEND, StreamRecorder
 
 import decode_node.tracked as tracked_module
 from decode_node.node import DecodeNode
@@ -31,7 +32,6 @@ from metadata.kv_audit import Quarantine
 from metadata.messages import (
     MessageError,
     PrefillResult,
-    TokenUpdate,
     TransferAnnounce,
     decode,
     encode,
@@ -322,14 +322,6 @@ PROMPT = list(range(3, 13))
 PREFILL_RANK = 3  # prefill-0's, which every request here goes to
 
 
-class Router:
-    def __init__(self) -> None:
-        self.updates: list[TokenUpdate] = []
-
-    def send(self, update: TokenUpdate) -> None:
-        self.updates.append(update)
-
-
 def decode_node(state: TransferState, error: str | None = None):
     node = DecodeNode.__new__(DecodeNode)
     cache = kv_cache()
@@ -339,7 +331,8 @@ def decode_node(state: TransferState, error: str | None = None):
     node.kv_cache = cache
     node.speculator = None
     node.metadata = MetadataBuffers(2, HIDDEN, 0, 1, torch.float32, "cpu")
-    node.router = Router()
+    node.router = StreamRecorder()
+    node.streams = node.router.streams("decode-0")
     node.prefill_outboxes = {}
     node.prefill_ranks = {0: PREFILL_RANK}
     node.transfer_totals = TransferTotals("receive")
@@ -348,7 +341,8 @@ def decode_node(state: TransferState, error: str | None = None):
     req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
     cache.grow(req, len(PROMPT) + 4)
     message = SimpleNamespace(room=ROOM, prefill_node=0)
-    tracked = Tracked(req, message, meta_row=node.metadata.allocate())
+    stream = node.streams.open(FRONTEND, ROOM)
+    tracked = Tracked(req, message, stream, meta_row=node.metadata.allocate())
     tracked.handle = TransferHandle(ROOM, peer=0)
     if state == TransferState.FAILED:
         tracked.handle.fail(error)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from stream_recorder import FRONTEND, StreamRecorder
 
 from decode_node.node import DecodeNode
 from decode_node.tracked import Tracked
@@ -59,12 +60,13 @@ def decode_node(left_posted: bool, state: TransferState):
     node.prealloc = deque()
     node.speculator = None
     node.metadata = MetadataBuffers(2, 8, 0, 1, torch.float32, "cpu")
-    node.router = None
+    node.streams = StreamRecorder().streams("decode-0")
     node.transfer_totals = TransferTotals("receive")
     req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
     cache.grow(req, len(PROMPT) + 4)
     message = SimpleNamespace(room=ROOM, prefill_node=0)
-    tracked = Tracked(req, message, meta_row=node.metadata.allocate())
+    stream = node.streams.open(FRONTEND, ROOM)
+    tracked = Tracked(req, message, stream, meta_row=node.metadata.allocate())
     tracked.handle = handle(state, left_posted)
     tracked.result = PrefillResult(ROOM)  # the prefill's result came with the KV
     tracked.aborted = state == TransferState.SUCCESS  # the client left: freed either way

@@ -29,9 +29,7 @@ def _spec(node: DecodeNode, **changes) -> dict:
 
 
 def test_identical_prefill_pairs(decode_node):
-    decode_node.connect(
-        {0: "tcp://127.0.0.1:1"}, {0: _spec(decode_node)}, {0: 0}, "tcp://127.0.0.1:2"
-    )
+    decode_node.connect({0: "tcp://127.0.0.1:1"}, {0: _spec(decode_node)}, {0: 0})
 
 
 @pytest.mark.parametrize(
@@ -52,7 +50,6 @@ def test_mismatch_is_refused_naming_it(decode_node, field, value):
             {0: "tcp://127.0.0.1:1", 1: "tcp://127.0.0.1:3"},
             {0: _spec(decode_node), 1: _spec(decode_node, **{field: value})},
             {0: 0, 1: 1},
-            "tcp://127.0.0.1:2",
         )
     message = str(err.value)
     assert "prefill-1" in message and field in message
