@@ -8,7 +8,7 @@ import sys
 
 from cluster.bench_serving.cli import DESCRIPTION as BENCH_SERVING_DESCRIPTION
 from cluster.bench_serving.cli import add_bench_serving_args, run_bench_serving
-from cluster.cli_args import add_cluster_args, add_engine_args
+from cluster.cli_args import add_cluster_args, add_engine_args, positive_int
 from cluster.cli_commands import run_demo, run_generate, run_serve
 from cluster.train_draft_cli import add_train_draft_args, run_train_draft
 from engine.errors import PdclusterError
@@ -72,6 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="end a request that has no first token this long after arriving, with a 503 "
         "naming the timeout, and free its KV (default: no timeout)",
+    )
+    serve.add_argument(
+        "--api-servers",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="HTTP front-end processes sharing the port, each tokenizing, routing and "
+        "streaming the requests it accepted (default: 1 on a CPU; on a GPU up to 4, one per "
+        "4 host cores: one process streams a few tens of thousands of tokens a second, a GPU "
+        "engine makes more)",
     )
     serve.add_argument(
         "--log-level",

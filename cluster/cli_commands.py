@@ -131,6 +131,7 @@ def run_serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         max_queued_requests=args.max_queued_requests,
         queue_timeout_s=args.queue_timeout,
+        api_servers=args.api_servers,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     return serve(config)

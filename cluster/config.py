@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 from engine.loader import EngineArgs
@@ -137,6 +138,9 @@ class ServeConfig:
     max_queued_requests: int | None = None
     # A request with no first token this long after its arrival ends with an error; None: never.
     queue_timeout_s: float | None = None
+    # HTTP front-end processes on the port (cluster.api_servers); 1: this process serves it;
+    # None: `default_api_servers` for the cluster's device.
+    api_servers: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
@@ -149,5 +153,17 @@ class ServeConfig:
             )
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s must be positive, got {self.queue_timeout_s}")
+        if self.api_servers is not None and self.api_servers < 1:
+            raise ValueError(f"api_servers must be at least 1, got {self.api_servers}")
         if self.metrics_require_api_key and self.api_key is None:
             raise ValueError("requiring the API key on /metrics needs an API key")
+
+
+def default_api_servers(device: str, cpu_count: int | None = None) -> int:
+    """One API process on a CPU, whose engine makes a few hundred tokens a second; on a GPU,
+    whose engine makes tens of thousands (more than one process streams), one per 4 host
+    cores up to 4 (the nodes need cores of their own)."""
+    if not device.startswith("cuda"):
+        return 1
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return max(1, min(4, cores // 4))

@@ -142,3 +142,27 @@ def _replaying(whole: Message, receive: Receive) -> Receive:
         return pending.pop() if pending else await receive()
 
     return replay
+
+
+API_SERVER_HEADER = "x-pdcluster-api-server"
+
+
+class NamesApiServer:
+    """Names the API process that answered, one of several on one port, in every response
+    (API_SERVER_HEADER): which process held a stream, for logs and tests."""
+
+    def __init__(self, app: ASGIApp, index: int) -> None:
+        self.app = app
+        self.header = (API_SERVER_HEADER.encode(), str(index).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, named)

@@ -73,7 +73,7 @@ class Cluster:
         control_key = new_control_key()
         try:
             device = cluster_device(config.engine.device)
-            spec = resolve(_driver_engine_args(config.engine, device))
+            spec = resolve(driver_engine_args(config.engine, device))
             on_gpu = device.startswith("cuda")
             # On a cluster of hosts every socket binds its own host's address: the router and the
             # store the driver's, each node its own (resolved inside the node).
@@ -273,7 +273,7 @@ def _supervise(
     return supervisor
 
 
-def _driver_engine_args(args: EngineArgs, device: str) -> EngineArgs:
+def driver_engine_args(args: EngineArgs, device: str) -> EngineArgs:
     # The driver needs the tokenizer and the model's shape, not a KV pool: each node sizes its
     # own, and the head may have no GPU to measure (a placeholder skips the measurement).
     return replace(args, device=device, kv_cache_tokens=args.kv_cache_tokens or 1)

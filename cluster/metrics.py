@@ -6,10 +6,13 @@
 - Each node's load, KV usage, transfers and speculation, read from its `stats()` when scraped
   (cluster.node_collector).
 - Control-plane messages dropped (unauthenticated, replayed or malformed: metadata.control_auth)
-  by each node's inbox and by the router's own (node and role "router").
+  by each node's inbox, and by the front ends' own.
 
 Every `ClusterMetrics` owns its registry (never prometheus_client's global one), so two routers in
-one process never share or clash over a metric. Transfer GB/s over a window is
+one process never share or clash over a metric. Several API processes (`--api-servers`) keep
+their request metrics in prometheus_client's multiprocess files (`multiprocess_dir`), so that
+any of them renders the totals of all; the node metrics come from the nodes themselves.
+Transfer GB/s over a window is
 `rate(pdcluster_node_transfer_bytes_total[1m]) / rate(pdcluster_node_transfer_seconds_total[1m])
 / 1e9`; `pdcluster_node_transfer_gigabytes_per_second` is the node's mean since it started.
 """
@@ -23,6 +26,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client import generate_latest as _generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from cluster.node_collector import NodeCollector, StatsSource
 
@@ -46,11 +50,12 @@ def failure_kind(error: str) -> str:
 
 class ClusterMetrics:
     def __init__(
-        self,
-        nodes: Sequence[StatsSource],
-        control_rejected: Callable[[], int] | None = None,
+        self, nodes: Sequence[StatsSource], multiprocess_dir: str | None = None
     ) -> None:
-        """`control_rejected`: how many control messages the router's own socket dropped."""
+        """`multiprocess_dir`: where the API processes of one cluster keep their metrics
+        (prometheus_client's multiprocess mode, which the process's environment must have
+        turned on before prometheus_client was imported: PROMETHEUS_MULTIPROC_DIR)."""
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
         registry = self.registry
         self.ttft = Histogram(
@@ -102,7 +107,14 @@ class ClusterMetrics:
         self.generation_tokens = Counter(
             "pdcluster_generation_tokens", "Tokens streamed to clients.", registry=registry
         )
-        self.nodes = NodeCollector(nodes, control_rejected)
+        self.control_rejected = Counter(
+            "pdcluster_frontend_control_messages_rejected",
+            "Control-plane messages the front ends' own sockets dropped: unsigned, forged, "
+            "signed with another key, replayed or malformed (the nodes': "
+            "pdcluster_control_messages_rejected).",
+            registry=registry,
+        )
+        self.nodes = NodeCollector(nodes)
         registry.register(self.nodes)
 
     def request(self) -> RequestTimer:
@@ -121,7 +133,13 @@ class ClusterMetrics:
     async def render(self) -> bytes:
         """The exposition text, with node stats at most STATS_MAX_AGE_S old."""
         await self.nodes.refresh()
-        return _generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return _generate_latest(self.registry)
+        # Every API process's request metrics (a process that died counts too), and the nodes'.
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self.multiprocess_dir)
+        registry.register(self.nodes)
+        return _generate_latest(registry)
 
 
 def observe_many(histogram: Histogram, value: float, count: int) -> None:

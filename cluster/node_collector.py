@@ -1,7 +1,7 @@
-"""Per-node Prometheus metrics for a backend's /metrics: each node's load, KV usage, transfers
-and speculation, copied from its `stats()` (a Ray call for cluster nodes) when scraped, at most
-once per STATS_MAX_AGE_S, so scrapes never hammer nodes; and control-plane messages dropped by
-each node's inbox and by the router's own (node and role "router")."""
+"""Per-node Prometheus metrics for a backend's /metrics: each node's load, KV usage, transfers,
+speculation and control-plane messages dropped by its inbox, copied from its `stats()` (a Ray
+call for cluster nodes) when scraped, at most once per STATS_MAX_AGE_S, so scrapes never hammer
+nodes."""
 
 from __future__ import annotations
 
@@ -50,14 +50,8 @@ class NodeCollector:
     are the nodes' own counters and gauges, copied at scrape time), and the router's count of
     dropped control messages beside the nodes'."""
 
-    def __init__(
-        self,
-        nodes: Sequence[StatsSource],
-        router_control_rejected: Callable[[], int] | None = None,
-        max_age_s: float = STATS_MAX_AGE_S,
-    ) -> None:
+    def __init__(self, nodes: Sequence[StatsSource], max_age_s: float = STATS_MAX_AGE_S) -> None:
         self._nodes = list(nodes)
-        self._router_control_rejected = router_control_rejected
         self._max_age_s = max_age_s
         self._stats: dict[str, dict] = {}
         self._fetched_at = float("-inf")
@@ -116,11 +110,11 @@ class NodeCollector:
             stats = self._stats.get(node.name)
             if stats is not None:
                 families.add(node.name, node.role, stats)
-        if self._router_control_rejected is not None:
-            families.control_rejected.add_metric(
-                ["router", "router"], self._router_control_rejected()
-            )
         yield from families.all()
+
+    def latest(self, name: str) -> dict | None:
+        """The stats of node `name` as last fetched."""
+        return self._stats.get(name)
 
 
 class _NodeFamilies:
@@ -187,8 +181,8 @@ class _NodeFamilies:
         )
         self.control_rejected = CounterMetricFamily(
             "pdcluster_control_messages_rejected",
-            "Control-plane messages a socket dropped: unsigned, forged, signed with another "
-            'key, replayed or malformed (node and role "router": the router\'s own socket).',
+            "Control-plane messages a node's socket dropped: unsigned, forged, signed with "
+            "another key, replayed or malformed.",
             labels=labels,
         )
         transfer = [*labels, "direction"]

@@ -35,6 +35,8 @@ class NodeState:
     # end sent it since: its load as the routing policies see it.
     reported_requests: int | None = None
     routed_since_report: int = 0
+    # The node's latest stats() as the controller relayed them (an API process of several).
+    reported_stats: dict | None = None
 
     @property
     def load(self) -> int:

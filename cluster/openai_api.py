@@ -47,7 +47,7 @@ from cluster.choices import (
     total_usage,
 )
 from cluster.config import DEFAULT_MAX_REQUEST_BYTES
-from cluster.http_guards import ApiKeyGuard, BodySizeLimit, TrailingSlashes
+from cluster.http_guards import ApiKeyGuard, BodySizeLimit, NamesApiServer, TrailingSlashes
 from cluster.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from cluster.protocol import ResponseFormatter, now
 from cluster.request_preparation import (
@@ -103,12 +103,14 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     metrics_require_api_key: bool = False,
     admission: Admission | None = None,
+    api_server: int | None = None,
 ) -> FastAPI:
     """An app serving `backend`. With `api_key`, /v1/* needs `Authorization: Bearer <key>`;
     /health stays open for load balancers and probes, and so does /metrics for scrapers unless
     `metrics_require_api_key`. A request body over `max_request_bytes` is refused with a 413.
     `admission` admits generation requests (default: one without limits, never draining); the
-    caller keeps it to drain the server."""
+    caller keeps it to drain the server. `api_server`: this process's index among several API
+    processes on one port, which every response names (API_SERVER_HEADER)."""
     if metrics_require_api_key and api_key is None:
         raise ValueError("metrics_require_api_key needs an api_key")
     if max_request_bytes < 1:
@@ -208,6 +210,8 @@ def create_app(
         protected = ("/v1", "/metrics") if metrics_require_api_key else ("/v1",)
         app.add_middleware(ApiKeyGuard, api_key=api_key, protected=protected)
     app.add_middleware(TrailingSlashes)
+    if api_server is not None:
+        app.add_middleware(NamesApiServer, index=api_server)
     return app
 
 

@@ -39,10 +39,12 @@ from metadata.control import Outbox
 from metadata.control_auth import FrameVerifier
 from metadata.messages import (
     AbortRequest,
+    ClusterStatus,
     FrontendHello,
     GenerateRequest,
     MessageError,
     NodeLoad,
+    NodeStatus,
     ParallelSample,
     TokenFrame,
     decode,
@@ -68,11 +70,22 @@ class Router:
         model_name: str | None = None,
         tracing: bool = False,
         trace_dir: str | None = None,
+        frontend_id: int | None = None,
+        watch_health: bool = True,
+        controller: str | None = None,
+        multiprocess_dir: str | None = None,
+        prune_trace_files: bool = False,
     ) -> None:
         """`control_key`: the cluster's control-plane key (metadata.control_auth), which signs
         what the router sends and must sign what it receives. `tracing`: keep each request's
         trace (`traces`, GET /v1/traces/{id}) and its summary in `usage`, and write it to
-        `trace_dir` if given; the nodes must trace too."""
+        `trace_dir` if given; the nodes must trace too.
+
+        One of several API processes (cluster.api_servers) does not probe the nodes itself
+        (`watch_health=False`): it says hello to the cluster's `controller` (an endpoint) and
+        follows the ClusterStatus it sends (`apply_status`). `frontend_id`: who this front end
+        is to the nodes (default: drawn at random); `multiprocess_dir`: ClusterMetrics';
+        `prune_trace_files`: TraceStore's."""
         self.spec = spec
         self.tokenizer = spec.tokenizer
         self.model_name = model_name or spec.path.name
@@ -83,25 +96,31 @@ class Router:
         self.decode_nodes = decode_nodes
         self.prefill_policy = create_policy(prefill_policy)
         self.decode_policy = create_policy(decode_policy)
-        self.traces = TraceStore(trace_dir) if tracing else None
+        self.traces = TraceStore(trace_dir, prune_files=prune_trace_files) if tracing else None
         self._control_key = control_key
         self._context = zmq.asyncio.Context()
         self._inbox = self._context.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
         port = self._inbox.bind_to_random_port(f"tcp://{host}")
+        self.inbox_host = host
         self.endpoint = f"tcp://{host}:{port}"
-        self._verifier = FrameVerifier(control_key, self.endpoint)
-        # Who this front end is to the nodes: they stream its requests' tokens to its inbox.
-        self.frontend_id = secrets.randbits(63)
-        self.metrics = ClusterMetrics(
-            prefill_nodes + decode_nodes, control_rejected=lambda: self._verifier.rejected
+        # The API processes of the cluster, as the controller last told (several of them).
+        self.api_servers: list[dict[str, Any]] | None = None
+        self.metrics = ClusterMetrics(prefill_nodes + decode_nodes, multiprocess_dir)
+        self._verifier = FrameVerifier(
+            control_key, self.endpoint, on_reject=self.metrics.control_rejected.inc
         )
+        # Who this front end is to the nodes: they stream its requests' tokens to its inbox.
+        self.frontend_id = secrets.randbits(63) if frontend_id is None else frontend_id
+        self._watch_health_enabled = watch_health
+        self._controller = controller
         # Outboxes on a plain (blocking-API) context: a send only queues the message, so it
         # needs no await, and an abort sent from a cancelled generator's `finally` still goes
         # out.
         self._send_context = zmq.Context()
         self._outboxes: dict[int, Outbox] = {}  # decode nodes (replicas), by index
         self._prefill_outboxes: dict[int, Outbox] = {}  # only ever says hello
+        self._controller_outbox: Outbox | None = None
         self._flights = FlightTable()
         self._tasks: list[asyncio.Task] = []
         self._closed = False
@@ -110,6 +129,9 @@ class Router:
         # broken (the ranks): the cluster's supervisor replaces it.
         self.on_node_down: Callable[[NodeState], None] | None = None
         self.on_channels_broken: Callable[[NodeState, tuple[int, ...]], None] | None = None
+        # Told (on the event loop) when a node went down, came back or changed its health:
+        # the API processes that follow this router hear it (cluster.api_servers).
+        self.on_nodes_changed: Callable[[], None] | None = None
 
     async def start(self) -> None:
         """Connect to the decode nodes and start listening; idempotent, and run on first use
@@ -117,12 +139,16 @@ class Router:
         if self._tasks:
             return
         self._loop = asyncio.get_running_loop()
+        if self._controller is not None:
+            self._controller_outbox = Outbox(
+                self._controller, self._control_key, self._send_context
+            )
+            self._controller_outbox.send(FrontendHello(self.frontend_id, self.endpoint))
         for node in self.decode_nodes + self.prefill_nodes:
             self._connect(node)
-        self._tasks = [
-            asyncio.create_task(self._receive_updates()),
-            asyncio.create_task(self._watch_health()),
-        ]
+        self._tasks = [asyncio.create_task(self._receive_updates())]
+        if self._watch_health_enabled:
+            self._tasks.append(asyncio.create_task(self._watch_health()))
 
     def _connect(self, node: NodeState) -> None:
         """Open (or re-open, to a replacement) the socket to `node` and introduce this front
@@ -149,6 +175,8 @@ class Router:
         self._inbox.close(linger=0)
         for outbox in [*self._outboxes.values(), *self._prefill_outboxes.values()]:
             outbox.close()
+        if self._controller_outbox is not None:
+            self._controller_outbox.close()
         self._context.term()
         self._send_context.term()
 
@@ -194,7 +222,10 @@ class Router:
 
     async def health(self) -> dict[str, Any]:
         await self.start()
-        return health_report(self.prefill_nodes, self.decode_nodes, self.aggregated)
+        report = health_report(self.prefill_nodes, self.decode_nodes, self.aggregated)
+        if self.api_servers is not None:
+            report["api_servers"] = self.api_servers
+        return report
 
     async def metrics_text(self) -> bytes:
         """Prometheus exposition of the router's and every node's metrics."""
@@ -333,6 +364,52 @@ class Router:
                 flights.deliver(msg)
             elif isinstance(msg, NodeLoad):
                 self._node_load(msg)
+            elif isinstance(msg, ClusterStatus) and not self._watch_health_enabled:
+                self.apply_status(msg)
+
+    def apply_status(self, status: ClusterStatus) -> None:
+        """Follow the controller: a node it found dead fails the requests that need it, a
+        replacement is introduced to at its endpoint, and the rest is copied."""
+        nodes = {(n.role, n.index): n for n in self.prefill_nodes + self.decode_nodes}
+        for seen in status.nodes:
+            node = nodes.get((seen.role, seen.index))
+            if node is None:
+                continue
+            if node.alive and not seen.alive:
+                self.node_down(node, seen.error or "its probe failed")
+            elif seen.alive and (not node.alive or seen.endpoint != node.endpoint):
+                self.revive(node, seen.endpoint, node.ping, node.stats)
+            node.error, node.degraded = seen.error, seen.degraded
+            node.restarts, node.restarting, node.given_up = (
+                seen.restarts,
+                seen.restarting,
+                seen.given_up,
+            )
+            node.clock_offset_ns = seen.clock_offset_ns
+            node.reported_stats = seen.stats
+        if status.api_servers:
+            self.api_servers = [vars(server) for server in status.api_servers]
+
+    def status(self) -> ClusterStatus:
+        """The nodes as this router sees them, for the API processes that follow it."""
+        return ClusterStatus(
+            [
+                NodeStatus(
+                    node.role,
+                    node.index,
+                    node.endpoint or "",
+                    node.alive,
+                    node.error,
+                    node.degraded,
+                    node.restarts,
+                    node.restarting,
+                    node.given_up,
+                    node.clock_offset_ns,
+                    self.metrics.nodes.latest(node.name),
+                )
+                for node in self.prefill_nodes + self.decode_nodes
+            ]
+        )
 
     def _node_load(self, load: NodeLoad) -> None:
         nodes = self.prefill_nodes if load.role == "prefill" else self.decode_nodes
@@ -356,7 +433,9 @@ class Router:
                 self.node_down(node, f"{type(err).__name__}: {err}")
             return
         if isinstance(health, NodeHealth) and node.ping is ping:
-            node.degraded = health.degraded
+            if node.degraded != health.degraded:
+                node.degraded = health.degraded
+                self._nodes_changed()
             if health.broken_peers and self.on_channels_broken is not None:
                 self.on_channels_broken(node, health.broken_peers)
 
@@ -372,6 +451,11 @@ class Router:
         self._flights.fail_node(node, self.aggregated)
         if self.on_node_down is not None:
             self.on_node_down(node)
+        self._nodes_changed()
+
+    def _nodes_changed(self) -> None:
+        if self.on_nodes_changed is not None:
+            self.on_nodes_changed()
 
     def revive(
         self,
@@ -391,6 +475,7 @@ class Router:
         node.restarting = False
         node.alive = True
         log.info("%s is back (restart %d)", node.name, node.restarts)
+        self._nodes_changed()
 
     def call_in_loop(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0) -> Any:
         """Run `fn(*args)` on the router's event loop and return its result (from any thread;

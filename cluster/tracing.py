@@ -80,20 +80,33 @@ class RequestTimeline:
 
 
 class TraceStore:
-    """The last TRACES_KEPT traces by request id, each also written to `trace_dir` if given."""
+    """The last TRACES_KEPT traces by request id, each also written to `trace_dir` if given,
+    where `get` finds the traces that another API process of the cluster closed (or that
+    left the memory). `prune_files`: a trace that leaves the memory leaves the folder too (a
+    folder the cluster made to share them, not the user's)."""
 
-    def __init__(self, trace_dir: str | None = None, keep: int = TRACES_KEPT) -> None:
+    def __init__(
+        self, trace_dir: str | None = None, keep: int = TRACES_KEPT, prune_files: bool = False
+    ) -> None:
         self.trace_dir = Path(trace_dir) if trace_dir else None
         if self.trace_dir is not None:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep
+        self.prune_files = prune_files and self.trace_dir is not None
         self._traces: OrderedDict[str, dict] = OrderedDict()
 
     def begin(self, request_id: str, given: list[tuple[str, int]] | None = None) -> RequestTimeline:
         return RequestTimeline(request_id, given)
 
     def get(self, request_id: str) -> dict | None:
-        return self._traces.get(request_id)
+        trace = self._traces.get(request_id)
+        path = self.path_of(request_id) if trace is None else None
+        if path is not None:
+            try:
+                trace = json.loads(path.read_text())
+            except (OSError, ValueError):
+                return None
+        return trace
 
     def path_of(self, request_id: str) -> Path | None:
         if self.trace_dir is None:
@@ -114,7 +127,9 @@ class TraceStore:
         self._traces[request_id] = trace
         self._traces.move_to_end(request_id)
         while len(self._traces) > self.keep:
-            self._traces.popitem(last=False)
+            evicted, _ = self._traces.popitem(last=False)
+            if self.prune_files:
+                self.path_of(evicted).unlink(missing_ok=True)
         path = self.path_of(request_id)
         if path is not None:
             text = json.dumps(trace, separators=(",", ":"))

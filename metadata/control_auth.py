@@ -80,8 +80,11 @@ class FrameVerifier:
         *,
         log_interval_s: float = REJECT_LOG_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        on_reject: Callable[[], None] | None = None,
     ) -> None:
+        """`on_reject`: told of every message dropped (a metrics counter)."""
         self._key = _checked_key(key)
+        self._on_reject = on_reject
         self.endpoint = endpoint
         self._endpoint = endpoint.encode()
         self._last_counter: dict[int, int] = {}
@@ -113,6 +116,8 @@ class FrameVerifier:
         ago, in which case the next line counts it."""
         self.rejected += 1
         self._unlogged += 1
+        if self._on_reject is not None:
+            self._on_reject()
         now = self._clock()
         if now - self._logged_at < self._log_interval_s:
             return None

@@ -235,6 +235,43 @@ class NodeLoad:
     kv_capacity: int
 
 
+@message
+class NodeStatus:
+    """One node as the cluster's controller sees it (cluster.node_state.NodeState)."""
+
+    role: str
+    index: int
+    endpoint: str
+    alive: bool
+    error: str | None = None
+    degraded: str | None = None
+    restarts: int = 0
+    restarting: bool = False
+    given_up: bool = False
+    clock_offset_ns: int = 0
+    stats: dict[str, Any] | None = None  # the node's latest stats(), for /metrics
+
+
+@message
+class ApiServerStatus:
+    """One of several API processes as the controller sees it (cluster.api_servers)."""
+
+    index: int
+    pid: int  # 0 while it is being replaced
+    up: bool
+    restarts: int
+
+
+@message
+class ClusterStatus:
+    """Controller -> every API process, whenever a node's state changes and every second: the
+    nodes' health (a dead node fails the requests that need it; a replacement is introduced
+    to, at its new endpoint), their latest stats, and the API processes' own state."""
+
+    nodes: list[NodeStatus]
+    api_servers: list[ApiServerStatus] = field(default_factory=list)
+
+
 def encode(msg: Any) -> bytes:
     cls = type(msg)
     if _REGISTRY.get(cls.__name__) is not cls:

@@ -34,6 +34,7 @@ from metadata.wire import kv_nbytes
 ENDPOINT = "tcp://127.0.0.1:5555"
 MESSAGE = encode(AbortRequest(room=7))
 REJECTED = "pdcluster_control_messages_rejected_total"
+FRONTEND_REJECTED = "pdcluster_frontend_control_messages_rejected_total"
 
 
 class FakeClock:
@@ -233,13 +234,16 @@ def test_draft_depths_the_request_does_not_receive_fail_it():
 
 
 def rejected(exposition: str) -> dict[tuple[str, str], float]:
-    """The rejected-messages counter of each (node, role) in a /metrics exposition."""
-    return {
-        (sample.labels["node"], sample.labels["role"]): sample.value
-        for family in text_string_to_metric_families(exposition)
-        for sample in family.samples
-        if sample.name == REJECTED
-    }
+    """The rejected-messages counter of each (node, role) in a /metrics exposition, the front
+    ends' own under ("router", "router")."""
+    counts = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == REJECTED:
+                counts[(sample.labels["node"], sample.labels["role"])] = sample.value
+            elif sample.name == FRONTEND_REJECTED:
+                counts[("router", "router")] = sample.value
+    return counts
 
 
 def test_rejections_show_in_metrics_for_nodes_and_the_router():
@@ -247,7 +251,8 @@ def test_rejections_show_in_metrics_for_nodes_and_the_router():
         return {"kv_used": 0, "control_rejected": 4}
 
     node = SimpleNamespace(name="decode-0", role="decode", alive=True, in_flight=0, stats=stats)
-    metrics = ClusterMetrics([node], control_rejected=lambda: 2)
+    metrics = ClusterMetrics([node])
+    metrics.control_rejected.inc(2)
     exposition = asyncio.run(metrics.render()).decode()
     assert rejected(exposition) == {("decode-0", "decode"): 4, ("router", "router"): 2}
 

@@ -28,9 +28,9 @@ from test_admission import (
 
 from cluster.admission import Admission
 from cluster.api_errors import OpenAIError
+from cluster.api_server import DrainingServer
 from cluster.backend import BackendError
 from cluster.openai_api import BackgroundServer, create_app
-from cluster.serve import DrainingServer
 
 REPO = Path(__file__).resolve().parents[1]
 
