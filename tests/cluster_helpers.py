@@ -28,12 +28,18 @@ def launch(model: str, prefill: int, decode: int, **engine: object) -> Cluster:
     )
 
 
-def launch_aggregated(model: str, replicas: int, tracing: bool = False, **engine: object):
+def launch_aggregated(
+    model: str, replicas: int, tracing: bool = False, stream_interval: int = 1, **engine: object
+):
     ensure_ray()
     engine_args = EngineArgs(model=model, device="cpu", **engine)
     return Cluster.launch(
         ClusterConfig(
-            engine=engine_args, aggregated=True, replicas=replicas, enable_tracing=tracing
+            engine=engine_args,
+            aggregated=True,
+            replicas=replicas,
+            enable_tracing=tracing,
+            stream_interval=stream_interval,
         )
     )
 
