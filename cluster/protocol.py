@@ -210,7 +210,8 @@ class ResponseFormatter:
         self.include_usage = include_usage
         self.created = now()
         self.chunks_sent: dict[int, int] = {}  # per choice
-        self.text_offset: dict[int, int] = {}  # per choice: where its next chunk's text starts
+        # Per choice (completions with logprobs): where its next token's text starts.
+        self.text_offset: dict[int, int] = {}
 
     def complete(self, results: list[Any], usage: dict[str, Any] | None) -> dict[str, Any]:
         """The whole response, from everything collected for each choice (results[i]: choice
@@ -238,9 +239,11 @@ class ResponseFormatter:
     def chunk(self, delta: Any) -> dict[str, Any]:
         """One stream chunk; the first chat chunk of each choice also carries the role."""
         index = getattr(delta, "index", 0)
-        offset = self.text_offset.get(index, 0)
-        logprobs = self._logprobs(delta.logprobs, offset)
-        self.text_offset[index] = offset + len(delta.text)
+        logprobs = self._logprobs(delta.logprobs, self.text_offset.get(index, 0))
+        if logprobs is not None and not self.chat:
+            # Where the next token's text starts: past this chunk's tokens' texts, as the
+            # whole response counts them, however the tokens were grouped into chunks.
+            self.text_offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         self.chunks_sent[index] = self.chunks_sent.get(index, 0) + 1
         finish_reason = delta.finish_reason
         if self.chat:

@@ -72,6 +72,7 @@ class Choice:
     finish_reason: str | None = None
     tool_calls: list | None = None
     logprobs: list = field(default_factory=list)  # (token, logprob, top) per token
+    text_offsets: list[int] = field(default_factory=list)  # completions' logprobs.text_offset
     chunk_sizes: list[int] = field(default_factory=list)  # tokens of each chunk that has some
 
 
@@ -101,6 +102,7 @@ def choices(chunks: list[dict]) -> dict[int, Choice]:
             if c.get("logprobs"):
                 lp = c["logprobs"]
                 choice.logprobs += zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])
+                choice.text_offsets += lp.get("text_offset") or []
             if c["finish_reason"] is not None:
                 assert choice.finish_reason is None, "a choice finishes once"
                 choice.finish_reason = c["finish_reason"]
@@ -250,6 +252,15 @@ def test_logprobs_are_the_references(cluster, reference):
         assert top.keys() == ref_top.keys()
         assert list(top.values()) == pytest.approx(list(ref_top.values()), abs=1e-5)
     assert len(got.chunk_sizes) < 24
+    # Where each token's text starts, whatever chunks carried the tokens: as a whole answer
+    # counts it (the text of the tokens before it).
+    assert got.text_offsets == expected.text_offsets
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert whole["choices"][0]["logprobs"]["text_offset"] == got.text_offsets
+    starts = [0]
+    for token, _, _ in got.logprobs[:-1]:
+        starts.append(starts[-1] + len(token))
+    assert got.text_offsets == starts
 
 
 def test_parallel_samples_with_a_seed_are_the_references(cluster, reference):
