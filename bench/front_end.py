@@ -6,6 +6,7 @@ streamed token, and on a GPU the offline engine's tokens/s beside the served one
         [--setups aggregated 1p1d] [--api-servers 1 2 4] [--concurrency 32 64]
         [--input-len 16] [--output-len 128] [--prompts-per-stream 3] [--stream-interval 1]
         [--gpus-per-node 0.5] [--offline] [--client-processes 1] [--serve-root DIR]
+        [--before-root DIR]
         [--section TITLE | --no-write]
 
 Each (setup, API processes) is one `pdcluster serve`, started from --serve-root (default: this
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -83,7 +85,9 @@ def api_process_pids(serve_pid: int) -> list[int]:
 class Serve:
     """One `pdcluster serve` in a process of its own."""
 
-    def __init__(self, args: argparse.Namespace, setup: str, api_servers: int, log: Path):
+    def __init__(
+        self, args: argparse.Namespace, setup: str, api_servers: int, log: Path, root: Path
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(self.port)]
@@ -108,7 +112,7 @@ class Serve:
         with log.open("w") as output:
             self.process = subprocess.Popen(
                 command,
-                cwd=args.serve_root,
+                cwd=root,
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -179,27 +183,32 @@ def load(args: argparse.Namespace, url: str, concurrency: int, prompts: int, out
     }
 
 
-def measure(args: argparse.Namespace, setup: str, api_servers: int, work: Path) -> list[dict]:
+def measure(
+    args: argparse.Namespace, setup: str, api_servers: int, work: Path, before: bool = False
+) -> list[dict]:
+    """`before`: served from --before-root."""
     label = f"{setup}, {api_servers} API process{'es' if api_servers > 1 else ''}"
-    print(f"\n=== {label} ===", flush=True)
-    serve = Serve(args, setup, api_servers, work / f"serve-{setup}-{api_servers}.log")
+    print(f"\n=== {label}{' (before)' if before else ''} ===", flush=True)
+    root = args.before_root if before else args.serve_root
+    tag = f"{setup}-{api_servers}{'-before' if before else ''}"
+    serve = Serve(args, setup, api_servers, work / f"serve-{tag}.log", root)
     rows = []
     try:
         serve.wait_until_serving(args.startup_timeout)
         front_ends = serve.front_end_pids()
         controller = serve.process.pid if api_servers > 1 else None
-        warm = work / f"warm-{setup}-{api_servers}"
+        warm = work / f"warm-{tag}"
         load(args, serve.url, min(8, max(args.concurrency)), 8, warm)
         for concurrency in args.concurrency:
-            before = [cpu_seconds(pid) for pid in front_ends]
+            cpu_before = [cpu_seconds(pid) for pid in front_ends]
             controller_before = cpu_seconds(controller) if controller else 0.0
-            out = work / f"run-{setup}-{api_servers}-{concurrency}"
+            out = work / f"run-{tag}-{concurrency}"
             figures = load(args, serve.url, concurrency, concurrency * args.prompts_per_stream, out)
-            front_end_s = sum(cpu_seconds(pid) for pid in front_ends) - sum(before)
+            front_end_s = sum(cpu_seconds(pid) for pid in front_ends) - sum(cpu_before)
             controller_s = (cpu_seconds(controller) - controller_before) if controller else 0.0
             tokens = max(1, figures["output_tokens"])
             row = {
-                "setup": setup,
+                "setup": f"{setup} (before)" if before else setup,
                 "api_servers": api_servers,
                 "concurrency": concurrency,
                 **figures,
@@ -323,26 +332,52 @@ def main() -> None:
     parser.add_argument("--client-processes", type=int, default=1)
     parser.add_argument("--offline", action="store_true", help="the engine alone first")
     parser.add_argument("--serve-root", type=Path, default=ROOT, help="checkout that serves")
+    parser.add_argument(
+        "--before-root",
+        type=Path,
+        default=None,
+        help="another checkout (an earlier version) served first, with one API process, for "
+        "a before/after table",
+    )
     parser.add_argument("--serve-flags", nargs=argparse.REMAINDER, default=[],
                         help="more flags for pdcluster serve (last)")  # fmt: skip
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--section", default="Front end under load")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="measure nothing: write the section from rows a run saved (--json-out), e.g. on "
+        "another machine",
+    )
     args = parser.parse_args()
     args.tokenizer = args.tokenizer or args.model
-    with tempfile.TemporaryDirectory(prefix="pdcluster-front-end-") as scratch:
-        work = Path(scratch)
-        if args.random_model:
-            random_model_folder(args, work)
-        rows = offline_rows(args) if args.offline else []
-        for setup in args.setups:
-            for api_servers in args.api_servers:
-                rows += measure(args, setup, api_servers, work)
+    command = "python bench/front_end.py " + shlex.join(sys.argv[1:])
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        command, rows = saved["command"], saved["rows"]
+    else:
+        with tempfile.TemporaryDirectory(prefix="pdcluster-front-end-") as scratch:
+            work = Path(scratch)
+            if args.random_model:
+                random_model_folder(args, work)
+            rows = offline_rows(args) if args.offline else []
+            if args.before_root is not None:
+                for setup in args.setups:
+                    rows += measure(args, setup, 1, work, before=True)
+            for setup in args.setups:
+                for api_servers in args.api_servers:
+                    rows += measure(args, setup, api_servers, work)
+                    if args.json_out is not None:  # kept as it goes: a run cut short keeps some
+                        args.json_out.write_text(json.dumps({"command": command, "rows": rows}))
     text = table(rows)
     print("\n" + text)
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps({"command": command, "rows": rows}, indent=2))
     if args.no_write:
         return
-    command = "python bench/front_end.py " + " ".join(sys.argv[1:])
     body = f"`{command}`\n\n{text}\n"
     slug = re.sub(r"\W+", "-", args.section.lower()).strip("-")
     write_section(args.section, body, {"command": command, "rows": rows}, f"{slug}.json")

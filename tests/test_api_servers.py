@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tiny_models import CHAT_TEMPLATE, make_tiny_llama
+from tiny_models import make_tiny_llama, save_chat_template
 
 from cluster.http_guards import API_SERVER_HEADER
 from engine import LLM, SamplingParams
@@ -43,9 +43,7 @@ def free_port() -> int:
 def tiny_model(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-api-servers")
     make_tiny_llama(path)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    save_chat_template(path)
     return str(path)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 from cluster_helpers import launch_aggregated, serve
-from tiny_models import CHAT_TEMPLATE, make_tiny_llama
+from tiny_models import make_tiny_llama, save_chat_template
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from cluster.local_backend import LocalBackend
@@ -38,9 +38,7 @@ NUM_SPECIAL_TOKENS = 3  # the byte tokenizer's <unk>, <s>, </s>
 def tiny_model(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-stream-interval")
     make_tiny_llama(path)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    save_chat_template(path)
     return str(path)
 
 
