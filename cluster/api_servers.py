@@ -39,14 +39,13 @@ from pathlib import Path
 
 import ray
 import zmq
-import zmq.asyncio
 
 from cluster.api_process import ApiProcessConfig
+from cluster.cluster_status import cluster_status
 from cluster.config import ServeConfig
 from cluster.launcher import Cluster, driver_engine_args
-from metadata.control import Outbox
-from metadata.control_auth import FrameVerifier
-from metadata.messages import ApiServerStatus, FrontendHello, MessageError, decode
+from metadata.control import AsyncInbox, Outbox
+from metadata.messages import ApiServerStatus, FrontendHello
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +94,10 @@ class ApiServers:
         self._prune_traces = False
         if cluster_config.enable_tracing and self.trace_dir is None:
             self.trace_dir, self._prune_traces = str(self._workdir / "traces"), True
-        self._context = zmq.asyncio.Context()
         self._send_context = zmq.Context()
-        self._inbox = self._context.socket(zmq.PULL)
-        self._inbox.setsockopt(zmq.LINGER, 0)
         self._host = self.router.inbox_host
-        port = self._inbox.bind_to_random_port(f"tcp://{self._host}")
-        self.endpoint = f"tcp://{self._host}:{port}"
-        self._verifier = FrameVerifier(cluster.control_key, self.endpoint)
+        self._inbox = AsyncInbox(self._host, cluster.control_key)
+        self.endpoint = self._inbox.endpoint
         self._port_holder: socket.socket | None = None
         self.port = config.port
         self._tasks: list[asyncio.Task] = []
@@ -170,8 +165,7 @@ class ApiServers:
                 slot.process.wait()
             if slot.outbox is not None:
                 slot.outbox.close()
-        self._inbox.close(linger=0)
-        self._context.term()
+        self._inbox.close()
         self._send_context.term()
         if self._port_holder is not None:
             self._port_holder.close()
@@ -280,14 +274,7 @@ class ApiServers:
     # --- talking to them ---
     async def _receive(self) -> None:
         while True:
-            data = self._verifier.open(await self._inbox.recv())
-            if data is None:
-                continue
-            try:
-                msg = decode(data)
-            except MessageError as err:
-                self._verifier.reject(f"malformed message: {err}")
-                continue
+            msg = await self._inbox.receive()
             if isinstance(msg, FrontendHello):
                 self._hello(msg)
 
@@ -315,7 +302,7 @@ class ApiServers:
             await asyncio.sleep(STATUS_INTERVAL_S)
 
     def _broadcast(self) -> None:
-        status = replace(self.router.status(), api_servers=self._statuses())
+        status = replace(cluster_status(self.router), api_servers=self._statuses())
         for slot in self._slots:
             if slot.outbox is not None:
                 slot.outbox.send(status)

@@ -301,3 +301,10 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
         help="stream a request's tokens once N are new (its first and last at once): fewer, "
         "larger chunks and less front-end work per token (default 1)",
     )
+    parser.add_argument(
+        "--stream-worker",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="detokenize each node's streams in a worker process beside it, off the thread "
+        "that drives its engine (auto: on a GPU, not on a CPU, where it takes the engine's cores)",
+    )

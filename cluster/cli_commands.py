@@ -119,6 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
             node_restart_backoff_max_s=max(60.0, args.node_restart_backoff),
             kv_audit_interval_s=args.kv_audit_interval,
             stream_interval=args.stream_interval,
+            stream_worker={"auto": None, "on": True, "off": False}[args.stream_worker],
         ),
         host=args.host,
         port=args.port,

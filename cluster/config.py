@@ -67,6 +67,11 @@ class ClusterConfig:
     # A request's tokens are streamed once this many are new (its first and last at once):
     # fewer, larger chunks for clients, and less work per token for the front ends.
     stream_interval: int = 1
+    # Each generating node detokenizes and frames its streams in a worker process beside it
+    # (decode_node.stream_worker), off the thread that drives its engine; None: on a GPU, where
+    # that thread's time bounds the step and the host has cores to spare, not on a CPU, where
+    # the worker would take the engine's cores.
+    stream_worker: bool | None = None
 
     def __post_init__(self) -> None:
         if self.aggregated and self.replicas < 1:

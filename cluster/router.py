@@ -18,11 +18,10 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from cluster.backend import BackendError, TokenDelta
+from cluster.cluster_status import follow_status
 from cluster.flights import Flight, FlightTable, next_delta
+from cluster.frontend_sockets import FrontEndSockets
 from cluster.loop_calls import call_in_loop
 from cluster.metrics import ClusterMetrics
 from cluster.node_state import NodeState, health_report
@@ -35,19 +34,13 @@ from engine.loader import ModelSpec
 from engine.prompt_embeds import PromptEmbeds
 from engine.sampling_params import SamplingParams
 from engine.validation import chat_prompt_ids, validate_request
-from metadata.control import Outbox
-from metadata.control_auth import FrameVerifier
 from metadata.messages import (
     AbortRequest,
     ClusterStatus,
-    FrontendHello,
     GenerateRequest,
-    MessageError,
     NodeLoad,
-    NodeStatus,
     ParallelSample,
     TokenFrame,
-    decode,
 )
 from metadata.serving_node import NodeHealth
 
@@ -83,9 +76,9 @@ class Router:
 
         One of several API processes (cluster.api_servers) does not probe the nodes itself
         (`watch_health=False`): it says hello to the cluster's `controller` (an endpoint) and
-        follows the ClusterStatus it sends (`apply_status`). `frontend_id`: who this front end
-        is to the nodes (default: drawn at random); `multiprocess_dir`: ClusterMetrics';
-        `prune_trace_files`: TraceStore's."""
+        follows the ClusterStatus it sends (cluster.cluster_status). `frontend_id`: who this
+        front end is to the nodes (default: drawn at random); `multiprocess_dir`:
+        ClusterMetrics'; `prune_trace_files`: TraceStore's."""
         self.spec = spec
         self.tokenizer = spec.tokenizer
         self.model_name = model_name or spec.path.name
@@ -97,33 +90,17 @@ class Router:
         self.prefill_policy = create_policy(prefill_policy)
         self.decode_policy = create_policy(decode_policy)
         self.traces = TraceStore(trace_dir, prune_files=prune_trace_files) if tracing else None
-        self._control_key = control_key
-        self._context = zmq.asyncio.Context()
-        self._inbox = self._context.socket(zmq.PULL)
-        self._inbox.setsockopt(zmq.LINGER, 0)
-        port = self._inbox.bind_to_random_port(f"tcp://{host}")
-        self.inbox_host = host
-        self.endpoint = f"tcp://{host}:{port}"
         # The API processes of the cluster, as the controller last told (several of them).
         self.api_servers: list[dict[str, Any]] | None = None
         self.metrics = ClusterMetrics(prefill_nodes + decode_nodes, multiprocess_dir)
-        self._verifier = FrameVerifier(
-            control_key, self.endpoint, on_reject=self.metrics.control_rejected.inc
+        self.sockets = FrontEndSockets(
+            control_key, host, frontend_id, on_reject=self.metrics.control_rejected.inc
         )
-        # Who this front end is to the nodes: they stream its requests' tokens to its inbox.
-        self.frontend_id = secrets.randbits(63) if frontend_id is None else frontend_id
+        self.endpoint = self.sockets.endpoint
         self._watch_health_enabled = watch_health
         self._controller = controller
-        # Outboxes on a plain (blocking-API) context: a send only queues the message, so it
-        # needs no await, and an abort sent from a cancelled generator's `finally` still goes
-        # out.
-        self._send_context = zmq.Context()
-        self._outboxes: dict[int, Outbox] = {}  # decode nodes (replicas), by index
-        self._prefill_outboxes: dict[int, Outbox] = {}  # only ever says hello
-        self._controller_outbox: Outbox | None = None
         self._flights = FlightTable()
         self._tasks: list[asyncio.Task] = []
-        self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         # Told (on the event loop) when a node is found dead, or reports channels with peers
         # broken (the ranks): the cluster's supervisor replaces it.
@@ -140,25 +117,12 @@ class Router:
             return
         self._loop = asyncio.get_running_loop()
         if self._controller is not None:
-            self._controller_outbox = Outbox(
-                self._controller, self._control_key, self._send_context
-            )
-            self._controller_outbox.send(FrontendHello(self.frontend_id, self.endpoint))
+            self.sockets.connect_controller(self._controller)
         for node in self.decode_nodes + self.prefill_nodes:
-            self._connect(node)
+            self.sockets.connect(node)
         self._tasks = [asyncio.create_task(self._receive_updates())]
         if self._watch_health_enabled:
             self._tasks.append(asyncio.create_task(self._watch_health()))
-
-    def _connect(self, node: NodeState) -> None:
-        """Open (or re-open, to a replacement) the socket to `node` and introduce this front
-        end on it, before anything else goes there."""
-        outboxes = self._prefill_outboxes if node.role == "prefill" else self._outboxes
-        old = outboxes.get(node.index)
-        outbox = outboxes[node.index] = Outbox(node.endpoint, self._control_key, self._send_context)
-        if old is not None:
-            old.close()
-        outbox.send(FrontendHello(self.frontend_id, self.endpoint))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -166,19 +130,17 @@ class Router:
         self.close_sockets()
 
     def close_sockets(self) -> None:
-        """Close every socket and context now; idempotent, and safe once the serving event loop
-        is gone. A context left to the garbage collector would block in term() on any socket
-        still open, hanging whoever collects it."""
-        if self._closed:
-            return
-        self._closed = True
-        self._inbox.close(linger=0)
-        for outbox in [*self._outboxes.values(), *self._prefill_outboxes.values()]:
-            outbox.close()
-        if self._controller_outbox is not None:
-            self._controller_outbox.close()
-        self._context.term()
-        self._send_context.term()
+        """Close every socket now (FrontEndSockets.close); idempotent."""
+        self.sockets.close()
+
+    @property
+    def frontend_id(self) -> int:
+        """Who this front end is to the nodes: they stream its requests' tokens to its inbox."""
+        return self.sockets.frontend_id
+
+    @property
+    def inbox_host(self) -> str:
+        return self.sockets.host
 
     @property
     def aggregated(self) -> bool:
@@ -317,7 +279,8 @@ class Router:
             for flight, request_id, sample_params in zip(flights, request_ids, params)
         ]
         try:
-            self._outboxes[decode_node.index].send(
+            self.sockets.send_to_decode(
+                decode_node.index,
                 GenerateRequest(
                     first.room,
                     request_ids[0],
@@ -344,72 +307,21 @@ class Router:
         if not self._flights.end(flight) or flight.finished:
             return
         flight.timer.failed("aborted")
-        if flight.decode.alive and not self._closed:
+        if flight.decode.alive and not self.sockets.closed:
             # The client went away (or the task was cancelled): free the request's KV.
-            self._outboxes[flight.decode.index].send(AbortRequest(flight.room))
+            self.sockets.send_to_decode(flight.decode.index, AbortRequest(flight.room))
 
     # --- background tasks ---
     async def _receive_updates(self) -> None:
-        inbox, verifier, flights = self._inbox, self._verifier, self._flights
+        receive, flights = self.sockets.receive, self._flights
         while True:
-            data = verifier.open(await inbox.recv())
-            if data is None:
-                continue
-            try:
-                msg = decode(data)
-            except MessageError as err:
-                verifier.reject(f"malformed message: {err}")
-                continue
+            msg = await receive()
             if isinstance(msg, TokenFrame):
                 flights.deliver(msg)
             elif isinstance(msg, NodeLoad):
                 self._node_load(msg)
             elif isinstance(msg, ClusterStatus) and not self._watch_health_enabled:
-                self.apply_status(msg)
-
-    def apply_status(self, status: ClusterStatus) -> None:
-        """Follow the controller: a node it found dead fails the requests that need it, a
-        replacement is introduced to at its endpoint, and the rest is copied."""
-        nodes = {(n.role, n.index): n for n in self.prefill_nodes + self.decode_nodes}
-        for seen in status.nodes:
-            node = nodes.get((seen.role, seen.index))
-            if node is None:
-                continue
-            if node.alive and not seen.alive:
-                self.node_down(node, seen.error or "its probe failed")
-            elif seen.alive and (not node.alive or seen.endpoint != node.endpoint):
-                self.revive(node, seen.endpoint, node.ping, node.stats)
-            node.error, node.degraded = seen.error, seen.degraded
-            node.restarts, node.restarting, node.given_up = (
-                seen.restarts,
-                seen.restarting,
-                seen.given_up,
-            )
-            node.clock_offset_ns = seen.clock_offset_ns
-            node.reported_stats = seen.stats
-        if status.api_servers:
-            self.api_servers = [vars(server) for server in status.api_servers]
-
-    def status(self) -> ClusterStatus:
-        """The nodes as this router sees them, for the API processes that follow it."""
-        return ClusterStatus(
-            [
-                NodeStatus(
-                    node.role,
-                    node.index,
-                    node.endpoint or "",
-                    node.alive,
-                    node.error,
-                    node.degraded,
-                    node.restarts,
-                    node.restarting,
-                    node.given_up,
-                    node.clock_offset_ns,
-                    self.metrics.nodes.latest(node.name),
-                )
-                for node in self.prefill_nodes + self.decode_nodes
-            ]
-        )
+                follow_status(self, msg)
 
     def _node_load(self, load: NodeLoad) -> None:
         nodes = self.prefill_nodes if load.role == "prefill" else self.decode_nodes
@@ -468,8 +380,8 @@ class Router:
         loop (`call_in_loop`)."""
         node.ping, node.stats, node.endpoint = ping, stats, endpoint
         node.forget_load()
-        if self._tasks and not self._closed:
-            self._connect(node)
+        if self._tasks and not self.sockets.closed:
+            self.sockets.connect(node)
         node.error = None
         node.degraded = None
         node.restarting = False

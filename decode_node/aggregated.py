@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from decode_node.samples import sample_messages
-from decode_node.token_streams import RequestStream, TokenStreams
+from decode_node.token_streams import RequestStream, TokenStreams, stream_sink
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
@@ -56,7 +56,7 @@ class AggregatedNode(ServingNode):
         self.inbox = Inbox(options.host, options.control_key)
         self.frontends = FrontendLinks(options.control_key)
         self.streams = TokenStreams(
-            self.frontends, self.spec.tokenizer, options.name, options.stream_interval
+            stream_sink(self.spec, options, self.frontends), options.name, options.stream_interval
         )
         self.load_reports = LoadReports(self.frontends, "replica", options.index)
         self.rooms: dict[int, _Served] = {}
@@ -119,6 +119,7 @@ class AggregatedNode(ServingNode):
     def _handle(self, msg: object) -> None:
         if isinstance(msg, FrontendHello):
             self.frontends.open(msg.frontend, msg.endpoint)
+            self.streams.hello(msg)
         elif isinstance(msg, GenerateRequest):
             self.faults.request_arrived()
             self._accept(msg)
@@ -186,12 +187,21 @@ class AggregatedNode(ServingNode):
         served = self.rooms.pop(room, None)
         if served is not None:
             self.engine.abort(served.req.request_id)
+            self.streams.drop(served.stream)
 
     def _drop_peer(self, index: int, rank: int, reason: str) -> None:
         """A replica has no peers: nothing is held for another node."""
 
+    def _serving_error(self) -> str | None:
+        return self.streams.error()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.streams.shutdown()
+
     def _drop_frontend(self, frontend: int) -> None:
         self.frontends.forget(frontend)
+        self.streams.forget(frontend)
         for room, served in list(self.rooms.items()):
             if served.stream.frontend == frontend:
                 self._abort(room)

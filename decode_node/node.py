@@ -35,7 +35,7 @@ from decode_node.samples import (
     SampleGroup,
     sample_messages,
 )
-from decode_node.token_streams import TokenStreams, decode_final_stats
+from decode_node.token_streams import TokenStreams, decode_final_stats, stream_sink
 from decode_node.tracked import Tracked
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
@@ -87,7 +87,7 @@ class DecodeNode(ServingNode):
         self.prefill_ranks: dict[int, int] = {}  # prefill node index -> its data-plane rank
         self.frontends = FrontendLinks(options.control_key)
         self.streams = TokenStreams(
-            self.frontends, self.spec.tokenizer, options.name, options.stream_interval
+            stream_sink(self.spec, options, self.frontends), options.name, options.stream_interval
         )
         self.load_reports = LoadReports(self.frontends, "decode", options.index)
         self.receiver: KVReceiver | None = None
@@ -213,6 +213,7 @@ class DecodeNode(ServingNode):
     def _handle(self, msg: object) -> None:
         if isinstance(msg, FrontendHello):
             self.frontends.open(msg.frontend, msg.endpoint)
+            self.streams.hello(msg)
         elif isinstance(msg, GenerateRequest):
             self.faults.request_arrived()
             self._accept(msg)
@@ -460,6 +461,7 @@ class DecodeNode(ServingNode):
 
     def _forget(self, tracked: Tracked) -> None:
         self.rooms.pop(tracked.message.room, None)
+        self.streams.drop(tracked.stream)
         if tracked.handle is not None and tracked.handle.may_still_write:
             # Its receives stay posted (a timeout cannot cancel them) and land straight in the
             # slots: they must never hold another request's KV, so they are held until the
@@ -496,6 +498,7 @@ class DecodeNode(ServingNode):
                 self.receiving.remove(tracked)
             if not tracked.aborted:
                 self._send_error(tracked, reason)
+            self.streams.drop(tracked.stream)
             self.rooms.pop(tracked.message.room, None)
             self._release(tracked.req)
             tracked.free_row(self.metadata)
@@ -518,8 +521,16 @@ class DecodeNode(ServingNode):
     def _send_error(self, tracked: Tracked, reason: str) -> None:
         self.streams.fail(tracked.stream.frontend, tracked.stream.room, reason)
 
+    def _serving_error(self) -> str | None:
+        return self.streams.error()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.streams.shutdown()
+
     def _drop_frontend(self, frontend: int) -> None:
         self.frontends.forget(frontend)
+        self.streams.forget(frontend)
         for tracked in list(self.rooms.values()):
             if tracked.stream.frontend == frontend:
                 self._abort(tracked.message.room)

@@ -5,9 +5,11 @@ unsigned, forged or replayed. A socket is used by one thread only, as ZMQ requir
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import zmq
+import zmq.asyncio
 
 from metadata.control_auth import FrameSigner, FrameVerifier
 from metadata.messages import MessageError, decode, encode
@@ -48,6 +50,37 @@ class Inbox:
 
     def close(self) -> None:
         self._socket.close(linger=0)
+
+
+class AsyncInbox:
+    """An inbox for an asyncio event loop (a front end's, the controller's): `receive` awaits
+    the next message that is signed, fresh and well formed, dropping and counting the rest.
+    `on_reject` is told of every message dropped."""
+
+    def __init__(self, host: str, key: bytes, on_reject: Callable[[], None] | None = None) -> None:
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.host = host
+        self.endpoint = f"tcp://{host}:{port}"
+        self.verifier = FrameVerifier(key, self.endpoint, on_reject=on_reject)
+
+    async def receive(self) -> Any:
+        socket, verifier = self._socket, self.verifier
+        while True:
+            data = verifier.open(await socket.recv())
+            if data is None:
+                continue
+            try:
+                return decode(data)
+            except MessageError as err:
+                verifier.reject(f"malformed message: {err}")
+
+    def close(self) -> None:
+        """Close the socket and its context; safe once the event loop is gone."""
+        self._socket.close(linger=0)
+        self._context.term()
 
 
 class Outbox:

@@ -45,6 +45,9 @@ class NodeOptions:
     # A request's tokens go to its front end once this many are new (its first and last at
     # once): larger values send fewer, larger frames (--stream-interval).
     stream_interval: int = 1
+    # Detokenize and frame the token streams in a worker process beside the node
+    # (decode_node.stream_worker) rather than on the thread that drives its engine.
+    stream_worker: bool = False
     # The cluster's control-plane key (metadata.control_auth): every message a node sends is
     # signed with it, and every message it receives must be.
     control_key: bytes = field(repr=False, kw_only=True)

@@ -142,7 +142,14 @@ class ServingNode:
     def ping(self) -> str:
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError(f"{self.options.name}: its serving loop is not running")
+        error = self._serving_error()
+        if error is not None:
+            raise RuntimeError(f"{self.options.name}: {error}")
         return "ok"
+
+    def _serving_error(self) -> str | None:
+        """Why the node cannot serve although its loop runs (a worker of its is gone)."""
+        return None
 
     def health(self) -> NodeHealth:
         """The router's probe: raises when the serving loop is gone, else says whether the node

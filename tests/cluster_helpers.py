@@ -29,7 +29,12 @@ def launch(model: str, prefill: int, decode: int, **engine: object) -> Cluster:
 
 
 def launch_aggregated(
-    model: str, replicas: int, tracing: bool = False, stream_interval: int = 1, **engine: object
+    model: str,
+    replicas: int,
+    tracing: bool = False,
+    stream_interval: int = 1,
+    stream_worker: bool | None = None,
+    **engine: object,
 ):
     ensure_ray()
     engine_args = EngineArgs(model=model, device="cpu", **engine)
@@ -40,6 +45,7 @@ def launch_aggregated(
             replicas=replicas,
             enable_tracing=tracing,
             stream_interval=stream_interval,
+            stream_worker=stream_worker,
         )
     )
 

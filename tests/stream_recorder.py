@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from decode_node.frames import FrameMaker
 from decode_node.token_streams import TokenStreams
 from metadata.control_auth import new_control_key
 from metadata.frontend_links import FrontendLinks
@@ -50,7 +51,8 @@ class StreamRecorder:
     def streams(self, node_name: str, tokenizer: Any = None, interval: int = 1) -> TokenStreams:
         links = FrontendLinks(new_control_key(), make_outbox=lambda endpoint, key: self)
         links.open(FRONTEND, self.endpoint)
-        self._streams = TokenStreams(links, tokenizer or CharTokenizer(), node_name, interval)
+        maker = FrameMaker(links, tokenizer or CharTokenizer())
+        self._streams = TokenStreams(maker, node_name, interval)
         return self._streams
 
     @property

@@ -28,6 +28,7 @@ from cluster.node_state import NodeState
 from cluster.protocol import ResponseFormatter
 from cluster.router import Router
 from cluster.streaming import EventStreamResponse
+from decode_node.frames import FrameMaker
 from decode_node.token_streams import TokenStreams
 from engine import SamplingParams, TokenLogprob
 from engine.request import Request
@@ -202,7 +203,7 @@ def entries(frame: TokenFrame) -> list[tuple[int, list[int], str]]:
 
 def test_a_step_of_64_requests_gives_each_front_end_one_frame_with_every_entry():
     fronts = FrontEnds(1, 2)
-    streams = TokenStreams(fronts.links, CharTokenizer(), NODE)
+    streams = TokenStreams(FrameMaker(fronts.links, CharTokenizer()), NODE)
     expected: dict[int, list] = {1: [], 2: []}
     ends: dict[int, dict[int, tuple]] = {1: {}, 2: {}}
     logprobs: dict[int, dict[int, list]] = {1: {}, 2: {}}
@@ -254,7 +255,7 @@ def test_a_step_of_64_requests_gives_each_front_end_one_frame_with_every_entry()
 def test_the_interval_holds_tokens_back_until_that_many_are_new_but_not_the_first_or_the_end():
     tokenizer = byte_tokenizer()
     fronts = FrontEnds(1)
-    streams = TokenStreams(fronts.links, tokenizer, NODE, interval=3)
+    streams = TokenStreams(FrameMaker(fronts.links, tokenizer), NODE, interval=3)
     output = tokenizer.encode("ab€cd", add_special_tokens=False)  # € is three tokens
     assert len(output) == 7
     stream, req = streams.open(1, 5), request(5, max_tokens=7)
@@ -303,7 +304,7 @@ def test_the_interval_holds_tokens_back_until_that_many_are_new_but_not_the_firs
 
 def test_a_frame_for_an_unknown_front_end_is_dropped_not_raised(caplog):
     fronts = FrontEnds(1)
-    streams = TokenStreams(fronts.links, CharTokenizer(), NODE)
+    streams = TokenStreams(FrameMaker(fronts.links, CharTokenizer()), NODE)
     for frontend, room in ((1, 10), (99, 11), (99, 12)):
         req = request(room)
         req.output_token_ids = [ord("x")]
@@ -370,7 +371,7 @@ def test_a_signed_but_malformed_frame_is_dropped_and_counted_and_the_front_end_g
             to_front_end.send(TokenFrame([room], [2], [5, 6], ["ab"], ends=[StreamEnd(0, "stop")]))
             delta = await asyncio.wait_for(first, 10)
             assert (delta.token_ids, delta.text, delta.finish_reason) == ([5, 6], "ab", "stop")
-            assert router._verifier.rejected == 3
+            assert router.sockets.verifier.rejected == 3
 
             # And it serves the next request.
             stream = router.generate("req-2", [3], SamplingParams(max_tokens=1))

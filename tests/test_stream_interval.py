@@ -13,11 +13,14 @@ import concurrent.futures
 import itertools
 import json
 import math
+import os
+import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
-from cluster_helpers import launch_aggregated, serve
+from cluster_helpers import launch_aggregated, serve, wait_for
 from tiny_models import make_tiny_llama, save_chat_template
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -44,7 +47,11 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model):
-    cluster = launch_aggregated(tiny_model, replicas=1, stream_interval=INTERVAL, **ENGINE)
+    # The replica's streams go through its stream worker, as on a GPU (a CPU keeps them in
+    # the node by default): the answers below are the worker's too.
+    cluster = launch_aggregated(
+        tiny_model, replicas=1, stream_interval=INTERVAL, stream_worker=True, **ENGINE
+    )
     server = serve(cluster)
     yield cluster, server
     server.stop()
@@ -406,3 +413,30 @@ def test_a_slow_client_gets_the_same_answer_in_fewer_larger_chunks(cluster):
     assert len(slow.chunk_sizes) < len(slow.token_ids)
     frames = 1 + math.ceil((100 - 1) / INTERVAL)
     assert len(slow.chunk_sizes) < frames, "what waited for the client came as one chunk"
+
+
+def _stream_worker_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"decode_node.stream_worker" in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_a_replica_whose_stream_worker_dies_is_replaced_and_serves_again(cluster):
+    """Last: it replaces the module's replica. Its probe fails (the worker is gone), the
+    cluster replaces it, and requests are answered again."""
+    cluster_, server = cluster
+    (worker,) = _stream_worker_pids()
+    os.kill(worker, signal.SIGKILL)
+    node = cluster_.router.decode_nodes[0]
+    assert wait_for(lambda: node.restarts == 1 and node.alive, 120), node.error
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200 and len(answer.json()["choices"][0]["token_ids"]) == 8
+    assert _stream_worker_pids() not in ([], [worker])
