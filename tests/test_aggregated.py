@@ -203,3 +203,20 @@ def test_a_dead_replica_ends_its_requests_with_an_error_naming_it(tiny_model):
     finally:
         server.stop()
         cluster.shutdown()
+
+
+def test_replicas_report_their_load_to_the_router(cluster):
+    """The router's least_load weighs the requests each replica says it holds (NodeLoad): a
+    long request shows on its replica while it runs, and both report none once it ended."""
+    cluster_, server = cluster
+    nodes = cluster_.router.decode_nodes
+    httpx.get(f"{server.url}/health", timeout=30)  # the router starts on first use
+    assert wait_for(lambda: all(n.reported_requests is not None for n in nodes), 10)
+    body = {"prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            assert wait_for(lambda: sum(n.reported_requests for n in nodes) == 1, 10)
+            list(lines)
+    assert wait_for(lambda: all(n.reported_requests == 0 for n in nodes), 10)
