@@ -193,6 +193,9 @@ class ApiServers:
             stdin=subprocess.PIPE,
             env=env,
             text=True,
+            # Out of the terminal's process group: a Ctrl-C reaches the controller alone, which
+            # drains the processes once (a second signal to a draining process stops it).
+            start_new_session=True,
         )
         slot.process.stdin.write(self._process_config(slot).to_json() + "\n")
         slot.process.stdin.flush()  # kept open: its end tells the process the controller left
