@@ -30,9 +30,18 @@ class RopeConfig:
     attention_factor: float | None = None
 
 
+# What a family's transformers code builds into every layer whatever its config says: the
+# config has no field for these, so they come from the architecture.
+FAMILY_LAYER_OPTIONS: dict[str, dict[str, bool]] = {
+    "Qwen2ForCausalLM": {"qkv_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shapes and constants of a Llama-family decoder, read once from a HF config."""
+    """The shapes and constants of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 dense),
+    read once from a HF config."""
 
     architecture: str
     vocab_size: int
@@ -46,8 +55,12 @@ class ModelConfig:
     max_position_embeddings: int
     rope: RopeConfig
     tie_word_embeddings: bool
+    # Biases on q, k, v and o (attention_bias), or on q, k and v only (qkv_bias, Qwen2).
     attention_bias: bool = False
+    qkv_bias: bool = False
     mlp_bias: bool = False
+    # An RMSNorm over each query and key head before the rotary embedding (Qwen3).
+    qk_norm: bool = False
     hc_mult: int = 1
     eos_token_ids: tuple[int, ...] = ()
     # The target layers whose outputs an EAGLE3-style draft reads, side by side, instead of
@@ -76,8 +89,9 @@ class ModelConfig:
             raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        architecture = (getattr(hf, "architectures", None) or ["LlamaForCausalLM"])[0]
         return cls(
-            architecture=(getattr(hf, "architectures", None) or ["LlamaForCausalLM"])[0],
+            architecture=architecture,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size,
@@ -93,6 +107,7 @@ class ModelConfig:
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             hc_mult=int(getattr(hf, "hc_mult", 1) or 1),
             eos_token_ids=eos_token_ids,
+            **FAMILY_LAYER_OPTIONS.get(architecture, {}),
         )
 
 

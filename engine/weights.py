@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "hyper_llama")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "hyper_llama")
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -131,12 +131,30 @@ def load_hf_config(path: Path) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as err:
         raise ModelLoadError(f"could not load the config in {path}: {err}") from err
-    if getattr(config, "sliding_window", None) is not None:
-        raise UnsupportedModelError(
-            f"{config_file}: sliding_window={config.sliding_window} is not supported "
-            "(sliding-window attention is not implemented; it must be null)"
-        )
+    _check_full_attention(config, config_file)
     return config
+
+
+def _check_full_attention(config: PretrainedConfig, config_file: Path) -> None:
+    """Refuse sliding-window attention. A config with `layer_types` (Qwen2, Qwen3) names each
+    layer's kind, and keeps a `sliding_window` that its full-attention layers ignore; one
+    without (Mistral) slides every layer whenever `sliding_window` is set."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        if window is not None:
+            raise UnsupportedModelError(
+                f"{config_file}: sliding_window={window} is not supported "
+                "(sliding-window attention is not implemented; it must be null)"
+            )
+        return
+    sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+    if sliding:
+        kinds = sorted({layer_types[i] for i in sliding})
+        raise UnsupportedModelError(
+            f"{config_file}: layers {sliding} use {', '.join(kinds)} (sliding_window={window}); "
+            "only full attention is supported (sliding-window attention is not implemented)"
+        )
 
 
 def _check_supported(raw: dict[str, Any], config_file: Path) -> None:

@@ -1,4 +1,6 @@
-"""Model definitions (Llama family), chosen by the HF architecture name of a checkpoint."""
+"""Model definitions, chosen by the HF architecture name of a checkpoint: the Llama decoder
+(engine.models.llama) runs Llama, Mistral, Qwen2 and Qwen3 (dense) checkpoints, each family's
+layer options read into ModelConfig (engine.config.FAMILY_LAYER_OPTIONS)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from engine.models.llama import LlamaForCausalLM
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
     "HyperLlamaForCausalLM": HyperLlamaForCausalLM,
 }
 

@@ -1,5 +1,10 @@
 """Llama-family decoder over a paged KV cache: RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU MLP, tied or untied LM head. Weights load from HF names."""
+attention, SwiGLU MLP, tied or untied LM head. Weights load from HF names.
+
+Qwen2 and Qwen3 (dense) are this decoder with options of ModelConfig: Qwen2 adds biases to q, k
+and v (`qkv_bias`), which land in the packed QKV projection's bias; Qwen3 normalises each query
+and key head with an RMSNorm of its own before the rotary embedding (`qk_norm`: `q_norm` and
+`k_norm`, named as in its checkpoints)."""
 
 from __future__ import annotations
 
@@ -65,9 +70,16 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=config.attention_bias or config.qkv_bias,
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
@@ -80,6 +92,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = backend.rotate_and_attend(q, k, v, *rotary, self.layer, batch)
         return self.o_proj(out.reshape(-1, self.q_size))
 
