@@ -3,7 +3,11 @@
 A backend writes the new tokens' K and V into the KV pool at `batch.out_cache_loc` and attends
 each new query to its request's cached tokens (positions < seq_len) causally; where
 `batch.tree_bits` is set, a query of a token tree sees, of its own span, only the tokens its
-bitmask names (its ancestors and itself).
+bitmask names (its ancestors and itself). A layer of sliding-window attention passes its
+`window` W: a query at rotary position p (`batch.positions`) then sees only the cached
+positions above p - W. A token tree's node sits at its cache position or after it (its rotary
+position is its level), so the rule keeps the target's own window for its ancestors too while
+a tree is shallower than W (trees hold at most 63 tokens).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 
 import torch
 
+from engine.errors import UnsupportedModelError
 from engine.forward_batch import ForwardBatch
 
 
@@ -20,6 +25,8 @@ class AttentionBackend(ABC):
     # Whether `prepare_for_capture` exists: its metadata lives in device buffers a CUDA graph
     # can read at replay.
     supports_cuda_graph = False
+    # Whether `forward` takes a sliding window (its `window` keyword).
+    supports_sliding_window = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
@@ -35,7 +42,8 @@ class AttentionBackend(ABC):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        """q [T, H, D], k and v [T, Hkv, D] of the new tokens -> attention output [T, H, D]."""
+        """q [T, H, D], k and v [T, Hkv, D] of the new tokens -> attention output [T, H, D].
+        A backend that `supports_sliding_window` takes `window: int | None = None` too."""
 
     def rotate_and_attend(
         self,
@@ -46,11 +54,19 @@ class AttentionBackend(ABC):
         sin: torch.Tensor,
         layer: int,
         batch: ForwardBatch,
+        window: int | None = None,
     ) -> torch.Tensor:
         """`forward` for q and k before their rotary embedding (cos, sin: [T, 1, D]); a
-        backend may fuse the rotation with its KV write."""
+        backend may fuse the rotation with its KV write. `window`: the layer's sliding window,
+        None for full attention."""
         # Imported here: engine.models imports this module.
         from engine.models.rope import apply_rotary
 
         q, k = apply_rotary(q, k, cos, sin)
-        return self.forward(q, k, v, layer, batch)
+        if window is None:
+            return self.forward(q, k, v, layer, batch)
+        if not self.supports_sliding_window:
+            raise UnsupportedModelError(
+                f"{type(self).__name__} does not implement sliding-window attention"
+            )
+        return self.forward(q, k, v, layer, batch, window=window)

@@ -11,6 +11,11 @@ against that head's keys, so K and V are gathered once per layer and never repea
 head. Longer spans (prompts, chunks) keep one SDPA call per request; in a batch that has both
 (a mixed step: running requests' next tokens beside prompts), consecutive requests of one token
 each still take the batched path together, and only the others are attended one by one.
+
+A sliding-window layer's masks are built at its first call in a forward, once per window length,
+and kept with the metadata for the other layers of that length; a window at least as long as
+every request's context hides nothing and reuses the full-attention metadata. One SDPA call per
+request reads only the keys some query of its span may see.
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ class BatchedGroups:
     token, number of tokens, its metadata); one group unless the batch is large."""
 
     groups: list[tuple[int, int, BatchedMetadata]]
+    # This forward's metadata for each window length its layers asked for.
+    windowed: dict[int, BatchedGroups] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,10 +87,19 @@ class PerRequestMetadata:
     spans: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
     # The batched path's groups (BatchedGroups.groups) of the runs of one-token requests.
     batched: list[tuple[int, int, BatchedMetadata]] = field(default_factory=list)
+    # This forward's metadata for each window length its layers asked for.
+    windowed: dict[int, PerRequestMetadata] = field(default_factory=dict)
 
 
 class TorchAttentionBackend(AttentionBackend):
+    supports_sliding_window = True
+
     def prepare(self, batch: ForwardBatch) -> BatchedGroups | PerRequestMetadata:
+        return self._prepare(batch, None)
+
+    def _prepare(
+        self, batch: ForwardBatch, window: int | None
+    ) -> BatchedGroups | PerRequestMetadata:
         short = max(batch.extend_lens) <= SHORT_EXTEND_MAX_TOKENS
         # On a CPU a lone extending request has no per-request calls to save, and its one SDPA
         # call costs less than the batched path's gathers and products. On a GPU the batched
@@ -92,10 +108,24 @@ class TorchAttentionBackend(AttentionBackend):
         # length: 76 ms a round through SDPA, 35 ms through the batched path).
         lone_on_cpu = batch.batch_size == 1 and batch.kv_pool.kv_buffer.device.type == "cpu"
         if batch.is_decode or (short and not lone_on_cpu):
-            return self._prepare_batched(batch)
-        return self._prepare_mixed(batch)
+            return self._prepare_batched(batch, window=window)
+        return self._prepare_mixed(batch, window)
 
-    def _prepare_mixed(self, batch: ForwardBatch) -> PerRequestMetadata:
+    def _metadata(
+        self, batch: ForwardBatch, window: int | None
+    ) -> BatchedGroups | PerRequestMetadata:
+        """The forward's metadata for a layer of this window (None: full attention)."""
+        meta = batch.attn_metadata
+        # A query at position p sees the keys above p - window: all of them, where the window
+        # is as long as the longest context.
+        if window is None or window >= max(batch.seq_lens):
+            return meta
+        windowed = meta.windowed.get(window)
+        if windowed is None:
+            windowed = meta.windowed[window] = self._prepare(batch, window)
+        return windowed
+
+    def _prepare_mixed(self, batch: ForwardBatch, window: int | None) -> PerRequestMetadata:
         """Per-request metadata, with each run of two or more consecutive one-token requests
         given to the batched path."""
         lens = batch.extend_lens
@@ -108,19 +138,25 @@ class TorchAttentionBackend(AttentionBackend):
             while end < len(lens) and lens[end] == 1:
                 end += 1
             if end - i >= 2:
-                batched += self._prepare_batched(batch, i, end, starts[i]).groups
+                batched += self._prepare_batched(batch, i, end, starts[i], window).groups
                 i = end
             else:
                 alone.append(i)
                 i += 1
-        return PerRequestMetadata(_prepare_per_request(batch, alone, starts), batched)
+        return PerRequestMetadata(_prepare_per_request(batch, alone, starts, window), batched)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        window: int | None = None,
     ) -> torch.Tensor:
         pool = batch.kv_pool
         pool.write(layer, batch.out_cache_loc, k, v)
-        meta = batch.attn_metadata
+        meta = self._metadata(batch, window)
         if isinstance(meta, BatchedGroups):
             if len(meta.groups) == 1:
                 return self._batched(q, layer, batch, meta.groups[0][2])
@@ -177,14 +213,20 @@ class TorchAttentionBackend(AttentionBackend):
             out[start : start + new] = o[0].transpose(0, 1)
 
     def _prepare_batched(
-        self, batch: ForwardBatch, first: int = 0, end: int | None = None, token: int = 0
+        self,
+        batch: ForwardBatch,
+        first: int = 0,
+        end: int | None = None,
+        token: int = 0,
+        window: int | None = None,
     ) -> BatchedGroups:
         """Requests first..end-1 (default: all), whose flat tokens begin at `token`."""
         end = batch.batch_size if end is None else end
         groups = []
         for start, stop in self._group_bounds(batch, first, end):
             count = sum(batch.extend_lens[start:stop])
-            groups.append((token, count, self._prepare_group(batch, start, stop, token, count)))
+            group = self._prepare_group(batch, start, stop, token, count, window)
+            groups.append((token, count, group))
             token += count
         return BatchedGroups(groups)
 
@@ -209,7 +251,13 @@ class TorchAttentionBackend(AttentionBackend):
         return bounds
 
     def _prepare_group(
-        self, batch: ForwardBatch, first: int, end: int, first_token: int, num_tokens: int
+        self,
+        batch: ForwardBatch,
+        first: int,
+        end: int,
+        first_token: int,
+        num_tokens: int,
+        window: int | None,
     ) -> BatchedMetadata:
         """Requests first..end-1 of `batch`, whose flat tokens are the `num_tokens` from
         `first_token`."""
@@ -231,6 +279,9 @@ class TorchAttentionBackend(AttentionBackend):
             tree_bits = batch.tree_bits[first_token : first_token + num_tokens]
             offsets = positions[None, None, :] - prefixes[:, None, None]
             keep &= _tree_visible(offsets, _padded_bits(tree_bits, new, span)[:, :, None])
+        if window is not None:
+            rotary = _padded(batch.positions[first_token : first_token + num_tokens], new, span)
+            keep &= positions > rotary[:, :, None] - window
         mask = _additive(keep, batch)[:, None]
         if span == 1:  # one token a request: the flat tokens already are the padded queries
             return BatchedMetadata(slots, mask, kv_rows, query_rows=None, output_rows=None)
@@ -288,10 +339,10 @@ def _padding_rows(
 
 
 def _prepare_per_request(
-    batch: ForwardBatch, requests: list[int], starts: list[int]
+    batch: ForwardBatch, requests: list[int], starts: list[int], window: int | None = None
 ) -> list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]:
     """`PerRequestMetadata.spans` of these requests (indices into the batch, whose first flat
-    tokens are `starts`)."""
+    tokens are `starts`), for a layer of this window (None: full attention)."""
     if not requests:
         return []
     rows = batch.req_to_token_pool.req_to_token
@@ -307,16 +358,23 @@ def _prepare_per_request(
         prefix = seq_len - new
         # A longer span has no `visible` (its bits are all set): plain causal.
         tree = batch.tree_bits is not None and new <= TREE_MAX_TOKENS
-        if prefix == 0 and not tree:
+        windowed = window is not None and window < seq_len
+        if prefix == 0 and not tree and not windowed:
             spans.append((start, new, None, None))
-        else:
-            keep = positions[None, :seq_len] <= positions[prefix:seq_len, None]
-            if tree:
-                bits = batch.tree_bits[start : start + new, None]
-                keep &= _tree_visible(positions[:seq_len] - prefix, bits)
-            # Without a prefix the new tokens' own K and V are all the keys.
-            slots = request_slots[i, :seq_len] if prefix else None
-            spans.append((start, new, slots, _additive(keep, batch)))
+            continue
+        # Every query of the span sits at rotary position `prefix` or later, so no query sees
+        # a key at or below prefix - window: those are not read at all.
+        first = max(0, prefix - window + 1) if windowed else 0
+        keys = positions[first:seq_len]
+        keep = keys[None, :] <= positions[prefix:seq_len, None]
+        if tree:
+            bits = batch.tree_bits[start : start + new, None]
+            keep &= _tree_visible(keys - prefix, bits)
+        if windowed:
+            keep &= keys[None, :] > batch.positions[start : start + new, None] - window
+        # Without a prefix the new tokens' own K and V are all the keys.
+        slots = request_slots[i, first:seq_len] if prefix else None
+        spans.append((start, new, slots, _additive(keep, batch)))
     return spans
 
 
@@ -329,12 +387,18 @@ def _tree_visible(offsets: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return (offsets < 0) | in_span.bool()
 
 
+def _padded(values: torch.Tensor, new: torch.Tensor, span: int) -> torch.Tensor:
+    """Flat per-token values [T] as [B, n], each request's queries padded to n with its last
+    token's value."""
+    queries = torch.arange(span, device=new.device)
+    starts = new.cumsum(0) - new
+    return values[starts[:, None] + torch.minimum(queries, new[:, None] - 1)]
+
+
 def _padded_bits(tree_bits: torch.Tensor, new: torch.Tensor, span: int) -> torch.Tensor:
     """Flat per-token bits [T] as [B, n], each request's queries padded to n with -1."""
     queries = torch.arange(span, device=new.device)
-    starts = new.cumsum(0) - new
-    tokens = starts[:, None] + torch.minimum(queries, new[:, None] - 1)
-    return tree_bits[tokens].masked_fill_(queries >= new[:, None], -1)
+    return _padded(tree_bits, new, span).masked_fill_(queries >= new[:, None], -1)
 
 
 # SDPA's kernels without cuDNN's: cuDNN builds an execution plan for every new shape, and prompt

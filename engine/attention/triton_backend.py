@@ -38,6 +38,7 @@ class TritonMetadata:
 
 class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_sliding_window = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -73,10 +74,16 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonMetadata(rows, seq_lens, q_starts, q_lens, max_q_len, splits, tree_bits)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        window: int | None = None,
     ) -> torch.Tensor:
         batch.kv_pool.write(layer, batch.out_cache_loc, k, v)
-        return self._attend(q, layer, batch)
+        return self._attend(q, layer, batch, window)
 
     def rotate_and_attend(
         self,
@@ -87,14 +94,17 @@ class TritonAttentionBackend(AttentionBackend):
         sin: torch.Tensor,
         layer: int,
         batch: ForwardBatch,
+        window: int | None = None,
     ) -> torch.Tensor:
         pool = batch.kv_pool
         q = rope_and_store(
             q, k, v, cos, sin, batch.out_cache_loc, pool.k_buffers[layer], pool.v_buffers[layer]
         )
-        return self._attend(q, layer, batch)
+        return self._attend(q, layer, batch, window)
 
-    def _attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, layer: int, batch: ForwardBatch, window: int | None
+    ) -> torch.Tensor:
         meta: TritonMetadata = batch.attn_metadata
         pool = batch.kv_pool
         return paged_attention(
@@ -110,6 +120,10 @@ class TritonAttentionBackend(AttentionBackend):
             self.scale,
             meta.num_splits,
             tree_bits=meta.tree_bits,
+            # A graph's batch holds its positions in the static buffer: the kernel reads them
+            # at each replay.
+            window=window,
+            positions=batch.positions if window is not None else None,
         )
 
     def _key_splits(self, batch_size: int, max_q_len: int, device: torch.device) -> int:

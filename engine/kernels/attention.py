@@ -13,7 +13,11 @@ the same buffers.
 
 Decode of one long sequence can also split the cached positions over several programs (flash
 decoding), each writing a partial result and its log-sum-exp, merged by a second kernel: with
-few requests and few KV heads the one-pass kernel would leave most of the GPU idle."""
+few requests and few KV heads the one-pass kernel would leave most of the GPU idle.
+
+A sliding-window layer passes its window W and the queries' rotary positions: a query at
+position p sees only the cached positions above p - W, and a program reads no key below the
+window of its block's first query."""
 
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ def _attention_kernel(
     q_starts_ptr,
     q_lens_ptr,
     tree_bits_ptr,
+    positions_ptr,
     stride_q_token,
     stride_q_head,
     stride_out_split,
@@ -54,6 +59,7 @@ def _attention_kernel(
     stride_lse_token,
     scale,
     num_splits,
+    window,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     DIM: tl.constexpr,
@@ -64,6 +70,7 @@ def _attention_kernel(
     IEEE: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     HAS_TREE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     # Blocks of new tokens on the first grid axis, whose size CUDA does not cap at 65,535.
     block = tl.program_id(0)
@@ -96,10 +103,19 @@ def _attention_kernel(
     if HAS_TREE:
         bits = tl.load(tree_bits_ptr + flat)
 
-    # Keys this program reads: its split of those the block's last query may see.
+    # Keys this program reads: its split of those the block's queries may see, from the
+    # window of its first query (a tree's queries all sit at the span's first position or
+    # after it) to what its last query sees.
     end = tl.minimum(seq_len, prefix + (block + 1) * BLOCK_TOKENS)
-    split_len = tl.cdiv(tl.cdiv(end, num_splits), BLOCK_N) * BLOCK_N
-    first = split * split_len
+    begin = 0
+    if HAS_WINDOW:
+        rotary = tl.load(positions_ptr + flat)
+        if HAS_TREE:
+            begin = tl.maximum(prefix - window + 1, 0)
+        else:
+            begin = tl.maximum(prefix + block * BLOCK_TOKENS - window + 1, 0)
+    split_len = tl.cdiv(tl.cdiv(end - begin, num_splits), BLOCK_N) * BLOCK_N
+    first = begin + split * split_len
     last = tl.minimum(end, first + split_len)
     m_i = tl.full([BLOCK_TOKENS * BLOCK_GROUP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_TOKENS * BLOCK_GROUP], dtype=tl.float32)
@@ -125,6 +141,8 @@ def _attention_kernel(
             shifts = tl.minimum(tl.maximum(offsets, 0), 62)
             in_span = ((bits[:, None] >> shifts[None, :]) & 1) != 0
             visible = visible & ((offsets[None, :] < 0) | in_span)
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > rotary[:, None] - window)
         scores = tl.where(visible, scores * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         # Rows that see no key of this block yet keep m = -inf; exp against 0 keeps them 0.
@@ -215,6 +233,8 @@ def paged_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     tree_bits: torch.Tensor | None = None,
+    window: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] of the new tokens -> attention output [T, H, D].
 
@@ -225,7 +245,10 @@ def paged_attention(
         decode of few long sequences. Every token of q must belong to one request (padding
     included): with splits, the merge writes every row. `tree_bits` [T] int64
     (ForwardBatch.tree_bits): each token's bitmask over its span's tokens, for token
-    trees."""
+    trees. `window` (a sliding-window layer's; None: full attention) with `positions` [T]
+    int64, each token's rotary position (ForwardBatch.positions): a query at position p sees
+    only the cached positions above p - window."""
+    assert (window is None) == (positions is None), "a window needs the queries' positions"
     num_tokens, num_heads, dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -260,6 +283,7 @@ def paged_attention(
         q_lens,
         # Never read without a tree: any pointer stands in.
         q_lens if tree_bits is None else tree_bits,
+        q_lens if positions is None else positions,
         q.stride(0),
         q.stride(1),
         stride_split,
@@ -274,6 +298,7 @@ def paged_attention(
         stride_lse_token,
         scale,
         num_splits,
+        0 if window is None else window,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         DIM=dim,
@@ -284,6 +309,7 @@ def paged_attention(
         IEEE=ieee,
         WRITE_LSE=num_splits > 1,
         HAS_TREE=tree_bits is not None,
+        HAS_WINDOW=window is not None,
         num_warps=4,
     )
     if num_splits > 1:
