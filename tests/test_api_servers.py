@@ -254,9 +254,12 @@ def test_a_killed_api_process_ends_its_own_streams_only_and_is_restarted(server)
     metrics = _scrape(url)
     assert _metric(metrics, "pdcluster_node_kv_audit_mismatches_total") == 0
     assert _metric(metrics, "pdcluster_node_kv_unaccounted_tokens") == 0
-    # The dropped streams' requests were aborted, not generated to their end.
+    # The dropped streams' requests were aborted, not generated to their end: together they
+    # made fewer tokens than their budgets. (How many fewer depends on how long the first
+    # streams ran before the last one started, which on a loaded host can be most of them.)
     generated = _metric(metrics, "pdcluster_node_generation_tokens_total") - generated_before
-    assert generated < streams * 240 - len(dropped) * 40, (generated, len(dropped))
+    dropped_tokens = generated - len(completed) * 240
+    assert dropped_tokens < len(dropped) * 240, (generated, len(completed), len(dropped))
     # It comes back (a new process in its place) and both serve again.
     assert _wait(lambda: _restarted(url, victim["pid"]), 90), log.read_text()[-3000:]
     assert process.poll() is None
@@ -271,6 +274,8 @@ def test_a_killed_api_process_ends_its_own_streams_only_and_is_restarted(server)
 
 def test_api_keys_and_traces_work_the_same_through_either_process(server):
     url, _, _ = server
+    # Both processes serve (not one still restarting after an earlier test's kill).
+    assert _wait(lambda: _all_up(url), 90)
     answered: dict[str, int] = {}
     body = {"prompt": "no key", "max_tokens": 2}
     for _ in range(40):
@@ -288,6 +293,10 @@ def test_api_keys_and_traces_work_the_same_through_either_process(server):
             names = {event["name"] for event in trace.json()["traceEvents"]}
             assert "first_token" in names
     assert found == {"0": 200, "1": 200}, "each process serves the traces of both"
+
+
+def _all_up(url: str) -> bool:
+    return all(s["up"] for s in httpx.get(f"{url}/health", timeout=30).json()["api_servers"])
 
 
 def _restarted(url: str, old_pid: int) -> bool:

@@ -32,6 +32,7 @@ def _decode_node() -> DecodeNode:
     node._thread = threading.current_thread()  # a running serving loop, for `ping`
     node._channel = _Channel()
     node.receiving = []
+    node.streams = SimpleNamespace(error=lambda: None)  # streaming on the serving thread
     return node
 
 
