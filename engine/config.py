@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,9 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
+    # The sliding-window layers' own rotary embedding (Gemma 3: another base, unscaled);
+    # None: every layer rotates with this one.
+    local: RopeConfig | None = None
 
 
 # What a family's transformers code builds into every layer whatever its config says: the
@@ -35,13 +39,21 @@ class RopeConfig:
 FAMILY_LAYER_OPTIONS: dict[str, dict[str, bool]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "Gemma3ForCausalLM": {
+        "qk_norm": True,
+        "sandwich_norms": True,
+        "norm_unit_offset": True,
+        "scaled_embeddings": True,
+    },
 }
+# The activations of the gated MLP, by their HF names.
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shapes and constants of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 dense),
-    read once from a HF config."""
+    """The shapes and constants of a decoder of the Llama family (Llama, Mistral, Qwen2, Qwen3
+    dense) or of Gemma 3 (text), read once from a HF config."""
 
     architecture: str
     vocab_size: int
@@ -59,8 +71,24 @@ class ModelConfig:
     attention_bias: bool = False
     qkv_bias: bool = False
     mlp_bias: bool = False
-    # An RMSNorm over each query and key head before the rotary embedding (Qwen3).
+    # An RMSNorm over each query and key head before the rotary embedding (Qwen3, Gemma 3).
     qk_norm: bool = False
+    # The gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma 3).
+    hidden_act: str = "silu"
+    # Gemma 3: each sublayer's output is normalised too before its residual add, the MLP's
+    # input by a norm of its own (pre_feedforward_layernorm); every RMSNorm weight w is
+    # applied as 1 + w, in float32; token embeddings are scaled by sqrt(hidden_size).
+    sandwich_norms: bool = False
+    norm_unit_offset: bool = False
+    scaled_embeddings: bool = False
+    # Attention over the last `sliding_window` positions (the query's own included) in the
+    # layers `sliding_layers`; every other layer attends to the whole context.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    # Scores are q.k / sqrt(query_pre_attn_scalar) (Gemma); None: / sqrt(head_dim).
+    query_pre_attn_scalar: float | None = None
+    # Logits become cap * tanh(logits / cap) (Gemma); None: left as they are.
+    final_logit_softcapping: float | None = None
     hc_mult: int = 1
     eos_token_ids: tuple[int, ...] = ()
     # The target layers whose outputs an EAGLE3-style draft reads, side by side, instead of
@@ -75,6 +103,38 @@ class ModelConfig:
             raise ValueError(
                 f"draft_aux_layers {outside} outside the target's layers 0..{self.num_layers - 1}"
             )
+        outside = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+        if outside:
+            raise ValueError(
+                f"sliding_layers {outside} outside the layers 0..{self.num_layers - 1}"
+            )
+        if self.sliding_layers and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(
+                f"sliding layers need a sliding_window >= 1, got {self.sliding_window}"
+            )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"hidden_act={self.hidden_act!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
+            )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of `layer` (the positions a query sees, its own included);
+        None: the whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def embed_scale(self) -> float:
+        """What token embeddings are multiplied by (in the model's dtype, as transformers does)."""
+        return self.hidden_size**0.5 if self.scaled_embeddings else 1.0
+
+    @property
+    def query_scale(self) -> float:
+        """What queries are multiplied by before attention, whose scores the backends scale by
+        1 / sqrt(head_dim): 1.0 unless query_pre_attn_scalar differs from head_dim."""
+        if self.query_pre_attn_scalar is None:
+            return 1.0
+        return (self.head_dim / self.query_pre_attn_scalar) ** 0.5
 
     @property
     def spec_hidden_size(self) -> int:
@@ -84,12 +144,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
-        act = getattr(hf, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
+        # Gemma names its activation `hidden_activation`.
+        act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+        _refuse_gemma_options(hf)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         architecture = (getattr(hf, "architectures", None) or ["LlamaForCausalLM"])[0]
+        sliding_layers = tuple(
+            i
+            for i, kind in enumerate(getattr(hf, "layer_types", None) or ())
+            if kind == "sliding_attention"
+        )
         return cls(
             architecture=architecture,
             vocab_size=hf.vocab_size,
@@ -105,19 +170,47 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            hidden_act=act,
+            sliding_window=getattr(hf, "sliding_window", None) if sliding_layers else None,
+            sliding_layers=sliding_layers,
+            query_pre_attn_scalar=getattr(hf, "query_pre_attn_scalar", None),
+            final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
             hc_mult=int(getattr(hf, "hc_mult", 1) or 1),
             eos_token_ids=eos_token_ids,
             **FAMILY_LAYER_OPTIONS.get(architecture, {}),
         )
 
 
+def _refuse_gemma_options(hf: Any) -> None:
+    """What a Gemma config may turn on that the engine does not run."""
+    cap = getattr(hf, "attn_logit_softcapping", None)
+    if cap is not None:
+        raise UnsupportedModelError(
+            f"attn_logit_softcapping={cap} is not supported (attention scores are not capped)"
+        )
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            "use_bidirectional_attention is not supported (attention is causal)"
+        )
+
+
 def _rope_from_hf(hf: Any) -> RopeConfig:
-    # transformers >= 5 names everything in `rope_parameters`; older configs split
-    # `rope_theta` and `rope_scaling`.
+    # transformers >= 5 names everything in `rope_parameters` (Gemma 3: one set per layer
+    # type); older configs split `rope_theta` and `rope_scaling`.
     params = dict(getattr(hf, "rope_parameters", None) or {})
+    if "full_attention" in params:
+        local = params.get("sliding_attention")
+        global_rope = _rope_from_parameters(hf, dict(params["full_attention"]))
+        if local is None or "sliding_attention" not in (getattr(hf, "layer_types", None) or ()):
+            return global_rope
+        return dataclasses.replace(global_rope, local=_rope_from_parameters(hf, dict(local)))
     if not params:
         params = dict(getattr(hf, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    return _rope_from_parameters(hf, params)
+
+
+def _rope_from_parameters(hf: Any, params: dict[str, Any]) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
@@ -126,7 +219,7 @@ def _rope_from_hf(hf: Any) -> RopeConfig:
         )
     if getattr(hf, "partial_rotary_factor", 1.0) not in (None, 1.0):
         raise UnsupportedModelError("partial rotary embeddings are not supported")
-    known = {f for f in RopeConfig.__dataclass_fields__} - {"theta", "rope_type"}
+    known = {f for f in RopeConfig.__dataclass_fields__} - {"theta", "rope_type", "local"}
     extras = {k: v for k, v in params.items() if k in known and v is not None}
     return RopeConfig(theta=float(params["rope_theta"]), rope_type=rope_type, **extras)
 

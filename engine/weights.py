@@ -21,7 +21,10 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "hyper_llama")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "hyper_llama")
+# The architectures whose sliding-window layers the engine runs (engine.config.ModelConfig's
+# sliding_layers); any other with such layers is refused.
+SLIDING_WINDOW_ARCHITECTURES = ("Gemma3ForCausalLM",)
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -131,29 +134,35 @@ def load_hf_config(path: Path) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as err:
         raise ModelLoadError(f"could not load the config in {path}: {err}") from err
-    _check_full_attention(config, config_file)
+    _check_attention_layers(config, config_file)
     return config
 
 
-def _check_full_attention(config: PretrainedConfig, config_file: Path) -> None:
-    """Refuse sliding-window attention. A config with `layer_types` (Qwen2, Qwen3) names each
-    layer's kind, and keeps a `sliding_window` that its full-attention layers ignore; one
-    without (Mistral) slides every layer whenever `sliding_window` is set."""
+def _check_attention_layers(config: PretrainedConfig, config_file: Path) -> None:
+    """Refuse attention the engine does not run. A config with `layer_types` (Qwen2, Qwen3,
+    Gemma 3) names each layer's kind, and keeps a `sliding_window` that its full-attention
+    layers ignore; one without (Mistral) slides every layer whenever `sliding_window` is set.
+    Sliding-window layers run for SLIDING_WINDOW_ARCHITECTURES only."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    windows_run = architecture in SLIDING_WINDOW_ARCHITECTURES
     if layer_types is None:
         if window is not None:
             raise UnsupportedModelError(
-                f"{config_file}: sliding_window={window} is not supported "
-                "(sliding-window attention is not implemented; it must be null)"
+                f"{config_file}: sliding_window={window} on every layer is not supported "
+                "(sliding windows run for "
+                f"{', '.join(SLIDING_WINDOW_ARCHITECTURES)} only; it must be null)"
             )
         return
-    sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
-    if sliding:
-        kinds = sorted({layer_types[i] for i in sliding})
+    runnable = ("full_attention", "sliding_attention") if windows_run else ("full_attention",)
+    refused = [i for i, kind in enumerate(layer_types) if kind not in runnable]
+    if refused:
+        kinds = sorted({layer_types[i] for i in refused})
         raise UnsupportedModelError(
-            f"{config_file}: layers {sliding} use {', '.join(kinds)} (sliding_window={window}); "
-            "only full attention is supported (sliding-window attention is not implemented)"
+            f"{config_file}: layers {refused} use {', '.join(kinds)} (sliding_window={window}); "
+            f"{architecture or 'this architecture'} runs only {' and '.join(runnable)} here "
+            f"(sliding windows run for {', '.join(SLIDING_WINDOW_ARCHITECTURES)})"
         )
 
 

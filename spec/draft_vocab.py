@@ -121,7 +121,9 @@ class DraftHead:
         elif self.weight is None:
             return self.target.lm_head_logits(hidden)[..., self.vocab]
         else:
-            logits = nn.functional.linear(self.target.model.norm(hidden), self.weight)
+            logits = self.target.cap_logits(
+                nn.functional.linear(self.target.model.norm(hidden), self.weight)
+            )
         return logits.float() if as_float else logits
 
 

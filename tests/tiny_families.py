@@ -1,6 +1,7 @@
-"""Tiny random checkpoints of the families beside Llama (Qwen2, Qwen3 dense), built with
-transformers' own config and model classes and saved, float32, with tiny_models' byte-level
-tokenizer. The models come back in eager attention: the reference the engine is compared to."""
+"""Tiny random checkpoints of the families beside Llama (Qwen2, Qwen3 dense, Gemma 3 text),
+built with transformers' own config and model classes and saved, float32, with tiny_models'
+byte-level tokenizer. The models come back in eager attention: the reference the engine is
+compared to."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import torch
 from tiny_models import TINY_DEFAULTS, byte_tokenizer
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -19,78 +22,84 @@ from transformers import (
 FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
-# Qwen3Config's own head_dim (128) would dwarf the tiny hidden size.
-FAMILY_DEFAULTS = {"qwen2": {}, "qwen3": {"head_dim": 16}}
+# The families whose norms apply a weight w as 1 + w (transformers starts w at zero).
+UNIT_OFFSET_NORMS = ("gemma3",)
+# Qwen3Config's and Gemma3TextConfig's own head_dim (128, 256) would dwarf the tiny hidden size.
+FAMILY_DEFAULTS = {
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "gemma3": {"head_dim": 16, "tie_word_embeddings": True},
+}
 
 
 def make_tiny_family(path: Path, family: str, seed: int = 0, **overrides) -> PreTrainedModel:
-    """Save a random tiny model of `family` ("qwen2", "qwen3") under `path`; returns it.
+    """Save a random tiny model of `family` ("qwen2", "qwen3", "gemma3") under `path`; returns
+    it.
 
-    transformers starts biases at zero and norm weights at one, which would hide a bias or a
-    norm the engine forgot: they are drawn at random here. The logits are spread out so that
-    greedy choices are well separated (see tiny_models.make_tiny_llama): by the LM head, or
-    with tied embeddings by the final norm, and then the layers' outputs are scaled up too,
-    since a residual stream that is mostly its own token's embedding makes the tied head
-    repeat that token forever."""
+    transformers starts biases at zero and norms at the identity, which would hide a bias or a
+    norm the engine forgot: they are drawn at random here (Gemma's applied weights 1 + w as
+    the others' w). The logits are spread out so that greedy choices are well separated (see
+    tiny_models.make_tiny_llama): by the LM head, or with tied embeddings by the final norm,
+    and then the layers' outputs are scaled up too (in Gemma, whose norms after each sublayer
+    undo that scale, by those norms' random weights alone), since a residual stream that is
+    mostly its own token's embedding makes the tied head repeat that token forever."""
     config_class, model_class = FAMILIES[family]
     torch.manual_seed(seed)
     fields = {**TINY_DEFAULTS, **FAMILY_DEFAULTS[family], **overrides}
     config = config_class(**fields, attn_implementation="eager")
     model = model_class(config).eval()
     tied = config.tie_word_embeddings
+    offset = 1.0 if family in UNIT_OFFSET_NORMS else 0.0
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
             elif "norm" in name:
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+                param.copy_(1.0 - offset + 0.3 * torch.randn_like(param))
             elif tied and name.endswith(("o_proj.weight", "down_proj.weight")):
                 param.mul_(8.0)
-        (model.model.norm if tied else model.lm_head).weight.mul_(8.0)
+        if tied:
+            weight = model.model.norm.weight
+            weight.copy_(8.0 * (weight + offset) - offset)
+        else:
+            model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return model
 
 
-# HF module names -> llama.cpp's, in a layer (blk.N.<name>.weight / .bias).
-_GGUF_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-_GGUF_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-
 def write_tiny_gguf(model: PreTrainedModel, file: Path) -> Path:
-    """`model` (from make_tiny_family) as a float32 GGUF file, named as llama.cpp names a Qwen2
-    or Qwen3 checkpoint, with the byte-level tokenizer as a merge-free GPT-2 BPE vocabulary.
-    transformers reads no head_dim from a Qwen3 GGUF file: it takes Qwen3Config's own (128),
-    so a Qwen3 model written here needs that head_dim."""
+    """`model` (from make_tiny_family) as a float32 GGUF file, named as llama.cpp names a Qwen2,
+    Qwen3 or Gemma 3 checkpoint (gguf's own name map), with the byte-level tokenizer as a
+    merge-free GPT-2 BPE vocabulary. transformers reads no head_dim from a Qwen3 GGUF file: it
+    takes Qwen3Config's own (128), so a Qwen3 model written here needs that head_dim. A Gemma 3
+    file names no layer types, local rope base or query_pre_attn_scalar: a model written here
+    needs Gemma3TextConfig's defaults (a global layer every sixth, 10,000, 256)."""
     import gguf
 
     config = model.config
-    writer = gguf.GGUFWriter(str(file), config.model_type)
+    arch = {
+        "qwen2": gguf.MODEL_ARCH.QWEN2,
+        "qwen3": gguf.MODEL_ARCH.QWEN3,
+        "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
+    }[config.model_type]
+    gemma = arch == gguf.MODEL_ARCH.GEMMA3
+    writer = gguf.GGUFWriter(str(file), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_context_length(config.max_position_embeddings)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base((rope["full_attention"] if gemma else rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if gemma:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_sliding_window(config.sliding_window)
     vocab = byte_tokenizer().get_vocab()
     tokens = sorted(vocab, key=vocab.__getitem__)
     # The model's vocabulary is larger than the tokenizer's: the rest are unused rows.
@@ -107,15 +116,14 @@ def write_tiny_gguf(model: PreTrainedModel, file: Path) -> Path:
     writer.add_unk_token_id(0)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a GGUF file without output.weight ties the head to the embedding
-        gguf_name = _GGUF_NAMES.get(name)
-        if gguf_name is None:
-            _, _, layer, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
-        writer.add_tensor(gguf_name, tensor.detach().float().numpy())
+        tensor = tensor.detach().float()
+        if gemma and name.endswith("norm.weight"):
+            tensor = tensor + 1.0  # llama.cpp stores Gemma's norm weights as applied, 1 + w
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,6 +1,6 @@
 """Model definitions, chosen by the HF architecture name of a checkpoint: the Llama decoder
-(engine.models.llama) runs Llama, Mistral, Qwen2 and Qwen3 (dense) checkpoints, each family's
-layer options read into ModelConfig (engine.config.FAMILY_LAYER_OPTIONS)."""
+(engine.models.llama) runs Llama, Mistral, Qwen2, Qwen3 (dense) and Gemma 3 (text) checkpoints,
+each family's layer options read into ModelConfig (engine.config.FAMILY_LAYER_OPTIONS)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
     "HyperLlamaForCausalLM": HyperLlamaForCausalLM,
 }
 

@@ -1,13 +1,20 @@
 """Llama-family decoder over a paged KV cache: RMSNorm, rotary embeddings, grouped-query
 attention, SwiGLU MLP, tied or untied LM head. Weights load from HF names.
 
-Qwen2 and Qwen3 (dense) are this decoder with options of ModelConfig: Qwen2 adds biases to q, k
-and v (`qkv_bias`), which land in the packed QKV projection's bias; Qwen3 normalises each query
-and key head with an RMSNorm of its own before the rotary embedding (`qk_norm`: `q_norm` and
-`k_norm`, named as in its checkpoints)."""
+Qwen2, Qwen3 (dense) and Gemma 3 (text) are this decoder with options of ModelConfig: Qwen2 adds
+biases to q, k and v (`qkv_bias`), which land in the packed QKV projection's bias; Qwen3 and
+Gemma 3 normalise each query and key head with an RMSNorm of its own before the rotary embedding
+(`qk_norm`: `q_norm` and `k_norm`, named as in their checkpoints). Gemma 3 also normalises each
+sublayer's output before its residual add and gives the MLP an input norm of its own
+(`sandwich_norms`: post_attention_layernorm then normalises the attention's output,
+pre_feedforward_layernorm and post_feedforward_layernorm the MLP's input and output), applies
+norm weights as 1 + w in float32 (`norm_unit_offset`), gates its MLP with tanh-approximated GELU,
+scales token embeddings by sqrt(hidden_size), interleaves sliding-window layers (each with the
+rotary embedding of its kind) with global ones, and may soft-cap its logits."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -32,13 +39,17 @@ def observed(*modules: nn.Module) -> bool:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
+        """`unit_offset` (Gemma): the weight w is applied as 1 + w, and the product rounded to
+        the model's dtype once, after it (the Llama norm rounds before multiplying)."""
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if unit_offset else torch.ones(size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if triton_usable(x):
+        # The kernel rounds as the Llama norm does.
+        if triton_usable(x) and not self.unit_offset:
             from engine.kernels.elementwise import rms_norm
 
             return rms_norm(x, self.weight, self.eps)[0]
@@ -46,13 +57,15 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), one kernel on a GPU."""
-        if triton_usable(x) and not observed(self):
+        if triton_usable(x) and not observed(self) and not self.unit_offset:
             from engine.kernels.elementwise import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual=residual)
@@ -60,10 +73,20 @@ class RMSNorm(nn.Module):
         return self(summed), summed
 
 
+def rms_norm(config: ModelConfig, size: int) -> RMSNorm:
+    """An RMSNorm of the model's kind over `size` features."""
+    return RMSNorm(size, config.rms_norm_eps, config.norm_unit_offset)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
+        # A sliding-window layer attends to its last `window` positions, and rotates with the
+        # sliding layers' own embedding where they have one (column 1 of the rotary lookup).
+        self.window = config.layer_window(layer)
+        self.rotary_column = 1 if self.window is not None and config.rope.local else 0
+        self.query_scale = config.query_scale
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -78,8 +101,8 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = rms_norm(config, config.head_dim)
+            self.k_norm = rms_norm(config, config.head_dim)
 
     def forward(
         self,
@@ -94,7 +117,11 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = backend.rotate_and_attend(q, k, v, *rotary, self.layer, batch)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
+        column = self.rotary_column
+        cos, sin = rotary[0][:, column : column + 1], rotary[1][:, column : column + 1]
+        out = backend.rotate_and_attend(q, k, v, cos, sin, self.layer, batch, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -102,6 +129,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
@@ -109,6 +137,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if triton_usable(gate_up):
             from engine.kernels.elementwise import silu_and_mul
 
@@ -122,8 +153,40 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = rms_norm(config, config.hidden_size)
+        self.post_attention_layernorm = rms_norm(config, config.hidden_size)
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = rms_norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = rms_norm(config, config.hidden_size)
+
+    @property
+    def mlp_input_norm(self) -> RMSNorm:
+        if self.pre_feedforward_layernorm is not None:
+            return self.pre_feedforward_layernorm
+        return self.post_attention_layernorm
+
+    def attention_output(
+        self,
+        normed: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """What the attention adds to the residual stream: its output, normalised with
+        sandwich norms."""
+        attn = self.self_attn(normed, batch, rotary, backend)
+        if self.pre_feedforward_layernorm is None:
+            return attn
+        return self.post_attention_layernorm(attn)
+
+    def mlp_output(self, normed: torch.Tensor) -> torch.Tensor:
+        """What the MLP adds to the residual stream."""
+        out = self.mlp(normed)
+        if self.post_feedforward_layernorm is None:
+            return out
+        return self.post_feedforward_layernorm(out)
 
     def forward(
         self,
@@ -132,9 +195,9 @@ class DecoderLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), batch, rotary, backend)
-        normed, hidden = self.post_attention_layernorm.add_and_norm(attn, hidden)
-        return hidden + self.mlp(normed)
+        attn = self.attention_output(self.input_layernorm(hidden), batch, rotary, backend)
+        normed, hidden = self.mlp_input_norm.add_and_norm(attn, hidden)
+        return hidden + self.mlp_output(normed)
 
     def forward_deferred(
         self,
@@ -151,9 +214,9 @@ class DecoderLayer(nn.Module):
             normed = self.input_layernorm(residual)
         else:
             normed, residual = self.input_layernorm.add_and_norm(delta, residual)
-        attn = self.self_attn(normed, batch, rotary, backend)
-        normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
-        return self.mlp(normed), residual
+        attn = self.attention_output(normed, batch, rotary, backend)
+        normed, residual = self.mlp_input_norm.add_and_norm(attn, residual)
+        return self.mlp_output(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -161,7 +224,13 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = rms_norm(config, config.hidden_size)
+
+
+@functools.cache
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype`: a tensor times it rounds as times a 0-d tensor of `dtype`."""
+    return torch.tensor(value, dtype=dtype).item()
 
 
 class LlamaForCausalLM(nn.Module):
@@ -179,11 +248,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.model.embed_tokens(batch.input_ids)
+        hidden = self.scale_embeddings(self.model.embed_tokens(batch.input_ids))
         if batch.input_embeds is not None:
             mask = batch.input_embeds_mask[:, None]
             hidden = torch.where(mask, batch.input_embeds.to(hidden.dtype), hidden)
         return hidden
+
+    def scale_embeddings(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Token embeddings as the layers read them: a family with `scaled_embeddings` (Gemma)
+        multiplies them by sqrt(hidden_size) rounded to their dtype, as transformers does.
+        Given input embeddings are not scaled."""
+        if not self.config.scaled_embeddings:
+            return embeds
+        return embeds * _in_dtype(self.config.embed_scale, embeds.dtype)
 
     def forward(
         self, batch: ForwardBatch, rotary: RotaryEmbedding, backend: AttentionBackend
@@ -233,7 +310,15 @@ class LlamaForCausalLM(nn.Module):
 
     def lm_head_outputs(self, hidden: torch.Tensor) -> torch.Tensor:
         """`lm_head_logits` in the model's dtype, for a caller that reads them once."""
-        return self.lm_head(self.model.norm(hidden))
+        return self.cap_logits(self.lm_head(self.model.norm(hidden)))
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """cap * tanh(logits / cap) where the family soft-caps its logits
+        (`final_logit_softcapping`), for any head that computes logits of this model."""
+        cap = self.config.final_logit_softcapping
+        if cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up into their packed projections."""

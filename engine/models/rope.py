@@ -75,23 +75,31 @@ def _yarn(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor,
 
 
 class RotaryEmbedding:
+    """cos and sin tables of every position, one per rotary embedding the model has: its own,
+    then its sliding-window layers' where they rotate with another (`RopeConfig.local`)."""
+
     def __init__(
         self, rope: RopeConfig, head_dim: int, max_positions: int, device: str | torch.device
     ) -> None:
-        inv_freq, scaling = inverse_frequencies(rope, head_dim, max_positions)
+        ropes = [rope] if rope.local is None else [rope, rope.local]
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        angles = torch.cat([freqs, freqs], dim=-1)
-        # cos and sin side by side, [positions, 2, D]: a forward's lookup is one gather.
-        self.table = torch.stack([angles.cos() * scaling, angles.sin() * scaling], dim=1).to(device)
+        tables = []
+        for each in ropes:
+            inv_freq, scaling = inverse_frequencies(each, head_dim, max_positions)
+            freqs = torch.outer(positions, inv_freq)
+            angles = torch.cat([freqs, freqs], dim=-1)
+            tables.append(torch.stack([angles.cos() * scaling, angles.sin() * scaling], dim=1))
+        # [positions, embeddings, 2 (cos, sin), D]: a forward's lookup is one gather.
+        self.table = torch.stack(tables, dim=1).to(device)
         # The table in each dtype a forward asked for, converted once, not at every lookup.
         self._typed = {torch.float32: self.table}
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D] for the given positions (views of one tensor), looked up once
-        per forward."""
+        """cos and sin [T, E, D] for the given positions (views of one tensor), looked up once
+        per forward: E = 1, or 2 where sliding-window layers rotate with an embedding of their
+        own (column 1; engine.models.llama.Attention picks its layer's)."""
         table = self._typed.get(dtype)
         if table is None:
             table = self.table.to(dtype)
@@ -99,7 +107,7 @@ class RotaryEmbedding:
             if not (table.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self._typed[dtype] = table
         both = table[positions]
-        return both[:, 0:1], both[:, 1:2]
+        return both[:, :, 0], both[:, :, 1]
 
 
 def apply_rotary(
