@@ -7,7 +7,8 @@ position, greedy output token for token (batched prompts of different lengths, w
 shorter than the window), speculative decoding with chains and trees, a draft vocabulary's soft
 cap, tensor dumps, a GGUF file, a prefill node and a decode node (speculating, in chunks), and the
 refusals of what the engine does not run. The window in each attention backend:
-tests/test_sliding_window_attention.py."""
+tests/test_sliding_window_attention.py; the draft trainer's forwards over a Gemma target:
+tests/test_train_draft.py."""
 
 from __future__ import annotations
 

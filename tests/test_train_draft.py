@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from tiny_drafts import make_eagle3_draft, make_random_draft
+from tiny_families import make_tiny_family
 from tiny_models import make_tiny_llama
 from train_helpers import checkpoint, read_log
 
@@ -44,16 +45,27 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # --- 1. the dense forwards compute what the engine computes -------------------------------
 
 
-@pytest.fixture(scope="module", params=[(), (0, 1)], ids=["last-layer", "aux-layers"])
+@pytest.fixture(scope="module", params=["last-layer", "aux-layers", "gemma3"])
 def speculating_llm(request, tmp_path_factory: pytest.TempPathFactory) -> LLM:
     """An engine on a 2-layer tiny Llama with a random 3-depth draft; depth 0 reads the last
-    layer's output, or (EAGLE3 style) both layers' outputs side by side."""
+    layer's output, or (EAGLE3 style) both layers' outputs side by side. Or on a tiny Gemma 3
+    whose window (4) is shorter than the sequences below: its sliding layers, and the draft's
+    depths (layers of that kind), attend to the window, and its embeddings are scaled."""
     root = tmp_path_factory.mktemp("parity")
     target = root / "target"
-    make_tiny_llama(target, seed=1)
+    if request.param == "gemma3":
+        make_tiny_family(
+            target,
+            "gemma3",
+            seed=1,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=4,
+        )
+    else:
+        make_tiny_llama(target, seed=1)
     draft = root / "draft"
-    if request.param:
-        make_eagle3_draft(draft, target, NUM_DRAFT_STEPS, request.param, seed=2)
+    if request.param == "aux-layers":
+        make_eagle3_draft(draft, target, NUM_DRAFT_STEPS, (0, 1), seed=2)
     else:
         make_random_draft(draft, target, NUM_DRAFT_STEPS, seed=2)
     return LLM(

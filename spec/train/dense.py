@@ -1,6 +1,6 @@
 """Teacher-forced forwards over whole sequences, for training: the target's and every draft
 depth's, through the very modules the engine runs, with plain causal attention over a padded
-[B, T] batch in place of the paged KV cache.
+[B, T] batch in place of the paged KV cache (banded to the window in a sliding-window layer).
 
 Sequences are padded at the end. Attention is causal, so padding never reaches a real position;
 the loss masks the padded positions out."""
@@ -39,24 +39,41 @@ class DenseBatch:
 
 
 class CausalAttention(AttentionBackend):
-    """Every position attends to the positions before it in its own row; no KV cache."""
+    """Every position attends to the positions before it in its own row, or in a layer of
+    sliding-window attention to the last `window` of them; no KV cache."""
+
+    supports_sliding_window = True
 
     def prepare(self, batch: DenseBatch) -> None:
         return None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: DenseBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: DenseBatch,
+        window: int | None = None,
     ) -> torch.Tensor:
         b, t = batch.batch_size, batch.seq_len
 
         def heads(x: torch.Tensor) -> torch.Tensor:  # [B*T, h, D] -> [B, h, T, D]
             return x.view(b, t, x.shape[1], x.shape[2]).transpose(1, 2)
 
+        mask = None
+        if window is not None:
+            # A row's rotary positions are its indices, so engine.attention's rule (a query at
+            # p sees the positions above p - window) reads as a band under the diagonal.
+            index = torch.arange(t, device=q.device)
+            steps_back = index[:, None] - index
+            mask = (steps_back >= 0) & (steps_back < window)
         out = F.scaled_dot_product_attention(
             heads(q),
             heads(k),
             heads(v),
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
@@ -109,7 +126,7 @@ def draft_forward(
     for d, depth in enumerate(draft.depths):
         # Embedding lookups outside the target's (maybe inference-mode) modules: a plain
         # function on its weight, so the draft's graph can be built on top.
-        embeds = F.embedding(shifted(tokens, d + 1).reshape(-1), weight)
+        embeds = target.scale_embeddings(F.embedding(shifted(tokens, d + 1).reshape(-1), weight))
         out = depth(embeds, hidden, batch, cos_sin, backend)
         outputs.append(out)
         hidden = out.detach() if detach_between_depths else out
