@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from engine.env import cache_dir
 from engine.errors import ModelLoadError
@@ -150,12 +151,61 @@ def convert_gguf(gguf_file: Path, dest: Path) -> Path:
         model.save_pretrained(dest, safe_serialization=True)
         tokenizer.save_pretrained(dest)
         _strip_quantization_config(dest / "config.json")
+        _add_what_transformers_drops(gguf_file, dest / "config.json")
         stages.update()
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise ModelLoadError(f"could not convert GGUF file {gguf_file}: {err}") from err
     finally:
         stages.close()
     return dest
+
+
+# llama.cpp scales a Gemma 3 model's attention scores by 1 / sqrt(hidden_size / heads) where it
+# has 62 layers (the 27B, whose query_pre_attn_scalar is that), by 1 / sqrt(head_dim) otherwise;
+# its GGUF file has no field for it.
+GEMMA3_27B_LAYERS = 62
+
+
+def with_what_transformers_drops(gguf_file: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """`config` (transformers' conversion of `gguf_file`, as config.json holds it) with what a
+    Gemma 3 file means to llama.cpp that transformers leaves at Gemma3TextConfig's defaults:
+    the global layers' rope scaling (the 4B, 12B and 27B models') and the 27B's
+    query_pre_attn_scalar. Other files' configs come back as they are."""
+    from gguf import GGUFReader
+
+    try:
+        fields = GGUFReader(gguf_file).fields
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"could not read GGUF file {gguf_file}: {err}") from err
+
+    def value(key: str) -> Any:
+        field = fields.get(key)
+        return None if field is None else field.contents()
+
+    arch = value("general.architecture")
+    if arch != "gemma3":
+        return config
+    config = json.loads(json.dumps(config))
+    scaling, factor = value(f"{arch}.rope.scaling.type"), value(f"{arch}.rope.scaling.factor")
+    if scaling not in (None, "none") and factor not in (None, 1.0):
+        if scaling != "linear":
+            raise ModelLoadError(
+                f"{gguf_file}: rope scaling {scaling!r} in a Gemma 3 GGUF file is not converted "
+                "(only 'linear'); load the model's Hugging Face folder instead"
+            )
+        global_rope = config["rope_parameters"]["full_attention"]
+        global_rope.update(rope_type="linear", factor=float(factor))
+    if value(f"{arch}.block_count") == GEMMA3_27B_LAYERS:
+        hidden, heads = value(f"{arch}.embedding_length"), value(f"{arch}.attention.head_count")
+        config["query_pre_attn_scalar"] = hidden // heads
+    return config
+
+
+def _add_what_transformers_drops(gguf_file: Path, config_file: Path) -> None:
+    config = json.loads(config_file.read_text())
+    fixed = with_what_transformers_drops(gguf_file, config)
+    if fixed != config:
+        config_file.write_text(json.dumps(fixed, indent=2, sort_keys=True) + "\n")
 
 
 def _strip_quantization_config(config_file: Path) -> None:

@@ -23,7 +23,7 @@ import torch
 from tiny_drafts import make_random_draft
 from tiny_families import make_tiny_family, write_tiny_gguf
 
-from engine import LLM, SamplingParams, UnsupportedModelError
+from engine import LLM, ModelLoadError, SamplingParams, UnsupportedModelError
 from engine.request import spec_totals
 from engine.weights import SUPPORTED_ARCHITECTURES
 
@@ -195,10 +195,21 @@ def test_tensor_dump_holds_the_four_norms_of_each_layer(gemma, tmp_path) -> None
 def test_a_gguf_file_converts_into_the_same_model(tmp_path, monkeypatch) -> None:
     """transformers converts a Gemma 3 GGUF file (its norms stored as 1 + w) into a
     Gemma3ForCausalLM folder; the file carries the window and the global rope base, and the
-    rest takes Gemma3TextConfig's defaults (a global layer every sixth)."""
+    rest takes Gemma3TextConfig's defaults (a global layer every sixth). The global layers'
+    linear rope scaling, which the file carries too (as Gemma 3 4B's does) but transformers
+    does not read, is added to the converted config."""
     monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path / "cache"))
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
     hf = make_tiny_family(
-        tmp_path / "folder", "gemma3", seed=3, num_hidden_layers=6, sliding_window=6
+        tmp_path / "folder",
+        "gemma3",
+        seed=3,
+        num_hidden_layers=6,
+        sliding_window=6,
+        rope_parameters=rope,
     )
     from_gguf = LLM(str(write_tiny_gguf(hf, tmp_path / "gemma3.gguf")), **ENGINE)
     from_folder = LLM(str(tmp_path / "folder"), **ENGINE)
@@ -207,8 +218,40 @@ def test_a_gguf_file_converts_into_the_same_model(tmp_path, monkeypatch) -> None
     assert config.rms_norm_eps == pytest.approx(from_folder.model_config.rms_norm_eps)
     assert dataclasses.replace(config, rms_norm_eps=1e-6) == from_folder.model_config
     assert config.sliding_layers == (0, 1, 2, 3, 4) and config.sliding_window == 6
+    assert (config.rope.rope_type, config.rope.factor) == ("linear", 8.0)
     ours = [o.token_ids for o in from_gguf.generate(PROMPTS, GREEDY)]
     assert ours == _greedy(hf, PROMPTS)
+
+
+def _metadata_only_gguf(file: Path, block_count: int, scaling: str | None = None) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(file), "gemma3")
+    writer.add_block_count(block_count)
+    writer.add_embedding_length(5376)
+    writer.add_head_count(32)
+    if scaling is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType(scaling))
+        writer.add_rope_scaling_factor(8.0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return file
+
+
+def test_a_27b_gguf_file_keeps_llama_cpps_attention_scale(tmp_path) -> None:
+    """llama.cpp scales a 62-layer Gemma 3's scores by 1 / sqrt(hidden_size / heads) (the
+    27B's query_pre_attn_scalar, 168); no field of the file says so."""
+    from engine.default_model import with_what_transformers_drops
+
+    config = {"query_pre_attn_scalar": 256, "rope_parameters": {"full_attention": {}}}
+    fixed = with_what_transformers_drops(_metadata_only_gguf(tmp_path / "27b.gguf", 62), config)
+    assert fixed == {"query_pre_attn_scalar": 168, "rope_parameters": {"full_attention": {}}}
+    other = with_what_transformers_drops(_metadata_only_gguf(tmp_path / "12b.gguf", 48), config)
+    assert other == config
+    with pytest.raises(ModelLoadError, match="rope scaling 'yarn' in a Gemma 3 GGUF file"):
+        with_what_transformers_drops(_metadata_only_gguf(tmp_path / "y.gguf", 48, "yarn"), config)
 
 
 @pytest.mark.parametrize(

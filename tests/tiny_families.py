@@ -100,6 +100,10 @@ def write_tiny_gguf(model: PreTrainedModel, file: Path) -> Path:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
         writer.add_sliding_window(config.sliding_window)
+        # As llama.cpp's converter writes the global layers' scaling (Gemma 3 4B and larger).
+        if rope["full_attention"].get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
     vocab = byte_tokenizer().get_vocab()
     tokens = sorted(vocab, key=vocab.__getitem__)
     # The model's vocabulary is larger than the tokenizer's: the rest are unused rows.
