@@ -39,6 +39,7 @@ class RopeConfig:
 FAMILY_LAYER_OPTIONS: dict[str, dict[str, bool]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "Qwen3MoeForCausalLM": {"qk_norm": True},
     "Gemma3ForCausalLM": {
         "qk_norm": True,
         "sandwich_norms": True,
@@ -51,9 +52,37 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP in the layers `sparse_layers` (the others keep the dense MLP):
+    a router scores the `num_experts` experts of each token, a softmax in float32 turns the
+    scores into probabilities, the token goes to its `top_k` likeliest experts with those
+    probabilities as weights (divided by their sum when `renormalize`), and its output is the
+    weighted sum of those experts' gated MLPs, each `intermediate_size` wide."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"top_k must be in 1..num_experts ({self.num_experts}), got {self.top_k}"
+            )
+        if self.intermediate_size < 1:
+            raise ValueError(f"expert intermediate_size must be >= 1, got {self.intermediate_size}")
+
+    def weight_count(self, hidden_size: int) -> int:
+        """Parameters of one sparse layer's MLP: the router and every expert."""
+        return self.num_experts * (hidden_size + 3 * hidden_size * self.intermediate_size)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shapes and constants of a decoder of the Llama family (Llama, Mistral, Qwen2, Qwen3
-    dense) or of Gemma 3 (text), read once from a HF config."""
+    dense), of Gemma 3 (text), or of a mixture of experts on the same decoder (Mixtral,
+    Qwen3-MoE), read once from a HF config."""
 
     architecture: str
     vocab_size: int
@@ -89,6 +118,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     # Logits become cap * tanh(logits / cap) (Gemma); None: left as they are.
     final_logit_softcapping: float | None = None
+    # The experts that replace the MLP of some layers (Mixtral, Qwen3-MoE); None: dense
+    # layers only.
+    moe: MoeConfig | None = None
     hc_mult: int = 1
     eos_token_ids: tuple[int, ...] = ()
     # The target layers whose outputs an EAGLE3-style draft reads, side by side, instead of
@@ -112,6 +144,12 @@ class ModelConfig:
             raise ValueError(
                 f"sliding layers need a sliding_window >= 1, got {self.sliding_window}"
             )
+        if self.moe is not None:
+            outside = [i for i in self.moe.sparse_layers if not 0 <= i < self.num_layers]
+            if outside:
+                raise ValueError(
+                    f"sparse layers {outside} outside the layers 0..{self.num_layers - 1}"
+                )
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(
                 f"hidden_act={self.hidden_act!r} is not supported "
@@ -122,6 +160,10 @@ class ModelConfig:
         """The attention window of `layer` (the positions a query sees, its own included);
         None: the whole context."""
         return self.sliding_window if layer in self.sliding_layers else None
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the mixture of experts."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @property
     def embed_scale(self) -> float:
@@ -175,10 +217,50 @@ class ModelConfig:
             sliding_layers=sliding_layers,
             query_pre_attn_scalar=getattr(hf, "query_pre_attn_scalar", None),
             final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
+            moe=_moe_from_hf(hf, architecture),
             hc_mult=int(getattr(hf, "hc_mult", 1) or 1),
             eos_token_ids=eos_token_ids,
             **FAMILY_LAYER_OPTIONS.get(architecture, {}),
         )
+
+
+def _moe_from_hf(hf: Any, architecture: str) -> MoeConfig | None:
+    """Mixtral's experts in every layer, renormalised over the chosen k; Qwen3-MoE's in the
+    layers that `mlp_only_layers` and `decoder_sparse_step` leave sparse, renormalised when
+    `norm_topk_prob`. A shared expert (Qwen2-MoE's kind) is refused by name."""
+    shared = getattr(hf, "shared_expert_intermediate_size", None) or getattr(
+        hf, "n_shared_experts", None
+    )
+    if shared:
+        raise UnsupportedModelError(
+            f"{architecture}: shared experts are not supported (the engine runs routed experts "
+            "only, as Mixtral and Qwen3-MoE have them)"
+        )
+    layers = range(hf.num_hidden_layers)
+    if architecture == "MixtralForCausalLM":
+        return MoeConfig(
+            num_experts=hf.num_local_experts,
+            top_k=hf.num_experts_per_tok,
+            intermediate_size=hf.intermediate_size,
+            renormalize=True,
+            sparse_layers=tuple(layers),
+        )
+    if architecture != "Qwen3MoeForCausalLM":
+        return None
+    step = hf.decoder_sparse_step
+    if step < 1:
+        raise UnsupportedModelError(f"decoder_sparse_step must be >= 1, got {step}")
+    dense = set(hf.mlp_only_layers or ())
+    sparse = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+    if hf.num_experts < 1 or not sparse:
+        return None
+    return MoeConfig(
+        num_experts=hf.num_experts,
+        top_k=hf.num_experts_per_tok,
+        intermediate_size=hf.moe_intermediate_size,
+        renormalize=bool(hf.norm_topk_prob),
+        sparse_layers=sparse,
+    )
 
 
 def _refuse_gemma_options(hf: Any) -> None:

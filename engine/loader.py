@@ -295,9 +295,12 @@ def _default_kv_tokens(
 def _weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     c = config
     attention = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    mlp = 3 * c.hidden_size * c.intermediate_size
+    sparse = len(c.moe.sparse_layers) if c.moe is not None else 0
+    mlp = (c.num_layers - sparse) * 3 * c.hidden_size * c.intermediate_size
+    if c.moe is not None:
+        mlp += sparse * c.moe.weight_count(c.hidden_size)
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return (c.num_layers * (attention + mlp) + embeddings) * dtype.itemsize
+    return (c.num_layers * attention + mlp + embeddings) * dtype.itemsize
 
 
 def model_path_arg(model: str | os.PathLike | None) -> str | None:

@@ -27,7 +27,20 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "hyper_llama")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "mixtral",
+    "qwen3_moe",
+    "hyper_llama",
+)
+# Why some architectures near the supported ones are refused, said with the refusal.
+REFUSAL_REASONS = {
+    "Qwen2MoeForCausalLM": "shared experts are not supported, routed experts are",
+}
 # The architectures whose sliding-window layers the engine runs (engine.config.ModelConfig's
 # sliding_layers); any other with such layers is refused.
 SLIDING_WINDOW_ARCHITECTURES = ("Gemma3ForCausalLM",)
@@ -180,8 +193,11 @@ def _check_supported(raw: dict[str, Any], config_file: Path) -> None:
     architectures = raw.get("architectures") or []
     unknown = [name for name in architectures if name not in SUPPORTED_ARCHITECTURES]
     if unknown:
+        reasons = "".join(
+            f"; {name}: {REFUSAL_REASONS[name]}" for name in unknown if name in REFUSAL_REASONS
+        )
         raise UnsupportedModelError(
-            f"{config_file}: architecture {', '.join(unknown)} is not supported "
+            f"{config_file}: architecture {', '.join(unknown)} is not supported{reasons} "
             f"(supported: {supported})"
         )
     model_type = raw.get("model_type")

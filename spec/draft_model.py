@@ -81,9 +81,10 @@ class MultiLayerEagleDraft(nn.Module):
         target's)."""
         super().__init__()
         self.config = config
-        # The target's config with the depths' own MLP width: what each depth's layer is.
+        # The target's config with the depths' own MLP width: what each depth's layer is. A
+        # depth's MLP is dense whatever the target's layers are (no experts for a MoE target).
         self.layer_config = dataclasses.replace(
-            config, intermediate_size=intermediate_size or config.intermediate_size
+            config, intermediate_size=intermediate_size or config.intermediate_size, moe=None
         )
         self.depths = nn.ModuleList(
             DraftDepth(self.layer_config, config.spec_hidden_size if d == 0 else config.hidden_size)

@@ -206,11 +206,11 @@ def _edit_config(source: Path, dest: Path, **fields) -> Path:
 def test_an_unsupported_family_is_refused_with_the_supported_list(models, tmp_path) -> None:
     folder = _edit_config(
         models["qwen3-tied"][0],
-        tmp_path / "moe",
-        architectures=["Qwen3MoeForCausalLM"],
-        model_type="qwen3_moe",
+        tmp_path / "phi3",
+        architectures=["Phi3ForCausalLM"],
+        model_type="phi3",
     )
-    with pytest.raises(UnsupportedModelError, match="Qwen3MoeForCausalLM") as raised:
+    with pytest.raises(UnsupportedModelError, match="Phi3ForCausalLM") as raised:
         LLM(str(folder), **ENGINE)
     message = str(raised.value)
     assert all(name in message for name in SUPPORTED_ARCHITECTURES), message

@@ -1,4 +1,5 @@
-"""Tiny random checkpoints of the families beside Llama (Qwen2, Qwen3 dense, Gemma 3 text),
+"""Tiny random checkpoints of the families beside Llama (Qwen2, Qwen3 dense, Gemma 3 text, and
+the mixtures of experts Mixtral and Qwen3-MoE),
 built with transformers' own config and model classes and saved, float32, with tiny_models'
 byte-level tokenizer. The models come back in eager attention: the reference the engine is
 compared to."""
@@ -12,17 +13,23 @@ from tiny_models import TINY_DEFAULTS, byte_tokenizer
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
 }
 # The families whose norms apply a weight w as 1 + w (transformers starts w at zero).
 UNIT_OFFSET_NORMS = ("gemma3",)
@@ -31,7 +38,19 @@ FAMILY_DEFAULTS = {
     "qwen2": {},
     "qwen3": {"head_dim": 16},
     "gemma3": {"head_dim": 16, "tie_word_embeddings": True},
+    # Eight experts of the dense width; Qwen3-MoE's own head_dim and expert width would dwarf
+    # the model too.
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {
+        "head_dim": 16,
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+    },
 }
+# The routers' own initialisation (zeros for Qwen3-MoE) would send every token to the same
+# experts: drawn with this spread instead, each token picks its own.
+ROUTER_STD = 0.5
 
 
 def make_tiny_family(path: Path, family: str, seed: int = 0, **overrides) -> PreTrainedModel:
@@ -56,6 +75,8 @@ def make_tiny_family(path: Path, family: str, seed: int = 0, **overrides) -> Pre
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, ROUTER_STD)
             elif "norm" in name:
                 param.copy_(1.0 - offset + 0.3 * torch.randn_like(param))
             elif tied and name.endswith(("o_proj.weight", "down_proj.weight")):

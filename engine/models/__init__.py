@@ -1,6 +1,7 @@
 """Model definitions, chosen by the HF architecture name of a checkpoint: the Llama decoder
 (engine.models.llama) runs Llama, Mistral, Qwen2, Qwen3 (dense) and Gemma 3 (text) checkpoints,
-each family's layer options read into ModelConfig (engine.config.FAMILY_LAYER_OPTIONS)."""
+each family's layer options read into ModelConfig (engine.config.FAMILY_LAYER_OPTIONS), and the
+mixtures of experts Mixtral and Qwen3-MoE (ModelConfig.moe, engine.models.moe)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "HyperLlamaForCausalLM": HyperLlamaForCausalLM,
 }
 

@@ -10,7 +10,9 @@ sublayer's output before its residual add and gives the MLP an input norm of its
 pre_feedforward_layernorm and post_feedforward_layernorm the MLP's input and output), applies
 norm weights as 1 + w in float32 (`norm_unit_offset`), gates its MLP with tanh-approximated GELU,
 scales token embeddings by sqrt(hidden_size), interleaves sliding-window layers (each with the
-rotary embedding of its kind) with global ones, and may soft-cap its logits."""
+rotary embedding of its kind) with global ones, and may soft-cap its logits. Mixtral and Qwen3-MoE
+replace the MLP of their sparse layers by a mixture of experts (engine.models.moe), its experts'
+per-expert checkpoint tensors stacked into one tensor per projection at load time."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
 from engine.kernels import triton_usable
 from engine.models.linear import Linear
+from engine.models.moe import SparseMoeBlock, expert_weight_keys, moe_weight_slot, weight_key
 from engine.models.rope import RotaryEmbedding
 
 
@@ -152,7 +155,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoeBlock(config) if config.is_sparse_layer(layer) else MLP(config)
         self.input_layernorm = rms_norm(config, config.hidden_size)
         self.post_attention_layernorm = rms_norm(config, config.hidden_size)
         self.pre_feedforward_layernorm: RMSNorm | None = None
@@ -321,7 +324,8 @@ class LlamaForCausalLM(nn.Module):
         return torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up into their packed projections."""
+        """Copy HF-named tensors in, fusing q/k/v and gate/up into their packed projections and
+        each expert's tensors into the stacked ones of its layer."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -329,18 +333,23 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target, offset = self._packed_target(name)
+            slot = moe_weight_slot(name, self.config)
+            if slot is None:
+                (target, offset), expert = self._packed_target(name), None
+            else:
+                target, expert, offset = slot
             if target not in params:
                 raise ModelLoadError(f"unexpected weight {name!r} in checkpoint")
             param = params[target]
             rows = tensor.shape[0]
-            dest = param.data if offset is None else param.data.narrow(0, offset, rows)
+            dest = param.data if expert is None else param.data[expert]
+            dest = dest if offset is None else dest.narrow(0, offset, rows)
             if dest.shape != tensor.shape:
                 raise ModelLoadError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
                 )
             dest.copy_(tensor)
-            loaded.add(name if offset is None else f"{target}:{offset}")
+            loaded.add(weight_key(target, expert, offset))
         expected = self._expected_keys(params)
         missing = sorted(expected - loaded)
         if missing:
@@ -366,7 +375,10 @@ class LlamaForCausalLM(nn.Module):
         q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
         keys = set()
         for name in params:
-            if ".qkv_proj." in name:
+            experts = expert_weight_keys(name, c)
+            if experts is not None:
+                keys.update(experts)
+            elif ".qkv_proj." in name:
                 keys.update(f"{name}:{o}" for o in (0, q, q + kv))
             elif ".gate_up_proj." in name:
                 keys.update(f"{name}:{o}" for o in (0, inter))
