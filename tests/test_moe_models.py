@@ -4,7 +4,7 @@ with dense layers by `mlp_only_layers` or `decoder_sparse_step`, top-k weights r
 not). Logits at every position, greedy output token for token (batched prompts of different
 lengths, whole or in chunks), the grouped expert GEMMs against a per-token reference, lossless
 speculative decoding with a draft trained by `pdcluster train-draft`, tensor dumps of the router,
-and the refusals of what the engine does not run (a prefill and a decode node:
+GGUF files, and the refusals of what the engine does not run (a prefill and a decode node:
 test_moe_cluster.py)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_families import make_tiny_family
+from tiny_families import make_tiny_family, write_tiny_gguf
 from tiny_models import save_chat_template
 
 from engine import LLM, SamplingParams, UnsupportedModelError
@@ -298,6 +298,45 @@ def test_tensor_dump_holds_the_router_logits_and_the_experts_output(models, tmp_
     torch.testing.assert_close(
         outputs["model.layers.2.mlp.gate"], captured[0], atol=1e-4, rtol=1e-4
     )
+
+
+def test_a_qwen3_moe_gguf_file_converts_into_the_same_model(tmp_path, monkeypatch) -> None:
+    """transformers converts a Qwen3-MoE GGUF file (its experts one tensor per projection) into
+    a Qwen3MoeForCausalLM folder, with Qwen3MoeConfig's expert width (768) and the top-k
+    weights renormalised, as llama.cpp runs such files."""
+    monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path / "cache"))
+    hf = make_tiny_family(
+        tmp_path / "folder", "qwen3_moe", seed=1, moe_intermediate_size=768, norm_topk_prob=True
+    )
+    from_gguf = LLM(str(write_tiny_gguf(hf, tmp_path / "qwen3moe.gguf")), **ENGINE)
+    config = from_gguf.model_config
+    assert config.moe == MoeConfig(6, 2, 768, renormalize=True, sparse_layers=(0, 1))
+    assert [o.token_ids for o in from_gguf.generate(PROMPTS, GREEDY)] == greedy(hf, PROMPTS)
+
+
+def test_moe_gguf_files_that_would_convert_wrongly_are_refused(tmp_path, monkeypatch) -> None:
+    """A `llama` GGUF file with experts (Mixtral's) would become a dense Llama with random MLP
+    weights; a `qwen3moe` file whose experts are not 768 wide would not load in transformers."""
+    import gguf
+
+    monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path / "cache"))
+    mixtral = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(mixtral), "llama")
+    writer.add_block_count(1)
+    writer.add_expert_count(8)
+    writer.add_expert_used_count(2)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'llama' with 8 experts.*HF folder"):
+        LLM(str(mixtral), **ENGINE)
+    hf = make_tiny_family(tmp_path / "folder", "qwen3_moe", seed=1)
+    narrow = write_tiny_gguf(hf, tmp_path / "narrow.gguf")
+    with pytest.raises(UnsupportedModelError, match="experts are 48 wide.*768 wide"):
+        LLM(str(narrow), **ENGINE)
+    assert not any((tmp_path / "cache" / "models").glob("*/config.json"))
 
 
 @pytest.mark.parametrize(

@@ -93,11 +93,14 @@ def make_tiny_family(path: Path, family: str, seed: int = 0, **overrides) -> Pre
 
 def write_tiny_gguf(model: PreTrainedModel, file: Path) -> Path:
     """`model` (from make_tiny_family) as a float32 GGUF file, named as llama.cpp names a Qwen2,
-    Qwen3 or Gemma 3 checkpoint (gguf's own name map), with the byte-level tokenizer as a
+    Qwen3, Gemma 3 or Qwen3-MoE checkpoint (gguf's own name map; a MoE layer's experts as one
+    tensor per projection, ffn_{gate,up,down}_exps), with the byte-level tokenizer as a
     merge-free GPT-2 BPE vocabulary. transformers reads no head_dim from a Qwen3 GGUF file: it
     takes Qwen3Config's own (128), so a Qwen3 model written here needs that head_dim. A Gemma 3
     file names no layer types, local rope base or query_pre_attn_scalar: a model written here
-    needs Gemma3TextConfig's defaults (a global layer every sixth, 10,000, 256)."""
+    needs Gemma3TextConfig's defaults (a global layer every sixth, 10,000, 256). Nor does it
+    read a Qwen3-MoE file's expert width: it takes Qwen3MoeConfig's (768), and renormalises the
+    top-k weights (norm_topk_prob), as llama.cpp does."""
     import gguf
 
     config = model.config
@@ -105,6 +108,7 @@ def write_tiny_gguf(model: PreTrainedModel, file: Path) -> Path:
         "qwen2": gguf.MODEL_ARCH.QWEN2,
         "qwen3": gguf.MODEL_ARCH.QWEN3,
         "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
+        "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
     }[config.model_type]
     gemma = arch == gguf.MODEL_ARCH.GEMMA3
     writer = gguf.GGUFWriter(str(file), gguf.MODEL_ARCH_NAMES[arch])
@@ -125,6 +129,12 @@ def write_tiny_gguf(model: PreTrainedModel, file: Path) -> Path:
         if rope["full_attention"].get("rope_type") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    if arch == gguf.MODEL_ARCH.QWEN3MOE:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     vocab = byte_tokenizer().get_vocab()
     tokens = sorted(vocab, key=vocab.__getitem__)
     # The model's vocabulary is larger than the tokenizer's: the rest are unused rows.
@@ -148,9 +158,26 @@ def write_tiny_gguf(model: PreTrainedModel, file: Path) -> Path:
         tensor = tensor.detach().float()
         if gemma and name.endswith("norm.weight"):
             tensor = tensor + 1.0  # llama.cpp stores Gemma's norm weights as applied, 1 + w
+        if ".mlp.experts." in name:
+            for gguf_name, part in _expert_tensors(name, tensor):
+                writer.add_tensor(gguf_name, part.contiguous().numpy())
+            continue
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return file
+
+
+def _expert_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A layer's stacked experts (transformers' gate_up_proj [E, 2I, H], down_proj [E, H, I]) as
+    llama.cpp's ffn_gate_exps and ffn_up_exps [E, I, H] and ffn_down_exps [E, H, I]."""
+    layer = int(name.split(".")[2])
+    if name.endswith("gate_up_proj"):
+        gate, up = tensor.chunk(2, dim=1)
+        return [
+            (f"blk.{layer}.ffn_gate_exps.weight", gate),
+            (f"blk.{layer}.ffn_up_exps.weight", up),
+        ]
+    return [(f"blk.{layer}.ffn_down_exps.weight", tensor)]
