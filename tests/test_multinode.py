@@ -273,6 +273,7 @@ def test_engines_sharing_a_gpu_size_their_kv_from_their_share(monkeypatch):
         num_kv_heads=2,
         head_dim=16,
         tie_word_embeddings=True,
+        moe=None,
     )
     gib = 1024**3
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, 80 * gib))
