@@ -28,7 +28,7 @@ from engine.request import Request, RequestOutput, SpecStats, Usage
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.speculative_steps import SpeculativeSteps
-from engine.step_sampling import sample_next_tokens, sample_overlapped
+from engine.step_sampling import decode_plainly, sample_next_tokens, sample_overlapped
 from engine.stopping import StopChecker
 from engine.tracing import RequestTrace, set_time, set_time_batch
 from engine.validation import validate_request
@@ -246,16 +246,12 @@ class EngineCore:
             return []  # its tokens are read after the next step is launched
         set_time_batch(batch.requests, "decode_start")
         try:
-            forward_batch = self.runner.build_batch(batch.requests)
-            output = self.runner.forward(forward_batch)
-            tokens, logprobs = sample_next_tokens(
-                output.logits, batch.requests, self.eos_token_ids, self.default_generator
+            _, tokens, logprobs = decode_plainly(
+                self.runner, batch.requests, self.eos_token_ids, self.default_generator
             )
         except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
             return self._fail(batch.requests, "decode", err)
-        finished = self.scheduler.process_result(
-            batch, tokens.tolist(), logprobs, self.stop_checker
-        )
+        finished = self.scheduler.process_result(batch, tokens, logprobs, self.stop_checker)
         set_time_batch(batch.requests, "decode_end")
         return finished
 

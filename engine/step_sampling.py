@@ -4,6 +4,7 @@ from its last-position logits, with its processors, grammar mask and seed stream
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from engine.sampler import (
     sample,
     sample_on_device,
 )
+
+if TYPE_CHECKING:
+    from engine.model_runner import ForwardOutput, ModelRunner
 
 
 def position_seed(seed: int, index: int) -> PositionSeed:
@@ -51,6 +55,21 @@ def sample_next_tokens(
     processed = mask_request_logits(processed, requests, unprocessed=logits)
     tokens = sample(processed, params, generators, default_generator)
     return tokens, compute_logprobs(logits, tokens, params)
+
+
+def decode_plainly(
+    runner: ModelRunner,
+    requests: list[Request],
+    eos_token_ids: Sequence[int],
+    default_generator: torch.Generator,
+    keep_hidden: bool = False,
+) -> tuple[ForwardOutput, list[int], list[TokenLogprob | None]]:
+    """A plain decode step's forward and sampling: one new token a request, its logprob entry,
+    and the forward's output (with the hidden states at the newest tokens, `keep_hidden`).
+    The one plain decode step of an engine, speculating or not."""
+    output = runner.forward(runner.build_batch(requests), keep_hidden=keep_hidden)
+    tokens, logprobs = sample_next_tokens(output.logits, requests, eos_token_ids, default_generator)
+    return output, tokens.tolist(), logprobs
 
 
 def samples_from_logits_alone(req: Request) -> bool:
