@@ -172,6 +172,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "a GPU, draft on a CPU",
     )
     parser.add_argument(
+        "--speculative-plan",
+        choices=("adaptive", "always"),
+        default=None,
+        help="how each decode step chooses to speculate: 'adaptive' only where a round is "
+        "measured to commit more tokens a second than a plain step at that batch size (the "
+        "running accept length against a round's cost over a plain step, learned as the "
+        "engine runs), 'always' at every step (default: adaptive)",
+    )
+    parser.add_argument(
+        "--speculative-disable-batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="every decode step of N or more running requests is plain (no speculation)",
+    )
+    parser.add_argument(
         "--debug-tensor-dump-dir",
         type=os.path.abspath,
         default=None,

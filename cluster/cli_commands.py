@@ -37,6 +37,8 @@ def engine_args(args: argparse.Namespace):
         speculative_topk=args.speculative_topk,
         num_draft_tokens=args.num_draft_tokens,
         draft_vocab=args.draft_vocab,
+        speculative_plan=args.speculative_plan,
+        speculative_disable_batch_size=args.speculative_disable_batch_size,
         debug_tensor_dump_dir=args.debug_tensor_dump_dir,
         debug_tensor_dump_layers=args.debug_tensor_dump_layers,
     )

@@ -367,6 +367,11 @@ class EngineConfig:
     # A draft that ships a vocabulary proposes from it ("draft") or from the target's whole
     # vocabulary ("full"); a draft without one always uses the whole vocabulary.
     draft_vocab: str = "draft"
+    # How each decode step's round plan is chosen (spec/round_plan.py): "adaptive" speculates
+    # where a round is measured to pay, "always" wherever a request has drafts to verify; at
+    # `speculative_disable_batch_size` requests or more (None: no such size) every step is plain.
+    speculative_plan: str = "adaptive"
+    speculative_disable_batch_size: int | None = None
     # float32 linear layers on CPU run through oneDNN with prepacked weights (see cpu_linear.py).
     cpu_packed_linear: bool = True
     # Set by --debug-tensor-dump-dir: where this engine's forward passes are dumped.
@@ -389,6 +394,7 @@ class EngineConfig:
                 "cuda_graph_max_prefill_tokens must be >= 0, "
                 f"got {self.cuda_graph_max_prefill_tokens}"
             )
+        check_speculative_plan(self.speculative_plan, self.speculative_disable_batch_size)
         graphs = self.cuda_graph_max_bs > 0 or self.cuda_graph_max_prefill_tokens > 0
         refuse_cuda_graphs(self.tensor_dump is not None, graphs)
         if self.num_draft_chains < 1:
@@ -414,6 +420,18 @@ def check_draft_vocab_choice(value: str) -> None:
         raise ValueError(
             f"draft_vocab must be one of {', '.join(DRAFT_VOCAB_CHOICES)}, got {value!r}"
         )
+
+
+SPECULATIVE_PLAN_CHOICES = ("adaptive", "always")
+
+
+def check_speculative_plan(plan: str, disable_batch_size: int | None) -> None:
+    if plan not in SPECULATIVE_PLAN_CHOICES:
+        raise ValueError(
+            f"speculative_plan must be one of {', '.join(SPECULATIVE_PLAN_CHOICES)}, got {plan!r}"
+        )
+    if disable_batch_size is not None and disable_batch_size < 1:
+        raise ValueError(f"speculative_disable_batch_size must be >= 1, got {disable_batch_size}")
 
 
 # A tree's verify span is the newest token then the nodes, each token's visible rows a 64-bit

@@ -97,7 +97,7 @@ class EngineCore:
         self.speculative: SpeculativeSteps | None = None
         if speculator is not None:
             self.speculative = SpeculativeSteps(
-                speculator, self.scheduler, self.stop_checker, self._fail
+                speculator, runner, self.scheduler, self.stop_checker, self._fail
             )
         self.grammars: GrammarCompiler | None = None
         # Tokens that prefill forwards ran (chunks and re-prefills included; a prompt that
@@ -128,6 +128,11 @@ class EngineCore:
             req.num_draft_tokens = self.speculator.num_draft_steps
             req.spec_stats = SpecStats(accepted_per_position=[0] * req.num_draft_tokens)
         return req
+
+    def plan_counts(self) -> dict[str, int]:
+        """Decode steps by the label of their round plan (spec.round_plan) since the engine
+        started: "plain", "chain/device", ...; empty for an engine that does not speculate."""
+        return dict(self.speculative.plans) if self.speculative is not None else {}
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self.grammars is None:

@@ -22,6 +22,26 @@ class QueuedWork(Protocol):
         """Wait until it has run."""
 
 
+class StepPlan(Protocol):
+    """A decode step's plan as the engine reads it (spec.round_plan.RoundPlan)."""
+
+    @property
+    def speculates(self) -> bool:
+        """The step verifies drafts (a round); False: a plain step."""
+
+    @property
+    def catches_up(self) -> bool:
+        """A plain step after which the requests' drafts catch up over the positions plain
+        steps committed."""
+
+    @property
+    def label(self) -> str:
+        """The plan in a word or two, what traces and counters name it by."""
+
+    def trace_args(self) -> dict[str, Any]:
+        """What the step's trace events carry of it."""
+
+
 class Speculator(Protocol):
     """What the engine asks of speculative decoding (implemented in spec/)."""
 
@@ -40,24 +60,35 @@ class Speculator(Protocol):
         prompt_sources[i]: the index of an earlier request of the same prompt whose draft KV
         request i, another parallel sample, shares (None: its own)."""
 
+    def plan(self, requests: list[Request], waiting: bool) -> StepPlan:
+        """The plan of the decode step of `requests` that begins now; `waiting`: prompts wait
+        for admission (the next step may not decode the same requests)."""
+
     def verify(
-        self, requests: list[Request], default_generator: torch.Generator, launch_next: bool
+        self, requests: list[Request], default_generator: torch.Generator, plan: StepPlan
     ) -> Any:
-        """One target forward over each request's newest token and draft chain; returns the
-        tokens to commit (`.tokens`, one list per request; `.logprobs`, one list per request or
-        None when no token has one) and what the draft extend needs. `launch_next`: the next
-        step is expected to decode the same requests; their next verify may be queued now
-        (`queued_verify`)."""
+        """One target forward over each request's newest token and draft chain (a plan that
+        speculates); returns the tokens to commit (`.tokens`, one list per request;
+        `.logprobs`, one list per request or None when no token has one) and what the draft
+        extend needs. The plan may queue the next round's verify now (`queued_verify`)."""
 
     def queued_verify(self) -> QueuedWork | None:
         """Work queued on the device behind the last verify that may still write the KV of
         the requests it verified, if any."""
 
-    def finish_round(self, requests: list[Request], verified: Any, launch_next: bool) -> None:
+    def finish_round(self, requests: list[Request], verified: Any, plan: StepPlan) -> None:
         """After the tokens were committed: count statistics, extend the draft of each request
-        still running over its new tokens, building its next chain. `launch_next`: the next
-        step is expected to decode the same requests; their next verify may be queued now
-        (the speculator checks, when asked for it, that nothing changed)."""
+        still running over its new tokens, building its next chain. Where the plan says so,
+        the next round's verify may be queued now (the speculator checks, when the next step
+        takes it, that nothing changed)."""
+
+    def after_plain_step(
+        self, requests: list[Request], hidden: torch.Tensor, plan: StepPlan
+    ) -> None:
+        """After a plain step committed one token for each of `requests`: keep the target's
+        hidden state at the position before it (`hidden` [n, spec_hidden_size]) for the
+        request's draft, which is one more position behind; where the plan catches up, the
+        drafts extend over every position they are behind."""
 
     def release(self, req: Request) -> None:
         """Free the request's draft KV (called whenever its target KV is freed)."""

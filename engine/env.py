@@ -17,6 +17,15 @@ def cache_dir() -> Path:
     return Path(xdg).expanduser() / "pdcluster"
 
 
+def speculative_plan_default(environ: Mapping[str, str] | None = None) -> str:
+    """How a speculating engine chooses each step's round plan (spec/round_plan.py) when its
+    arguments do not say: $PDCLUSTER_SPECULATIVE_PLAN ("adaptive" or "always"), else
+    "adaptive". The test suite sets "always", so that tests of the rounds' mechanics see a
+    round at every step; the adaptive plan's tests ask for it."""
+    env = os.environ if environ is None else environ
+    return env.get("PDCLUSTER_SPECULATIVE_PLAN", "").strip() or "adaptive"
+
+
 FAULT_PHASES = ("before", "during", "after", "stall")
 FAULT_ENV_VARS = (
     "PDCLUSTER_FAULT_TRANSFER_FAIL_RATE",

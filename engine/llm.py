@@ -51,6 +51,8 @@ class LLM:
         speculative_topk: int | None = None,
         num_draft_tokens: int | None = None,
         draft_vocab: str | None = None,
+        speculative_plan: str | None = None,
+        speculative_disable_batch_size: int | None = None,
         debug_tensor_dump_dir: str | os.PathLike | None = None,
         debug_tensor_dump_layers: Sequence[int] | None = None,
         enable_tracing: bool = False,
@@ -68,6 +70,11 @@ class LLM:
         `draft_vocab`: "draft" proposes only from the vocabulary a draft folder ships (fewer
         LM-head rows a depth, which a CPU needs), "full" from the target's whole vocabulary
         (longer accepts); default: "full" on a GPU, "draft" elsewhere.
+        `speculative_plan`: "adaptive" (default) speculates at a step only where a round is
+        measured to commit more tokens a second than a plain step at that batch size (the
+        running accept length against the cost of a round over a plain step, learned as the
+        engine runs; spec/round_plan.py), "always" at every step; at
+        `speculative_disable_batch_size` running requests or more, every step is plain.
         `debug_tensor_dump_dir` dumps every forward pass (engine/debug_dump.py) under
         DIR/offline/<target|draft-N>/rank0/, keeping only `debug_tensor_dump_layers` if given.
         Prompts longer than `chunked_prefill_size` tokens are prefilled in chunks of it, in or
@@ -112,6 +119,8 @@ class LLM:
             speculative_topk=speculative_topk,
             num_draft_tokens=num_draft_tokens,
             draft_vocab=draft_vocab,
+            speculative_plan=speculative_plan,
+            speculative_disable_batch_size=speculative_disable_batch_size,
             debug_tensor_dump_dir=model_path_arg(debug_tensor_dump_dir),
             debug_tensor_dump_layers=(
                 None if debug_tensor_dump_layers is None else tuple(debug_tensor_dump_layers)

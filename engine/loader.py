@@ -15,10 +15,12 @@ from engine.config import (
     ModelConfig,
     check_draft_tree,
     check_draft_vocab_choice,
+    check_speculative_plan,
     default_device,
     resolve_dtype,
 )
 from engine.debug_dump import OFFLINE_NODE, tensor_dump_config
+from engine.env import speculative_plan_default
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.weights import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
@@ -86,6 +88,12 @@ class EngineArgs:
     # its folder ships (if any); "full", the target's whole vocabulary; None: DRAFT_VOCAB_DEFAULT
     # for the device.
     draft_vocab: str | None = None
+    # How each decode step's round plan is chosen (spec/round_plan.py): "adaptive" speculates
+    # where a round is measured to commit more tokens a second than a plain step, "always" at
+    # every step with drafts to verify; None: engine.env.speculative_plan_default().
+    speculative_plan: str | None = None
+    # At this many running requests or more, every decode step is plain; None: no such size.
+    speculative_disable_batch_size: int | None = None
     # Debugging (engine/debug_dump.py): every module's output per forward pass, under
     # DIR/<node>/<target|draft-N>/rank0/. Give an absolute path to a cluster: each node resolves
     # a relative one in its own working directory. Layers: the target decoder layers kept.
@@ -113,6 +121,14 @@ class EngineArgs:
             check_draft_vocab_choice(self.draft_vocab)
             if self.speculative_algorithm is None:
                 raise ValueError("draft_vocab needs a speculative_algorithm")
+        plan, disable = self.speculative_plan, self.speculative_disable_batch_size
+        if plan is not None or disable is not None:
+            if self.speculative_algorithm is None:
+                raise ValueError(
+                    "speculative_plan and speculative_disable_batch_size need a "
+                    "speculative_algorithm"
+                )
+            check_speculative_plan(plan or "adaptive", disable)
         if self.debug_tensor_dump_layers is not None and self.debug_tensor_dump_dir is None:
             raise ValueError("debug_tensor_dump_layers needs debug_tensor_dump_dir")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
@@ -184,6 +200,8 @@ def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
         speculative_topk=args.speculative_topk or 1,
         num_draft_tokens=args.num_draft_tokens or 0,
         draft_vocab=args.draft_vocab or DRAFT_VOCAB_DEFAULT.get(torch.device(device).type, "draft"),
+        speculative_plan=args.speculative_plan or speculative_plan_default(),
+        speculative_disable_batch_size=args.speculative_disable_batch_size,
         tensor_dump=tensor_dump_config(
             args.debug_tensor_dump_dir,
             args.debug_tensor_dump_layers,

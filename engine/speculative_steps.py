@@ -1,6 +1,9 @@
 """The speculator's part of the engine's steps: the draft extend over freshly prefilled
-prompts (with each parallel sample pointed at the prompt it shares), and the speculative decode
-step: verify each request's draft, commit the accepted tokens, extend the draft over them.
+prompts (with each parallel sample pointed at the prompt it shares), and the decode step of
+speculating requests, which runs the plan the speculator chose for it (spec/round_plan.py):
+a speculative round (verify each request's draft, commit the accepted tokens, extend the draft
+over them), or a plain step (the forward and sampling of a plain engine's decode step, keeping
+the target's hidden states for the drafts to catch up over).
 
 The speculator is spec.MultiLayerEagleWorker, handed in by whoever builds the engine: engine
 never imports spec, which depends on it."""
@@ -11,12 +14,13 @@ from collections.abc import Callable
 
 import torch
 
-from engine.engine_hooks import QueuedWork, Speculator
-from engine.model_runner import ForwardOutput
+from engine.engine_hooks import QueuedWork, Speculator, StepPlan
+from engine.model_runner import ForwardOutput, ModelRunner
 from engine.prefill_chunks import HeldChunks
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
 from engine.scheduler import ScheduledBatch, Scheduler
+from engine.step_sampling import decode_plainly
 from engine.stopping import StopChecker
 from engine.tracing import set_correct_drafts, set_time_batch
 
@@ -42,18 +46,28 @@ def _extends(req: Request) -> bool:
     return not req.finished and req.lookahead > 0
 
 
+def _never(req: Request) -> bool:
+    return False
+
+
 class SpeculativeSteps:
     def __init__(
         self,
         speculator: Speculator,
+        runner: ModelRunner,
         scheduler: Scheduler,
         stop_checker: StopChecker | None,
         fail: FailBatch,
     ) -> None:
         self.speculator = speculator
+        self.runner = runner
         self.scheduler = scheduler
         self.stop_checker = stop_checker
         self.fail = fail
+        self.eos_token_ids = tuple(runner.model_config.eos_token_ids)
+        # Decode steps by their plan's label (`StepPlan.label`) since the engine started: a
+        # node's stats and /metrics report them (`plan_counts`).
+        self.plans: dict[str, int] = {}
         # Requests a decode step finished while the next verify, queued on the device behind
         # it, may still write their KV: their slots are freed once it has run (`release_held`).
         self.held: list[Request] = []
@@ -130,22 +144,31 @@ class SpeculativeSteps:
 
     # --- a decode step ---
     def decode(self, batch: ScheduledBatch, default_generator: torch.Generator) -> list[Request]:
+        """One decode step of the running requests, as the speculator's plan for it says: a
+        speculative round (verify, commit, draft extend), or a plain step."""
+        requests = batch.requests
+        # With nothing waiting for admission, the next step decodes those of these requests
+        # that are still running (or something changes in between, which its plan sees).
+        plan = self.speculator.plan(requests, bool(self.scheduler.waiting))
+        self._count(plan)
+        if not plan.speculates:
+            return self._plain(batch, plan, default_generator)
         # The chain this step verifies already exists (drafted by the last draft extend, or by
         # the draft extend for prefill): its draft span is empty. docs/architecture.md, Tracing.
-        set_time_batch(batch.requests, "draft_start", "draft_end", "verify_start", where=_drafts)
-        set_time_batch(batch.requests, "decode_start", where=_decodes_plainly)
-        # With nothing waiting for admission, the next step decodes those of these requests
-        # that are still running (or something changes in between, which its verify sees).
-        launch_next = not self.scheduler.waiting
+        args = plan.trace_args() if requests[0].trace is not None else None
+        set_time_batch(
+            requests, "draft_start", "draft_end", "verify_start", where=_drafts, args=args
+        )
+        set_time_batch(requests, "decode_start", where=_decodes_plainly, args=args)
         try:
-            verified = self.speculator.verify(batch.requests, default_generator, launch_next)
+            verified = self.speculator.verify(requests, default_generator, plan)
         except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
             self.release_held(wait=True)
-            return self.fail(batch.requests, "verify", err)
+            return self.fail(requests, "verify", err)
         # The verify's outcome was read: everything queued before it has run.
         self.release_held(wait=True)
-        set_time_batch(batch.requests, "verify_end", where=_drafts)
-        set_time_batch(batch.requests, "decode_end", where=_decodes_plainly)
+        set_time_batch(requests, "verify_end", where=_drafts)
+        set_time_batch(requests, "decode_end", where=_decodes_plainly)
         queued = self.speculator.queued_verify()
         finished = self.scheduler.process_tokens(
             batch, verified.tokens, verified.logprobs, self.stop_checker, queued is not None
@@ -154,12 +177,46 @@ class SpeculativeSteps:
             self.held, self.held_by = finished, queued
             if not self.scheduler.running:  # nothing runs after them to hide the wait behind
                 self.release_held(wait=True)
-        set_time_batch(batch.requests, "draft_extend_start", where=_extends)
+        set_time_batch(requests, "draft_extend_start", where=_extends)
         try:
-            self.speculator.finish_round(batch.requests, verified, launch_next)
+            self.speculator.finish_round(requests, verified, plan)
         except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only
-            alive = [req for req in batch.requests if not req.finished]
+            alive = [req for req in requests if not req.finished]
             return finished + self.fail(alive, "draft extend", err)
-        set_time_batch(batch.requests, "draft_extend_end", where=_extends)
-        set_correct_drafts(batch.requests)
+        set_time_batch(requests, "draft_extend_end", where=_extends)
+        set_correct_drafts(requests)
         return finished
+
+    def _plain(
+        self, batch: ScheduledBatch, plan: StepPlan, default_generator: torch.Generator
+    ) -> list[Request]:
+        """A step that verifies no draft: the forward and sampling of a plain engine's decode
+        step, keeping the target's hidden states for the drafts to catch up over later
+        (`Speculator.after_plain_step`), which they do after it where the plan says so."""
+        requests = batch.requests
+        args = plan.trace_args() if requests[0].trace is not None else None
+        set_time_batch(requests, "decode_start", args=args)
+        try:
+            output, token_ids, logprobs = decode_plainly(
+                self.runner, requests, self.eos_token_ids, default_generator, keep_hidden=True
+            )
+        except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
+            self.release_held(wait=True)
+            return self.fail(requests, "decode", err)
+        # The tokens were read: everything queued before this step has run.
+        self.release_held(wait=True)
+        finished = self.scheduler.process_result(batch, token_ids, logprobs, self.stop_checker)
+        set_time_batch(requests, "decode_end")
+        extending = _extends if plan.catches_up else _never
+        set_time_batch(requests, "draft_extend_start", where=extending)
+        try:
+            self.speculator.after_plain_step(requests, output.hidden, plan)
+        except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only
+            alive = [req for req in requests if not req.finished]
+            return finished + self.fail(alive, "draft extend", err)
+        set_time_batch(requests, "draft_extend_end", where=extending)
+        return finished
+
+    def _count(self, plan: StepPlan) -> None:
+        label = plan.label
+        self.plans[label] = self.plans.get(label, 0) + 1

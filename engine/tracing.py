@@ -44,10 +44,14 @@ class RequestTrace:
 
 
 def set_time_batch(
-    requests: Sequence[Request], *names: str, where: Callable[[Request], bool] | None = None
+    requests: Sequence[Request],
+    *names: str,
+    where: Callable[[Request], bool] | None = None,
+    args: dict[str, Any] | None = None,
 ) -> None:
     """Stamp each of `names`, in order, on the requests of a batch with one clock read; `where`
-    picks the requests of the batch the events concern (evaluated only when tracing)."""
+    picks the requests of the batch the events concern (evaluated only when tracing); `args`,
+    if given, go with each event (a decode step's first events carry its round plan)."""
     if not requests or requests[0].trace is None:
         return
     now = clock_ns()
@@ -55,7 +59,7 @@ def set_time_batch(
         if req.trace is None or (where is not None and not where(req)):
             continue
         for name in names:
-            req.trace.events.append((name, now))
+            req.trace.events.append((name, now) if args is None else (name, now, args))
 
 
 def set_time(req: Request, name: str, args: dict[str, Any] | None = None) -> None:

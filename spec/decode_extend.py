@@ -31,7 +31,7 @@ from spec.draft_runner import DraftRunner
 from spec.draft_vocab import DraftHead
 from spec.extend_buffers import ExtendBuffers
 from spec.extend_items import FixedExtendItem, GatheredItems, PendingDrafts, grow_depths
-from spec.state import BatchRows, whole_batch
+from spec.state import BatchRows, SpecRequestState, whole_batch
 from spec.tree import TreeShape
 
 
@@ -84,23 +84,33 @@ class FixedDecodeExtend:
         table, whose builder vouches for their committed tokens and hidden states (a round on
         the device fills those there)."""
         k = self.k
-        if self.declines_all or any(runner.dumper is not None for runner in self.depths):
-            return False
         if not items:
             return False
-        # Its rows reach position m + K (and the forks' past it) in every row table.
-        reach = max(item.m for item in items) + k + 1 + max(self.fork_rows)
-        if reach > self.depths[0].req_to_token_pool.max_context_len:
-            return False
         if gathered is not None:
-            return gathered.aligned(k)
-        return all(
-            len(item.verify_hidden) == k + 1
-            and 1 <= len(item.committed) <= k + 1
-            and item.m >= k
-            and all(seq.valid_len == item.m - d for d, seq in enumerate(item.state.seqs))
-            for item in items
+            return self._reaches(max(item.m for item in items)) and gathered.aligned(k)
+        return self.fits_states([(item.state, item.m) for item in items]) and all(
+            len(item.verify_hidden) == k + 1 and 1 <= len(item.committed) <= k + 1 for item in items
         )
+
+    def fits_states(self, states: list[tuple[SpecRequestState, int]]) -> bool:
+        """`fits` for requests in these draft states whose newest token is at position m
+        (state, m), before their verify: what they hold then decides it, whatever the verify
+        commits (a request that goes on commits 1 to K+1 tokens)."""
+        if not states or not self._reaches(max(m for _, m in states)):
+            return False
+        k = self.k
+        return all(
+            m >= k and all(seq.valid_len == m - d for d, seq in enumerate(state.seqs))
+            for state, m in states
+        )
+
+    def _reaches(self, newest: int) -> bool:
+        """Whether this path may run at all, for requests whose newest position is at most
+        `newest`: its rows reach position m + K (and the forks' past it) in every row table."""
+        if self.declines_all or any(runner.dumper is not None for runner in self.depths):
+            return False
+        reach = newest + self.k + 1 + max(self.fork_rows)
+        return reach <= self.depths[0].req_to_token_pool.max_context_len
 
     @torch.inference_mode()
     def run(self, items: list[FixedExtendItem]) -> None:

@@ -116,6 +116,10 @@ class SpecRequestState:
     _chain: list[int] = field(default_factory=list, init=False, repr=False)
     _chain_probs: list[float] = field(default_factory=list, init=False, repr=False)
     _tree: DraftTree | None = field(default=None, init=False, repr=False)
+    # The target's hidden states at the positions that plain steps (spec.round_plan) committed
+    # since the draft's last extend, oldest first: (a step's hidden states [batch, width], this
+    # request's row there). Depth 0 reads them when the draft catches up over those positions.
+    kept_hidden: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     # Where the next drafts come from while they are on their way to the host: the batch's
     # drafts and this request's index there.
     _pending: tuple[DraftsOnTheirWay, int] | None = field(default=None, init=False, repr=False)

@@ -1,18 +1,21 @@
 """The multi-layer EAGLE worker: draft extend after the target's prefill, then per decode step
-verify -> accept -> draft extend. One worker for any number of depths and any draft tree
-shape (spec/tree.py; one chain is a tree too); the alignment of tokens, hidden states and
-positions across depths is spec.draft_extend's, the growth of trees spec.tree_extender's, the
-slots of a tree's verify spec.tree_verify's; a round is decided on the device where it can be
-(spec.device_round), on the host otherwise (spec.host_verify).
+the step's round plan (spec.round_plan): verify -> accept -> draft extend, or a plain step
+whose drafts fall behind and catch up later (spec.catch_up). One worker for any number of
+depths and any draft tree shape (spec/tree.py; one chain is a tree too); the alignment of
+tokens, hidden states and positions across depths is spec.draft_extend's, the growth of trees
+spec.tree_extender's, the slots of a tree's verify spec.tree_verify's; a round is decided on
+the device where its plan says (spec.device_round), on the host otherwise (spec.host_verify).
 
 A prefill node calls `draft_extend_prefill` after the target's prefill, then sends
 `export_state` and each depth's KV (`depth_kv`). A decode node calls `reserve` before receiving
-and `adopt` after; EngineCore.step then drives `verify` and `finish_round` every decode step."""
+and `adopt` after; EngineCore.step then drives `plan`, and `verify` and `finish_round` or
+`after_plain_step`, every decode step."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
 from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool
@@ -21,6 +24,7 @@ from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
 from engine.verify_outputs import VerifyOutputs
 from spec.batching import Span, extend_batch
+from spec.catch_up import DraftCatchUp
 from spec.decode_extend import FixedDecodeExtend
 from spec.device_round import (
     DeviceRound,
@@ -39,13 +43,24 @@ from spec.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
 from spec.extend_items import FORK_GROW_AHEAD, FixedExtendItem
 from spec.host_verify import VerifyResult, verify_on_host
+from spec.round_costs import StepCosts
+from spec.round_plan import PlanInputs, PlanPolicy, QueueNext, RoundPlan, plan_round
 from spec.round_stats import count_round
+from spec.round_survey import RoundSurvey
 from spec.sample_extend import sample_extend, share_prompt, shared_prompt_len
 from spec.state import DraftState, SpecRequestState
 from spec.tree import DraftTree, TreeShape, tree_shape
 from spec.tree_extender import TreeExtender
-from spec.tree_round import TreeRoundInputs, gather_tree_round, run_tree_round
+from spec.tree_round import TreeRoundInputs, run_tree_round
 from spec.tree_verify import TreeSlots
+
+
+def plan_policy(config: EngineConfig) -> PlanPolicy:
+    """The round plans an engine of `config` chooses (spec.round_plan)."""
+    return PlanPolicy(
+        speculation=config.speculative_plan,
+        disable_batch_size=config.speculative_disable_batch_size,
+    )
 
 
 class MultiLayerEagleWorker:
@@ -86,6 +101,15 @@ class MultiLayerEagleWorker:
         self.extender = TreeExtender(self.depths, self.head, runner.device)
         # The next round's verify, queued before its step (`_launch_verify`).
         self._launched: LaunchedVerify | None = None
+        # How each decode step's plan is chosen (spec.round_plan), what steps cost, and what
+        # the plan of the step running found of its requests.
+        self.policy = plan_policy(runner.config)
+        self.costs = StepCosts()
+        self._survey: RoundSurvey | None = None
+        # Drafts that plain steps leave behind, and their catching up.
+        self.catch_up = DraftCatchUp(
+            self.extender, runner.model_config.spec_hidden_size, runner.config.dtype.itemsize
+        )
 
     def _capture_graphs(self) -> None:
         """CUDA graphs for the forwards of every decode step. Verify: the newest token and a
@@ -120,6 +144,7 @@ class MultiLayerEagleWorker:
         states, taking draft slots for n positions. `prompt_sources[i]`, when not None, is
         the index of an earlier request that request i is another parallel sample of: its draft
         shares that one's prompt KV (spec/sample_extend.py)."""
+        self.costs.interrupted()
         embeds = input_embeds or [None] * len(requests)
         sources = prompt_sources or [None] * len(requests)
         followed = {source for source in sources if source is not None}
@@ -194,6 +219,7 @@ class MultiLayerEagleWorker:
 
     def adopt(self, req: Request, sent: DraftState) -> None:
         """Take over a request whose KV landed in the slots `reserve` took."""
+        self.costs.interrupted()
         state: SpecRequestState = req.spec_state
         n = sent.num_prefilled
         assert req.kv_len == n == req.num_tokens - 1, "adopt right after the first token"
@@ -210,46 +236,80 @@ class MultiLayerEagleWorker:
         state.target_hidden = sent.target_hidden
 
     # --- each decode step ---
+    def set_plan_policy(self, policy: PlanPolicy, costs: StepCosts | None = None) -> None:
+        """Choose later steps' plans under `policy` (and, given, with `costs` in place of what
+        this engine measured)."""
+        self.policy = policy
+        if costs is not None:
+            self.costs = costs
+
+    def plan(self, requests: list[Request], waiting: bool) -> RoundPlan:
+        """The plan of the decode step of `requests` that begins now (spec.round_plan);
+        `waiting`: prompts wait for admission. The step then runs it: `verify` and
+        `finish_round` for a round, a plain forward and `after_plain_step` otherwise."""
+        launched = self._launched
+        queued = "none"
+        if launched is not None and launched.runs(requests):
+            queued = "by_host" if launched.inputs is not None else "by_device"
+        k = self.num_draft_steps
+        survey = RoundSurvey(
+            requests, k, self.shape, self.fixed_extend,
+            self.runner.req_to_token_pool.max_context_len,
+            launched if queued != "none" else None, self._shape,
+        )  # fmt: skip
+        self._survey = survey
+        behind = self.catch_up.behind(requests)
+        inputs = PlanInputs(
+            batch_size=len(requests),
+            kind="chain" if self.shape.is_chain else "tree",
+            num_drafts=k,
+            drafting=any(
+                req.lookahead and req.spec_state is not None and not req.spec_state.kept_hidden
+                for req in requests
+            ),
+            behind=behind.requests,
+            pending_positions=behind.positions,
+            over_cap=behind.over_cap,
+            queued=queued,
+            waiting=waiting,
+            costs=self.costs.facts(len(requests)),
+            feasible=survey.feasible,
+        )
+        plan = plan_round(inputs, self.policy)
+        self.costs.step_started(plan.speculates, plan.catches_up, len(requests))
+        return plan
+
     @torch.inference_mode()
     def verify(
-        self,
-        requests: list[Request],
-        default_generator: torch.Generator,
-        launch_next: bool = False,
+        self, requests: list[Request], default_generator: torch.Generator, plan: RoundPlan
     ) -> VerifyResult:
         """One target forward over each request's newest token and its drafts (requests not
         speculating bring just their newest token): a chain, or a tree whose nodes see their
-        ancestors only; then acceptance. `launch_next`: the next step is expected to decode
-        the same requests; a round on the device then queues their next verify
-        (`queued_verify`)."""
+        ancestors only; then acceptance; on the path `plan` names (spec.round_plan), which
+        queues the next round's verify behind this one where it says so (`queued_verify`)."""
         launched, self._launched = self._launched, None
-        if self.shape.is_chain:
-            rows = self.runner.req_to_token_pool.max_context_len
-            k = self.num_draft_steps
-            if launched is not None and launched.runs(requests):
-                # Queued from the device, its chains are there: the host reads none of them.
-                inputs = launched.inputs or gather_round(requests, k, rows, chains_read=False)
-                if inputs is not None and self.fixed_extend.fits(inputs.items, inputs.gathered):
-                    outputs = launched.outputs
-                    return self._device_round(inputs, launched.batch, outputs, launch_next)
-            inputs = gather_round(requests, k, rows)
-            if inputs is not None and self.fixed_extend.fits(inputs.items, inputs.gathered):
+        survey, self._survey = self._survey, None
+        assert plan.speculates and survey is not None and survey.requests is requests
+        if plan.verify in ("queued_by_device", "queued_by_host"):
+            assert launched is not None
+            inputs = survey.take(plan.verify)
+            if isinstance(inputs, RoundInputs):
+                outputs = launched.outputs
+                return self._device_round(inputs, launched.batch, outputs, plan.queue_next)
+            return self._tree_round(inputs, plan.queue_next, launched)
+        if plan.verify == "device":
+            inputs = survey.take("device")
+            if isinstance(inputs, RoundInputs):
                 batch = self._verify_batch(inputs)
                 outputs = self.runner.forward_every_token(batch)
-                return self._device_round(inputs, batch, outputs, launch_next)
-        elif self.fixed_extend.layout is not None:
-            rows = self.runner.req_to_token_pool.max_context_len
-            budget = self.fixed_extend.layout.budget
-            k = self.num_draft_steps
-            taken = launched is not None and launched.runs(requests)
-            if taken and launched.tree_nodes is not None:
-                # Queued from the device: the host reads none of the trees it verifies.
-                trees = gather_tree_round(requests, k, budget, rows, launched.tree_nodes)
-                if trees is not None and self.fixed_extend.fits(trees.items, trees.gathered):
-                    return self._tree_round(trees, launch_next, launched)
-            trees = gather_tree_round(requests, k, budget, rows)
-            if trees is not None and self.fixed_extend.fits(trees.items, trees.gathered):
-                return self._tree_round(trees, launch_next, launched if taken else None)
+                return self._device_round(inputs, batch, outputs, plan.queue_next)
+            return self._tree_round(inputs, plan.queue_next)
+        return self._host_round(requests, default_generator)
+
+    def _host_round(
+        self, requests: list[Request], default_generator: torch.Generator
+    ) -> VerifyResult:
+        """The verify of every request's drafts, accepted on the host (spec.host_verify)."""
         runner = self.runner
         if self.fixed_extend.layout is not None:
             # Own slots for every node, this round's and the next's, where the pool has room:
@@ -309,11 +369,11 @@ class MultiLayerEagleWorker:
         inputs: RoundInputs,
         batch: ForwardBatch,
         outputs: VerifyOutputs,
-        launch_next: bool = False,
+        queue_next: QueueNext = "none",
     ) -> VerifyResult:
         """Acceptance and the draft extend queued behind the verify of `batch`, whose
-        `outputs` are queued, and with `launch_next` the next verify where the device can
-        queue it (spec.device_round)."""
+        `outputs` are queued, and with `queue_next` "device" the next verify where the device
+        can queue it (spec.device_round)."""
         runner, k = self.runner, self.num_draft_steps
         outputs_before = [len(req.output_token_ids) for req in inputs.requests]
         done = run_device_round(
@@ -323,7 +383,7 @@ class MultiLayerEagleWorker:
             self.fixed_extend,
             k,
             (runner.kv_pool, runner.req_to_token_pool),
-            runner.forward_every_token if launch_next else None,
+            runner.forward_every_token if queue_next == "device" else None,
         )
         self._launched = done.next_verify
         return _decided_on_device(done, outputs_before, inputs.lookaheads, inputs.lookaheads)
@@ -336,12 +396,12 @@ class MultiLayerEagleWorker:
     def _tree_round(
         self,
         inputs: TreeRoundInputs,
-        launch_next: bool = False,
+        queue_next: QueueNext = "none",
         launched: LaunchedVerify | None = None,
     ) -> VerifyResult:
         """The verify of every request's tree, acceptance and the draft extend queued back to
         back (spec.tree_round): the verify `launched` before this step where it is theirs, and
-        with `launch_next` the next verify where the device can queue it."""
+        with `queue_next` "device" the next verify where the device can queue it."""
         runner, k = self.runner, self.num_draft_steps
         outputs_before = [len(req.output_token_ids) for req in inputs.requests]
         pools = (runner.kv_pool, runner.req_to_token_pool)
@@ -353,7 +413,7 @@ class MultiLayerEagleWorker:
                 spans, *pools, runner.attention, runner.device
             )
             outputs = runner.forward_every_token(batch)
-        forward = runner.forward_every_token if launch_next else None
+        forward = runner.forward_every_token if queue_next == "device" else None
         done = run_tree_round(batch, outputs, inputs, self.fixed_extend, k, pools, forward)
         self._launched = done.next_verify
         trees = inputs.trees
@@ -365,13 +425,14 @@ class MultiLayerEagleWorker:
 
     @torch.inference_mode()
     def finish_round(
-        self, requests: list[Request], verified: VerifyResult, launch_next: bool = False
+        self, requests: list[Request], verified: VerifyResult, plan: RoundPlan
     ) -> None:
-        """After the scheduler committed the verified tokens: statistics, then draft extend
-        over the newly committed tokens for the requests that go on speculating.
-        `launch_next`: the engine's next step is a decode step of those of these requests
-        that are still running, unless something changes in between: after a round on the
-        device, their next verify is queued behind this round's extend (`LaunchedVerify`)."""
+        """After the scheduler committed the verified tokens: statistics, then the draft
+        extend that `plan` names over the newly committed tokens, for the requests that go
+        on speculating. Where the plan queues the next round's verify (the engine's next step
+        is expected to decode those of these requests that are still running, unless
+        something changes in between) and the device did not queue it, the host queues it
+        behind this round's extend (`LaunchedVerify`)."""
         done = verified.extended
         committed = [
             len(req.output_token_ids) - before
@@ -380,6 +441,9 @@ class MultiLayerEagleWorker:
         count_round(
             requests, verified.num_drafts, verified.num_proposed, verified.num_accepted, committed
         )
+        # The accept length is what a request that verifies drafts commits a round.
+        drafted = [n for n, drafts in zip(committed, verified.num_drafts) if drafts]
+        self.costs.round_committed(sum(drafted), len(drafted))
         going_on = []  # (index in the batch, request, tokens committed this step)
         for i, req in enumerate(requests):
             if req.finished or req.spec_state is None:
@@ -389,59 +453,89 @@ class MultiLayerEagleWorker:
             # that go on drafting are extended.
             if done is not None or req.lookahead:
                 going_on.append((i, req, committed[i]))
-        if done is not None:  # the extend ran with the verify: its chains go to those going on
-            indices = [i for i, _, _ in going_on]
-            boundary, hidden, next_chains = done.boundary, done.verify_hidden, done.next_chains
-            if len(indices) < len(requests):
-                kept = int_tensor(indices, boundary.device)
-                boundary, hidden = boundary[:, kept], hidden[kept]
-                next_chains = next_chains[kept] if launch_next else next_chains
-            # Those going on are all that the round leaves running, in order: the next step's
-            # batch when nothing joins.
-            # A verify the device queued is of every request of the round: when some end,
-            # the host queues one of those going on.
-            queued = self._launched is not None and len(going_on) == len(requests)
-            if launch_next and going_on and self.shape.is_chain and not queued:
-                self._launched = None
-                self._launch_verify([req for _, req, _ in going_on], next_chains)
-            # Read when first asked for: a round the device queues the next verify of reads
-            # none, and the host goes on while the device runs the extend.
-            self.fixed_extend.apply(
-                [done.items[i] for i in indices],
-                [committed for _, _, committed in going_on],
-                done.next_drafts,
-                indices,
-                boundary,
-                hidden,
-            )
-            return
+        if plan.extend == "device":
+            assert done is not None
+            self._apply_device_extend(requests, done, going_on, plan.queue_next != "none")
+        elif plan.extend == "fixed":
+            self._fixed_extend(verified, going_on)
+        else:
+            self._general_extend(verified, going_on)
+        self.costs.step_done()
+
+    def _apply_device_extend(
+        self, requests: list[Request], done: DeviceRound, going_on: list, queue_next: bool
+    ) -> None:
+        """The extend ran with the verify: its chains go to those going on. With `queue_next`,
+        the host queues their next verify where the device did not."""
+        indices = [i for i, _, _ in going_on]
+        boundary, hidden, next_chains = done.boundary, done.verify_hidden, done.next_chains
+        if len(indices) < len(requests):
+            kept = int_tensor(indices, boundary.device)
+            boundary, hidden = boundary[:, kept], hidden[kept]
+            next_chains = next_chains[kept] if queue_next else next_chains
+        # Those going on are all that the round leaves running, in order: the next step's
+        # batch when nothing joins.
+        # A verify the device queued is of every request of the round: when some end,
+        # the host queues one of those going on.
+        queued = self._launched is not None and len(going_on) == len(requests)
+        if queue_next and going_on and self.shape.is_chain and not queued:
+            self._launched = None
+            self._launch_verify([req for _, req, _ in going_on], next_chains)
+        # Read when first asked for: a round the device queues the next verify of reads
+        # none, and the host goes on while the device runs the extend.
+        self.fixed_extend.apply(
+            [done.items[i] for i in indices],
+            [committed for _, _, committed in going_on],
+            done.next_drafts,
+            indices,
+            boundary,
+            hidden,
+        )
+
+    def _fixed_extend(self, verified: VerifyResult, going_on: list) -> None:
+        """The fixed-shape extend after the host's verify (the plan found that it fits every
+        request that could go on, so it fits those that do)."""
         hidden = verified.hidden  # per request: the target's at the newest token and kept path
-        if all(self._shape(req) == self.shape for _, req, _ in going_on):
-            fixed = [
-                FixedExtendItem(
-                    req.spec_state,
-                    req.num_tokens - 1 - committed,
-                    req.all_token_ids[-committed:],
-                    hidden[i],
-                    num_positions=len(req.slots),
-                )
-                for i, req, committed in going_on
-            ]
-            if self.fixed_extend.fits(fixed):
-                self.fixed_extend.run(fixed)
-                return
+        fixed = [
+            FixedExtendItem(
+                req.spec_state,
+                req.num_tokens - 1 - committed,
+                req.all_token_ids[-committed:],
+                hidden[i],
+                num_positions=len(req.slots),
+            )
+            for i, req, committed in going_on
+        ]
+        if fixed:
+            assert self.fixed_extend.fits(fixed)
+            self.fixed_extend.run(fixed)
+
+    def _general_extend(self, verified: VerifyResult, going_on: list) -> None:
+        hidden = verified.hidden
         self.extender.run(
             [
                 DraftExtend(
-                    req.spec_state,
-                    req.all_token_ids,
-                    hidden[i][:committed],
-                    None,
-                    self._shape(req),
+                    req.spec_state, req.all_token_ids, hidden[i][:committed], None, self._shape(req)
                 )
                 for i, req, committed in going_on
             ]
         )
+
+    @torch.inference_mode()
+    def after_plain_step(
+        self, requests: list[Request], hidden: torch.Tensor, plan: RoundPlan
+    ) -> None:
+        """After a plain step of `requests` committed one token each: each request that goes
+        on keeps the target's hidden state at the position before its new token (row i of
+        `hidden` [n, spec_hidden_size]), its draft one more position behind; where `plan`
+        catches up, the draft of every request that verifies drafts next extends over all the
+        positions it is behind, building its next chain (or tree)."""
+        # A verify queued behind the last round ran before this step's tokens were read.
+        self._launched = None
+        self.catch_up.keep(requests, hidden)
+        if plan.catches_up:
+            self.catch_up.run(requests, self._shape)
+        self.costs.step_done()
 
     def _launch_verify(self, requests: list[Request], next_chains: torch.Tensor) -> None:
         """Queue the next round's verify of `requests`, whose chains are `next_chains` on the
@@ -463,6 +557,7 @@ class MultiLayerEagleWorker:
         state: SpecRequestState | None = req.spec_state
         if state is None:
             return
+        self.catch_up.forget(state)
         # Its slots may change hands to a transfer's stream: the extend writing them first.
         state.wait_for_drafts()
         for runner, seq in zip(self.depths, state.seqs):

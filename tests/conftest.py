@@ -3,6 +3,7 @@ for the draft-training tests, one CPU thread and a target a draft can learn."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,11 @@ from tiny_models import CHAT_TEMPLATE, make_tiny_llama, save_chat_template
 from transformers import LlamaForCausalLM
 
 from engine import LLM
+
+# A speculating engine verifies drafts at every step unless a test asks for the adaptive plan
+# (engine.env.speculative_plan_default): the rounds' tests see a round at every step, whatever
+# this host's timings (Ray's nodes get it too: cluster.ray_start.forwarded_env).
+os.environ.setdefault("PDCLUSTER_SPECULATIVE_PLAN", "always")
 
 
 @pytest.fixture(scope="session")

@@ -13,13 +13,13 @@ import torch
 from tiny_drafts import make_good_draft, make_predictable_llama, make_random_draft
 from tiny_models import make_tiny_llama
 
-import spec.worker
 from engine import LLM, SamplingParams
 from engine.allocator import PADDING_SLOT
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 from spec.device_round import GROW_AHEAD, grow_for_next_round
 from spec.extend_items import GatheredItems
+from spec.round_plan import PlanPolicy
 
 SPEC = "multi-layer-eagle"
 
@@ -62,21 +62,13 @@ def _workload(seed: int, extra: list[SamplingParams] = ()) -> tuple[list, list]:
     return prompts, params
 
 
-def _run(llm: LLM, prompts, params, on_device: bool, monkeypatch) -> tuple[list, int]:
+def _run(llm: LLM, prompts, params, on_device: bool) -> tuple[list, int]:
+    """`llm`'s outputs and statistics, and how many of its rounds were decided on the device;
+    without `on_device`, every round is the host's."""
     worker = llm.engine.speculator
-    rounds = {"device": 0}
-    if on_device:
-        original = worker._device_round
-
-        def counted(*args):
-            rounds["device"] += 1
-            return original(*args)
-
-        monkeypatch.setattr(worker, "_device_round", counted)
-    else:
-        monkeypatch.setattr(spec.worker, "gather_round", lambda *args: None)
+    if not on_device:
+        worker.set_plan_policy(PlanPolicy("always", device_rounds=False))
     outputs = llm.generate(prompts, params)
-    monkeypatch.undo()
     assert not llm.engine.has_work()
     assert llm.engine.kv_cache.is_empty() and worker.is_empty()
     summary = [
@@ -88,22 +80,30 @@ def _run(llm: LLM, prompts, params, on_device: bool, monkeypatch) -> tuple[list,
         )
         for o in outputs
     ]
-    return summary, rounds["device"]
+    plans = llm.engine.plan_counts()
+    if not on_device:
+        assert _on_device(plans) == 0
+    return summary, _on_device(plans)
+
+
+def _on_device(plans: dict[str, int]) -> int:
+    """Rounds decided on the device, of the plans an engine counted."""
+    return sum(n for plan, n in plans.items() if plan.startswith(("chain/d", "chain/q")))
 
 
 @pytest.mark.parametrize("kind", ["good", "random"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_the_device_round_commits_what_the_host_round_does(models, kind, k, monkeypatch):
+def test_the_device_round_commits_what_the_host_round_does(models, kind, k):
     prompts, params = _workload(seed=k)
-    device, rounds = _run(_llm(models, kind, k), prompts, params, True, monkeypatch)
-    host, _ = _run(_llm(models, kind, k), prompts, params, False, monkeypatch)
+    device, rounds = _run(_llm(models, kind, k), prompts, params, True)
+    host, _ = _run(_llm(models, kind, k), prompts, params, False)
     assert rounds > 5
     assert device == host
     if kind == "good":
         assert sum(sum(per_position) for *_, per_position in device) > 0
 
 
-def test_requests_that_need_the_host_take_the_host_round(models, monkeypatch):
+def test_requests_that_need_the_host_take_the_host_round(models):
     """A sampled request, a penalized one and one with logprobs in the batch: while they run,
     rounds are the host's; output is unchanged, and rounds go to the device once they left."""
     extra = [
@@ -112,8 +112,8 @@ def test_requests_that_need_the_host_take_the_host_round(models, monkeypatch):
         SamplingParams(max_tokens=6, temperature=0, logprobs=1),
     ]
     prompts, params = _workload(seed=7, extra=extra)
-    device, rounds = _run(_llm(models, "good", 3), prompts, params, True, monkeypatch)
-    host, _ = _run(_llm(models, "good", 3), prompts, params, False, monkeypatch)
+    device, rounds = _run(_llm(models, "good", 3), prompts, params, True)
+    host, _ = _run(_llm(models, "good", 3), prompts, params, False)
     assert device == host
     steps = max(steps for _, _, steps, _ in device)
     assert 0 < rounds < steps
@@ -175,7 +175,7 @@ def test_gathered_positions_tell_the_next_rounds_growth_when_none_is_due() -> No
     assert table.req_to_token[reqs[0].row, : len(reqs[0].slots)].tolist() == reqs[0].slots
 
 
-def test_requests_near_their_max_tokens_stay_on_the_device(models, monkeypatch):
+def test_requests_near_their_max_tokens_stay_on_the_device(models):
     """A request with fewer tokens left than K verifies its whole chain with acceptance stopped
     at its lookahead: no round of a greedy workload falls to the host, and output and
     statistics are the host round's."""
@@ -187,14 +187,10 @@ def test_requests_near_their_max_tokens_stay_on_the_device(models, monkeypatch):
         for _ in prompts
     ]
     llm = _llm(models, "good", 3)
-
-    def no_host_round(*args, **kwargs):
-        raise AssertionError("a round was decided on the host")
-
-    monkeypatch.setattr(spec.worker, "verify_on_host", no_host_round)
-    device, rounds = _run(llm, prompts, params, True, monkeypatch)
-    host, _ = _run(_llm(models, "good", 3), prompts, params, False, monkeypatch)
+    device, rounds = _run(llm, prompts, params, True)
+    host, _ = _run(_llm(models, "good", 3), prompts, params, False)
     assert device == host
+    assert not [plan for plan in llm.engine.plan_counts() if plan.startswith("chain/host")]
     # Rounds where every request had one token left verify no draft and count no step.
     assert rounds >= max(steps for _, _, steps, _ in device)
     assert sum(len(tokens) < 5 for tokens, *_ in device) >= 2
@@ -255,16 +251,9 @@ def test_slots_grow_a_few_rounds_ahead(models, monkeypatch):
             return original(*args)
 
         monkeypatch.setattr(table, "write_runs", counted)
-    rounds = {"n": 0}
-    original_round = worker._device_round
-
-    def counted_round(*args):
-        rounds["n"] += 1
-        return original_round(*args)
-
-    monkeypatch.setattr(worker, "_device_round", counted_round)
     prompt = list(range(5, 25))
     llm.generate([prompt], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
-    assert rounds["n"] >= 30
+    rounds = _on_device(llm.engine.plan_counts())
+    assert rounds >= 30
     # Every round writing every table would be 4 writes a round.
-    assert writes["n"] * 2 <= rounds["n"]
+    assert writes["n"] * 2 <= rounds

@@ -18,6 +18,7 @@ from tiny_models import make_tiny_llama
 from engine import LLM, SamplingParams
 from engine.kv_pool import KVPool
 from spec.device_tree import DeviceTree, ForkColumns, TreeLayout
+from spec.round_plan import PlanPolicy
 from spec.tree import Candidate, DraftTree, TreeShape, accept_tree, log_prob, select_tree
 from spec.tree_round import accept_on_device, keep_accepted_kv
 
@@ -64,37 +65,33 @@ def _workload(seed: int, n: int) -> tuple[list[list[int]], list[SamplingParams]]
     return prompts, params
 
 
-def _record_trees(llm: LLM, monkeypatch, device_tree: bool) -> tuple[list, dict[str, int]]:
-    """Every tree a decode step's extend proposes, in order, and how many fixed extends and
-    rounds decided on the device ran; with `device_tree` False the general extender grows
-    them all, and the host verifies them."""
+def _record_trees(llm: LLM, monkeypatch, device_tree: bool) -> list:
+    """Every tree a decode step's extend proposes, in order, as `llm` runs; with
+    `device_tree` False the general extender grows them all, and the host verifies them."""
     worker = llm.engine.speculator
-    fixed = worker.fixed_extend
-    trees, counts = [], {"fixed": 0, "rounds": 0}
-    finish, launch, tree_round = worker.finish_round, fixed.launch, worker._tree_round
+    if not device_tree:
+        worker.set_plan_policy(PlanPolicy("always", device_rounds=False, fixed_extend=False))
+    trees: list = []
+    finish = worker.finish_round
 
-    def recorded_finish(requests, verified, launch_next=False):
-        finish(requests, verified, launch_next)
+    def recorded_finish(requests, verified, plan):
+        finish(requests, verified, plan)
         for req in requests:
             state = req.spec_state
             tree = None if state is None else state.tree
             if tree is not None and not req.finished:
                 trees.append((req.request_id, tree.tokens, tree.parents, tree.levels))
 
-    def counted_launch(items, *args):
-        counts["fixed"] += 1
-        return launch(items, *args)
-
-    def counted_round(inputs, *args):
-        counts["rounds"] += 1
-        return tree_round(inputs, *args)
-
     monkeypatch.setattr(worker, "finish_round", recorded_finish)
-    monkeypatch.setattr(fixed, "launch", counted_launch)
-    monkeypatch.setattr(worker, "_tree_round", counted_round)
-    if not device_tree:
-        monkeypatch.setattr(fixed, "fits", lambda items, gathered=None: False)
-    return trees, counts
+    return trees
+
+
+def _counts(llm: LLM) -> dict[str, int]:
+    """From the plans `llm`'s decode steps ran: the steps whose extend was the fixed one
+    (after a round on the device or the host's verify), and the rounds on the device."""
+    plans = llm.engine.plan_counts()
+    on_device = sum(n for plan, n in plans.items() if plan.startswith(("tree/d", "tree/q")))
+    return {"fixed": on_device + plans.get("tree/host/fixed", 0), "rounds": on_device}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -116,11 +113,11 @@ def test_the_device_grows_the_trees_the_host_does(
         for on_device in (True, False):
             with monkeypatch.context() as patch:
                 llm = _llm(models, device, **tree_kw)
-                trees, counts = _record_trees(llm, patch, on_device)
+                trees = _record_trees(llm, patch, on_device)
                 outputs = [o.token_ids for o in llm.generate(prompts, params)]
                 assert outputs == plain
                 assert not llm.engine.has_work() and llm.engine.speculator.is_empty()
-                results[on_device] = (trees, counts)
+                results[on_device] = (trees, _counts(llm))
         trees, counts = results[True]
         general_trees, general_counts = results[False]
         assert general_counts == {"fixed": 0, "rounds": 0}
@@ -154,8 +151,9 @@ def test_requests_near_max_tokens_take_the_hosts_round(models, monkeypatch) -> N
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in range(3, 9)]
     plain = [o.token_ids for o in _llm((models[0], None), "cpu").generate(prompts, params)]
     llm = _llm(models, "cpu", speculative_topk=4, num_draft_tokens=12)
-    _, counts = _record_trees(llm, monkeypatch, True)
+    _record_trees(llm, monkeypatch, True)
     assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+    counts = _counts(llm)
     assert counts["rounds"] == 0 and counts["fixed"] > 0
     assert llm.engine.kv_cache.is_empty() and llm.engine.speculator.is_empty()
 

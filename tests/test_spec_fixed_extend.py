@@ -17,6 +17,7 @@ from engine import LLM, SamplingParams
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from spec.draft_runner import DraftSeq
 from spec.extend_items import GatheredItems, grow_depths
+from spec.round_plan import PlanPolicy
 
 SPEC = "multi-layer-eagle"
 
@@ -57,20 +58,12 @@ def _workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
 
 
 def _run(llm: LLM, prompts, params, fixed: bool) -> tuple[list, int]:
+    """The outputs of `llm`, and how many decode steps ran the fixed extend: in a round on
+    the device, or after the host's verify. Without `fixed`, every round is the host's with
+    the general extend."""
     worker = llm.engine.speculator
-    runs = {"n": 0}
-    if fixed:
-        # Both of its callers launch it: a round decided on the device, and `run` after one
-        # decided on the host.
-        original = worker.fixed_extend.launch
-
-        def counted(items, *args):
-            runs["n"] += 1
-            return original(items, *args)
-
-        worker.fixed_extend.launch = counted
-    else:
-        worker.fixed_extend.fits = lambda *args: False
+    if not fixed:
+        worker.set_plan_policy(PlanPolicy("always", device_rounds=False, fixed_extend=False))
     outputs = llm.generate(prompts, params)
     assert not llm.engine.has_work()
     assert llm.engine.kv_cache.is_empty() and worker.is_empty()
@@ -78,7 +71,13 @@ def _run(llm: LLM, prompts, params, fixed: bool) -> tuple[list, int]:
         (o.token_ids, o.usage.spec_verify_steps, o.usage.spec_accepted_per_position)
         for o in outputs
     ]
-    return summary, runs["n"]
+    plans = llm.engine.plan_counts()
+    runs = sum(
+        n for plan, n in plans.items() if not plan.startswith("plain") and "/general" not in plan
+    )
+    if not fixed:
+        assert runs == 0 and plans, plans
+    return summary, runs
 
 
 @pytest.mark.parametrize("kind", ["good", "random"])

@@ -13,8 +13,8 @@ import pytest
 from devices import DEVICES
 from tiny_drafts import make_good_draft, make_predictable_llama
 
-import spec.device_round
 from engine import LLM, SamplingParams
+from spec.round_plan import PlanPolicy
 
 SPEC = "multi-layer-eagle"
 
@@ -27,37 +27,52 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "target", root / "draft"
 
 
-def _llm(models, launch_ahead: bool, monkeypatch, device: str) -> tuple[LLM, dict[str, int]]:
+def _llm(models, launch_ahead: bool, device: str) -> LLM:
+    """An engine whose rounds on the device queue the next round's verify from the host
+    (with `launch_ahead`; the one the device queues on a GPU is
+    tests/test_spec_queued_verify.py's), or queue none."""
     target, draft = models
     llm = LLM(
         str(target), device=device, speculative_algorithm=SPEC, draft_model=str(draft),
         num_draft_steps=3, kv_cache_tokens=8192, max_num_seqs=16,
     )  # fmt: skip
-    worker = llm.engine.speculator
-    counts = {"launched": 0, "taken": 0, "rounds": 0}
-    launched_batches = []
-    launch, device_round = worker._launch_verify, worker._device_round
+    queue_next = "host" if launch_ahead else "none"
+    llm.engine.speculator.set_plan_policy(PlanPolicy("always", queue_next=queue_next))
+    return llm
 
-    def counted_launch(*args):
-        launch(*args)
-        if worker._launched is not None:
-            counts["launched"] += 1
-            launched_batches.append(worker._launched.batch)
 
-    def counted_round(inputs, batch, outputs, *rest):
-        counts["rounds"] += 1
-        counts["taken"] += any(batch is launched for launched in launched_batches)
-        return device_round(inputs, batch, outputs, *rest)
-
-    if launch_ahead:
-        monkeypatch.setattr(worker, "_launch_verify", counted_launch)
-    else:
-        monkeypatch.setattr(worker, "_launch_verify", lambda *args: None)
-    monkeypatch.setattr(worker, "_device_round", counted_round)
-    # The verify queued by the host only: the one the device queues on a GPU is
-    # tests/test_spec_queued_verify.py's.
-    monkeypatch.setattr(spec.device_round, "holds_next_round", lambda *args: False)
-    return llm, counts
+def _stepped(
+    llm: LLM, prompts, params, join_at: int | None = None, abort_at: int | None = None
+) -> tuple[dict[str, list], dict[str, int]]:
+    """Steps the engine by hand: the last prompt joins after `join_at` steps (None: with the
+    others), and the first request is aborted after `abort_at`. Returns each request's
+    output, and counts: rounds on the device, verifies queued before their step
+    (`launched`) and rounds that took one (`taken`)."""
+    engine = llm.engine
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    requests = [engine.make_request(str(i), *pair) for i, pair in enumerate(zip(prompts, params))]
+    joining = requests[-1] if join_at is not None else None
+    for req in requests:
+        if req is not joining:
+            engine.add_request(req)
+    steps, launched, last = 0, 0, None
+    while engine.has_work() or (join_at is not None and steps <= join_at):
+        if steps == join_at:
+            engine.add_request(joining)
+        if steps == abort_at:
+            assert engine.abort(requests[0].request_id) is requests[0]
+        engine.step()
+        steps += 1
+        queued = engine.speculator.queued_verify()
+        launched += queued is not None and queued is not last
+        last = queued
+    plans = engine.plan_counts()
+    counts = {
+        "rounds": sum(n for plan, n in plans.items() if plan.startswith(("chain/d", "chain/q"))),
+        "launched": launched,
+        "taken": plans.get("chain/queued_by_host", 0),
+    }
+    return {req.request_id: list(req.output_token_ids) for req in requests}, counts
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
@@ -71,7 +86,7 @@ def _check_empty(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_next_verify_is_taken_and_changes_nothing(models, monkeypatch, device):
+def test_the_next_verify_is_taken_and_changes_nothing(models, device):
     """Requests finish at different rounds (their max_tokens, EOS for some): each round but
     the last queues the next one's verify, of the requests it leaves running."""
     prompts = _prompts(1, 6)
@@ -79,10 +94,10 @@ def test_the_next_verify_is_taken_and_changes_nothing(models, monkeypatch, devic
         SamplingParams(max_tokens=12 + 7 * i, temperature=0, ignore_eos=i % 2 == 0)
         for i in range(len(prompts))
     ]
-    plain, _ = _llm(models, False, monkeypatch, device)
-    expected = [(o.token_ids, o.usage.spec_verify_steps) for o in plain.generate(prompts, params)]
-    llm, counts = _llm(models, True, monkeypatch, device)
-    got = [(o.token_ids, o.usage.spec_verify_steps) for o in llm.generate(prompts, params)]
+    expected, plain_counts = _stepped(_llm(models, False, device), prompts, params)
+    assert plain_counts["launched"] == plain_counts["taken"] == 0
+    llm = _llm(models, True, device)
+    got, counts = _stepped(llm, prompts, params)
     assert got == expected
     _check_empty(llm)
     # Nothing joins between steps here: every round but the last launched the next one's
@@ -90,37 +105,18 @@ def test_the_next_verify_is_taken_and_changes_nothing(models, monkeypatch, devic
     assert counts["taken"] == counts["launched"] == counts["rounds"] - 1 > 0
 
 
-def _stepped(llm: LLM, prompts, params, join_at: int, abort_at: int | None) -> dict[str, list]:
-    """Steps the engine by hand: the last prompt joins after `join_at` steps, and the first
-    request is aborted after `abort_at`."""
-    engine = llm.engine
-    requests = [engine.make_request(str(i), p, params) for i, p in enumerate(prompts)]
-    for req in requests[:-1]:
-        engine.add_request(req)
-    steps = 0
-    while engine.has_work() or steps <= join_at:
-        if steps == join_at:
-            engine.add_request(requests[-1])
-        if steps == abort_at:
-            assert engine.abort(requests[0].request_id) is requests[0]
-        engine.step()
-        steps += 1
-    return {req.request_id: list(req.output_token_ids) for req in requests}
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("abort_at", [None, 7])
 def test_a_request_joining_or_aborted_between_steps_voids_the_launched_verify(
-    models, monkeypatch, abort_at, device
+    models, abort_at, device
 ):
     prompts = _prompts(2, 4)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    plain, _ = _llm(models, False, monkeypatch, device)
-    expected = _stepped(plain, prompts, params, join_at=5, abort_at=abort_at)
-    llm, counts = _llm(models, True, monkeypatch, device)
-    got = _stepped(llm, prompts, params, join_at=5, abort_at=abort_at)
+    expected, _ = _stepped(_llm(models, False, device), prompts, params, 5, abort_at)
+    llm = _llm(models, True, device)
+    got, counts = _stepped(llm, prompts, params, 5, abort_at)
     assert got == expected
     _check_empty(llm)
-    assert llm.engine.speculator._launched is None
+    assert llm.engine.speculator.queued_verify() is None
     # Some launched verifies were voided (the join, the abort), the others taken.
     assert 0 < counts["taken"] < counts["launched"]

@@ -84,8 +84,12 @@ def test_offline_engine_records_every_decode_step(folders):
             "verify_start",
             "verify_end",
         ]
+        # Each decode step's first event names its round plan.
+        firsts = [e for e in out.trace if e[0] in ("draft_start", "decode_start")]
+        assert firsts and all(e[2]["plan"] for e in firsts)
     # A good draft gets some drafts right.
-    assert sum(e[2]["correct"] for out in outputs for e in out.trace if len(e) == 3) > 0
+    correct = [e[2]["correct"] for out in outputs for e in out.trace if e[0] == "correct_drafts"]
+    assert sum(correct) > 0
 
 
 def test_tracing_off_records_nothing(folders):
