@@ -409,4 +409,5 @@ class _LocalNode:
             "retractions": engine.scheduler.num_retractions,
             "kv_used": kv_cache.capacity - kv_cache.num_free_slots,
             "kv_capacity": kv_cache.capacity,
+            "spec_plans": engine.plan_counts(),
         }

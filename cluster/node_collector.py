@@ -229,6 +229,12 @@ class _NodeFamilies:
             "Draft tokens accepted at each position per verify step, since the node started.",
             labels=spec,
         )
+        self.plans = CounterMetricFamily(
+            "pdcluster_node_spec_plans",
+            "Decode steps of a speculating node by their round plan: its kind (plain, chain, "
+            "tree) and the plan's label (chain/device, plain/catch_up, ...).",
+            labels=[*labels, "kind", "plan"],
+        )
 
     def add(self, name: str, role: str, stats: dict) -> None:
         labels = [name, role]
@@ -255,6 +261,8 @@ class _NodeFamilies:
             self._add_transfers(labels, stats["transfers"])
         if stats.get("spec_accepted_per_position"):
             self._add_speculation(labels, stats)
+        for plan, steps in (stats.get("spec_plans") or {}).items():
+            self.plans.add_metric([*labels, plan.partition("/")[0], plan], steps)
 
     def _add_transfers(self, labels: list[str], totals: dict) -> None:
         labels = [*labels, totals["direction"]]

@@ -78,6 +78,7 @@ class AggregatedNode(ServingNode):
             "prompt_tokens": self.prompt_tokens,
             "prefill_tokens": self.engine.prefill_tokens,
             **self.spec_totals.stats(),
+            "spec_plans": self.engine.plan_counts(),
             "control_rejected": self.inbox.rejected,
             **self._health_stats(),
         }

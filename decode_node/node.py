@@ -146,6 +146,7 @@ class DecodeNode(ServingNode):
             "tokens_out": self.streams.tokens_out,
             "prefill_tokens": self.engine.prefill_tokens,
             **self.spec_totals.stats(),
+            "spec_plans": self.engine.plan_counts(),
             "transfers_in_flight": self._transfers_in_flight(),
             "transfers": self.transfer_totals.as_dict(),
             "control_rejected": self.inbox.rejected,

@@ -226,6 +226,16 @@ def test_speculative_cluster_reports_accept_length_and_acceptance_per_position(t
     for position, count in enumerate(accepted, start=1):
         rate = value(samples, "pdcluster_node_spec_acceptance_rate", position=str(position))
         assert rate == pytest.approx(count / steps)
+    # Every decode step is counted by its round plan: each verify step is a request's in a
+    # round (one request at a time here), and a round with nothing left to verify may follow.
+    plans = {
+        sample.labels["plan"]: sample
+        for sample in samples["pdcluster_node_spec_plans_total"]
+        if sample.labels["node"] == "decode-0"
+    }
+    assert all(p.labels["kind"] == plan.partition("/")[0] for plan, p in plans.items())
+    rounds = sum(p.value for plan, p in plans.items() if plan.startswith("chain/"))
+    assert rounds >= steps > 0
     # The target's KV and each draft depth's cross: more than the plain wire size.
     sent = value(samples, "pdcluster_node_transfer_bytes_total", node="prefill-0")
     assert sent == value(samples, "pdcluster_node_transfer_bytes_total", node="decode-0") > 0
@@ -339,6 +349,25 @@ def test_node_stats_are_cached_between_scrapes_and_registries_are_separate():
     first.failure("rejected")
     other = parse(asyncio.run(second.render()).decode())
     assert value(other, "pdcluster_request_failures_total", kind="rejected") == 0
+
+
+def test_decode_steps_are_counted_by_plan_and_kind():
+    stats = {"running": 1, "spec_plans": {"plain": 5, "plain/catch_up": 1, "chain/device": 7}}
+
+    async def read() -> dict:
+        return stats
+
+    node = SimpleNamespace(name="replica-0", role="replica", alive=True, in_flight=0, stats=read)
+    samples = parse(asyncio.run(ClusterMetrics([node]).render()).decode())
+    counted = {
+        (s.labels["kind"], s.labels["plan"]): s.value
+        for s in samples["pdcluster_node_spec_plans_total"]
+    }
+    assert counted == {
+        ("plain", "plain"): 5,
+        ("plain", "plain/catch_up"): 1,
+        ("chain", "chain/device"): 7,
+    }
 
 
 def test_transfer_totals_count_successes_bytes_and_latency_buckets():
