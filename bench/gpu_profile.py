@@ -70,7 +70,12 @@ def main() -> None:
         draft = args.draft_model or default_draft_path()
         if draft is None:
             parser.error("--spec needs --draft-model: no shipped draft is installed")
-        spec_kw = dict(speculative_algorithm="multi-layer-eagle", draft_model=str(draft))
+        # The rounds are what it profiles: one at every step.
+        spec_kw = dict(
+            speculative_algorithm="multi-layer-eagle",
+            draft_model=str(draft),
+            speculative_plan="always",
+        )
         if args.num_draft_steps is not None:
             spec_kw["num_draft_steps"] = args.num_draft_steps
         if args.speculative_topk > 1:

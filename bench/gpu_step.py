@@ -260,7 +260,12 @@ def bench_spec(args: argparse.Namespace, batches: list[int]) -> list[dict]:
         log("no shipped draft installed: speculation skipped")
         return []
     model = None if args.model == "default" else args.model
-    spec_kw = dict(speculative_algorithm="multi-layer-eagle", draft_model=default_draft_path())
+    # Speculation's own speed at each batch size: a round at every step.
+    spec_kw = dict(
+        speculative_algorithm="multi-layer-eagle",
+        draft_model=default_draft_path(),
+        speculative_plan="always",
+    )
     got: dict[str, dict[int, Any]] = {}
     for side, extra in (("plain", {}), ("spec", spec_kw)):
         why, llm = build(model, args, True, max(batches), side, max_model_len=2048,

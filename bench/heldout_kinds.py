@@ -93,6 +93,8 @@ def main() -> None:
             speculative_algorithm="multi-layer-eagle",
             draft_model=draft,
             num_draft_steps=args.num_draft_steps,
+            # Accept lengths are what it measures: a round at every step.
+            speculative_plan="always",
             **shape,
         )
         prompts = [llm.apply_chat_template(c) for c in conversations]

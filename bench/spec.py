@@ -3,7 +3,7 @@ side by side in one run.
 
     python bench/spec.py [--device cpu|cuda] [--model PATH] [--draft-model PATH|shipped|random ...]
         [--num-draft-steps 3 5] [--num-draft-chains 1 3] [--trees 4:8 4:12]
-        [--draft-vocab draft full]
+        [--draft-vocab draft full] [--speculative-plan always adaptive]
         [--temperature 0.7] [--repeats 3]
         [--requests N] [--continuous]
 
@@ -20,14 +20,18 @@ speculating and nothing else. Several --draft-model values (`shipped` names the 
 each get those engines, and the table gains a draft column: drafts compared side by side in one
 run, each with its own number of depths unless --num-draft-steps sets one for all. So do several
 --num-draft-steps values (steps beyond a draft's depths run its last depth again) and several
---draft-vocab values: a draft proposing from its folder's vocabulary, then from the whole one.
+--draft-vocab values: a draft proposing from its folder's vocabulary, then from the whole one;
+and several --speculative-plan values: a round at every step ("always", the default here), or
+rounds only where they are measured to pay (spec/round_plan.py; the `rounds` column gives the
+share of decode steps that speculated).
 Each engine runs --repeats passes, alternating with the others; the table shows median tokens/s
 and the range of pass-against-pass speedups. A pass runs its requests (`--requests`, the held-out
 prompts in turn) in waves of BATCH, each wave finished before the next, so the request that
 accepts least sets a wave's length; with --continuous it submits them all at once to engines
 built with max_num_seqs=BATCH, which admit a request whenever one finishes, as a server under
 steady load does. Prints a table and rewrites the "Speculative decoding (DEVICE)" section of
-docs/BENCHMARKS.md (raw figures in docs/bench/spec_DEVICE.json)."""
+docs/BENCHMARKS.md (raw figures in docs/bench/spec_DEVICE.json), or with a plan other than
+"always" the "Speculative round plans (DEVICE)" section (docs/bench/spec_plans_DEVICE.json)."""
 
 from __future__ import annotations
 
@@ -77,6 +81,7 @@ def run(
         for i in range(len(prompts))
     ]
     llm.generate(prompts[:batch], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    plans_before = llm.engine.plan_counts()
     wave = len(prompts) if continuous else batch
     outputs, started = [], time.perf_counter()
     for start in range(0, len(prompts), wave):
@@ -85,6 +90,11 @@ def run(
     emitted = sum(o.usage.completion_tokens for o in outputs)
     totals = spec_totals(o.usage for o in outputs)
     steps = totals.verify_steps
+    plans = {
+        plan: n - plans_before.get(plan, 0)
+        for plan, n in llm.engine.plan_counts().items()
+        if n > plans_before.get(plan, 0)
+    }
     return {
         "tokens": [o.token_ids for o in outputs],
         "completion_tokens": emitted,
@@ -93,6 +103,8 @@ def run(
         # Tokens per verify step, bonus included (1.0: no draft token was ever accepted).
         "accept_length": totals.accept_length if steps else None,
         "acceptance": [c / steps for c in totals.accepted_per_position] if steps else [],
+        # The pass's decode steps by round plan.
+        "plans": plans,
     }
 
 
@@ -137,6 +149,13 @@ def main(argv: list[str] | None = None) -> None:
         default=[None],
         help="one speculative engine per value: proposals from the draft folder's vocabulary "
         "or the target's whole one (default: the engine's default for the device)",
+    )
+    parser.add_argument(
+        "--speculative-plan",
+        nargs="+",
+        choices=("always", "adaptive"),
+        default=["always"],
+        help="one speculative engine per value: a round at every step, or where it pays",
     )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -198,10 +217,10 @@ def main(argv: list[str] | None = None) -> None:
     several = len({r["draft"] for r in rows}) > 1
     lines = [
         "| batch | " + ("draft | " if several else "") + "drafts | plain tokens/s | "
-        "speculative tokens/s | speedup | speedup range "
+        "speculative tokens/s | speedup | speedup range | rounds "
         "| accept length | acceptance per draft position | identical output |",
         "| ---: | " + (":--- | " if several else "") + ":--- | ---: | ---: | ---: | :--- | ---: "
-        "| :--- | :---: |",
+        "| ---: | :--- | :---: |",
     ]
     for r in rows:
         acceptance = ", ".join(f"{a:.2f}" for a in r["acceptance"])
@@ -210,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(
             f"| {r['batch']} | {draft}{r['drafts']} | {r['plain_tok_s']:.1f} | "
             f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {_range(r)} | "
-            f"{r['accept_length']:.2f} | "
+            f"{r['round_share']:.0%} | {_accept(r)} | "
             f"{acceptance} | {same} |"
         )
     table = "\n".join(lines)
@@ -227,17 +246,20 @@ def main(argv: list[str] | None = None) -> None:
         f"{_workload(args, len(prompts))}, "
         f"{sampling}, at most {args.max_tokens} new tokens, stopping at EOS; tokens/s: the median "
         f"of {args.repeats} passes per engine, the engines alternating).\n\n" + table + "\n\n"
+        "Rounds: the share of decode steps that verified drafts (the others were plain steps "
+        "that the round plan chose). "
         "Accept length: tokens per verify step, bonus token included. Acceptance per draft "
         "position: the share of verify steps that accepted draft token 1, 2 and so on. Drafts: N "
         "chains start with the first depth's N most likely tokens; a top-k tree of N nodes "
         "expands k nodes per level, each proposing its k likeliest children, and verifies the "
         "N likeliest nodes under the draft.\n"
     )
+    plans = args.speculative_plan != ["always"]
     write_section(
-        f"Speculative decoding ({device.upper()})",
+        f"Speculative {'round plans' if plans else 'decoding'} ({device.upper()})",
         body,
         {"rows": rows, "command": command, "where": where},
-        f"spec_{device}.json",
+        f"spec_{'plans_' if plans else ''}{device}.json",
     )
 
 
@@ -251,8 +273,9 @@ def build_engines(
     speculative, names = [], []
     vocabs = list(dict.fromkeys(args.draft_vocab))
     steps = args.num_draft_steps
+    plans = list(dict.fromkeys(args.speculative_plan))
     for draft, name in _drafts_of(args, plain, scratch):
-        for vocab, k, shape in itertools.product(vocabs, steps, shapes):
+        for vocab, k, shape, plan in itertools.product(vocabs, steps, shapes, plans):
             llm = LLM(
                 args.model,
                 **common,
@@ -260,12 +283,15 @@ def build_engines(
                 draft_model=draft,
                 num_draft_steps=k,
                 draft_vocab=vocab,
+                speculative_plan=plan,
                 **shape,
             )
             speculative.append(llm)
             label = name + _vocab_name(llm, vocab) if len(vocabs) > 1 else name
             if len(steps) > 1:
                 label += f", {llm.engine.speculator.num_draft_steps} steps"
+            if len(plans) > 1:
+                label += f", {plan} plan"
             names.append(label)
     return plain, speculative, names
 
@@ -329,6 +355,9 @@ def measure(
                 "spec_passes": [r["tok_s"] for r in runs],
                 "accept_length": spec["accept_length"],
                 "acceptance": spec["acceptance"],
+                "plan": llm.config.speculative_plan,
+                "plans": spec["plans"],
+                "round_share": _round_share(spec["plans"]),
                 "completion_tokens": spec["completion_tokens"],
                 "identical": None if args.temperature else base["tokens"] == spec["tokens"],
             }
@@ -350,6 +379,17 @@ def _workload(args: argparse.Namespace, requests: int) -> str:
     if args.continuous:
         return what + ", all submitted at once, at most BATCH running (continuous batching)"
     return what + ", in waves of BATCH requests"
+
+
+def _round_share(plans: dict[str, int]) -> float:
+    steps = sum(plans.values())
+    rounds = sum(n for plan, n in plans.items() if not plan.startswith("plain"))
+    return rounds / steps if steps else 0.0
+
+
+def _accept(row: dict) -> str:
+    """The accept length, or a dash where no round ran."""
+    return "-" if row["accept_length"] is None else f"{row['accept_length']:.2f}"
 
 
 def _range(row: dict) -> str:

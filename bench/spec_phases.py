@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         "speculative_algorithm": "multi-layer-eagle",
         "draft_model": str(draft),
         "num_draft_steps": args.num_draft_steps,
+        # The phases of a round are what it times: a round at every step.
+        "speculative_plan": "always",
     }
     for name, options in (("plain", {}), ("speculative", spec)):
         llm = LLM(args.model, **common, **options)

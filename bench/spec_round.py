@@ -167,6 +167,9 @@ def main() -> None:
                     "speculative_algorithm": "multi-layer-eagle",
                     "draft_model": draft,
                     "draft_vocab": "draft",
+                    # A round's cost is what it measures: one at every step (the adaptive
+                    # plan would stop speculating with a random draft).
+                    "speculative_plan": "always",
                 }
             llm = LLM(str(target), **common, **extra)
             for batch in args.batch_sizes:

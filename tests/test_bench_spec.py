@@ -103,3 +103,15 @@ def test_a_draft_without_a_vocabulary_is_named_so(capsys) -> None:
     asked_own, whole = (line.split(" | ")[1] for line in lines[-2:])
     assert asked_own == "a random (untrained) draft, whole vocabulary (it ships none)"
     assert whole == "a random (untrained) draft, whole vocabulary"
+
+
+def test_the_round_plans_are_compared_side_by_side(capsys) -> None:
+    spec_bench.main(ARGS + ["--speculative-plan", "always", "adaptive"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "| rounds |" in lines[-4]
+    always, adaptive = (line.split(" | ") for line in lines[-2:])
+    assert always[1] == "the shipped default draft, always plan"
+    assert adaptive[1] == "the shipped default draft, adaptive plan"
+    # Rounds: a share of decode steps, between none and all.
+    assert all(0 <= int(row[-4].rstrip("%")) <= 100 for row in (always, adaptive))
+    assert always[-1] == adaptive[-1] == "yes |"
