@@ -16,7 +16,13 @@ weight bytes / B, B = (bytes read + bytes written) / seconds of a large device-t
 this run; weight bytes = what a step reads once in bf16: decoder layers, final norm, LM head (the
 input embedding, of which a step reads B rows, and the KV cache are left out).
 "smollm2" and "llama8b" have SmolLM2-135M-Instruct's and Llama-3-8B's shapes with random weights
-(speed does not depend on them), saved with a byte-level tokenizer under /tmp; --model gives a
+(speed does not depend on them), saved with a byte-level tokenizer under /tmp; "qwen3-8b",
+"gemma3-270m" and "qwen3-moe-12l" Qwen3-8B's, Gemma 3 270M's and Qwen3-30B-A3B's (12 of its 48
+layers), built with transformers' classes of each family (bench/random_models.py; "tiny*": a
+smoke run on a CPU). A MoE's HBM floor counts its router and one token's experts alone (what a
+step at batch 1 reads; at larger batches the tokens read more experts). A transformers column
+that fails for a model (an error other than out of memory) is skipped at its larger batch
+sizes with the reason; --model gives a
 real folder for smollm2 ("default": the embedded model), and --spec then compares plain and
 speculative tokens/s (multi-layer-eagle, the shipped draft) on held-out chat prompts. A failed
 measurement leaves its error in its cell. Prints tables and rewrites the "GPU decode step"
@@ -44,7 +50,9 @@ from bench.random_models import SHAPES, random_model, weight_bytes  # noqa: E402
 from bench.report import write_section  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
-BATCHES = {"smollm2": [1, 16, 64], "llama8b": [1, 32], "tiny": [1, 4]}
+BATCHES = {"smollm2": [1, 16, 64], "llama8b": [1, 32], "qwen3-8b": [1, 32], "gemma3-270m": [1, 64]}
+BATCHES |= {"qwen3-moe-12l": [1, 32], "tiny": [1, 4], "tiny-qwen3": [1, 4], "tiny-gemma3": [1, 4]}
+BATCHES |= {"tiny-qwen3-moe": [1, 4]}
 SHORT, MAX_MODEL_LEN, SPEC_MAX_TOKENS, STARTUP_TARGET_S = 16, 1024, 128, 30.0
 COLUMNS = [
     "engine_graphs",
@@ -68,6 +76,9 @@ TARGETS: dict[tuple[str, int], tuple[str, Callable[[dict], bool]]] = {
     ("smollm2", 64): ("<= 3 ms", lambda r: r["engine_graphs"] <= 3.0),
     ("llama8b", 1): ("<= 1.2x HBM floor", lambda r: r["engine_graphs"] <= 1.2 * r["hbm_floor"]),
     ("llama8b", 32): ("<= 1.5x HBM floor", lambda r: r["engine_graphs"] <= 1.5 * r["hbm_floor"]),
+    ("qwen3-8b", 1): ("<= 1.25x HBM floor", lambda r: r["engine_graphs"] <= 1.25 * r["hbm_floor"]),
+    # The floor of a MoE: the weights of one token's experts (bench.random_models.weight_bytes).
+    ("qwen3-moe-12l", 1): ("<= 2x HBM floor", lambda r: r["engine_graphs"] <= 2 * r["hbm_floor"]),
 }
 SPEC_TARGETS = {1: 2.0, 64: 1.2}
 
@@ -213,6 +224,7 @@ def bench_model(
             for b in batches]  # fmt: skip
     compiled = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
     static = dict(cache_implementation="static", compile_config=compiled)
+    cannot: dict[str, str] = {}  # column: why transformers could not run this model there
     for r in rows:
         if args.skip_hf or (args.hf_models is not None and name not in args.hf_models):
             r["hf_eager"] = r["hf_compiled"] = "skipped"
@@ -222,9 +234,14 @@ def bench_model(
             hf = hf.to(args.device).eval()
         x = torch.tensor([ids] * r["batch"], device=args.device)
         for column, extra in (("hf_eager", {}), ("hf_compiled", static)):
+            if column in cannot:  # the same failure at every batch size, compiled anew each time
+                r[column] = f"skipped ({cannot[column]})"
+                continue
             generate = hf_generate(hf, x, **extra)
             what = f"{name} b={r['batch']} {column}"
             r[column] = cell(lambda g=generate: per_step_ms(g, args.device, args), what)
+            if isinstance(r[column], str) and r[column] != "error: OOM":
+                cannot[column] = f"transformers failed at b={r['batch']}"
     hf = generate = None
     torch._dynamo.reset()  # lets go of the compiled graphs and their memory pools
     free()
@@ -397,7 +414,8 @@ def main() -> None:
         f"row, median of {args.repeats} after a warm-up. Random weights unless a model folder "
         "was given. HF compiled: static cache, CompileConfig(fullgraph=True, dynamic=False, "
         'mode="reduce-overhead"). HBM floor: bf16 bytes of the decoder layers, final norm and '
-        "LM head over the device-to-device copy bandwidth counted as bytes read + written "
+        "LM head (of a mixture of experts: the router and one token's experts, what batch 1 "
+        "reads) over the device-to-device copy bandwidth counted as bytes read + written "
         f"({bandwidth / 1e9:.1f} GB/s here); the KV cache and input embedding are left out.\n\n"
         "Engine graphs: CUDA graphs and overlap scheduling (the defaults on a GPU); no "
         "overlap: each step's tokens read before the next step is prepared.\n\n"
