@@ -13,6 +13,9 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from cluster.bench_serving.client import (
     ENDPOINT_PATHS,
@@ -22,12 +25,22 @@ from cluster.bench_serving.client import (
     open_http_client,
     send_request,
 )
+from cluster.bench_serving.conversation_runner import run_conversations
+from cluster.bench_serving.dataset_args import (
+    DEFAULT_CONCURRENT_CONVERSATIONS,
+    DEFAULT_NUM_PROMPTS,
+    RANDOM_TEXT,
+    add_dataset_args,
+    dataset_spec,
+    positive_float,
+    positive_int,
+)
 from cluster.bench_serving.datasets import (
-    DATASETS,
     BenchRequest,
-    DatasetSpec,
+    ConversationScript,
     DatasetStats,
     load_requests,
+    multiturn_scripts,
 )
 from cluster.bench_serving.metrics import RunSummary, Slo, summarize
 from cluster.bench_serving.report import (
@@ -59,6 +72,11 @@ class SweepPlan:
     seed: int
     slo: Slo
     show_progress: bool
+    # multiturn: the conversations, replayed with the server's answers (requests: their turns
+    # with the built-in answers, which size the report's dataset lengths)
+    conversations: list[ConversationScript] | None = None
+    concurrent_conversations: int = DEFAULT_CONCURRENT_CONVERSATIONS
+    tokenizer: Any = None  # sizes each turn's prompt where the server reports none
 
 
 def add_bench_serving_args(parser: argparse.ArgumentParser) -> None:
@@ -78,17 +96,22 @@ def add_bench_serving_args(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=positive_float,
         default=3600.0,
         metavar="SECONDS",
         help="a request with no end this long after it was sent counts as lost (default 3600)",
     )
 
     load = parser.add_argument_group("load")
-    load.add_argument("--num-prompts", type=_positive_int, default=200, help="default 200")
+    load.add_argument(
+        "--num-prompts",
+        type=positive_int,
+        default=None,
+        help=f"random, chat and file prompts to send (default {DEFAULT_NUM_PROMPTS})",
+    )
     load.add_argument(
         "--request-rate",
-        type=_positive_float,
+        type=positive_float,
         nargs="+",
         default=[math.inf],
         metavar="RATE",
@@ -97,7 +120,7 @@ def add_bench_serving_args(parser: argparse.ArgumentParser) -> None:
     )
     load.add_argument(
         "--max-concurrency",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="at most this many requests in flight; later arrivals wait (default: no limit)",
     )
@@ -105,45 +128,7 @@ def add_bench_serving_args(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, help="seeds the prompts and the arrivals (default 0)"
     )
 
-    data = parser.add_argument_group("dataset")
-    data.add_argument(
-        "--dataset",
-        default=None,
-        choices=list(DATASETS),
-        help="random: random tokens of --input-len; chat: built-in multi-turn conversations; "
-        "file: --dataset-path (default: file with --dataset-path, else random)",
-    )
-    data.add_argument(
-        "--dataset-path",
-        default=None,
-        metavar="FILE",
-        help='ShareGPT JSON (a list of {"conversations": [{"from": "human" | "gpt", "value": '
-        "...}]}: the first human turn, and the length of the gpt turn after it as the output "
-        'length) or JSONL (one {"prompt": ..., "output_len": N (optional)} per line)',
-    )
-    data.add_argument(
-        "--input-len", type=_positive_int, default=1024, help="random: prompt tokens (1024)"
-    )
-    data.add_argument(
-        "--output-len",
-        type=_positive_int,
-        default=128,
-        help="max_tokens for random prompts, and for file prompts that give none (128)",
-    )
-    data.add_argument(
-        "--range-ratio",
-        type=_range_ratio,
-        default=0.0,
-        help="random: draw each prompt's and output's length uniformly in "
-        "[len * (1 - r), len * (1 + r)], with 0 <= r < 1 (vLLM's convention; SGLang's "
-        "--random-range-ratio means [len * r, len] instead); 0 gives exact lengths (default)",
-    )
-    data.add_argument(
-        "--tokenizer",
-        default=None,
-        help="model folder, GGUF file or cached hub name whose tokenizer sizes the prompts "
-        "(default: --model when it is a local path, else pdcluster's default model)",
-    )
+    add_dataset_args(parser)
 
     requests = parser.add_argument_group("requests")
     requests.add_argument(
@@ -160,13 +145,13 @@ def add_bench_serving_args(parser: argparse.ArgumentParser) -> None:
     report = parser.add_argument_group("report")
     report.add_argument(
         "--slo-ttft-ms",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="goodput counts only requests with TTFT at most this",
     )
     report.add_argument(
         "--slo-tpot-ms",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="goodput counts only requests with TPOT (time per output token after the "
         "first) at most this",
@@ -220,14 +205,25 @@ async def run_sweep(plan: SweepPlan, writer: ResultsWriter | None) -> list[RunSu
             return await send_request(http, plan.target, request, index)
 
         for rate in plan.request_rates:
-            run = await run_at_rate(
-                plan.requests,
-                rate,
-                send,
-                max_concurrency=plan.max_concurrency,
-                seed=plan.seed,
-                show_progress=plan.show_progress,
-            )
+            if plan.conversations is not None:
+                run = await run_conversations(
+                    plan.conversations,
+                    rate,
+                    send,
+                    plan.tokenizer,
+                    concurrency=plan.concurrent_conversations,
+                    seed=plan.seed,
+                    show_progress=plan.show_progress,
+                )
+            else:
+                run = await run_at_rate(
+                    plan.requests,
+                    rate,
+                    send,
+                    max_concurrency=plan.max_concurrency,
+                    seed=plan.seed,
+                    show_progress=plan.show_progress,
+                )
             summary = summarize(run, plan.slo)
             summaries.append(summary)
             if writer is not None:
@@ -239,7 +235,7 @@ async def run_sweep(plan: SweepPlan, writer: ResultsWriter | None) -> list[RunSu
 
 
 def _prepare(args: argparse.Namespace) -> tuple[SweepPlan, BenchSetup]:
-    dataset = _dataset_name(args)
+    spec = dataset_spec(args)
     if args.save_requests and args.output_dir is None:
         raise ValueError("--save-requests needs --output-dir")
     base_url = api_root(args.url)
@@ -251,17 +247,13 @@ def _prepare(args: argparse.Namespace) -> tuple[SweepPlan, BenchSetup]:
             "to use the served model's own",
             file=sys.stderr,
         )
-    spec = DatasetSpec(
-        name=dataset,
-        num_prompts=args.num_prompts,
-        seed=args.seed,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
-        path=args.dataset_path,
-    )
-    requests = load_requests(spec, load_bench_tokenizer(source))
-    ignore_eos = args.ignore_eos if args.ignore_eos is not None else dataset == "random"
+    tokenizer = load_bench_tokenizer(source)
+    requests = load_requests(spec, tokenizer)
+    conversations, concurrency = None, args.max_concurrency
+    if spec.name == "multiturn":
+        conversations = multiturn_scripts(spec, tokenizer, np.random.default_rng(spec.seed))
+        concurrency = args.concurrent_conversations or DEFAULT_CONCURRENT_CONVERSATIONS
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else spec.name in RANDOM_TEXT
     target = Target(
         base_url=base_url,
         model=model,
@@ -272,10 +264,15 @@ def _prepare(args: argparse.Namespace) -> tuple[SweepPlan, BenchSetup]:
         timeout_s=args.timeout,
     )
     stats = DatasetStats.of(requests)
+    what = f"{len(requests)} {spec.name} prompts"
+    if conversations is not None:
+        what = (
+            f"{len(conversations)} conversations of {len(requests)} turns, {concurrency} at a "
+            "time (prompt tokens with the built-in answers in the history)"
+        )
     print(
-        f"{PROG}: {model} at {base_url}{target.path}: {len(requests)} {dataset} prompts, "
-        f"mean {stats.mean_prompt_len:g} prompt tokens, mean max_tokens "
-        f"{stats.mean_output_len:g}",
+        f"{PROG}: {model} at {base_url}{target.path}: {what}, mean {stats.mean_prompt_len:g} "
+        f"prompt tokens, mean max_tokens {stats.mean_output_len:g}",
         flush=True,
     )
     plan = SweepPlan(
@@ -286,30 +283,21 @@ def _prepare(args: argparse.Namespace) -> tuple[SweepPlan, BenchSetup]:
         seed=args.seed,
         slo=Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
         show_progress=not args.disable_tqdm,
+        conversations=conversations,
+        concurrent_conversations=concurrency or DEFAULT_CONCURRENT_CONVERSATIONS,
+        tokenizer=tokenizer,
     )
     setup = BenchSetup(
         url=base_url,
         model=model,
         endpoint=args.endpoint,
-        max_concurrency=args.max_concurrency,
+        max_concurrency=concurrency,
         ignore_eos=ignore_eos,
         temperature=args.temperature,
         dataset=spec,
         dataset_stats=stats,
     )
     return plan, setup
-
-
-def _dataset_name(args: argparse.Namespace) -> str:
-    if args.dataset is None:
-        return "file" if args.dataset_path else "random"
-    if args.dataset == "file" and args.dataset_path is None:
-        raise ValueError("--dataset file needs --dataset-path")
-    if args.dataset != "file" and args.dataset_path is not None:
-        raise ValueError(
-            f"--dataset-path reads a file: it does not go with --dataset {args.dataset}"
-        )
-    return args.dataset
 
 
 def _run_line(summary: RunSummary) -> str:
@@ -326,27 +314,6 @@ def _plot(summaries: list[RunSummary], path: Path) -> None:
         print(f"wrote {path}")
     else:
         print(f"matplotlib is not installed: no {path.name} (pip install 'pdcluster[bench]')")
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
-
-
-def _range_ratio(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

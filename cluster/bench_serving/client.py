@@ -98,6 +98,7 @@ class StreamClock:
         self.finished = False  # [DONE] or a finish reason seen
         self.done_at: float | None = None
         self.usage: Usage | None = None
+        self.texts: list[str] = []
 
     def observe(self, event: StreamEvent, now: float) -> None:
         if event.has_content:
@@ -107,6 +108,7 @@ class StreamClock:
                 self.gaps.append(now - self.last_content_at)
             self.last_content_at = now
             self.content_chunks += 1
+            self.texts.append(event.text)
         if event.usage is not None:
             self.usage = event.usage
         self.finished = self.finished or event.done or event.finish_reason is not None
@@ -131,6 +133,8 @@ class StreamClock:
             error=error,
             spec_accept_length=usage.spec_accept_length,
             spec_verify_steps=usage.spec_verify_steps,
+            cached_tokens=usage.cached_tokens,
+            output_text="".join(self.texts),
         )
 
 

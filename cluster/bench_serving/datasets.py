@@ -5,7 +5,13 @@ Datasets (chosen by name; an unknown name lists the supported ones):
   [len * (1 - range_ratio), len * (1 + range_ratio)] (vLLM's convention);
 - chat: the built-in multi-turn conversations (chat_conversations), each with the output length of
   its last answer;
-- file: ShareGPT JSON or JSONL prompts (dataset_files).
+- file: ShareGPT JSON or JSONL prompts (dataset_files);
+- shared-prefix: groups of prompts that share a long system prompt (SGLang's
+  generated-shared-prefix), every group's requests mixed in one shuffled order;
+- multiturn: the built-in conversations replayed turn by turn with the server's own answers in
+  the history (`ConversationScript`; conversation_runner sends them: each turn depends on the
+  answer before it); `load_requests` gives every turn with the built-in answers in its history,
+  the lengths the report states before the run.
 
 Every draw comes from one numpy Generator seeded with `spec.seed`, so a seed gives the same
 requests on every run. Where a dataset has fewer entries than prompts asked, it is cycled, each
@@ -15,7 +21,7 @@ pass in a new shuffled order.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,16 +68,26 @@ class DatasetSpec:
     output_len: int = 128  # random, and file prompts that give no output length
     range_ratio: float = 0.0  # random
     path: str | None = None  # file
+    # shared-prefix: num_prompts is groups * prompts_per_group.
+    groups: int = 8
+    prompts_per_group: int = 16
+    system_len: int = 1500
+    question_len: int = 128
 
     def to_json(self) -> dict[str, Any]:
+        shared = self.name == "shared-prefix"
         return {
             "name": self.name,
             "path": self.path,
-            "num_prompts": self.num_prompts,
+            "num_prompts": self.num_prompts,  # multiturn: conversations
             "seed": self.seed,
             "input_len": self.input_len if self.name == "random" else None,
-            "output_len": self.output_len if self.name != "chat" else None,
+            "output_len": self.output_len if self.name not in ("chat", "multiturn") else None,
             "range_ratio": self.range_ratio if self.name == "random" else None,
+            "groups": self.groups if shared else None,
+            "prompts_per_group": self.prompts_per_group if shared else None,
+            "system_len": self.system_len if shared else None,
+            "question_len": self.question_len if shared else None,
         }
 
 
@@ -173,6 +189,31 @@ def _random_text(
     return text, len(tokenizer.encode(text, add_special_tokens=False))
 
 
+def shared_prefix_requests(
+    spec: DatasetSpec, tokenizer: Any, rng: np.random.Generator
+) -> list[BenchRequest]:
+    """`groups` system prompts of `system_len` random tokens, each followed by
+    `prompts_per_group` questions of `question_len` random tokens: for chat, a system and a user
+    message; for completions, the system prompt, a blank line and the question. Shuffled, so
+    that the groups arrive interleaved, as from many users at once."""
+    if spec.num_prompts != spec.groups * spec.prompts_per_group:
+        raise ValueError(
+            f"shared-prefix sends groups * prompts_per_group = "
+            f"{spec.groups * spec.prompts_per_group} prompts, not {spec.num_prompts}"
+        )
+    vocabulary = plain_token_ids(tokenizer)
+    requests = []
+    for _ in range(spec.groups):
+        system, _ = _random_text(spec.system_len, tokenizer, vocabulary, rng)
+        for _ in range(spec.prompts_per_group):
+            question, _ = _random_text(spec.question_len, tokenizer, vocabulary, rng)
+            prompt = f"{system}\n\n{question}"
+            prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+            messages = (Message("system", system), Message("user", question))
+            requests.append(BenchRequest(prompt, prompt_len, spec.output_len, messages))
+    return [requests[i] for i in rng.permutation(len(requests))]
+
+
 def chat_requests(
     spec: DatasetSpec, tokenizer: Any, rng: np.random.Generator
 ) -> list[BenchRequest]:
@@ -186,19 +227,78 @@ def chat_requests(
 
 
 def _conversation_request(conversation: Conversation, tokenizer: Any) -> BenchRequest:
+    return conversation_request(conversation.turns, conversation.output_len, tokenizer)
+
+
+def conversation_request(turns: Sequence[str], output_len: int, tokenizer: Any) -> BenchRequest:
+    """The request for the answer to `turns` (user, assistant, ..., user)."""
     roles = ("user", "assistant")
-    messages = tuple(
-        Message(roles[position % 2], text) for position, text in enumerate(conversation.turns)
-    )
+    messages = tuple(Message(roles[position % 2], text) for position, text in enumerate(turns))
     prompt = transcript(messages)
     prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
-    return BenchRequest(prompt, prompt_len, conversation.output_len, messages)
+    return BenchRequest(prompt, prompt_len, output_len, messages)
 
 
 def transcript(messages: tuple[Message, ...]) -> str:
     """A conversation as plain text for /v1/completions, ending where the assistant answers."""
     lines = [f"{message.role.capitalize()}: {message.content}" for message in messages]
     return "\n\n".join([*lines, "Assistant:"])
+
+
+@dataclass(frozen=True)
+class ConversationScript:
+    """A built-in conversation to replay: its user turns, and the built-in answers, whose
+    lengths in tokens are the answers' max_tokens (the last turn's: the conversation's
+    output_len). A run puts the server's own answers in the history instead of these."""
+
+    topic: str
+    user_turns: tuple[str, ...]
+    reference_answers: tuple[str, ...]  # one fewer than the user turns
+    output_lens: tuple[int, ...]  # one per user turn
+
+    def turn_request(self, turn: int, answers: Sequence[str], tokenizer: Any) -> BenchRequest:
+        """The request for user turn `turn`, after the `answers` to the turns before it."""
+        if len(answers) != turn:
+            raise ValueError(f"turn {turn} follows {turn} answers, got {len(answers)}")
+        history = [text for pair in zip(self.user_turns, answers) for text in pair]
+        return conversation_request(
+            [*history, self.user_turns[turn]], self.output_lens[turn], tokenizer
+        )
+
+
+def multiturn_scripts(
+    spec: DatasetSpec, tokenizer: Any, rng: np.random.Generator
+) -> list[ConversationScript]:
+    """`spec.num_prompts` conversations, drawn as the chat dataset draws them."""
+    built: dict[int, ConversationScript] = {}
+    scripts = []
+    for pick in draw_indices(len(CONVERSATIONS), spec.num_prompts, rng):
+        if pick not in built:
+            built[pick] = _script(CONVERSATIONS[pick], tokenizer)
+        scripts.append(built[pick])
+    return scripts
+
+
+def _script(conversation: Conversation, tokenizer: Any) -> ConversationScript:
+    answers = conversation.turns[1::2]
+    lens = [max(1, len(tokenizer.encode(a, add_special_tokens=False))) for a in answers]
+    return ConversationScript(
+        topic=conversation.topic,
+        user_turns=conversation.turns[0::2],
+        reference_answers=answers,
+        output_lens=(*lens, conversation.output_len),
+    )
+
+
+def multiturn_requests(
+    spec: DatasetSpec, tokenizer: Any, rng: np.random.Generator
+) -> list[BenchRequest]:
+    """Every turn of the conversations, with the built-in answers in the history."""
+    return [
+        script.turn_request(turn, script.reference_answers[:turn], tokenizer)
+        for script in multiturn_scripts(spec, tokenizer, rng)
+        for turn in range(len(script.user_turns))
+    ]
 
 
 def file_requests(
@@ -238,4 +338,6 @@ DATASETS: dict[str, DatasetBuilder] = {
     "random": random_requests,
     "chat": chat_requests,
     "file": file_requests,
+    "shared-prefix": shared_prefix_requests,
+    "multiturn": multiturn_requests,
 }

@@ -3,7 +3,9 @@
 Latencies and throughputs count completed requests only: a failed or lost request has no
 meaningful latency, and its tokens were not all served. Percentiles interpolate linearly between
 samples (numpy's default), as vLLM's and SGLang's benchmarks do. ITL statistics pool the gaps of
-every completed request.
+every completed request. The cached share counts the requests whose usage reports
+`prompt_tokens_details.cached_tokens`: their cached prompt tokens over their prompt tokens (None
+when no request reports it).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class RunSummary:
     good_requests: int
     spec_accept_length: float | None
     errors: dict[str, int]  # failure and loss reasons, most frequent first
+    total_cached_tokens: int | None = None  # None: no completed request reported it
+    cached_share: float | None = None  # failure and loss reasons, most frequent first
 
     @property
     def sent(self) -> int:
@@ -127,6 +131,8 @@ class RunSummary:
             "goodput": round(self.goodput, 4),
             "spec_accept_length": self.spec_accept_length,
             "errors": self.errors,
+            "total_cached_tokens": self.total_cached_tokens,
+            "cached_share": self.cached_share,
         }
 
 
@@ -150,7 +156,19 @@ def summarize(run: RunResult, slo: Slo) -> RunSummary:
         good_requests=sum(slo.is_met_by(result) for result in completed),
         spec_accept_length=mean_accept_length(completed),
         errors=error_counts(run.results),
+        **cached_prompt_tokens(completed),
     )
+
+
+def cached_prompt_tokens(results: Sequence[RequestResult]) -> dict[str, Any]:
+    """total_cached_tokens and cached_share over the requests whose server reported them."""
+    reporting = [result for result in results if result.cached_tokens is not None]
+    if not reporting:
+        return {"total_cached_tokens": None, "cached_share": None}
+    cached = sum(result.cached_tokens or 0 for result in reporting)
+    prompt = sum(result.prompt_tokens for result in reporting)
+    share = round(cached / prompt, 4) if prompt > 0 else None
+    return {"total_cached_tokens": cached, "cached_share": share}
 
 
 def mean_accept_length(results: Sequence[RequestResult]) -> float | None:

@@ -82,7 +82,7 @@ def format_summaries(summaries: Sequence[RunSummary]) -> str:
 
 def _throughput_table(summaries: Sequence[RunSummary]) -> str:
     header = ["rate/s", "completed", "failed", "lost", "duration_s", "req/s", "in tok/s"]
-    header += ["out tok/s", "goodput/s", "accept len"]
+    header += ["out tok/s", "goodput/s", "accept len", "cached %"]
     rows = [
         [
             _rate_label(s),
@@ -95,6 +95,7 @@ def _throughput_table(summaries: Sequence[RunSummary]) -> str:
             _number(s.output_token_throughput, 1),
             _number(s.goodput),
             _number(s.spec_accept_length),
+            _number(None if s.cached_share is None else 100.0 * s.cached_share, 1),
         ]
         for s in summaries
     ]

@@ -38,6 +38,8 @@ class RequestResult:
     error: str | None = None
     spec_accept_length: float | None = None
     spec_verify_steps: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server reused; None: not reported
+    output_text: str = ""  # the answer as streamed (a conversation's next turn carries it)
 
     @property
     def tpot_s(self) -> float | None:
@@ -63,6 +65,7 @@ class RequestResult:
             "e2e_ms": milliseconds(self.e2e_s),
             "itl_ms": [milliseconds(gap) for gap in self.itl_s],
             "spec_accept_length": self.spec_accept_length,
+            "cached_tokens": self.cached_tokens,
         }
 
 

@@ -5,7 +5,8 @@ open with a role-only chunk (no content yet, so not the first token), reasoning 
 `reasoning_content` before `content` (both are output), pdcluster's chunks carry `token_ids`
 (content even when the detokenizer holds the text back), usage comes in a last chunk with no
 choices, and an error after the first byte is a `data: {"error": ...}` event (older vLLM:
-{"object": "error", "message": ...}).
+{"object": "error", "message": ...}). The answer's text is kept too (a conversation's next turn
+carries it); reasoning text is not part of it, as chat clients leave it out of the history.
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ class Usage:
     completion_tokens: int | None
     spec_accept_length: float | None = None  # pdcluster's speculative decoding statistics
     spec_verify_steps: int | None = None
+    cached_tokens: int | None = None  # prompt_tokens_details.cached_tokens (OpenAI's field)
 
     @classmethod
     def parse(cls, usage: dict[str, Any]) -> Usage:
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
         return cls(
             prompt_tokens=_optional(int, usage.get("prompt_tokens")),
             completion_tokens=_optional(int, usage.get("completion_tokens")),
             spec_accept_length=_optional(float, usage.get("spec_accept_length")),
             spec_verify_steps=_optional(int, usage.get("spec_verify_steps")),
+            cached_tokens=_optional(int, cached),
         )
 
 
@@ -39,6 +44,7 @@ class StreamEvent:
     done: bool = False  # data: [DONE]
     error: str | None = None
     has_content: bool = False  # carries output: text, reasoning text or token ids
+    text: str = ""  # the answer's text in this chunk (chat: delta.content; completions: text)
     finish_reason: str | None = None
     usage: Usage | None = None
 
@@ -60,8 +66,10 @@ def parse_stream_line(line: str) -> StreamEvent | None:
     usage = payload.get("usage")
     choices = payload.get("choices") or [{}]
     choice = choices[0] if isinstance(choices[0], dict) else {}
+    delta = choice.get("delta") or {}
     return StreamEvent(
         has_content=_has_content(choice),
+        text=delta.get("content") or choice.get("text") or "",
         finish_reason=choice.get("finish_reason"),
         usage=Usage.parse(usage) if isinstance(usage, dict) else None,
     )

@@ -1,0 +1,385 @@
+"""`pdcluster bench serving`'s prefix-reuse workloads: shared-prefix (groups of random questions
+sharing a random system prompt) and multiturn (the built-in conversations replayed turn by turn,
+each turn carrying the server's own answers so far), the cached share of prompt tokens where a
+server reports `prompt_tokens_details.cached_tokens`, and both workloads against the project's
+own HTTP server over a tiny engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_models import CHAT_TEMPLATE, byte_tokenizer, make_tiny_llama
+
+from cluster.bench_serving.chat_conversations import CONVERSATIONS
+from cluster.bench_serving.cli import add_bench_serving_args, run_bench_serving
+from cluster.bench_serving.client import Target, open_http_client, send_request
+from cluster.bench_serving.conversation_runner import run_conversations
+from cluster.bench_serving.datasets import (
+    BenchRequest,
+    ConversationScript,
+    DatasetSpec,
+    load_requests,
+    multiturn_scripts,
+)
+from cluster.bench_serving.metrics import Slo, summarize
+from cluster.bench_serving.report import format_summaries
+from cluster.bench_serving.results import Outcome, RequestResult, RunResult
+from cluster.bench_serving.stream_events import parse_stream_line
+from cluster.openai_api import BackgroundServer, create_app
+from engine import LLM
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---- shared-prefix -------------------------------------------------------------------------
+
+
+SHARED = dict(groups=3, prompts_per_group=4, system_len=40, question_len=10, output_len=7)
+
+
+def shared_prefix(tokenizer, seed: int = 0) -> list[BenchRequest]:
+    return load_requests(DatasetSpec("shared-prefix", 12, seed=seed, **SHARED), tokenizer)
+
+
+def test_shared_prefix_groups_share_their_system_prompt(tokenizer):
+    requests = shared_prefix(tokenizer)
+    assert len(requests) == 12
+    systems = [r.messages[0].content for r in requests]
+    assert [r.messages[0].role for r in requests] == ["system"] * 12
+    assert sorted(systems.count(s) for s in set(systems)) == [4, 4, 4]
+    assert len({r.messages[1].content for r in requests}) == 12  # every question its own
+    for request in requests:
+        system, question = (m.content for m in request.messages)
+        assert len(encode(tokenizer, system)) == 40 and len(encode(tokenizer, question)) == 10
+        assert request.prompt == f"{system}\n\n{question}" and request.output_len == 7
+        assert request.prompt_len == len(encode(tokenizer, request.prompt))
+    # The groups arrive interleaved, not one after another.
+    first_seen = sorted(set(systems), key=systems.index)
+    assert [first_seen.index(s) for s in systems] != sorted(first_seen.index(s) for s in systems)
+
+
+def test_shared_prefix_is_the_same_for_a_seed(tokenizer):
+    assert shared_prefix(tokenizer, seed=3) == shared_prefix(tokenizer, seed=3)
+    assert shared_prefix(tokenizer, seed=3) != shared_prefix(tokenizer, seed=4)
+
+
+def test_shared_prefix_sends_groups_times_prompts_per_group(tokenizer):
+    with pytest.raises(ValueError, match="groups \\* prompts_per_group = 12"):
+        load_requests(DatasetSpec("shared-prefix", 10, **SHARED), tokenizer)
+
+
+# ---- multiturn scripts ---------------------------------------------------------------------
+
+
+def test_multiturn_scripts_replay_the_built_in_conversations(tokenizer):
+    spec = DatasetSpec("multiturn", len(CONVERSATIONS) + 2, seed=1)
+    scripts = multiturn_scripts(spec, tokenizer, np.random.default_rng(1))
+    assert scripts == multiturn_scripts(spec, tokenizer, np.random.default_rng(1))
+    assert scripts != multiturn_scripts(spec, tokenizer, np.random.default_rng(2))
+    assert len({s.topic for s in scripts[: len(CONVERSATIONS)]}) == len(CONVERSATIONS)
+    by_topic = {c.topic: c for c in CONVERSATIONS}
+    for script in scripts:
+        conversation = by_topic[script.topic]
+        assert script.user_turns == conversation.turns[0::2]
+        assert script.reference_answers == conversation.turns[1::2]
+        answer_lens = [len(encode(tokenizer, a)) for a in script.reference_answers]
+        assert script.output_lens == (*answer_lens, conversation.output_len)
+
+
+def test_a_turn_carries_the_answers_it_is_given(tokenizer):
+    script = ConversationScript("t", ("one", "two", "three"), ("a", "b"), (5, 6, 7))
+    request = script.turn_request(2, ["first real", "second real"], tokenizer)
+    assert request.chat_messages() == [
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "first real"},
+        {"role": "user", "content": "two"},
+        {"role": "assistant", "content": "second real"},
+        {"role": "user", "content": "three"},
+    ]
+    assert request.output_len == 7 and "Assistant: second real" in request.prompt
+    assert script.turn_request(0, [], tokenizer).chat_messages() == [
+        {"role": "user", "content": "one"}
+    ]
+    with pytest.raises(ValueError, match="turn 2 follows 2 answers, got 1"):
+        script.turn_request(2, ["only one"], tokenizer)
+
+
+def test_multiturn_dataset_lists_every_turn_with_the_built_in_answers(tokenizer):
+    spec = DatasetSpec("multiturn", 3)
+    scripts = multiturn_scripts(spec, tokenizer, np.random.default_rng(0))
+    requests = load_requests(spec, tokenizer)
+    assert len(requests) == sum(len(s.user_turns) for s in scripts)
+    last = requests[len(scripts[0].user_turns) - 1]
+    assert last.messages[1].content == scripts[0].reference_answers[0]
+
+
+# ---- the conversation runner ---------------------------------------------------------------
+
+
+def scripts_of(turns: list[int]) -> list[ConversationScript]:
+    return [
+        ConversationScript(
+            f"c{c}",
+            tuple(f"c{c} question {t}" for t in range(n)),
+            tuple(f"c{c} reference {t}" for t in range(n - 1)),
+            (3,) * n,
+        )
+        for c, n in enumerate(turns)
+    ]
+
+
+def answered(index: int, text: str) -> RequestResult:
+    return RequestResult(index, Outcome.COMPLETED, 0.0, 10, 3, 0.01, (), 0.02, output_text=text)
+
+
+def replay(scripts, send, tokenizer, **options) -> RunResult:
+    options = {"concurrency": 2, "show_progress": False} | options
+    return asyncio.run(run_conversations(scripts, np.inf, send, tokenizer, **options))
+
+
+def test_each_turn_carries_the_servers_previous_answers(tokenizer):
+    sent: dict[int, list[dict]] = {}
+    in_flight, most_in_flight = set(), [0]
+
+    async def send(request: BenchRequest, index: int) -> RequestResult:
+        in_flight.add(index)
+        most_in_flight[0] = max(most_in_flight[0], len(in_flight))
+        sent[index] = request.chat_messages()
+        await asyncio.sleep(0.01)
+        in_flight.discard(index)
+        return answered(index, f"real answer {index}")
+
+    scripts = scripts_of([3, 1, 2, 3])
+    run = replay(scripts, send, tokenizer)
+    assert run.scheduled == run.sent == 9 and not run.interrupted
+    assert [r.index for r in run.results] == list(range(9))
+    # Conversation 0 is turns 0-2, 1 is turn 3, 2 is turns 4-5, 3 is turns 6-8.
+    assert [m["content"] for m in sent[2]] == [
+        "c0 question 0", "real answer 0", "c0 question 1", "real answer 1", "c0 question 2",
+    ]  # fmt: skip
+    assert [m["content"] for m in sent[5] if m["role"] == "assistant"] == ["real answer 4"]
+    assert [m["content"] for m in sent[8] if m["role"] == "assistant"] == [
+        "real answer 6",
+        "real answer 7",
+    ]
+    assert most_in_flight[0] == 2  # --concurrent-conversations
+
+
+def test_a_conversation_keeps_its_place_between_its_turns(tokenizer):
+    order = []
+
+    async def send(request: BenchRequest, index: int) -> RequestResult:
+        order.append(index)
+        await asyncio.sleep(0.01)
+        return answered(index, "fine")
+
+    replay(scripts_of([2, 3]), send, tokenizer, concurrency=1)
+    assert order == [0, 1, 2, 3, 4]  # the second conversation starts once the first ended
+
+
+def test_a_turn_that_fails_ends_its_conversation(tokenizer):
+    async def send(request: BenchRequest, index: int) -> RequestResult:
+        if index == 1:
+            return RequestResult(index, Outcome.FAILED, 0.0, 10, 0, error="400: too long")
+        if index == 4:
+            raise RuntimeError("bug in the sender")
+        return answered(index, "fine")
+
+    run = replay(scripts_of([3, 2]), send, tokenizer, concurrency=1)
+    # Turn 2 of conversation 0 is never sent; conversation 1's second turn is (index 4).
+    assert run.scheduled == 5 and [r.index for r in run.results] == [0, 1, 3, 4]
+    assert [r.outcome for r in run.results] == [Outcome.COMPLETED, Outcome.FAILED] * 2
+    assert "bug in the sender" in run.results[3].error
+
+
+def test_an_interrupted_replay_counts_turns_in_flight_as_lost(tokenizer):
+    started = asyncio.Event()
+
+    async def send(request: BenchRequest, index: int) -> RequestResult:
+        if index == 0:
+            return answered(index, "done")
+        started.set()
+        await asyncio.Event().wait()  # a generation that never ends
+
+    async def scenario() -> RunResult:
+        run = asyncio.create_task(
+            run_conversations(
+                scripts_of([2, 2, 2]), np.inf, send, tokenizer, concurrency=2, show_progress=False
+            )  # fmt: skip
+        )
+        await asyncio.wait_for(started.wait(), timeout=10)
+        await asyncio.sleep(0.05)
+        run.cancel()
+        return await run
+
+    run = asyncio.run(scenario())
+    assert run.interrupted and run.scheduled == 6
+    # Conversation 2 waited for a place and sent nothing.
+    assert [(r.index, r.outcome) for r in run.results] == [
+        (0, Outcome.COMPLETED), (1, Outcome.LOST), (2, Outcome.LOST),
+    ]  # fmt: skip
+    assert all("interrupted" in r.error for r in run.results[1:])
+
+
+# ---- cached prompt tokens ------------------------------------------------------------------
+
+
+def test_cached_tokens_are_read_from_usage_and_reported_as_a_share():
+    usage = parse_stream_line(
+        'data: {"choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": 3, '
+        '"prompt_tokens_details": {"cached_tokens": 40}}}'
+    ).usage
+    assert usage.cached_tokens == 40
+    plain = parse_stream_line('data: {"choices": [], "usage": {"prompt_tokens": 5}}').usage
+    assert plain.cached_tokens is None
+    results = [
+        RequestResult(0, Outcome.COMPLETED, 0.0, 100, 3, 0.01, (), 0.02, cached_tokens=0),
+        RequestResult(1, Outcome.COMPLETED, 0.0, 100, 3, 0.01, (), 0.02, cached_tokens=60),
+        RequestResult(2, Outcome.COMPLETED, 0.0, 100, 3, 0.01, (), 0.02),  # not reported
+    ]
+    summary = summarize(RunResult(1.0, 3, 0.0, 1.0, results), Slo())
+    assert (summary.total_cached_tokens, summary.cached_share) == (60, 0.3)
+    assert summary.to_json()["cached_share"] == 0.3
+    header, row = format_summaries([summary]).splitlines()[:2]
+    assert header.split()[-2:] == ["cached", "%"] and row.split()[-1] == "30.0"
+    none = summarize(RunResult(1.0, 1, 0.0, 1.0, results[2:]), Slo())
+    assert (none.total_cached_tokens, none.cached_share) == (None, None)
+    assert format_summaries([none]).splitlines()[1].split()[-1] == "-"
+
+
+def test_the_stream_gives_the_answers_text():
+    for chunk, text in (
+        ('{"choices": [{"delta": {"content": "Hi"}}]}', "Hi"),
+        ('{"choices": [{"delta": {"reasoning_content": "hmm"}}]}', ""),
+        ('{"choices": [{"text": "x", "finish_reason": "length"}]}', "x"),
+    ):
+        assert parse_stream_line(f"data: {chunk}").text == text
+
+
+# ---- against the project's own server ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory) -> Path:
+    """The tiny random Llama with room for the built-in conversations' full histories."""
+    path = tmp_path_factory.mktemp("tiny_long") / "tiny"
+    make_tiny_llama(path, seed=0, max_position_embeddings=16384)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(long_context_model):
+    from cluster.local_backend import LocalBackend
+
+    llm = LLM(str(long_context_model), device="cpu", max_model_len=16384, kv_cache_tokens=65536)
+    llm.tokenizer.chat_template = CHAT_TEMPLATE
+    backend = LocalBackend(llm, model_name="tiny")
+    with BackgroundServer(create_app(backend)) as server:
+        yield server
+    backend.close()
+
+
+def bench(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    add_bench_serving_args(parser)
+    return run_bench_serving(parser.parse_args(["--disable-tqdm", *argv]))
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_shared_prefix_against_the_server(server, long_context_model, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = bench(
+        "--url", server.url, "--model", "tiny", "--tokenizer", str(long_context_model),
+        "--dataset", "shared-prefix", "--prefix-groups", "2", "--prompts-per-group", "3",
+        "--system-prompt-len", "60", "--question-len", "8", "--output-len", "4",
+        "--output-dir", str(out), "--save-requests",
+    )  # fmt: skip
+    assert code == 0
+    assert "6 shared-prefix prompts, mean 70 prompt tokens" in capsys.readouterr().out
+    (run,) = read_lines(out / "results.jsonl")
+    assert (run["sent"], run["completed"]) == (6, 6)
+    assert run["total_output_tokens"] == 6 * 4  # random text: ignore_eos by default
+    assert run["ttft_ms"]["p50"] is not None and run["ttft_ms"]["p99"] >= run["ttft_ms"]["p50"]
+    dataset = run["dataset"]
+    assert (dataset["groups"], dataset["prompts_per_group"], dataset["num_prompts"]) == (2, 3, 6)
+    assert (dataset["system_len"], dataset["question_len"]) == (60, 8)
+    # The server reports no cached tokens (yet): none is claimed.
+    assert run["total_cached_tokens"] is None and run["cached_share"] is None
+    assert all(r["cached_tokens"] is None for r in read_lines(out / "requests.jsonl"))
+
+
+def test_a_conversations_second_turn_carries_the_servers_first_answer(server, long_context_model):
+    tokenizer = byte_tokenizer()
+    target = Target(server.url, "tiny", "chat")
+    script = ConversationScript(
+        "short", ("Say something.", "Now say more."), ("reference",), (12, 5)
+    )
+    bodies = []
+
+    async def scenario() -> RunResult:
+        async with open_http_client(target) as http:
+
+            async def send(request: BenchRequest, index: int) -> RequestResult:
+                bodies.append(target.body(request))
+                return await send_request(http, target, request, index)
+
+            return await run_conversations([script], np.inf, send, tokenizer, concurrency=1,
+                                           show_progress=False)  # fmt: skip
+
+    first, second = asyncio.run(scenario()).results
+    assert first.outcome is second.outcome is Outcome.COMPLETED
+    assert first.output_text and first.output_tokens == 12
+    assert bodies[1]["messages"][1] == {"role": "assistant", "content": first.output_text}
+    assert bodies[1]["messages"][1]["content"] != "reference"
+    # The server's own prompt count: the first turn, its answer (as text: the random model's
+    # stray bytes come back as U+FFFD) and the second question.
+    answer = len(encode(tokenizer, first.output_text))
+    assert second.prompt_tokens >= first.prompt_tokens + answer + len("Now say more.")
+
+
+def test_multiturn_against_the_server(server, long_context_model, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = bench(
+        "--url", server.url, "--model", "tiny", "--tokenizer", str(long_context_model),
+        "--dataset", "multiturn", "--num-conversations", "3", "--concurrent-conversations", "2",
+        "--output-dir", str(out), "--save-requests",
+    )  # fmt: skip
+    assert code == 0
+    assert "3 conversations of 6 turns, 2 at a time" in capsys.readouterr().out
+    (run,) = read_lines(out / "results.jsonl")
+    assert (run["scheduled"], run["sent"], run["completed"]) == (6, 6, 6)
+    assert run["max_concurrency"] == 2 and run["dataset"]["num_prompts"] == 3
+    prompts = {r["index"]: r["prompt_tokens"] for r in read_lines(out / "requests.jsonl")}
+    # Each conversation's second turn resends its first with the answer to it.
+    for first in (0, 2, 4):
+        assert prompts[first + 1] > prompts[first]
+
+
+@pytest.mark.parametrize(
+    ("flags", "refused"),
+    [
+        (["--dataset", "multiturn", "--num-prompts", "5"], "--num-prompts"),
+        (["--dataset", "multiturn", "--max-concurrency", "5"], "--max-concurrency"),
+        (["--dataset", "shared-prefix", "--num-prompts", "5"], "--num-prompts"),
+        (["--dataset", "random", "--prefix-groups", "2"], "--prefix-groups"),
+        (["--dataset", "chat", "--concurrent-conversations", "2"], "--concurrent-conversations"),
+    ],
+)
+def test_flags_of_another_dataset_are_refused(flags, refused, capsys):
+    assert bench("--url", "http://127.0.0.1:9", "--model", "m", *flags) == 2
+    assert f"{refused} does not go with --dataset" in capsys.readouterr().err
