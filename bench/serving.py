@@ -2,7 +2,9 @@
 same hardware, each loaded by `pdcluster bench serving` over HTTP.
 
     python bench/serving.py --setups aggregated 1p1d [--gpus-per-node 0.5] [--speculative off on]
-        [--datasets random chat] [--input-len 1024] [--output-len 128] [--num-prompts 200]
+        [--datasets random chat shared-prefix multiturn] [--input-len 1024] [--output-len 128]
+        [--num-prompts 200] [--prefix-groups 8 --prompts-per-group 16 --system-prompt-len 1500
+        --question-len 128] [--num-conversations N --concurrent-conversations 16]
         [--request-rates 4 16 inf] [--max-concurrency N] [--slo-ttft-ms 1000 --slo-tpot-ms 50]
         [--model PATH] [--device cpu|cuda] [--section TITLE]
 
@@ -30,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 
 from bench.report import write_section  # noqa: E402
+from cluster.bench_serving.dataset_args import FLAG_DATASETS  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.launcher import Cluster, describe_nodes, init_ray  # noqa: E402
 from cluster.openai_api import BackgroundServer, create_app  # noqa: E402
@@ -37,6 +40,7 @@ from engine.loader import EngineArgs  # noqa: E402
 from engine.weights import resolve_model  # noqa: E402
 
 SETUPS = ("aggregated", "1p1d")
+DATASETS = ["random", "chat", "shared-prefix", "multiturn"]  # file: needs a path of its own
 POOLS_DRAIN_S = 60.0
 
 
@@ -75,14 +79,18 @@ def cluster_config(setup: Setup, args: argparse.Namespace) -> ClusterConfig:
 
 
 def bench_flags(args: argparse.Namespace, url: str, dataset: str, out: Path) -> list[str]:
+    """The load generator's flags for `dataset`: each dataset's own, where given, and
+    --num-prompts and --max-concurrency only where the dataset takes them."""
     flags = ["--url", url, "--endpoint", args.endpoint, "--dataset", dataset]
-    flags += ["--num-prompts", str(args.num_prompts), "--seed", str(args.seed)]
+    flags += ["--seed", str(args.seed)]
     flags += ["--request-rate", *[str(rate) for rate in args.request_rates]]
     flags += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     flags += ["--range-ratio", str(args.range_ratio), "--output-dir", str(out)]
     flags += ["--tokenizer", str(args.model), "--timeout", str(args.timeout)]
-    if args.max_concurrency:
-        flags += ["--max-concurrency", str(args.max_concurrency)]
+    for dest, datasets in FLAG_DATASETS.items():
+        value = args.num_prompts if dest == "num_prompts" else getattr(args, dest, None)
+        if value and dataset in datasets:
+            flags += ["--" + dest.replace("_", "-"), str(value)]
     if args.slo_ttft_ms is not None:
         flags += ["--slo-ttft-ms", str(args.slo_ttft_ms)]
     if args.slo_tpot_ms is not None:
@@ -137,8 +145,9 @@ def table(rows: list[dict]) -> str:
     header = (
         "| setup | dataset | rate/s | done/failed/lost | req/s | out tok/s | TTFT p50 / p99 ms "
     )
-    header += "| ITL p50 / p99 ms | TPOT p50 ms | goodput/s | accept len | pools empty |"
-    lines = [header, "| " + " | ".join(["---"] * 12) + " |"]
+    header += "| ITL p50 / p99 ms | TPOT p50 ms | goodput/s | accept len | cached % "
+    header += "| pools empty |"
+    lines = [header, "| " + " | ".join(["---"] * 13) + " |"]
     for row in rows:
         ttft, itl, tpot = row["ttft_ms"], row["itl_ms"], row["tpot_ms"]
         accept = row.get("spec_accept_length")
@@ -154,6 +163,7 @@ def table(rows: list[dict]) -> str:
             _fmt(tpot["p50"], 1),
             _fmt(row.get("goodput"), 2),
             _fmt(accept, 2),
+            _fmt(None if row.get("cached_share") is None else 100 * row["cached_share"], 1),
             "yes" if row["pools_empty"] else "**no**",
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -185,10 +195,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cuda-graph-max-prefill-tokens", type=int, default=None, help="as pdcluster's flag"
     )
     parser.add_argument("--endpoint", default="completions", choices=["chat", "completions"])
-    parser.add_argument("--datasets", nargs="+", default=["random"], choices=["random", "chat"])
+    parser.add_argument("--datasets", nargs="+", default=["random"], choices=DATASETS)
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--request-rates", nargs="+", default=["inf"])
     parser.add_argument("--max-concurrency", type=int, default=None)
+    # shared-prefix and multiturn, as `pdcluster bench serving` takes them (its defaults if unset)
+    for flag in ("--prefix-groups", "--prompts-per-group", "--system-prompt-len"):
+        parser.add_argument(flag, type=int, default=None)
+    for flag in ("--question-len", "--num-conversations", "--concurrent-conversations"):
+        parser.add_argument(flag, type=int, default=None)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--range-ratio", type=float, default=0.0)
@@ -222,7 +237,8 @@ def report(rows: list[dict], args: argparse.Namespace, argv, elapsed: float, don
     command = "python bench/serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
     partial = "" if done else " (not every setup has run yet)"
     body = (
-        f"`{command}`\n\n{_hardware(args)}; {args.num_prompts} prompts per run, dataset lengths "
+        f"`{command}`\n\n{_hardware(args)}; {args.num_prompts} prompts per run of random or "
+        "chat, dataset lengths "
         f"{args.input_len} in / {args.output_len} out for `random`; SLO: TTFT "
         f"{args.slo_ttft_ms or '-'} ms, TPOT {args.slo_tpot_ms or '-'} ms; {elapsed:.0f} s"
         f"{partial}.\n\n"

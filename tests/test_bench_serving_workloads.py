@@ -383,3 +383,32 @@ def test_multiturn_against_the_server(server, long_context_model, tmp_path, caps
 def test_flags_of_another_dataset_are_refused(flags, refused, capsys):
     assert bench("--url", "http://127.0.0.1:9", "--model", "m", *flags) == 2
     assert f"{refused} does not go with --dataset" in capsys.readouterr().err
+
+
+def test_bench_serving_script_passes_each_dataset_its_own_flags(tiny_model_path, tmp_path):
+    """bench/serving.py loads every setup with each dataset: the flags it gives the load
+    generator are accepted for that dataset, with the values asked for."""
+    pytest.importorskip("ray")
+    from bench import serving
+    from cluster.bench_serving.dataset_args import dataset_spec
+
+    args = serving.parse_args(
+        ["--model", str(tiny_model_path), "--datasets", *serving.DATASETS, "--num-prompts", "9",
+         "--max-concurrency", "4", "--prefix-groups", "2", "--prompts-per-group", "3",
+         "--num-conversations", "5", "--concurrent-conversations", "2"]
+    )  # fmt: skip
+    specs = {}
+    for dataset in args.datasets:
+        parser = argparse.ArgumentParser()
+        add_bench_serving_args(parser)
+        flags = serving.bench_flags(args, "http://127.0.0.1:9", dataset, tmp_path)
+        parsed = parser.parse_args(flags)
+        specs[dataset] = (dataset_spec(parsed), parsed.max_concurrency)
+        if dataset == "multiturn":
+            assert parsed.concurrent_conversations == 2
+    assert {name: spec.num_prompts for name, (spec, _) in specs.items()} == {
+        "random": 9, "chat": 9, "shared-prefix": 6, "multiturn": 5,
+    }  # fmt: skip
+    assert {name: limit for name, (_, limit) in specs.items()} == {
+        "random": 4, "chat": 4, "shared-prefix": 4, "multiturn": None,
+    }  # fmt: skip
