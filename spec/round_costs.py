@@ -6,10 +6,15 @@ round costs against a plain step depends on the device, the model, the batch siz
 verify path (graphs, a round decided on the device or the host's) and what else the node does
 between steps, and what a round commits depends on the draft and on the text being written;
 only the running engine sees all of these, and a start-up calibration would lengthen every
-start and still not know the accept length. A step's cost is its wall time from its plan to
-the end of its draft extend, the median of the last few per batch-size bucket (powers of two)
-and kind (plain or round); a step right after a change of kind or bucket, after a prefill, or that
-catches drafts up is not measured (it pays for the transition, not the steady state). The
+start and still not know the accept length. A step's cost is the wall time from the end of the
+engine's previous decode step to the end of this one (its draft extend included), the median of
+the last few per batch-size bucket (powers of two) and kind (plain or round). Not the time from
+its plan to its end: with overlap scheduling and verifies queued on the device, a step's own
+host time is mostly kernel launches, and the device's work surfaces as waits elsewhere in the
+engine's loop (where the next step reads its tokens); the time between two steps' ends holds
+both, which is what tokens/s sees. A step right after a change of kind or bucket, after a
+prefill, or that catches drafts up is not measured (it pays for the transition, not the steady
+state). The
 first steps at a bucket measure what is missing (rounds first, then plain steps), unless a
 round's cost over a plain step measured at a smaller batch already rules speculation out, or
 one measured at a larger batch already rules it in (that cost ratio grows with the batch)."""
@@ -82,9 +87,11 @@ class StepCosts:
         self._accept_rounds = 0
         self.speculating = True  # what the last step did (a new engine starts speculating)
         self._fixed: tuple[float, float] | None = None
-        # The step running: (speculates, bucket, measured, started); and the last one's.
-        self._running: tuple[bool, int, bool, float] | None = None
+        # The step running: (speculates, bucket, the end of the step before it where this one
+        # is measured); the last one's kind and bucket, and when it ended.
+        self._running: tuple[bool, int, float | None] | None = None
         self._last: tuple[bool, int] | None = None
+        self._last_done: float | None = None
 
     @classmethod
     def fixed(cls, plain_s: float, round_s: float) -> StepCosts:
@@ -133,19 +140,20 @@ class StepCosts:
         bucket = batch_bucket(batch_size)
         self.steps[bucket] = self.steps.get(bucket, 0) + 1
         steady = self._last == (speculates, bucket) and not catches_up
-        self._running = (speculates, bucket, steady, self.clock())
+        self._running = (speculates, bucket, self._last_done if steady else None)
         self._last = (speculates, bucket) if not catches_up else None
         self.speculating = speculates
 
     def step_done(self) -> None:
         if self._running is None:
             return
-        speculates, bucket, steady, started = self._running
+        speculates, bucket, since = self._running
         self._running = None
-        if not steady:
+        now = self._last_done = self.clock()
+        if since is None:
             return
         table = self.round if speculates else self.plain
-        table.setdefault(bucket, Measured()).add(self.clock() - started, self.steps[bucket])
+        table.setdefault(bucket, Measured()).add(now - since, self.steps[bucket])
 
     def round_committed(self, tokens: int, requests: int) -> None:
         """A round committed `tokens` for the `requests` requests that verified drafts in it."""
@@ -164,3 +172,4 @@ class StepCosts:
         """Something else ran since the last decode step (a prefill, requests joining): the
         next step pays for it, and is not measured."""
         self._last = None
+        self._last_done = None

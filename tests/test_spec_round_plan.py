@@ -227,6 +227,25 @@ def test_step_costs_measure_steady_steps_of_each_kind_by_batch_bucket():
     assert costs.facts(2).ratio_above == pytest.approx(2.0)
 
 
+def test_a_step_costs_the_time_from_the_last_steps_end_to_its_own():
+    """With overlap scheduling and verifies queued on the device, a step's own host time is
+    mostly launches and the device's work is waited for between steps: both count."""
+    clock = _Clock()
+    costs = StepCosts(clock)
+    for _ in range(1 + MIN_SAMPLES):
+        clock.now += 0.009  # the wait for the device before the next plan
+        costs.step_started(True, False, 64)
+        clock.now += 0.001
+        costs.step_done()
+    assert costs.facts(64).round_s == pytest.approx(0.010)
+    costs.interrupted()  # the gap around a prefill is no step's cost
+    clock.now += 5.0
+    _steps(costs, clock, True, 0.001, 1, batch=64)
+    clock.now += 0.003
+    _steps(costs, clock, True, 0.001, COST_WINDOW, batch=64)
+    assert costs.facts(64).round_s == pytest.approx(0.001)
+
+
 def test_a_stalled_step_does_not_move_the_cost():
     """The host stalls one step for fifty times its length: the cost stays the usual
     step's, and the stall is forgotten after COST_WINDOW steps however many there are."""
