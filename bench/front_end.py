@@ -197,8 +197,11 @@ def measure(
         serve.wait_until_serving(args.startup_timeout)
         front_ends = serve.front_end_pids()
         controller = serve.process.pid if api_servers > 1 else None
+        # One prompt per stream at the largest concurrency first: the first requests at a
+        # batch size pay for what runs once (allocations, the first replays), which a short
+        # measured run would count.
         warm = work / f"warm-{tag}"
-        load(args, serve.url, min(8, max(args.concurrency)), 8, warm)
+        load(args, serve.url, max(args.concurrency), max(args.concurrency), warm)
         for concurrency in args.concurrency:
             cpu_before = [cpu_seconds(pid) for pid in front_ends]
             controller_before = cpu_seconds(controller) if controller else 0.0
