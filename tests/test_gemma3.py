@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from family_checks import edit_config, every_token_logits, hf_greedy
 from tiny_drafts import make_random_draft
 from tiny_families import make_tiny_family, write_tiny_gguf
 
@@ -59,49 +58,9 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Modu
     return path, make_tiny_family(path, "gemma3", seed=0, **GEMMA)
 
 
-def _greedy(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one prompt at a time."""
-    outputs = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
 @pytest.fixture(scope="module")
 def reference(gemma) -> list[list[int]]:
-    return _greedy(gemma[1], PROMPTS)
-
-
-def _every_token_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Logits at every prompt position, all prompts prefilled in one batch."""
-    core = llm.engine
-    requests = [
-        core.make_request(str(i), p, SamplingParams(max_tokens=1)) for i, p in enumerate(prompts)
-    ]
-    for req in requests:
-        core.kv_cache.grow(req, req.num_tokens)
-    batch = core.runner.build_batch(requests)
-    logits = core.runner.forward_every_token(batch).logits
-    for req in requests:
-        core.kv_cache.release(req)
-    return list(logits.split(batch.extend_lens))
-
-
-def _edit_config(source: Path, dest: Path, **fields) -> Path:
-    shutil.copytree(source, dest)
-    config_file = dest / "config.json"
-    raw = json.loads(config_file.read_text())
-    raw.update(fields)
-    config_file.write_text(json.dumps(raw, indent=2))
-    return dest
+    return hf_greedy(gemma[1], PROMPTS, MAX_TOKENS)
 
 
 def test_the_config_turns_on_gemmas_options(gemma) -> None:
@@ -122,7 +81,7 @@ def test_the_config_turns_on_gemmas_options(gemma) -> None:
 def test_logits_match_transformers_at_every_position(gemma) -> None:
     path, hf = gemma
     llm = LLM(str(path), **ENGINE)
-    for prompt, logits in zip(PROMPTS, _every_token_logits(llm, PROMPTS)):
+    for prompt, logits in zip(PROMPTS, every_token_logits(llm, PROMPTS)):
         with torch.no_grad():
             expected = hf(torch.tensor([prompt])).logits[0].float()
         torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
@@ -142,7 +101,7 @@ def test_batched_greedy_output_equals_transformers(gemma, reference, chunk: int)
 def test_the_window_changes_the_output(gemma, reference, tmp_path) -> None:
     """The tests above would pass for an engine that ignored the window only if it did not
     matter: without it (a window longer than every sequence), the output differs."""
-    wide = _edit_config(gemma[0], tmp_path / "wide", sliding_window=4096)
+    wide = edit_config(gemma[0], tmp_path / "wide", sliding_window=4096)
     outputs = LLM(str(wide), **ENGINE).generate(PROMPTS, GREEDY)
     differ = [o.token_ids != ref for o, ref in zip(outputs, reference)]
     assert differ[1:] == [True] * (len(PROMPTS) - 1), differ
@@ -220,7 +179,7 @@ def test_a_gguf_file_converts_into_the_same_model(tmp_path, monkeypatch) -> None
     assert config.sliding_layers == (0, 1, 2, 3, 4) and config.sliding_window == 6
     assert (config.rope.rope_type, config.rope.factor) == ("linear", 8.0)
     ours = [o.token_ids for o in from_gguf.generate(PROMPTS, GREEDY)]
-    assert ours == _greedy(hf, PROMPTS)
+    assert ours == hf_greedy(hf, PROMPTS, MAX_TOKENS)
 
 
 def _metadata_only_gguf(file: Path, block_count: int, scaling: str | None = None) -> Path:
@@ -271,7 +230,7 @@ def test_a_27b_gguf_file_keeps_llama_cpps_attention_scale(tmp_path) -> None:
     ids=["attention-softcap", "bidirectional", "chunked", "multimodal"],
 )
 def test_what_is_not_run_is_refused(gemma, tmp_path, fields: dict, message: str) -> None:
-    folder = _edit_config(gemma[0], tmp_path / "edited", **fields)
+    folder = edit_config(gemma[0], tmp_path / "edited", **fields)
     with pytest.raises(UnsupportedModelError, match=message) as raised:
         LLM(str(folder), **ENGINE)
     if "architectures" in fields:

@@ -11,7 +11,7 @@ import json
 import shutil
 
 import pytest
-import torch
+from family_checks import hf_greedy
 from tiny_families import make_tiny_family
 
 from engine import SamplingParams
@@ -36,21 +36,6 @@ FAMILIES = {
 }
 
 
-def _greedy(hf: torch.nn.Module) -> list[list[int]]:
-    outputs = []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_prefill_and_decode_nodes_give_transformers_output(tmp_path, family: str) -> None:
     pytest.importorskip("ray")
@@ -58,7 +43,7 @@ def test_prefill_and_decode_nodes_give_transformers_output(tmp_path, family: str
 
     seed, overrides = FAMILIES[family]
     hf = make_tiny_family(tmp_path / family, family, seed, **overrides)
-    expected = _greedy(hf)
+    expected = hf_greedy(hf, PROMPTS, MAX_TOKENS)
     cluster = launch(
         str(tmp_path / family),
         prefill=1,

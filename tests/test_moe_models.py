@@ -9,12 +9,12 @@ test_moe_cluster.py)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from family_checks import edit_config, every_token_logits, hf_greedy
 from safetensors.torch import load_file, save_file
 from tiny_families import make_tiny_family, write_tiny_gguf
 from tiny_models import save_chat_template
@@ -68,53 +68,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, to
     return built
 
 
-def greedy(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one prompt at a time."""
-    outputs = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
 _references: dict[str, list[list[int]]] = {}
 
 
 def _reference(models, name: str) -> list[list[int]]:
     if name not in _references:
-        _references[name] = greedy(models[name][1], PROMPTS)
+        _references[name] = hf_greedy(models[name][1], PROMPTS, MAX_TOKENS)
     return _references[name]
-
-
-def _every_token_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Logits at every prompt position, all prompts prefilled in one batch."""
-    core = llm.engine
-    requests = [
-        core.make_request(str(i), p, SamplingParams(max_tokens=1)) for i, p in enumerate(prompts)
-    ]
-    for req in requests:
-        core.kv_cache.grow(req, req.num_tokens)
-    batch = core.runner.build_batch(requests)
-    logits = core.runner.forward_every_token(batch).logits
-    for req in requests:
-        core.kv_cache.release(req)
-    return list(logits.split(batch.extend_lens))
-
-
-def _edit_config(source: Path, dest: Path, **fields) -> Path:
-    shutil.copytree(source, dest)
-    config_file = dest / "config.json"
-    raw = json.loads(config_file.read_text())
-    raw.update(fields)
-    config_file.write_text(json.dumps(raw, indent=2))
-    return dest
 
 
 def test_the_config_reads_each_familys_experts(models) -> None:
@@ -144,7 +104,7 @@ def test_the_config_reads_each_familys_experts(models) -> None:
 def test_logits_match_transformers_at_every_position(models, name: str) -> None:
     path, hf = models[name]
     llm = LLM(str(path), **ENGINE)
-    for prompt, logits in zip(PROMPTS, _every_token_logits(llm, PROMPTS)):
+    for prompt, logits in zip(PROMPTS, every_token_logits(llm, PROMPTS)):
         with torch.no_grad():
             expected = hf(torch.tensor([prompt])).logits[0].float()
         torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
@@ -166,9 +126,9 @@ def test_norm_topk_prob_decides_whether_the_weights_are_renormalised(models, tmp
     engine's with it."""
     from transformers import Qwen3MoeForCausalLM
 
-    folder = _edit_config(models["qwen3-moe"][0], tmp_path / "normed", norm_topk_prob=True)
+    folder = edit_config(models["qwen3-moe"][0], tmp_path / "normed", norm_topk_prob=True)
     hf = Qwen3MoeForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
-    expected = greedy(hf, PROMPTS)
+    expected = hf_greedy(hf, PROMPTS, MAX_TOKENS)
     assert expected != _reference(models, "qwen3-moe")
     llm = LLM(str(folder), **ENGINE)
     assert llm.model_config.moe.renormalize
@@ -311,7 +271,9 @@ def test_a_qwen3_moe_gguf_file_converts_into_the_same_model(tmp_path, monkeypatc
     from_gguf = LLM(str(write_tiny_gguf(hf, tmp_path / "qwen3moe.gguf")), **ENGINE)
     config = from_gguf.model_config
     assert config.moe == MoeConfig(6, 2, 768, renormalize=True, sparse_layers=(0, 1))
-    assert [o.token_ids for o in from_gguf.generate(PROMPTS, GREEDY)] == greedy(hf, PROMPTS)
+    assert [o.token_ids for o in from_gguf.generate(PROMPTS, GREEDY)] == hf_greedy(
+        hf, PROMPTS, MAX_TOKENS
+    )
 
 
 def test_moe_gguf_files_that_would_convert_wrongly_are_refused(tmp_path, monkeypatch) -> None:
@@ -351,7 +313,7 @@ def test_moe_gguf_files_that_would_convert_wrongly_are_refused(tmp_path, monkeyp
     ids=["qwen2-moe", "shared-expert"],
 )
 def test_what_is_not_run_is_refused(models, tmp_path, fields: dict, message: str) -> None:
-    folder = _edit_config(models["qwen3-moe"][0], tmp_path / "edited", **fields)
+    folder = edit_config(models["qwen3-moe"][0], tmp_path / "edited", **fields)
     with pytest.raises(UnsupportedModelError, match=message) as raised:
         LLM(str(folder), **ENGINE)
     if "architectures" in fields:

@@ -7,12 +7,11 @@ or untied embeddings, rope_theta), and the refusals of what the engine cannot ru
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from family_checks import edit_config, every_token_logits, hf_greedy
 from tiny_drafts import make_random_draft
 from tiny_families import make_tiny_family, write_tiny_gguf
 
@@ -73,36 +72,9 @@ _references: dict[str, list[list[int]]] = {}
 
 
 def _reference(models, name: str) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one prompt at a time."""
     if name not in _references:
-        hf = models[name][1]
-        _references[name] = []
-        for prompt in PROMPTS:
-            with torch.no_grad():
-                out = hf.generate(
-                    torch.tensor([prompt]),
-                    max_new_tokens=MAX_TOKENS,
-                    do_sample=False,
-                    eos_token_id=None,
-                    pad_token_id=0,
-                )
-            _references[name].append(out[0, len(prompt) :].tolist())
+        _references[name] = hf_greedy(models[name][1], PROMPTS, MAX_TOKENS)
     return _references[name]
-
-
-def _every_token_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Logits at every prompt position, all prompts prefilled in one batch."""
-    core = llm.engine
-    requests = [
-        core.make_request(str(i), p, SamplingParams(max_tokens=1)) for i, p in enumerate(prompts)
-    ]
-    for req in requests:
-        core.kv_cache.grow(req, req.num_tokens)
-    batch = core.runner.build_batch(requests)
-    logits = core.runner.forward_every_token(batch).logits
-    for req in requests:
-        core.kv_cache.release(req)
-    return list(logits.split(batch.extend_lens))
 
 
 def test_each_family_turns_on_its_layer_options(models) -> None:
@@ -130,7 +102,7 @@ def test_each_family_turns_on_its_layer_options(models) -> None:
 def test_logits_match_transformers_at_every_position(models, name: str) -> None:
     path, hf = models[name]
     llm = LLM(str(path), **ENGINE)
-    for prompt, logits in zip(PROMPTS, _every_token_logits(llm, PROMPTS)):
+    for prompt, logits in zip(PROMPTS, every_token_logits(llm, PROMPTS)):
         with torch.no_grad():
             expected = hf(torch.tensor([prompt])).logits[0].float()
         torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
@@ -194,17 +166,8 @@ def test_tensor_dump_holds_the_query_and_key_norms(models, tmp_path) -> None:
     torch.testing.assert_close(rms, torch.ones_like(rms), atol=1e-3, rtol=0)
 
 
-def _edit_config(source: Path, dest: Path, **fields) -> Path:
-    shutil.copytree(source, dest)
-    config_file = dest / "config.json"
-    raw = json.loads(config_file.read_text())
-    raw.update(fields)
-    config_file.write_text(json.dumps(raw, indent=2))
-    return dest
-
-
 def test_an_unsupported_family_is_refused_with_the_supported_list(models, tmp_path) -> None:
-    folder = _edit_config(
+    folder = edit_config(
         models["qwen3-tied"][0],
         tmp_path / "phi3",
         architectures=["Phi3ForCausalLM"],
@@ -219,14 +182,14 @@ def test_an_unsupported_family_is_refused_with_the_supported_list(models, tmp_pa
 @pytest.mark.parametrize("family", ["qwen2", "qwen3-tied"])
 def test_an_unsupported_rope_scaling_is_refused(models, tmp_path, family: str) -> None:
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}
-    folder = _edit_config(models[family][0], tmp_path / "dynamic", rope_parameters=rope)
+    folder = edit_config(models[family][0], tmp_path / "dynamic", rope_parameters=rope)
     with pytest.raises(UnsupportedModelError, match="'dynamic'.*default, linear, llama3, yarn"):
         LLM(str(folder), **ENGINE)
 
 
 def test_sliding_window_layers_are_refused_but_an_unused_window_is_not(models, tmp_path) -> None:
     source = models["qwen2"][0]  # 3 layers
-    sliding = _edit_config(
+    sliding = edit_config(
         source,
         tmp_path / "sliding",
         use_sliding_window=True,
@@ -237,7 +200,7 @@ def test_sliding_window_layers_are_refused_but_an_unused_window_is_not(models, t
     with pytest.raises(UnsupportedModelError, match=r"layers \[1, 2\] use sliding_attention"):
         LLM(str(sliding), **ENGINE)
     # Qwen2.5's configs carry a window that use_sliding_window=false turns off.
-    unused = _edit_config(
+    unused = edit_config(
         source, tmp_path / "unused", use_sliding_window=False, sliding_window=32768
     )
     outputs = LLM(str(unused), **ENGINE).generate(PROMPTS, GREEDY)
