@@ -114,7 +114,7 @@ def _drain_when_controller_goes() -> None:
 def main() -> int:
     from cluster.router import Router
     from cluster.serve import event_loop_factory, run_api
-    from engine.loader import resolve
+    from spec.compose import resolve_model
 
     config = ApiProcessConfig.from_json(sys.stdin.readline())
     serve = config.serve
@@ -123,7 +123,7 @@ def main() -> int:
     logging.basicConfig(level=level, format=f"%(asctime)s api-{config.index} %(message)s")
     # The controller gives the engine arguments as its own driver resolved them (the device
     # chosen, no KV pool to size: cluster.launcher.driver_engine_args).
-    spec = resolve(cluster.engine)
+    spec = resolve_model(cluster.engine)
     decode_role = "replica" if cluster.aggregated else "decode"
     router = Router(
         spec,

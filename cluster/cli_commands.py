@@ -46,9 +46,11 @@ def engine_args(args: argparse.Namespace):
 
 def build_llm(args: argparse.Namespace):
     from engine import LLM
+    from spec.compose import speculation_of
 
+    chosen = engine_args(args)
     # LLM takes every EngineArgs field as a keyword of the same name.
-    return LLM(**dataclasses.asdict(engine_args(args)))
+    return LLM(**dataclasses.asdict(chosen), speculation=speculation_of(chosen))
 
 
 def run_demo(args: argparse.Namespace) -> None:

@@ -28,10 +28,11 @@ from cluster.ray_start import forwarded_env, init_ray
 from cluster.router import Router
 from cluster.supervisor import NodeRestartPolicy, Supervisor, kill_for_good
 from cluster.tracing import clock_offset_ns
-from engine.loader import EngineArgs, ModelSpec, resolve
+from engine.loader import EngineArgs, ModelSpec
 from metadata.control_auth import new_control_key
 from metadata.node_common import AUTO_HOST
 from metadata.process_group import create_store_server
+from spec.compose import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Cluster:
         control_key = new_control_key()
         try:
             device = cluster_device(config.engine.device)
-            spec = resolve(driver_engine_args(config.engine, device))
+            spec = resolve_model(driver_engine_args(config.engine, device))
             on_gpu = device.startswith("cuda")
             # On a cluster of hosts every socket binds its own host's address: the router and the
             # store the driver's, each node its own (resolved inside the node).

@@ -17,7 +17,7 @@ from functools import partial
 
 from decode_node.samples import sample_messages
 from decode_node.token_streams import RequestStream, TokenStreams, stream_sink
-from engine.engine_core import EngineCore
+from engine.build import build_engine
 from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
 from engine.prompt_embeds import PromptEmbeds
@@ -28,10 +28,10 @@ from metadata.control import Inbox
 from metadata.frontend_links import FrontendLinks, LoadReports
 from metadata.kv_audit import PoolCount, request_pools
 from metadata.messages import AbortRequest, FrontendHello, GenerateRequest
-from metadata.node_common import NodeOptions, load_node_engine
+from metadata.node_common import NodeOptions, start_node_process
 from metadata.node_metrics import Activity, ActivityLog, SpeculationTotals
 from metadata.serving_node import ServingNode
-from spec import speculator_from_args
+from spec.compose import speculation_of
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
@@ -46,12 +46,12 @@ class _Served:
 class AggregatedNode(ServingNode):
     def __init__(self, args: EngineArgs, options: NodeOptions) -> None:
         super().__init__(options)
-        self.spec, runner = load_node_engine(args, options)
-        self.speculator = speculator_from_args(args, runner)
-        self.num_draft_steps = self.speculator.num_draft_steps if self.speculator else 0
-        self.engine = EngineCore(
-            runner, self.spec.tokenizer, self.speculator, tracing=options.enable_tracing
+        start_node_process(args, options)
+        built = build_engine(
+            args, speculation_of(args), node_name=options.name, tracing=options.enable_tracing
         )
+        self.spec, self.engine = built.spec, built.core
+        self.speculator, self.num_draft_steps = built.speculator, built.num_draft_steps
         self.kv_cache = self.engine.kv_cache
         self.inbox = Inbox(options.host, options.control_key)
         self.frontends = FrontendLinks(options.control_key)

@@ -37,7 +37,7 @@ from decode_node.samples import (
 )
 from decode_node.token_streams import TokenStreams, decode_final_stats, stream_sink
 from decode_node.tracked import Tracked
-from engine.engine_core import EngineCore
+from engine.build import build_engine
 from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
 from engine.tracing import set_time, set_time_batch
@@ -55,15 +55,15 @@ from metadata.messages import (
 )
 from metadata.node_common import (
     NodeOptions,
-    load_node_engine,
     metadata_buffers,
+    start_node_process,
     transfer_spec,
 )
 from metadata.node_metrics import Activity, ActivityLog, SpeculationTotals, TransferTotals
 from metadata.pair_group import PairLink
 from metadata.serving_node import ServingNode
 from metadata.transfer import KVReceiver, TransferState
-from spec import speculator_from_args
+from spec.compose import speculation_of
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
@@ -73,12 +73,12 @@ WAITING_POLL_MS = 1
 class DecodeNode(ServingNode):
     def __init__(self, args: EngineArgs, options: NodeOptions) -> None:
         super().__init__(options)
-        self.spec, runner = load_node_engine(args, options)
-        self.speculator = speculator_from_args(args, runner)
-        self.num_draft_steps = self.speculator.num_draft_steps if self.speculator else 0
-        self.engine = EngineCore(
-            runner, self.spec.tokenizer, self.speculator, tracing=options.enable_tracing
+        start_node_process(args, options)
+        built = build_engine(
+            args, speculation_of(args), node_name=options.name, tracing=options.enable_tracing
         )
+        self.spec, self.engine = built.spec, built.core
+        self.speculator, self.num_draft_steps = built.speculator, built.num_draft_steps
         self.kv_cache = self.engine.kv_cache
         self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
         self.spec_totals = SpeculationTotals()

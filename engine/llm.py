@@ -1,4 +1,10 @@
-"""`engine.LLM`: the offline, in-process generator (the aggregated baseline)."""
+"""`engine.LLM`: the offline, in-process generator (the aggregated baseline).
+
+It builds its engine with `engine.build.build_engine`, the function every node kind builds with.
+Speculative decoding is injected, never imported (spec depends on engine): `speculation=` gives
+it, else the `Speculation` registered under `speculative_algorithm` is used, which spec registers
+when imported and an installed pdcluster declares as an entry point (engine/speculation.py), so
+`from engine import LLM` speculates without the engine importing spec."""
 
 from __future__ import annotations
 
@@ -8,12 +14,13 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.engine_core import EngineCore
+from engine.build import build_engine
 from engine.errors import PdclusterError
-from engine.loader import EngineArgs, load_runner, model_path_arg, resolve
+from engine.loader import EngineArgs, model_path_arg
 from engine.prompt_embeds import EmbedsArg, PromptEmbeds, per_prompt
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.speculation import Speculation
 from engine.tracing import set_time_batch
 from engine.validation import chat_prompt_ids
 
@@ -56,6 +63,7 @@ class LLM:
         debug_tensor_dump_dir: str | os.PathLike | None = None,
         debug_tensor_dump_layers: Sequence[int] | None = None,
         enable_tracing: bool = False,
+        speculation: Speculation | None = None,
     ) -> None:
         """With `speculative_algorithm` ("multi-layer-eagle") and `draft_model` (a draft folder,
         see docs/draft-format.md; by default the shipped draft for the default model), every
@@ -91,7 +99,9 @@ class LLM:
         requests in the same forward (default); False gives admission steps of their own.
         `gpu_memory_utilization`: the fraction of the GPU's total memory this engine may take,
         for engines that share a GPU (default: the KV pool takes 80% of what is free).
-        `enable_tracing` gives each output its timeline (`RequestOutput.trace`, engine.tracing)."""
+        `enable_tracing` gives each output its timeline (`RequestOutput.trace`, engine.tracing).
+        `speculation`: the speculative algorithm's implementation (engine.speculation), for an
+        engine other than the one registered under `speculative_algorithm`."""
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         self.args = EngineArgs(
@@ -126,20 +136,12 @@ class LLM:
                 None if debug_tensor_dump_layers is None else tuple(debug_tensor_dump_layers)
             ),
         )
-        spec = resolve(self.args)
-        self.model_path = spec.path
-        self.tokenizer = spec.tokenizer
-        self.model_config = spec.model_config
-        self.config = spec.engine_config
-        runner = load_runner(spec)
-        speculator = None
-        if speculative_algorithm is not None:
-            # Imported here, not at the top: spec depends on engine, so engine must not import
-            # spec while it is itself being imported (and plain engines never load it).
-            from spec import speculator_from_args
-
-            speculator = speculator_from_args(self.args, runner)
-        self.engine = EngineCore(runner, self.tokenizer, speculator, tracing=enable_tracing)
+        built = build_engine(self.args, speculation, tracing=enable_tracing)
+        self.model_path = built.spec.path
+        self.tokenizer = built.spec.tokenizer
+        self.model_config = built.spec.model_config
+        self.config = built.spec.engine_config
+        self.engine = built.core
         self._ids = itertools.count()
 
     def generate(

@@ -23,6 +23,7 @@ from engine.debug_dump import OFFLINE_NODE, tensor_dump_config
 from engine.env import speculative_plan_default
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
+from engine.speculation import Speculation, chosen_speculation
 from engine.weights import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
@@ -159,20 +160,21 @@ class ModelSpec:
     tokenizer: Any
 
 
-def resolve(args: EngineArgs, node_name: str = OFFLINE_NODE) -> ModelSpec:
-    """`node_name` ("prefill-0", "decode-1", ...) names this engine's tensor dump folder."""
+def resolve(
+    args: EngineArgs, node_name: str = OFFLINE_NODE, speculation: Speculation | None = None
+) -> ModelSpec:
+    """`node_name` ("prefill-0", "decode-1", ...) names this engine's tensor dump folder.
+    `speculation`: the speculative algorithm's (engine.speculation), for args that speculate;
+    by default the one registered under args.speculative_algorithm."""
     path = resolve_model(args.model)
     hf_config = load_hf_config(path)
     tokenizer = load_tokenizer(path)
     model_config = ModelConfig.from_hf(hf_config, _eos_token_ids(path, hf_config))
-    if args.speculative_algorithm is not None:
+    speculation = chosen_speculation(args.speculative_algorithm, speculation)
+    if speculation is not None:
         # The draft may read auxiliary target layers: derived here, once, so the runner, the
-        # metadata buffers and the pairing spec all see one spec_hidden_size. Imported here:
-        # spec depends on engine, never the reverse at import time.
-        from spec import draft_target_config, resolve_draft_model
-
-        draft = resolve_draft_model(args.model, args.draft_model)
-        model_config = draft_target_config(model_config, draft)
+        # metadata buffers and the pairing spec all see one spec_hidden_size.
+        model_config = speculation.target_config(args, model_config)
     device = args.device or default_device()
     dtype = resolve_dtype(None if args.dtype == "auto" else args.dtype, device)
     max_model_len = args.max_model_len or model_config.max_position_embeddings

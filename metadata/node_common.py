@@ -1,19 +1,18 @@
-"""What prefill and decode nodes share: loading their engine, describing it for pairing, and
-opening the data-plane channels with their peers."""
+"""What prefill and decode nodes share: setting up their process, describing their engine for
+pairing, and opening the data-plane channels with their peers."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.config import default_device
 from engine.cpu_tuning import keep_large_allocations_in_heap
 from engine.kv_pool import KVPool
-from engine.loader import EngineArgs, ModelSpec, load_runner, resolve
-from engine.model_runner import ModelRunner
+from engine.loader import EngineArgs, ModelSpec
 from metadata.buffers import MetadataBuffers
 from metadata.handshake import TransferSpec
 from metadata.transfer import KVReceiver, KVSender, TransferState
@@ -73,11 +72,9 @@ def resolve_host(host: str) -> str:
     return ray.util.get_node_ip_address()
 
 
-def load_node_engine(
-    args: EngineArgs, options: NodeOptions, decodes: bool = True
-) -> tuple[ModelSpec, ModelRunner]:
-    """The node's model spec and runner; `decodes=False` (a prefill node) captures no decode
-    graphs, which would cost start-up time and memory for nothing."""
+def start_node_process(args: EngineArgs, options: NodeOptions) -> None:
+    """Set up the node's process before its engine is built (engine.build.build_engine): logs
+    named after the node, its torch threads, its heap, and the GPU its engine takes."""
     level = options.log_level.upper()
     logging.basicConfig(level=level, format=f"%(asctime)s {options.name} %(message)s")
     logging.getLogger().setLevel(level)  # basicConfig leaves it alone when Ray set a handler
@@ -85,14 +82,9 @@ def load_node_engine(
         # Several nodes on one CPU host must not each spin a thread per core.
         torch.set_num_threads(options.cpu_threads)
     keep_large_allocations_in_heap()
-    spec = resolve(args, options.name)
-    if not decodes:
-        config = dataclasses.replace(spec.engine_config, cuda_graph_max_bs=0)
-        spec = dataclasses.replace(spec, engine_config=config)
-    if spec.engine_config.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(spec.engine_config.device))
-    runner = load_runner(spec)
-    return spec, runner
+    device = args.device or default_device()
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
 
 
 def transfer_spec(spec: ModelSpec, num_draft_steps: int = 0) -> TransferSpec:

@@ -31,7 +31,7 @@ from collections import deque
 
 import torch
 
-from engine.engine_core import EngineCore
+from engine.build import build_engine
 from engine.errors import RequestRejectedError
 from engine.kv_pool import KVPool
 from engine.loader import EngineArgs
@@ -52,8 +52,8 @@ from metadata.messages import (
 )
 from metadata.node_common import (
     NodeOptions,
-    load_node_engine,
     metadata_buffers,
+    start_node_process,
 )
 from metadata.node_metrics import Activity, ActivityLog, TransferTotals
 from metadata.pair_group import PairLink
@@ -62,7 +62,7 @@ from metadata.transfer import KVSender, TransferState
 from prefill_node.admission import admit_group, pending_group
 from prefill_node.pending import Pending, drafts_after_first_token
 from prefill_node.transfer_contents import prepare_early_kv, void_pools, write_transfer
-from spec import speculator_from_args
+from spec.compose import speculation_of
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
@@ -78,19 +78,18 @@ class PrefillNode(ServingNode):
             args = dataclasses.replace(
                 args, num_draft_chains=1, speculative_topk=None, num_draft_tokens=None
             )
-        # This node never decodes: it captures prefill graphs only.
-        self.spec, self.runner = load_node_engine(args, options, decodes=False)
-        config = self.spec.engine_config
-        self.speculator = speculator_from_args(args, self.runner)
-        self.num_draft_steps = self.speculator.num_draft_steps if self.speculator else 0
-        # Unseeded sampling differs per node on purpose; seeded requests use step_seed.
-        self.engine = EngineCore(
-            self.runner,
-            self.spec.tokenizer,
-            self.speculator,
+        start_node_process(args, options)
+        built = build_engine(
+            args,
+            speculation_of(args),
+            node_name=options.name,
+            decodes=False,  # this node never decodes: it captures prefill graphs only
             handoff=self,
-            seed=config.seed + 7919 * options.index,
+            # Unseeded sampling differs per node on purpose; seeded requests use step_seed.
+            seed=args.seed + 7919 * options.index,
         )
+        self.spec, self.runner, self.engine = built.spec, built.runner, built.core
+        self.speculator, self.num_draft_steps = built.speculator, built.num_draft_steps
         self.kv_cache = self.engine.kv_cache
         self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
         self.inbox = Inbox(options.host, options.control_key)
