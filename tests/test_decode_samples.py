@@ -1,30 +1,22 @@
-"""Parallel samples of one prompt on a decode node (decode_node.samples), built bare (no model,
-no process group): they preallocate together, sharing the first sample's prompt slots; one
-PrefillRequest names them all; the first sample's transfer carries the prompt's target KV and
-each other's only its row; a sample runs once its transfer and the prompt's have landed. Each
-stays a request of its own: a failed prompt fails the samples waiting for it with its reason,
-aborting the sample that brings the prompt waits for the others, and every slot and row comes
-back."""
+"""Parallel samples of one prompt on a decode node (decode_node.samples), built over the tiny
+model with no process group (tests/node_builders.py): they preallocate together, sharing the
+first sample's prompt slots; one PrefillRequest names them all; the first sample's transfer
+carries the prompt's target KV and each other's only its row; a sample runs once its transfer
+and the prompt's have landed. Each stays a request of its own: a failed prompt fails the
+samples waiting for it with its reason, aborting the sample that brings the prompt waits for
+the others, and every slot and row comes back."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
-from types import SimpleNamespace
+from collections.abc import Iterator
+from pathlib import Path
 
-import torch
+import pytest
+from node_builders import built, new_decode_node
 from stream_recorder import FRONTEND, StreamRecorder
 
 from decode_node.node import DecodeNode
-from engine.env import FaultSettings
-from engine.kv_cache import KVCacheManager
-from engine.kv_pool import KVPool, ReqToTokenPool
-from engine.request import Request
-from engine.scheduler import Scheduler
-from metadata.buffers import MetadataBuffers
-from metadata.control_auth import new_control_key
-from metadata.faults import FaultInjector
-from metadata.kv_audit import Quarantine
 from metadata.messages import (
     AbortRequest,
     GenerateRequest,
@@ -34,8 +26,6 @@ from metadata.messages import (
     SamplingSpec,
     TransferAnnounce,
 )
-from metadata.node_common import NodeOptions
-from metadata.node_metrics import SpeculationTotals, TransferTotals
 from metadata.transfer import TransferHandle, TransferState
 
 CAPACITY = 64
@@ -70,37 +60,19 @@ class Recorder(StreamRecorder):
         return [m for m in self.messages if isinstance(m, kind)]
 
 
-def node() -> tuple[DecodeNode, Recorder]:
-    cache = KVCacheManager(
-        KVPool(CAPACITY, 1, 1, 4, torch.float32, "cpu"), ReqToTokenPool(8, CAPACITY, "cpu")
-    )
-    recorder = Recorder()
-    bare = DecodeNode.__new__(DecodeNode)
-    bare.options = NodeOptions("decode", 0, control_key=new_control_key())
-    bare.rank = 1
-    bare.spec = SimpleNamespace(engine_config=SimpleNamespace(max_model_len=CAPACITY))
-    scheduler = Scheduler(cache, 8, 256)
-    bare.engine = SimpleNamespace(
-        kv_cache=cache,
-        scheduler=scheduler,
-        abort=scheduler.abort,
-        stop_checker=SimpleNamespace(check=lambda req: None),
-        runner=SimpleNamespace(kv_pool=cache.kv_pool),
-        make_request=lambda room, prompt, params, prompt_embeds=None: Request(room, prompt, params),
-    )
-    bare.kv_cache = cache
-    bare.speculator = None
-    bare.metadata = MetadataBuffers(4, 8, 0, 1, torch.float32, "cpu")
-    bare.streams = recorder.streams("decode-0")
-    bare.receiver = recorder
-    bare.prefill_outboxes = {0: recorder}
-    bare.prefill_ranks = {0: PREFILL_RANK}
-    bare.rooms, bare.prealloc, bare.receiving = {}, deque(), []
-    bare.transfer_totals = TransferTotals("receive")
-    bare.spec_totals = SpeculationTotals()
-    bare.faults = FaultInjector("decode-0", FaultSettings())
-    bare.quarantine = Quarantine()
-    return bare, recorder
+@pytest.fixture
+def node(tiny_model_path: Path) -> Iterator[tuple[DecodeNode, Recorder]]:
+    """A decode node over the tiny model with a pool of CAPACITY slots and four metadata rows,
+    paired with prefill-0 (data-plane rank PREFILL_RANK) through the recorder."""
+    engine = dict(max_num_seqs=8, max_prefill_tokens=256)
+    with built(new_decode_node(tiny_model_path, CAPACITY, 4, **engine)) as decode:
+        recorder = Recorder()
+        decode.rank = 1
+        decode.streams = recorder.streams("decode-0")
+        decode.receiver = recorder
+        decode.prefill_outboxes = {0: recorder}
+        decode.prefill_ranks = {0: PREFILL_RANK}
+        yield decode, recorder
 
 
 def generate() -> GenerateRequest:
@@ -125,8 +97,8 @@ def empty(decode: DecodeNode) -> bool:
     return decode.kv_cache.is_empty() and decode.metadata.num_free == decode.metadata.num_rows
 
 
-def test_samples_preallocate_together_and_share_the_prompts_slots():
-    decode, recorder = node()
+def test_samples_preallocate_together_and_share_the_prompts_slots(node):
+    decode, recorder = node
     decode._handle(generate())
     decode._preallocate()
     (request,) = recorder.of(PrefillRequest)
@@ -149,12 +121,18 @@ def test_samples_preallocate_together_and_share_the_prompts_slots():
     assert refused.room == ROOMS[2] and "prompt KV" in refused.error
 
 
-def test_samples_whose_first_step_can_never_fit_are_refused_not_queued():
-    """62 prompt tokens and three first tokens exceed a pool of 64 even when it is empty:
-    waiting for room would hold up every request behind them. Each sample ends with the
-    reason; a request queued after them preallocates."""
-    decode, recorder = node()
-    long = dataclasses.replace(generate(), prompt_token_ids=list(range(3, 65)))
+def test_samples_whose_first_step_can_never_fit_are_refused_not_queued(node):
+    """62 prompt tokens and three first tokens exceed a pool of 64 even when it is empty,
+    though each sample alone (62 + 2 tokens) fits it: waiting for room would hold up every
+    request behind them. Each sample ends with the reason; a request queued after them
+    preallocates."""
+    decode, recorder = node
+    request = generate()
+    long = dataclasses.replace(
+        request,
+        prompt_token_ids=list(range(3, 65)),
+        sampling=dataclasses.replace(request.sampling, max_tokens=2),
+    )
     decode._handle(long)
     errors = {update.room: update.error for update in recorder.updates}
     assert sorted(errors) == ROOMS
@@ -166,8 +144,8 @@ def test_samples_whose_first_step_can_never_fit_are_refused_not_queued():
     assert decode.kv_cache.kv_pool.allocator.num_used == len(PROMPT) + 1
 
 
-def test_a_sample_runs_once_the_prompt_landed_and_every_slot_comes_back():
-    decode, recorder = node()
+def test_a_sample_runs_once_the_prompt_landed_and_every_slot_comes_back(node):
+    decode, recorder = node
     decode._handle(generate())
     decode._preallocate()
     announce(decode, ROOMS[0])
@@ -187,8 +165,8 @@ def test_a_sample_runs_once_the_prompt_landed_and_every_slot_comes_back():
     assert empty(decode)
 
 
-def test_a_failed_prompt_fails_the_samples_waiting_for_it_with_its_reason():
-    decode, recorder = node()
+def test_a_failed_prompt_fails_the_samples_waiting_for_it_with_its_reason(node):
+    decode, recorder = node
     decode._handle(generate())
     decode._preallocate()
     announce(decode, ROOMS[0])
@@ -206,8 +184,8 @@ def test_a_failed_prompt_fails_the_samples_waiting_for_it_with_its_reason():
     assert not decode.engine.scheduler.running and not decode.rooms and empty(decode)
 
 
-def test_the_prompts_carrier_is_aborted_on_the_prefill_node_only_after_the_others():
-    decode, recorder = node()
+def test_the_prompts_carrier_is_aborted_on_the_prefill_node_only_after_the_others(node):
+    decode, recorder = node
     decode._handle(generate())
     decode._preallocate()
     decode._abort(ROOMS[0])
@@ -217,8 +195,8 @@ def test_the_prompts_carrier_is_aborted_on_the_prefill_node_only_after_the_other
     assert [a.room for a in recorder.of(AbortRequest)] == [ROOMS[1], ROOMS[2], ROOMS[0]]
 
 
-def test_an_aborted_carrier_still_brings_the_prompt_for_the_others():
-    decode, recorder = node()
+def test_an_aborted_carrier_still_brings_the_prompt_for_the_others(node):
+    decode, recorder = node
     decode._handle(generate())
     decode._preallocate()
     announce(decode, ROOMS[0])
@@ -236,8 +214,8 @@ def test_an_aborted_carrier_still_brings_the_prompt_for_the_others():
     assert empty(decode)
 
 
-def test_a_sample_aborted_before_preallocation_leaves_the_others_to_it():
-    decode, recorder = node()
+def test_a_sample_aborted_before_preallocation_leaves_the_others_to_it(node):
+    decode, recorder = node
     decode._handle(generate())
     decode._abort(ROOMS[0])
     decode._preallocate()

@@ -3,32 +3,30 @@ the forward, so that the decode node's receives are posted by the time the KV is
 announcement cannot carry (the first token's top logprobs, the prefill timeline, or the error)
 follows in a PrefillResult, sent before the KV. A prefill that fails after the announcement still
 sends the announced transfer (posted receives cannot be cancelled) under a void row, and the
-decode node fails just that request with the prefill's error. Nodes are built bare here (no
-model, no process group): only the bookkeeping and the order of messages run."""
+decode node fails just that request with the prefill's error. Nodes are built over the tiny
+model with no process group (tests/node_builders.py): their outboxes and KV channel are a
+recorder, which logs the order of messages, forwards and sends."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from node_builders import built, new_decode_node, new_prefill_node
 from stream_recorder import FRONTEND, StreamRecorder
+from tiny_drafts import make_random_draft
 
 import decode_node.tracked as tracked_module
 from decode_node.node import DecodeNode
 from decode_node.tracked import Tracked
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.env import FaultSettings
 from engine.kv_cache import KVCacheManager
-from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from metadata.buffers import MetadataBuffers
-from metadata.control_auth import new_control_key
-from metadata.faults import FaultInjector
-from metadata.kv_audit import Quarantine
 from metadata.messages import (
     MessageError,
     PrefillResult,
@@ -36,8 +34,6 @@ from metadata.messages import (
     decode,
     encode,
 )
-from metadata.node_common import NodeOptions
-from metadata.node_metrics import TransferTotals
 from metadata.transfer import TransferHandle, TransferState
 from metadata.wire import kv_nbytes
 from prefill_node.node import PrefillNode
@@ -45,13 +41,7 @@ from prefill_node.pending import Pending, drafts_after_first_token
 
 CAPACITY = 64
 HIDDEN = 8
-VOCAB = 16
-
-
-def kv_cache() -> KVCacheManager:
-    return KVCacheManager(
-        KVPool(CAPACITY, 1, 1, 4, torch.float32, "cpu"), ReqToTokenPool(8, CAPACITY, "cpu")
-    )
+SPEC = "multi-layer-eagle"
 
 
 class Recorder:
@@ -87,76 +77,47 @@ class Recorder:
         return [type(e[1]).__name__ if e[0] == "message" else e[0] for e in self.events]
 
 
-class FakeRunner:
-    """build_batch and forward of a model with no weights: uniform-ish random logits."""
-
-    def __init__(self, recorder: Recorder, fail: bool = False, chunk: int | None = None) -> None:
-        self.kv_pool = KVPool(CAPACITY, 1, 1, 4, torch.float32, "cpu")
-        self.req_to_token_pool = ReqToTokenPool(8, CAPACITY, "cpu")
-        self.recorder = recorder
-        self.fail = fail
-        self.config = EngineConfig(
-            device="cpu", max_num_seqs=8, max_prefill_tokens=512, chunked_prefill_size=chunk
-        )
-        # Sampling masks EOS while a request is under its min_tokens.
-        self.model_config = SimpleNamespace(eos_token_ids=[2])
-
-    def build_batch(self, requests: list[Request], ends: list[int]):
-        self.recorder.events.append(("forward",))
-        if self.fail:
-            raise RuntimeError("injected forward failure")
-        return SimpleNamespace(extend_lens=[end - r.kv_len for r, end in zip(requests, ends)])
-
-    def forward(self, batch, keep_hidden: bool):
-        n, total = len(batch.extend_lens), sum(batch.extend_lens)
-        return SimpleNamespace(
-            logits=torch.randn(n, VOCAB),
-            last_hidden=torch.zeros(n, HIDDEN),
-            hidden=torch.zeros(total, HIDDEN),
-            input_embeds=None,
-        )
+def _failing_draft_extend(requests, hidden, input_embeds=None, prompt_sources=None) -> None:
+    raise RuntimeError("injected draft extend failure")
 
 
-class FakeSpeculator:
-    """Draft depths whose pools exist but whose draft extend fails."""
-
-    def __init__(self, num_draft_steps: int) -> None:
-        self.num_draft_steps = num_draft_steps
-        self.depths = [
-            SimpleNamespace(kv_pool=KVPool(CAPACITY, 1, 1, 4, torch.float32, "cpu"))
-            for _ in range(num_draft_steps)
-        ]
-
-    def draft_extend_prefill(self, requests, hidden, input_embeds, prompt_sources) -> None:
-        raise RuntimeError("injected draft extend failure")
-
-    def release(self, req: Request) -> None:
-        req.spec_state = None
+@pytest.fixture(scope="module")
+def draft(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_draft(tmp_path_factory.mktemp("announce") / "draft", tiny_model_path, 2)
 
 
-def prefill_node(
-    recorder: Recorder, fail: bool = False, speculator=None, chunk: int | None = None
-) -> PrefillNode:
-    node = PrefillNode.__new__(PrefillNode)
-    node.options = NodeOptions("prefill", 0, control_key=new_control_key())
-    node.rank = 0
-    node.runner = FakeRunner(recorder, fail, chunk)
-    node.speculator = speculator
-    node.engine = EngineCore(node.runner, None, speculator, handoff=node)
-    node.kv_cache = node.engine.kv_cache
-    node.num_draft_steps = speculator.num_draft_steps if speculator else 0
-    node.metadata = MetadataBuffers(4, HIDDEN, node.num_draft_steps, 1, torch.float32, "cpu")
-    node.outboxes = {0: recorder}
-    node.sender = SimpleNamespace(send=recorder.send_kv, begin=recorder.begin_kv)
-    node.waiting = deque()
-    node.prefilling = {}
-    node.sending = []
-    node.prompts_done = node.prompt_tokens = 0
-    node.transfer_totals = TransferTotals("send")
-    node.faults = FaultInjector("prefill-0", FaultSettings())
-    node.quarantine = Quarantine()
-    node.stalled = []
-    return node
+@pytest.fixture
+def make_prefill(tiny_model_path: Path, draft: Path) -> Iterator[Callable[..., PrefillNode]]:
+    """Prefill nodes over the tiny model (pool of CAPACITY slots, four metadata rows) whose
+    outboxes and KV sender are `recorder`, with two draft depths whose draft extend fails if
+    `failing_drafts`; `fail`: the forward fails. Every forward is logged in the recorder."""
+    with ExitStack() as nodes:
+
+        def make(recorder: Recorder, fail: bool = False, failing_drafts: bool = False):
+            spec = (
+                dict(speculative_algorithm=SPEC, draft_model=str(draft)) if failing_drafts else {}
+            )
+            engine = dict(max_num_seqs=8, max_prefill_tokens=512, **spec)
+            node = nodes.enter_context(
+                built(new_prefill_node(tiny_model_path, CAPACITY, 4, **engine))
+            )
+            node.rank = 0
+            node.outboxes = {0: recorder}
+            node.sender = SimpleNamespace(send=recorder.send_kv, begin=recorder.begin_kv)
+            forward = node.runner.forward
+
+            def logged_forward(batch, keep_hidden: bool = False):
+                recorder.events.append(("forward",))
+                if fail:
+                    raise RuntimeError("injected forward failure")
+                return forward(batch, keep_hidden=keep_hidden)
+
+            node.runner.forward = logged_forward
+            if failing_drafts:
+                node.speculator.draft_extend_prefill = _failing_draft_extend
+            return node
+
+        yield make
 
 
 def run_batch(
@@ -188,9 +149,11 @@ PROMPTS = {11: ([3, 4, 5], 4), 12: ([6, 7], 4), 13: ([8, 9, 10, 11], 4)}
 ANNOUNCED_THEN_SENT = ["TransferAnnounce"] * 3 + ["forward"] + ["PrefillResult", "kv"] * 3
 
 
-def test_every_transfer_is_announced_before_the_forward_and_sent_in_that_order() -> None:
+def test_every_transfer_is_announced_before_the_forward_and_sent_in_that_order(
+    make_prefill,
+) -> None:
     recorder = Recorder()
-    node = prefill_node(recorder)
+    node = make_prefill(recorder)
     run_batch(node, PROMPTS)
     assert recorder.kinds() == ANNOUNCED_THEN_SENT
     announced = [(a.room, a.num_tokens) for a in recorder.messages(TransferAnnounce)]
@@ -205,9 +168,11 @@ def test_every_transfer_is_announced_before_the_forward_and_sent_in_that_order()
     assert node.kv_cache.is_empty() and node.metadata.num_free == 4
 
 
-def test_a_forward_that_fails_after_the_announcement_still_sends_each_transfer_void() -> None:
+def test_a_forward_that_fails_after_the_announcement_still_sends_each_transfer_void(
+    make_prefill,
+) -> None:
     recorder = Recorder()
-    node = prefill_node(recorder, fail=True)
+    node = make_prefill(recorder, fail=True)
     run_batch(node, PROMPTS)
     assert recorder.kinds() == ANNOUNCED_THEN_SENT
     for result in recorder.messages(PrefillResult):
@@ -223,9 +188,9 @@ def test_a_forward_that_fails_after_the_announcement_still_sends_each_transfer_v
     assert node.kv_cache.is_empty() and node.metadata.num_free == 4 and not node.sending
 
 
-def test_a_request_whose_transfer_cannot_be_prepared_is_void_in_its_place() -> None:
+def test_a_request_whose_transfer_cannot_be_prepared_is_void_in_its_place(make_prefill) -> None:
     recorder = Recorder()
-    node = prefill_node(recorder)
+    node = make_prefill(recorder)
     write_row = node.metadata.write_row
 
     def failing_write_row(row, *, room, **fields):
@@ -244,12 +209,12 @@ def test_a_request_whose_transfer_cannot_be_prepared_is_void_in_its_place() -> N
     assert node.kv_cache.is_empty() and node.metadata.num_free == 4
 
 
-def test_the_pools_of_a_void_transfer_are_the_announced_ones() -> None:
+def test_the_pools_of_a_void_transfer_are_the_announced_ones(make_prefill) -> None:
     """Whether a request drafts is decided at the announcement (max_tokens 2 leaves one token
     after the first: no draft); a failed draft extend still sends one pool per depth, and fails
     only the requests that draft."""
     recorder = Recorder()
-    node = prefill_node(recorder, speculator=FakeSpeculator(num_draft_steps=2))
+    node = make_prefill(recorder, failing_drafts=True)
     run_batch(node, {21: ([3, 4, 5], 8), 22: ([6, 7], 2)})
     announced = {a.room: a.num_draft_tokens for a in recorder.messages(TransferAnnounce)}
     assert announced == {21: 2, 22: 0}
@@ -263,12 +228,14 @@ def test_the_pools_of_a_void_transfer_are_the_announced_ones() -> None:
     assert node.kv_cache.is_empty() and node.metadata.num_free == 4
 
 
-def test_a_request_alone_for_its_decode_node_posts_its_kv_right_after_the_forward() -> None:
+def test_a_request_alone_for_its_decode_node_posts_its_kv_right_after_the_forward(
+    make_prefill,
+) -> None:
     """Room 11 is the batch's only request for rank 1: its target KV goes as soon as the forward
     is enqueued, the rest after the first token. Rooms 12 and 13 share rank 2, whose order
     allows no second transfer between the two parts of one: they go whole, after."""
     recorder = Recorder()
-    node = prefill_node(recorder)
+    node = make_prefill(recorder)
     run_batch(node, PROMPTS, ranks={11: 1, 12: 2, 13: 2})
     assert recorder.kinds() == ANNOUNCED_THEN_SENT[:4] + ["kv-begin"] + ANNOUNCED_THEN_SENT[4:]
     assert recorder.events[4] == ("kv-begin", 11, [3])
@@ -277,9 +244,9 @@ def test_a_request_alone_for_its_decode_node_posts_its_kv_right_after_the_forwar
     assert node.kv_cache.is_empty() and node.metadata.num_free == 4
 
 
-def test_a_begun_transfer_that_fails_later_is_finished_void() -> None:
+def test_a_begun_transfer_that_fails_later_is_finished_void(make_prefill) -> None:
     recorder = Recorder()
-    node = prefill_node(recorder, speculator=FakeSpeculator(num_draft_steps=2))
+    node = make_prefill(recorder, failing_drafts=True)
     run_batch(node, {21: ([3, 4, 5], 8)})
     assert ("kv-begin", 21, [3]) in recorder.events
     sends = [e[1:] for e in recorder.events if e[0] == "kv"]
@@ -322,43 +289,48 @@ PROMPT = list(range(3, 13))
 PREFILL_RANK = 3  # prefill-0's, which every request here goes to
 
 
-def decode_node(state: TransferState, error: str | None = None):
-    node = DecodeNode.__new__(DecodeNode)
-    cache = kv_cache()
-    node.options = NodeOptions("decode", 0, control_key=new_control_key())
-    node.spec = SimpleNamespace(engine_config=SimpleNamespace(max_model_len=CAPACITY))
-    node.engine = SimpleNamespace(kv_cache=cache)
-    node.kv_cache = cache
-    node.speculator = None
-    node.metadata = MetadataBuffers(2, HIDDEN, 0, 1, torch.float32, "cpu")
-    node.router = StreamRecorder()
-    node.streams = node.router.streams("decode-0")
-    node.prefill_outboxes = {}
-    node.prefill_ranks = {0: PREFILL_RANK}
-    node.transfer_totals = TransferTotals("receive")
-    node.faults = FaultInjector("decode-0", FaultSettings())
-    node.quarantine = Quarantine()
-    req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
-    cache.grow(req, len(PROMPT) + 4)
-    message = SimpleNamespace(room=ROOM, prefill_node=0)
-    stream = node.streams.open(FRONTEND, ROOM)
-    tracked = Tracked(req, message, stream, meta_row=node.metadata.allocate())
-    tracked.handle = TransferHandle(ROOM, peer=0)
-    if state == TransferState.FAILED:
-        tracked.handle.fail(error)
-    else:
-        tracked.handle.advance(state)
-    node.rooms = {ROOM: tracked}
-    node.receiving = [tracked]
-    return node, cache
+@pytest.fixture
+def make_decode(
+    tiny_model_path: Path,
+) -> Iterator[Callable[..., tuple[DecodeNode, KVCacheManager]]]:
+    """Decode nodes over the tiny model (pool of CAPACITY slots, two metadata rows) streaming to
+    a recorder (`node.router`), each receiving request ROOM from prefill-0, its transfer in
+    `state` (failed with `error`)."""
+    with ExitStack() as nodes:
+
+        def make(state: TransferState, error: str | None = None):
+            node = nodes.enter_context(
+                built(new_decode_node(tiny_model_path, CAPACITY, 2, max_num_seqs=8))
+            )
+            cache = node.kv_cache
+            node.router = StreamRecorder()
+            node.streams = node.router.streams("decode-0")
+            node.prefill_ranks = {0: PREFILL_RANK}
+            req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
+            cache.grow(req, len(PROMPT) + 4)
+            message = SimpleNamespace(room=ROOM, prefill_node=0)
+            stream = node.streams.open(FRONTEND, ROOM)
+            tracked = Tracked(req, message, stream, meta_row=node.metadata.allocate())
+            tracked.handle = TransferHandle(ROOM, peer=0)
+            if state == TransferState.FAILED:
+                tracked.handle.fail(error)
+            else:
+                tracked.handle.advance(state)
+            node.rooms = {ROOM: tracked}
+            node.receiving = [tracked]
+            return node, cache
+
+        yield make
 
 
 PREFILL_ERROR = "prefill-0: prefill forward failed: RuntimeError: injected forward failure"
 MISMATCH = f"room tag mismatch: expected {ROOM} got 0 (from rank 0)"
 
 
-def test_a_prefill_error_fails_the_request_at_once_and_frees_its_slots_once_the_kv_came():
-    node, cache = decode_node(TransferState.TRANSFERRING)
+def test_a_prefill_error_fails_the_request_at_once_and_frees_its_slots_once_the_kv_came(
+    make_decode,
+):
+    node, cache = make_decode(TransferState.TRANSFERRING)
     node._handle(PrefillResult(ROOM, error=PREFILL_ERROR))
     assert [(u.room, u.error) for u in node.router.updates] == [(ROOM, PREFILL_ERROR)]
     node._land_transfers()
@@ -369,8 +341,8 @@ def test_a_prefill_error_fails_the_request_at_once_and_frees_its_slots_once_the_
     assert len(node.router.updates) == 1  # one terminal answer
 
 
-def test_a_void_transfer_that_ends_before_its_result_reports_the_prefill_error():
-    node, cache = decode_node(TransferState.FAILED, error=MISMATCH)
+def test_a_void_transfer_that_ends_before_its_result_reports_the_prefill_error(make_decode):
+    node, cache = make_decode(TransferState.FAILED, error=MISMATCH)
     node._land_transfers()
     assert node.receiving and not node.router.updates  # waits for the result
     node._handle(PrefillResult(ROOM, error=PREFILL_ERROR))
@@ -379,8 +351,10 @@ def test_a_void_transfer_that_ends_before_its_result_reports_the_prefill_error()
     assert cache.is_empty() and node.metadata.num_free == 2 and not node.rooms
 
 
-def test_a_transfer_whose_result_never_comes_fails_naming_the_prefill_node(monkeypatch):
-    node, cache = decode_node(TransferState.SUCCESS)
+def test_a_transfer_whose_result_never_comes_fails_naming_the_prefill_node(
+    make_decode, monkeypatch
+):
+    node, cache = make_decode(TransferState.SUCCESS)
     node._land_transfers()
     assert node.receiving and not node.router.updates
     monkeypatch.setattr(tracked_module, "RESULT_WAIT_S", 0.0)
@@ -404,13 +378,12 @@ class ScratchReceiver:
 
 
 @pytest.mark.parametrize("room, num_tokens", [(ROOM, len(PROMPT) + 1), (ROOM + 1, 4)])
-def test_a_refused_announcement_is_still_received_into_scratch(room, num_tokens):
+def test_a_refused_announcement_is_still_received_into_scratch(make_decode, room, num_tokens):
     """A token count that does not match, or a room the node no longer knows: the prefill
     node sends the transfer anyway, and only receives of the announced sizes keep the pair's
     NCCL order."""
-    node, cache = decode_node(TransferState.BOOTSTRAPPING)
+    node, cache = make_decode(TransferState.BOOTSTRAPPING)
     node.rooms[ROOM].handle = None
-    node.engine.runner = SimpleNamespace(kv_pool=cache.kv_pool)
     node.receiver = ScratchReceiver()
     node._handle(TransferAnnounce(room, 3, num_tokens, 0))
     sizes = [kv_nbytes(cache.kv_pool, num_tokens), node.metadata.row_nbytes]
@@ -423,11 +396,10 @@ def test_a_refused_announcement_is_still_received_into_scratch(room, num_tokens)
         assert not node.router.updates and ROOM in node.rooms
 
 
-def test_draft_depths_the_node_cannot_receive_break_the_channel_from_that_rank():
+def test_draft_depths_the_node_cannot_receive_break_the_channel_from_that_rank(make_decode):
     """With no draft depths of its own the node cannot size the depth messages: later
     transfers from that rank then fail at once instead of taking this one's data."""
-    node, cache = decode_node(TransferState.BOOTSTRAPPING)
-    node.engine.runner = SimpleNamespace(kv_pool=cache.kv_pool)
+    node, cache = make_decode(TransferState.BOOTSTRAPPING)
     node.receiver = ScratchReceiver()
     node._handle(TransferAnnounce(ROOM + 1, 3, 4, 2))
     assert not node.receiver.discarded

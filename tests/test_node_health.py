@@ -7,14 +7,16 @@ they were held. The transfer's thread marks its handle, then the channel, in tha
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
+from node_builders import built, new_decode_node
 
 from decode_node.node import DecodeNode
 from engine import SamplingParams
 from engine.request import Request
-from metadata.control_auth import new_control_key
-from metadata.node_common import NodeOptions
-from metadata.serving_node import ServingNode
 
 
 class _Channel:
@@ -24,20 +26,23 @@ class _Channel:
     def broken_peers(self) -> dict[int, str]:
         return dict(self.broken)
 
-
-def _decode_node() -> DecodeNode:
-    """The parts of a decode node its health probe reads, without an engine."""
-    node = DecodeNode.__new__(DecodeNode)
-    ServingNode.__init__(node, NodeOptions("decode", 0, control_key=new_control_key()))
-    node._thread = threading.current_thread()  # a running serving loop, for `ping`
-    node._channel = _Channel()
-    node.receiving = []
-    node.streams = SimpleNamespace(error=lambda: None)  # streaming on the serving thread
-    return node
+    def close(self) -> None:
+        pass
 
 
-def test_a_broken_channel_is_reported_once_its_stuck_receive_is_held():
-    node = _decode_node()
+@pytest.fixture
+def node(tiny_model_path: Path) -> Iterator[DecodeNode]:
+    """A decode node over the tiny model whose probe finds a serving thread running (one that
+    waits for the node to stop: the loop itself would settle the receives the test sets) and
+    its channel the test's."""
+    with built(new_decode_node(tiny_model_path, 64, 2)) as decode:
+        decode._thread = threading.Thread(target=decode._stop.wait, daemon=True)
+        decode._thread.start()
+        decode._channel = _Channel()
+        yield decode
+
+
+def test_a_broken_channel_is_reported_once_its_stuck_receive_is_held(node: DecodeNode):
     req = Request("stuck", [1] * 5, SamplingParams(max_tokens=4))
     req.slots = list(range(1, 7))
     stuck = SimpleNamespace(handle=SimpleNamespace(peer=3, left_posted=True), req=req)
@@ -58,8 +63,7 @@ def test_a_broken_channel_is_reported_once_its_stuck_receive_is_held():
     assert "hold 6 KV slots" in health.degraded
 
 
-def test_a_receive_that_did_not_time_out_holds_nothing_back():
-    node = _decode_node()
+def test_a_receive_that_did_not_time_out_holds_nothing_back(node: DecodeNode):
     waiting = SimpleNamespace(handle=SimpleNamespace(peer=3, left_posted=False))
     node.receiving = [waiting, SimpleNamespace(handle=None)]
     node._channel.broken[3] = "room 2 timed out"

@@ -2,41 +2,32 @@
 them, unless the transfer timed out with its operations still posted. Receives land straight
 in the decode node's slots and sends read the prefill node's slots and row in place, so those
 are held (with a warning naming the room) until the peer is gone, then freed; the decode node's
-row is received through a staging tensor and is freed at once. Nodes are built bare here (no
-model, no group): only the bookkeeping runs."""
+row is received through a staging tensor and is freed at once. Nodes are built over the tiny
+model with no process group (tests/node_builders.py), each with one transfer that ended."""
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
+from node_builders import built, new_decode_node, new_prefill_node
 from stream_recorder import FRONTEND, StreamRecorder
 
-from decode_node.node import DecodeNode
 from decode_node.tracked import Tracked
-from engine.env import FaultSettings
-from engine.kv_cache import KVCacheManager
-from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from metadata.buffers import MetadataBuffers
-from metadata.faults import FaultInjector
-from metadata.kv_audit import Quarantine
 from metadata.messages import PrefillResult
-from metadata.node_metrics import TransferTotals
+from metadata.serving_node import ServingNode
 from metadata.transfer import TransferHandle, TransferState
-from prefill_node.node import PrefillNode
 from prefill_node.pending import Pending
 
+CAPACITY = 64
 ROOM = 4242
 PROMPT = list(range(3, 13))
-
-
-def kv_cache() -> KVCacheManager:
-    return KVCacheManager(KVPool(64, 1, 1, 4, torch.float32, "cpu"), ReqToTokenPool(4, 64, "cpu"))
 
 
 def handle(state: TransferState, left_posted: bool) -> TransferHandle:
@@ -49,19 +40,19 @@ def handle(state: TransferState, left_posted: bool) -> TransferHandle:
     return done
 
 
-def decode_node(left_posted: bool, state: TransferState):
-    node = DecodeNode.__new__(DecodeNode)
-    cache = kv_cache()
-    scheduler = SimpleNamespace(running=[], waiting=deque())  # nothing retracted
-    node.engine = SimpleNamespace(kv_cache=cache, scheduler=scheduler)
-    node.kv_cache = cache
-    node.faults = FaultInjector("decode-0", FaultSettings())
-    node.quarantine = Quarantine()
-    node.prealloc = deque()
-    node.speculator = None
-    node.metadata = MetadataBuffers(2, 8, 0, 1, torch.float32, "cpu")
+@pytest.fixture
+def nodes() -> Iterator[Callable[[ServingNode], ServingNode]]:
+    """Closes the nodes it is given after the test."""
+    with ExitStack() as stack:
+        yield lambda node: stack.enter_context(built(node))
+
+
+def decode_node(nodes, model: Path, left_posted: bool, state: TransferState):
+    """A decode node (pool of 64 slots, four request rows, two metadata rows) receiving ROOM,
+    whose transfer ended in `state`."""
+    node = nodes(new_decode_node(model, CAPACITY, 2, max_num_seqs=4))
+    cache = node.kv_cache
     node.streams = StreamRecorder().streams("decode-0")
-    node.transfer_totals = TransferTotals("receive")
     req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
     cache.grow(req, len(PROMPT) + 4)
     message = SimpleNamespace(room=ROOM, prefill_node=0)
@@ -76,14 +67,18 @@ def decode_node(left_posted: bool, state: TransferState):
 
 
 @pytest.mark.parametrize("state", [TransferState.FAILED, TransferState.SUCCESS])
-def test_decode_node_frees_the_slots_of_a_transfer_that_ended(state: TransferState) -> None:
-    node, cache = decode_node(left_posted=False, state=state)
+def test_decode_node_frees_the_slots_of_a_transfer_that_ended(
+    nodes, tiny_model_path, state: TransferState
+) -> None:
+    node, cache = decode_node(nodes, tiny_model_path, left_posted=False, state=state)
     node._land_transfers()
     assert cache.is_empty() and node.metadata.num_free == 2 and not node.rooms
 
 
-def test_decode_node_holds_the_slots_a_posted_receive_may_still_write(caplog) -> None:
-    node, cache = decode_node(left_posted=True, state=TransferState.FAILED)
+def test_decode_node_holds_the_slots_a_posted_receive_may_still_write(
+    nodes, tiny_model_path, caplog
+) -> None:
+    node, cache = decode_node(nodes, tiny_model_path, left_posted=True, state=TransferState.FAILED)
     slots = list(node.rooms[ROOM].req.slots)
     with caplog.at_level(logging.WARNING, logger="decode_node.node"):
         node._land_transfers()
@@ -100,16 +95,10 @@ def test_decode_node_holds_the_slots_a_posted_receive_may_still_write(caplog) ->
     assert cache.is_empty() and node.quarantine.degraded() is None
 
 
-def prefill_node(left_posted: bool):
-    node = PrefillNode.__new__(PrefillNode)
-    node.kv_cache = kv_cache()
-    node.speculator = None
-    node.metadata = MetadataBuffers(2, 8, 0, 1, torch.float32, "cpu")
-    node.transfer_totals = TransferTotals("send")
-    node.quarantine = Quarantine()
-    node.waiting = deque()
-    node.prefilling = {}
-    node.stalled = []
+def prefill_node(nodes, model: Path, left_posted: bool):
+    """A prefill node (pool of 64 slots, four request rows, two metadata rows) sending ROOM,
+    whose transfer failed."""
+    node = nodes(new_prefill_node(model, CAPACITY, 2, max_num_seqs=4))
     req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
     node.kv_cache.grow(req, len(PROMPT))
     pending = Pending(req, decode_node=0, decode_rank=1, meta_row=node.metadata.allocate())
@@ -118,14 +107,18 @@ def prefill_node(left_posted: bool):
     return node
 
 
-def test_prefill_node_frees_after_a_failure_that_left_nothing_posted() -> None:
-    node = prefill_node(left_posted=False)
+def test_prefill_node_frees_after_a_failure_that_left_nothing_posted(
+    nodes, tiny_model_path
+) -> None:
+    node = prefill_node(nodes, tiny_model_path, left_posted=False)
     node._finish_transfers()
     assert node.kv_cache.is_empty() and node.metadata.num_free == 2 and not node.sending
 
 
-def test_prefill_node_holds_the_slots_and_row_a_posted_send_may_still_read(caplog) -> None:
-    node = prefill_node(left_posted=True)
+def test_prefill_node_holds_the_slots_and_row_a_posted_send_may_still_read(
+    nodes, tiny_model_path, caplog
+) -> None:
+    node = prefill_node(nodes, tiny_model_path, left_posted=True)
     with caplog.at_level(logging.WARNING, logger="prefill_node.node"):
         node._finish_transfers()
     assert node.kv_cache.kv_pool.allocator.num_used == len(PROMPT)
