@@ -27,6 +27,7 @@ SPEC = "multi-layer-eagle"
 ABOVE_ENGINE = ("spec", "cluster", "prefill_node", "decode_node", "metadata", "ray", "zmq")
 PROMPTS = [[5, 9, 14, 3, 22], [40, 41, 42]]
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+ENGINE = dict(device="cpu", kv_cache_tokens=4096, max_num_seqs=4)
 
 
 def imported_packages(source: str) -> set[str]:
@@ -55,6 +56,32 @@ def test_no_engine_module_imports_spec_or_anything_above_the_engine() -> None:
     assert {path: found for path, found in offenders.items() if found} == {}
 
 
+def called_names(source: str) -> set[str]:
+    """The names of the functions and classes `source` calls, bare or as attributes."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            found.add(func.id if isinstance(func, ast.Name) else getattr(func, "attr", ""))
+    return found
+
+
+def test_engines_are_built_in_one_place() -> None:
+    """No package builds an EngineCore or loads a runner but engine/build.py (through
+    engine/loader.py's load_runner): LLM and every node kind go through build_engine."""
+    builders = {"EngineCore", "ModelRunner", "load_runner"}
+    packages = ("engine", "spec", "cluster", "prefill_node", "decode_node", "metadata")
+    found = {
+        str(path.relative_to(ROOT)): sorted(called_names(path.read_text()) & builders)
+        for package in packages
+        for path in sorted((ROOT / package).rglob("*.py"))
+    }
+    assert {path: names for path, names in found.items() if names} == {
+        "engine/build.py": ["EngineCore", "load_runner"],
+        "engine/loader.py": ["ModelRunner"],
+    }
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("composition")
@@ -63,12 +90,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"target": root / "target", "draft": root / "draft"}
 
 
-def _engine_kw(models: dict[str, Path]) -> dict:
-    return dict(device="cpu", kv_cache_tokens=4096, max_num_seqs=4)
-
-
 def _plain_tokens(models: dict[str, Path]) -> list[list[int]]:
-    llm = LLM(str(models["target"]), **_engine_kw(models))
+    llm = LLM(str(models["target"]), **ENGINE)
     return [out.token_ids for out in llm.generate(PROMPTS, PARAMS)]
 
 
@@ -148,7 +171,7 @@ def test_llm_runs_the_speculation_it_is_given(models) -> None:
     given = RecordingEagle()
     llm = LLM(
         str(models["target"]),
-        **_engine_kw(models),
+        **ENGINE,
         speculative_algorithm=SPEC,
         draft_model=str(models["draft"]),
         speculation=given,
@@ -161,4 +184,4 @@ def test_llm_runs_the_speculation_it_is_given(models) -> None:
 
 def test_a_plain_engine_refuses_a_speculation(models) -> None:
     with pytest.raises(ValueError, match="without speculative_algorithm"):
-        LLM(str(models["target"]), **_engine_kw(models), speculation=MULTI_LAYER_EAGLE)
+        LLM(str(models["target"]), **ENGINE, speculation=MULTI_LAYER_EAGLE)
