@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
-from engine.forward_batch import ForwardBatch, Span, ancestor_bits
+from engine.forward_batch import ForwardBatch, Span, ancestor_bits, device_batch
 from engine.graph_inputs import (
     IDS,
     LAST,
@@ -376,15 +376,14 @@ class CudaGraphs:
         tokens = self.inputs[:3, :num_tokens]
         embeds = None if self.embeds is None else self.embeds[:num_tokens]
         embeds_mask = None if self.embeds_mask is None else self.embeds_mask[:num_tokens]
-        return ForwardBatch(
-            input_ids=tokens[IDS],
-            positions=tokens[POSITIONS],
-            out_cache_loc=tokens[SLOTS],
-            req_pool_indices=self.inputs[3 + ROWS, : len(seq_lens)],
-            seq_lens=seq_lens,
-            extend_lens=extend_lens,
-            kv_pool=self.kv_pool,
-            req_to_token_pool=self.req_to_token_pool,
+        return device_batch(
+            tokens[IDS],
+            tokens[POSITIONS],
+            tokens[SLOTS],
+            self.inputs[3 + ROWS, : len(seq_lens)],
+            seq_lens,
+            extend_lens,
+            (self.kv_pool, self.req_to_token_pool),
             input_embeds=embeds,
             input_embeds_mask=embeds_mask,
             last_index=self.inputs[3 + LAST, : len(seq_lens)],

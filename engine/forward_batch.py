@@ -99,6 +99,18 @@ class ForwardBatch:
         ends = int_tensor(self.extend_lens, self.input_ids.device).cumsum(0)
         return ends - 1
 
+    def set_tokens(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """The tokens at `indices` of the flat sequence become `values`, in place: in a batch
+        that a graph's static buffers hold, where the graph reads them."""
+        self.input_ids.index_copy_(0, indices, values)
+
+    def set_span_tails(self, tails: torch.Tensor) -> None:
+        """Each of the batch's first n spans, all of w tokens, brings tails[i] ([n, w - 1])
+        after its first token, in place (as `set_tokens`): a verify's drafts, written on the
+        device after the batch was built."""
+        n, rest = tails.shape
+        self.input_ids[: n * (rest + 1)].view(n, rest + 1)[:, 1:].copy_(tails)
+
 
 def extend_batch(
     spans: list[Span],
@@ -130,21 +142,60 @@ def extend_batch(
         device,
         embeds_dtype,
     )
-    batch = ForwardBatch(
-        input_ids=int_tensor(ids, device),
-        positions=int_tensor(positions, device),
-        out_cache_loc=int_tensor(slots, device),
-        req_pool_indices=int_tensor([span.row for span in spans], device),
-        seq_lens=[span.start + len(span.token_ids) for span in spans],
-        extend_lens=[len(span.token_ids) for span in spans],
-        kv_pool=kv_pool,
-        req_to_token_pool=req_to_token_pool,
+    batch = device_batch(
+        int_tensor(ids, device),
+        int_tensor(positions, device),
+        int_tensor(slots, device),
+        int_tensor([span.row for span in spans], device),
+        [span.start + len(span.token_ids) for span in spans],
+        [len(span.token_ids) for span in spans],
+        (kv_pool, req_to_token_pool),
         input_embeds=input_embeds,
         input_embeds_mask=input_embeds_mask,
         tree_bits=int_tensor(tree_bits(spans), device) if has_tree else None,
     )
     batch.attn_metadata = backend.prepare(batch)
     return batch
+
+
+def device_batch(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: list[int],
+    extend_lens: list[int],
+    pools: tuple[KVPool, ReqToTokenPool],
+    *,
+    tree_bits: torch.Tensor | None = None,
+    input_embeds: torch.Tensor | None = None,
+    input_embeds_mask: torch.Tensor | None = None,
+    last_index: torch.Tensor | None = None,
+    graph: Any = None,
+    graph_batch_size: int | None = None,
+) -> ForwardBatch:
+    """A batch whose per-token and per-request tensors are on the device already (views of a
+    CUDA graph's static buffers, or of the fixed-shape draft extend's, or `extend_batch`'s
+    copies): nothing is copied from the host. Its attention metadata is the caller's to set:
+    a backend's `prepare` for an eager forward, `prepare_for_capture` over the buffers for a
+    captured one, none for a replay."""
+    kv_pool, req_to_token_pool = pools
+    return ForwardBatch(
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
+        extend_lens=extend_lens,
+        kv_pool=kv_pool,
+        req_to_token_pool=req_to_token_pool,
+        input_embeds=input_embeds,
+        input_embeds_mask=input_embeds_mask,
+        tree_bits=tree_bits,
+        last_index=last_index,
+        graph=graph,
+        graph_batch_size=graph_batch_size,
+    )
 
 
 def tree_bits(spans: list[Span]) -> list[int]:

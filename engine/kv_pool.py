@@ -62,6 +62,14 @@ class KVPool:
         self.k_buffers[layer][slots] = k
         self.v_buffers[layer][slots] = v
 
+    def move_slots(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Slot target[i] gets the K and V of every layer that slot source[i] holds, on the
+        device, in one gather and one scatter: every source is read before any target is
+        written, so a slot both read and written gives what it held before. A target appears
+        once, but for the padding slot, which any number of pairs may write (nobody reads it):
+        a caller moves fewer slots for some requests than for others without a branch."""
+        self.kv_buffer[target] = self.kv_buffer[source]
+
 
 class ReqToTokenPool:
     """Maps a request row to the KV slots of its tokens, shape [max_reqs + 1, max_context_len]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from engine.cuda_graph import collection_paused
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, device_batch
 from engine.graph_inputs import batch_size_buckets, bucket_for
 from engine.host_copy import HostCopy
 from spec.device_tree import DeviceTree, ForkColumns, TreeLayout
@@ -295,7 +295,7 @@ class FixedDecodeExtend:
             batch.attn_metadata = (
                 metadata[d] if metadata is not None else runner.attention.prepare(batch)
             )
-            (out,) = runner._forward_tokens(batch, hidden.reshape(size * span, -1))
+            (out,) = runner.forward_tokens(batch, hidden.reshape(size * span, -1))
             out = out.view(size, span, -1)
             proposing = out[every, after[:, d]]
             if tree is None:
@@ -361,16 +361,11 @@ class FixedDecodeExtend:
         else:
             columns = buffers.positions[d][:, :1] + buffers.cache_columns[d]
         slots = table[rows[:, None], columns].view(-1)
-        return ForwardBatch(
-            input_ids=ids,
-            positions=positions,
-            out_cache_loc=slots,
-            req_pool_indices=rows,
-            seq_lens=self._seq_lens(d, size, eager_items),
-            extend_lens=[span] * size,
-            kv_pool=runner.kv_pool,
-            req_to_token_pool=runner.req_to_token_pool,
-            tree_bits=None if bits is None else bits.view(-1),
+        seq_lens = self._seq_lens(d, size, eager_items)
+        pools = (runner.kv_pool, runner.req_to_token_pool)
+        tree_bits = None if bits is None else bits.view(-1)
+        return device_batch(
+            ids, positions, slots, rows, seq_lens, [span] * size, pools, tree_bits=tree_bits
         )
 
     def _seq_lens(self, d: int, size: int, items: list[FixedExtendItem] | None) -> list[int]:

@@ -287,9 +287,8 @@ def launch_verify(
     proposed `next_chains` [n, K], reading them on the device before the host has read them:
     the device goes from one round to the next without waiting for the host's bookkeeping in
     between (applying the chains, scheduling, gathering the next round)."""
-    n, width = inputs.tokens.shape
     # The chains that gathering read are the round before's: the next ones are on the device.
-    batch.input_ids[: n * width].view(n, width)[:, 1:].copy_(next_chains)
+    batch.set_span_tails(next_chains)
     outputs = forward_every_token(batch)
     num_tokens = [req.num_tokens for req in inputs.requests]
     return LaunchedVerify(

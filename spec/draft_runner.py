@@ -271,7 +271,7 @@ class DraftRunner:
         )
         _apply(patch, batch)
         with dump_pass(self.dumper, batch, input_hidden=hidden):
-            return self._forward_tokens(batch, hidden)[0], lens, None
+            return self.forward_tokens(batch, hidden)[0], lens, None
 
     def _forward_and_propose(
         self, batch: ForwardBatch, hidden: torch.Tensor
@@ -279,12 +279,14 @@ class DraftRunner:
         """What a graph computes: the output at every token, then the head's proposal at each
         request's last token (for every request column of the graph, padding included)."""
         assert self.head is not None
-        (out,) = self._forward_tokens(batch, hidden)
+        (out,) = self.forward_tokens(batch, hidden)
         top, top_p = self.head.propose_top(out[batch.last_token_indices()], self.num_proposed)
         return out, top, top_p
 
-    def _forward_tokens(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor]:
-        """This depth's output [T, hidden_size] at the batch's tokens, reading `hidden`."""
+    def forward_tokens(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        """This depth's output [T, hidden_size] at the tokens of `batch` (its metadata set,
+        its slots in this depth's pools), reading `hidden`: the forward a caller that builds
+        its own batches runs or captures (spec.decode_extend)."""
         embeds = self.target.embed(batch)
         cos_sin = self.rotary.lookup(batch.positions, embeds.dtype)
         return (self.module(embeds, hidden, batch, cos_sin, self.attention),)
@@ -292,5 +294,4 @@ class DraftRunner:
 
 def _apply(patch: DraftTokenPatch | None, batch: ForwardBatch) -> None:
     if patch is not None:
-        # In place: in a graph's batch, input_ids is a view of the static buffer.
-        batch.input_ids.index_copy_(0, patch.positions, patch.values)
+        batch.set_tokens(patch.positions, patch.values)

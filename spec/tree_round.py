@@ -194,8 +194,7 @@ def keep_accepted_kv(
     padding = torch.full_like(path[:, 1:], PADDING_SLOT)
     source = torch.where(moved, req_to_token[table_rows, base + path[:, 1:]], padding)
     target = torch.where(moved, req_to_token[table_rows, base + kept], padding)
-    buffer = kv_pool.kv_buffer
-    buffer[target.reshape(-1)] = buffer[source.reshape(-1)]
+    kv_pool.move_slots(source.reshape(-1), target.reshape(-1))
 
 
 def run_tree_round(

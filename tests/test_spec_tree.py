@@ -314,7 +314,7 @@ def test_a_failed_forward_gives_back_every_fork_and_node(models, where: str, sha
         runner.forward_every_token = fail_later(runner.forward_every_token)
     else:
         # Every draft forward, the prefill's extend and the decode steps' alike, runs here.
-        worker.depths[2]._forward_tokens = fail_later(worker.depths[2]._forward_tokens)
+        worker.depths[2].forward_tokens = fail_later(worker.depths[2].forward_tokens)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     with pytest.raises(PdclusterError, match="injected"):
         llm.generate([[5, 9, 200, 31], list(range(3, 30))], params)
