@@ -16,17 +16,16 @@ backend's kernels read the static buffers, so a replay needs no metadata work.""
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
 from engine.forward_batch import ForwardBatch, Span, ancestor_bits, device_batch
+from engine.graph_capture import capture_graphs
 from engine.graph_inputs import (
     IDS,
     LAST,
@@ -48,21 +47,6 @@ from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.prompt_embeds import InputEmbeds, concat_input_embeds
 
 logger = logging.getLogger(__name__)
-
-
-@contextmanager
-def collection_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector kept from running while graphs are captured: a
-    collection then may free another engine's graphs or the tensors in their pools, and a
-    CUDA call of theirs in the middle of a capture invalidates it."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 GraphOutputs = tuple[torch.Tensor, ...]
@@ -148,58 +132,45 @@ class CudaGraphs:
             )
         )
 
-    @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
-        """Capture every bucket, largest first, into one memory pool. Each graph ends by
-        copying its outputs into buffers shared by all sizes (allocated outside the pool), so
-        no graph keeps memory of its own once captured: the pool holds one graph's
-        intermediates at a time, whatever the number of sizes."""
+        """Capture every bucket (engine.graph_capture). Each graph ends by copying its outputs
+        into buffers shared by all sizes (allocated outside the pool), so no graph keeps
+        memory of its own once captured: the pool holds one graph's intermediates at a time,
+        whatever the number of sizes."""
         device = self.kv_pool.device
         start = time.perf_counter()
         before = torch.cuda.memory_allocated(device)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        sizes = sorted(self.buckets, reverse=True)
-        desc = f"capturing {self.name} CUDA graphs"
-        with collection_paused():
-            self._capture_sizes(sizes, stream, desc, progress)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
+        label = f"capturing {self.name} CUDA graphs" if progress else None
+        captured = capture_graphs(self.buckets, device, self._load_static, label)
+        self.graphs = {size: graph for size, (graph, _) in captured.items()}
         used = torch.cuda.memory_allocated(device) - before
         logger.info(
             "captured %d %s CUDA graphs (%s tokens) in %.1f s, %.0f MiB",
-            len(sizes),
+            len(captured),
             self.name,
             ",".join(map(str, self.buckets)),
             time.perf_counter() - start,
             used / 2**20,
         )
 
-    def _capture_sizes(self, sizes: list[int], stream, desc: str, progress: bool) -> None:
-        """One graph per size, largest first, sharing one memory pool."""
-        from tqdm import tqdm
+    def _load_static(self, size: int) -> Callable[[], GraphOutputs]:
+        """The graph of `size`'s inputs, every token a padding request of its own, and its
+        forward: the captured one copies its outputs into the shared buffers, sized by the
+        first forward run (the largest size's, outside any capture)."""
+        self._fill(size, [])
+        self.staged.upload()
+        batch = self._static_batch(size)
+        hidden = None if self.hidden is None else self.hidden[:size]
 
-        device = self.kv_pool.device
-        pool = None
-        for size in tqdm(sizes, desc=desc, disable=not progress, leave=False):
-            self._fill(size, [])  # every token a padding request of its own
-            self.staged.upload()
-            stream.wait_stream(torch.cuda.current_stream(device))  # the copy lands first
-            batch = self._static_batch(size)
-            hidden = None if self.hidden is None else self.hidden[:size]
-            with torch.cuda.stream(stream):
-                # Compiles the kernels and sets up cuBLAS outside the capture.
-                warm = self.run(batch, hidden)
-            stream.synchronize()
-            if not self._outputs:  # the largest size comes first
-                self._outputs = tuple(torch.empty_like(out) for out in warm)
-            del warm
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                for shared, out in zip(self._outputs, self.run(batch, hidden)):
-                    shared[: len(out)].copy_(out)
-            pool = graph.pool()
-            self.graphs[size] = graph
+        def forward() -> GraphOutputs:
+            outputs = self.run(batch, hidden)
+            if not self._outputs:
+                self._outputs = tuple(torch.empty_like(out) for out in outputs)
+            for shared, out in zip(self._outputs, outputs):
+                shared[: len(out)].copy_(out)
+            return self._outputs
+
+        return forward
 
     def load(self, spans: list[Span], hidden: torch.Tensor | None = None) -> ForwardBatch:
         """A batch of these spans (`fits` must hold), written into the static buffers with its

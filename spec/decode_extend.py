@@ -20,10 +20,12 @@ from row a+d (position m+a)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from engine.cuda_graph import collection_paused
 from engine.forward_batch import ForwardBatch, device_batch
+from engine.graph_capture import capture_graphs
 from engine.graph_inputs import batch_size_buckets, bucket_for
 from engine.host_copy import HostCopy
 from spec.device_tree import DeviceTree, ForkColumns, TreeLayout
@@ -376,37 +378,20 @@ class FixedDecodeExtend:
 
     @torch.inference_mode()  # as every forward: the kernels' fast paths need no autograd
     def _capture(self) -> None:
-        """A graph per bucket, largest first, sharing one memory pool; the outputs stay in the
-        pool (each graph's own), read right after its replay."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with collection_paused():
-            self._capture_sizes(stream)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        """A graph per bucket; each keeps its outputs in the pool, read right after its replay."""
+        buffers = {size: self._buffers(size) for size in self.buckets}
+        captured = capture_graphs(self.buckets, self.device, lambda s: self._to_capture(buffers[s]))
+        self.graphs = {s: (graph, buffers[s], out) for s, (graph, out) in captured.items()}
 
-    def _capture_sizes(self, stream: torch.cuda.Stream) -> None:
-        pool = None
-        for size in sorted(self.buckets, reverse=True):
-            buffers = self._buffers(size)
-            self._int_values(buffers, None, None)
-            buffers.staged.upload()
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # the copy lands first
-            metadata = []
-            for d, runner in enumerate(self.depths):
-                _, _, rows, seq_lens, q_starts, q_lens = buffers.depth_views(d)
-                bits = buffers.bits[d]
-                metadata.append(
-                    runner.attention.prepare_for_capture(
-                        rows, seq_lens, q_starts, q_lens, self.spans[d],
-                        None if bits is None else bits.view(-1),
-                    )
-                )  # fmt: skip
-            with torch.cuda.stream(stream):
-                self._forward(buffers, metadata)  # compiles the kernels outside the capture
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                outputs = self._forward(buffers, metadata)
-            pool = graph.pool()
-            self.graphs[size] = (graph, buffers, outputs)
+    def _to_capture(self, buffers: ExtendBuffers) -> Callable[[], tuple]:
+        """The inputs of the graph of the buffers' size, every request a padding one, and its
+        forward, each depth's metadata over the buffers."""
+        self._int_values(buffers, None, None)
+        buffers.staged.upload()
+        metadata = [  # rows, seq_lens, q_starts, q_lens of each depth's views, then its span
+            runner.attention.prepare_for_capture(
+                *buffers.depth_views(d)[2:], self.spans[d], None if bits is None else bits.view(-1)
+            )
+            for d, (runner, bits) in enumerate(zip(self.depths, buffers.bits))
+        ]
+        return lambda: self._forward(buffers, metadata)

@@ -22,8 +22,8 @@ from engine.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
-    # Whether `prepare_for_capture` exists: its metadata lives in device buffers a CUDA graph
-    # can read at replay.
+    # Whether `prepare_for_capture` is implemented: its metadata lives in device buffers a CUDA
+    # graph can read at replay.
     supports_cuda_graph = False
     # Whether `forward` takes a sliding window (its `window` keyword).
     supports_sliding_window = False
@@ -37,6 +37,23 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> Any:
         """Build what every layer of this forward shares (indices, masks); stored on the batch."""
+
+    def prepare_for_capture(
+        self,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        q_starts: torch.Tensor,
+        q_lens: torch.Tensor,
+        max_q_len: int,
+        tree_bits: torch.Tensor | None = None,
+    ) -> Any:
+        """The capture hook of a graph runner (engine.graph_capture's callers): metadata over
+        its static [B] buffers (each request's row, length after the forward, first new token
+        in the flat batch, new tokens; `tree_bits` as `ForwardBatch.tree_bits`), which the
+        runner fills before each replay, for spans of at most `max_q_len` tokens. The kernels
+        must read the buffers where they are, so that a replay needs no metadata work. By
+        default a backend cannot be captured (`supports_cuda_graph` False) and refuses."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
 
     @abstractmethod
     def forward(

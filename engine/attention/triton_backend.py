@@ -69,7 +69,8 @@ class TritonAttentionBackend(AttentionBackend):
         tree_bits: torch.Tensor | None = None,
     ) -> TritonMetadata:
         """Metadata over a graph's static [B] buffers, which the graph runner fills before
-        each replay: the kernels read them where they are, so replay needs nothing more."""
+        each replay: the kernels read them where they are, so replay needs nothing more
+        (`AttentionBackend.prepare_for_capture`)."""
         splits = self._key_splits(rows.shape[0], max_q_len, rows.device)
         return TritonMetadata(rows, seq_lens, q_starts, q_lens, max_q_len, splits, tree_bits)
 
