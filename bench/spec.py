@@ -95,8 +95,13 @@ def run(
         for plan, n in llm.engine.plan_counts().items()
         if n > plans_before.get(plan, 0)
     }
+    costs = getattr(llm.engine.speculator, "costs", None)
+    plain_s, round_s = costs.measured(batch) if costs is not None else (None, None)
     return {
         "tokens": [o.token_ids for o in outputs],
+        # What the adaptive plan measured at this batch size's bucket after the pass.
+        "measured_plain_ms": None if plain_s is None else 1e3 * plain_s,
+        "measured_round_ms": None if round_s is None else 1e3 * round_s,
         "completion_tokens": emitted,
         "tok_s": emitted / elapsed,
         "verify_steps": steps,
@@ -217,10 +222,10 @@ def main(argv: list[str] | None = None) -> None:
     several = len({r["draft"] for r in rows}) > 1
     lines = [
         "| batch | " + ("draft | " if several else "") + "drafts | plain tokens/s | "
-        "speculative tokens/s | speedup | speedup range | rounds "
+        "speculative tokens/s | speedup | speedup range | rounds | plain / round ms "
         "| accept length | acceptance per draft position | identical output |",
         "| ---: | " + (":--- | " if several else "") + ":--- | ---: | ---: | ---: | :--- | ---: "
-        "| ---: | :--- | :---: |",
+        "| ---: | ---: | :--- | :---: |",
     ]
     for r in rows:
         acceptance = ", ".join(f"{a:.2f}" for a in r["acceptance"])
@@ -229,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(
             f"| {r['batch']} | {draft}{r['drafts']} | {r['plain_tok_s']:.1f} | "
             f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {_range(r)} | "
-            f"{r['round_share']:.0%} | {_accept(r)} | "
+            f"{r['round_share']:.0%} | {_measured(r)} | {_accept(r)} | "
             f"{acceptance} | {same} |"
         )
     table = "\n".join(lines)
@@ -247,7 +252,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{sampling}, at most {args.max_tokens} new tokens, stopping at EOS; tokens/s: the median "
         f"of {args.repeats} passes per engine, the engines alternating).\n\n" + table + "\n\n"
         "Rounds: the share of decode steps that verified drafts (the others were plain steps "
-        "that the round plan chose). "
+        "that the round plan chose). Plain / round ms: a plain step's and a round's cost as the "
+        "engine measured them at the batch size's bucket after its first pass (the adaptive "
+        "plan weighs these; a round at every step measures no plain step). "
         "Accept length: tokens per verify step, bonus token included. Acceptance per draft "
         "position: the share of verify steps that accepted draft token 1, 2 and so on. Drafts: N "
         "chains start with the first depth's N most likely tokens; a top-k tree of N nodes "
@@ -358,6 +365,7 @@ def measure(
                 "plan": llm.config.speculative_plan,
                 "plans": spec["plans"],
                 "round_share": _round_share(spec["plans"]),
+                "measured_ms": (spec["measured_plain_ms"], spec["measured_round_ms"]),
                 "completion_tokens": spec["completion_tokens"],
                 "identical": None if args.temperature else base["tokens"] == spec["tokens"],
             }
@@ -385,6 +393,12 @@ def _round_share(plans: dict[str, int]) -> float:
     steps = sum(plans.values())
     rounds = sum(n for plan, n in plans.items() if not plan.startswith("plain"))
     return rounds / steps if steps else 0.0
+
+
+def _measured(row: dict) -> str:
+    """The plain step's and the round's cost that the engine measured at the batch's bucket
+    (what the adaptive plan weighs), or dashes where it measured none."""
+    return " / ".join("-" if ms is None else f"{ms:.2f}" for ms in row["measured_ms"])
 
 
 def _accept(row: dict) -> str:

@@ -122,6 +122,12 @@ class StepCosts:
             speculating=self.speculating,
         )
 
+    def measured(self, batch_size: int) -> tuple[float | None, float | None]:
+        """A plain step's and a round's measured seconds at `batch_size`'s bucket, None where
+        not known yet: what the adaptive plan weighs (reported by bench/spec.py)."""
+        facts = self.facts(batch_size)
+        return facts.plain_s, facts.round_s
+
     def _neighbour_ratios(self, bucket: int) -> tuple[float | None, float | None]:
         """A round's cost over a plain step's at the nearest measured bucket below and above."""
         below = above = None

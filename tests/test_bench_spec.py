@@ -113,5 +113,8 @@ def test_the_round_plans_are_compared_side_by_side(capsys) -> None:
     assert always[1] == "the shipped default draft, always plan"
     assert adaptive[1] == "the shipped default draft, adaptive plan"
     # Rounds: a share of decode steps, between none and all.
-    assert all(0 <= int(row[-4].rstrip("%")) <= 100 for row in (always, adaptive))
+    assert all(0 <= int(row[-5].rstrip("%")) <= 100 for row in (always, adaptive))
+    # The costs the engine measured: a round at every step measures no plain step.
+    assert always[-4].startswith("- / ")
+    assert all(float(ms) > 0 for ms in always[-4].split(" / ")[1:])
     assert always[-1] == adaptive[-1] == "yes |"
