@@ -23,7 +23,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
-from engine.verify_outputs import VerifyOutputs, greedy_chain_verdicts
+from engine.verify_outputs import ChainVerdicts, VerifyOutputs
 
 
 @dataclass
@@ -103,16 +103,20 @@ class ModelRunner:
             )
             self.graphs.capture()
 
-    def capture_verify_graphs(self, max_span: int, trees: bool = False) -> None:
+    def capture_verify_graphs(
+        self, max_span: int, trees: bool = False, verdicts: ChainVerdicts | None = None
+    ) -> None:
         """Capture graphs for forwards whose requests each bring at most `max_span` tokens
         (speculative verify: the newest token and a draft chain, or with `trees` a draft token
-        tree), up to cuda_graph_max_bs requests. No-op when this engine runs no graphs."""
+        tree), up to cuda_graph_max_bs requests. No-op when this engine runs no graphs. With
+        `verdicts` (chains), the replay also decides their acceptance: the host reads one
+        small block, with no call into torch for it (engine.verify_outputs)."""
         max_requests = self.config.cuda_graph_max_bs
         if not max_requests:
             return
-        # A graph of chains decides greedy acceptance in the replay: the host reads one
-        # small block, with no call into torch for it (engine.verify_outputs).
-        run = self._every_token_outputs if trees else partial(self._chain_outputs, width=max_span)
+        run = self._every_token_outputs
+        if verdicts is not None:
+            run = partial(self._chain_outputs, width=max_span, verdicts=verdicts)
         self.verify_graphs = CudaGraphs(
             "verify",
             run,
@@ -121,7 +125,7 @@ class ModelRunner:
             self.req_to_token_pool,
             token_buckets(max_requests * max_span),
             max_span=max_span,
-            request_outputs=0 if trees else 1,
+            request_outputs=0 if verdicts is None else 1,
             trees=trees,
         )
         self.verify_graphs.capture()
@@ -193,13 +197,18 @@ class ModelRunner:
         return self.model.compute_logits(hidden), draft_hidden
 
     def _chain_outputs(
-        self, batch: ForwardBatch, _hidden_input: None = None, *, width: int
+        self,
+        batch: ForwardBatch,
+        _hidden_input: None = None,
+        *,
+        width: int,
+        verdicts: ChainVerdicts,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a graph of chain verifies computes: `_every_token_outputs`, then each span's
         greedy verdicts as if the batch were spans of `width` tokens (what a uniform load
         gives; meaningless for other loads, whose callers do not read them)."""
         logits, draft_hidden = self._every_token_outputs(batch)
-        return logits, draft_hidden, greedy_chain_verdicts(logits, batch.input_ids, width)
+        return logits, draft_hidden, verdicts(logits, batch.input_ids, width)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, keep_hidden: bool = False) -> ForwardOutput:

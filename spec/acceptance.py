@@ -1,14 +1,33 @@
-"""The verify forward's logits as plain decoding would see them at each position (penalties
-and grammars along the drafts before it), and a verify's `Verdict`. Acceptance follows the
-target's own choices down the drafts (spec.tree.accept_tree, chains included): each committed
-token is the target's argmax or draw at its position, so speculation changes speed, never the
-output distribution."""
+"""Acceptance: which of a verify's drafts the target keeps, and the verify logits it decides
+on.
+
+The rule is one function, `accept`, for chains and trees alike (a chain is the tree whose node
+i's parent is node i - 1): from the root, step to the first child (in node order) whose token
+is the target's choice at the current span row, for as long as there is one; the committed
+tokens are the target's choices along that path, the last one at the row where the walk
+stopped. A greedy request's choice at a row is the target's argmax there, a sampled one's its
+own draw (spec.tree_verify.target_draws): every committed token is then the target's own
+choice at its position, so speculation changes speed, never the output distribution. A node's
+children are tried all at once, so a tree accepts a child with probability p(c1) + p(c2) +
+..., the most any rule can, and seeded requests commit the tokens plain decoding would,
+whatever the tree's shape or the batch.
+
+Every path decides with it: the host's round (`accept_on_host`, trees of any sizes), a round
+of chains on the device and a graph of chain verifies in its replay (`chain_verdicts`), a
+round of trees on the device (spec/tree_round.py). On a GPU a round of trees takes the Triton
+kernel engine/kernels/tree_accept.py instead, which computes the same function (and moves the
+accepted nodes' KV in the same launch); tests/test_tree_accept_kernel.py holds it to `accept`.
+
+Before the rule, the verify's logits are made what plain decoding would see at each position
+(`processed_verify_logits`, `grammar_masked_verify_logits`): penalties and grammars in the
+state after the drafts before it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.grammar_mask import mask_verify_logits
@@ -16,7 +35,7 @@ from engine.logits_processors import TokenHistory, process_logits
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # spec.tree builds on this module's Verdict
+if TYPE_CHECKING:  # spec.tree builds on this module
     from spec.tree import DraftTree
 
 
@@ -24,6 +43,69 @@ if TYPE_CHECKING:  # spec.tree builds on this module's Verdict
 class Verdict:
     tokens: list[int]  # the accepted draft tokens, then the target's bonus token
     num_accepted: int
+    path: list[int] = field(default_factory=list)  # the accepted nodes, level 1 first
+
+
+def accept(
+    targets: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depth: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance rule over n trees of N nodes each, all on one device: `targets` [n, N+1]
+    the target's choice at each span row (row 0 the root, row i + 1 node i), `tokens` and
+    `parents` [n, N] (parents before their children, -1: the root; a padding node's parent is
+    -2, so that it is no row's child), `depth` at least the deepest tree's levels. Returns
+    each tree's accepted count [n] and the span row of each committed position [n, depth+1]
+    (0: the root, then the accepted node of each level; 0 past the accepted ones): the
+    committed tokens are `targets.gather(1, path)`'s first count + 1. A fixed number of
+    tensor operations, no read on the host: it runs inside a CUDA graph's replay."""
+    n = tokens.shape[0]
+    parent_rows = parents + 1
+    row = torch.zeros((n, 1), dtype=torch.int64, device=tokens.device)
+    rows = [row]
+    for _ in range(depth):
+        child = (parent_rows == row) & (tokens == targets.gather(1, row))
+        # The first child that matches; where none does, the walk stays (and stays for good,
+        # as the same row finds the same nothing).
+        found, first = child.max(dim=1, keepdim=True)
+        row = torch.where(found, first + 1, row)
+        rows.append(row)
+    walked = torch.cat(rows, dim=1)  # a child's row is above its parent's
+    accepted = (walked[:, 1:] > walked[:, :-1]).sum(dim=1)
+    positions = torch.arange(depth + 1, device=tokens.device)
+    return accepted, torch.where(positions <= accepted[:, None], walked, 0)
+
+
+def chain_verdicts(logits: torch.Tensor, input_ids: torch.Tensor, width: int) -> torch.Tensor:
+    """`accept` for the first n = T // width spans of `width` tokens each (the newest token
+    then a chain of width - 1 drafts), with the target's argmax of `logits` [T, vocab]:
+    [n, width + 1], the argmax at each token, then the accepted count. The argmax past the
+    accepted drafts is kept as it is (the draft extend reads the block whole)."""
+    n = logits.shape[0] // width
+    used = n * width
+    targets = logits[:used].argmax(dim=-1).view(n, width)
+    drafts = input_ids[:used].view(n, width)[:, 1:]
+    parents = torch.arange(-1, width - 2, device=drafts.device).expand(n, -1)
+    accepted, _ = accept(targets, drafts, parents, width - 1)
+    return torch.cat([targets, accepted[:, None]], dim=1)
+
+
+def accept_on_host(trees: list[DraftTree], targets: list[list[int]]) -> list[Verdict]:
+    """`accept` for trees of any sizes, `targets[i]` the target's choices at tree i's span
+    rows: the trees padded to the largest, decided in one call on the host."""
+    n, width = len(trees), max((len(tree) for tree in trees), default=0)
+    nodes = np.full((n, 2, width), -2, dtype=np.int64)  # tokens, parents
+    rows = np.full((n, width + 1), -1, dtype=np.int64)
+    for i, (tree, chosen) in enumerate(zip(trees, targets)):
+        nodes[i, :, : len(tree)] = (tree.tokens, tree.parents)
+        rows[i, : len(chosen)] = chosen
+    depth = max((tree.depth for tree in trees), default=0)
+    tokens, parents = torch.from_numpy(nodes).unbind(1)
+    accepted, path = accept(torch.from_numpy(rows), tokens, parents, depth)
+    verdicts = []
+    for tree, chosen, count, span_rows in zip(trees, targets, accepted.tolist(), path.tolist()):
+        kept = [r - 1 for r in span_rows[1 : count + 1]]
+        tokens_out = [tree.tokens[node] for node in kept] + [chosen[span_rows[count]]]
+        verdicts.append(Verdict(tokens_out, count, kept))
+    return verdicts
 
 
 def processed_verify_logits(

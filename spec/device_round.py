@@ -48,7 +48,8 @@ from engine.host_copy import HostCopy, int_tensor, recorded_event
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
-from engine.verify_outputs import VerifyOutputs, greedy_chain_verdicts
+from engine.verify_outputs import VerifyOutputs
+from spec.acceptance import chain_verdicts
 from spec.decode_extend import FixedDecodeExtend
 from spec.extend_items import FixedExtendItem, GatheredItems, PendingDrafts
 
@@ -197,7 +198,7 @@ def run_device_round(
     # and a verify graph of chains has compared them with the targets already.
     verdict_block = outputs.verdicts
     if verdict_block is None:
-        verdict_block = greedy_chain_verdicts(outputs.logits, forward.input_ids, k + 1)
+        verdict_block = chain_verdicts(outputs.logits, forward.input_ids, k + 1)
     if min(lookaheads) < k:
         limits = int_tensor(lookaheads, verdict_block.device)
         accepted = torch.minimum(verdict_block[:, k + 1], limits)

@@ -14,10 +14,14 @@ from engine.host_copy import int_tensor
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampler import TokenLogprob, compute_logprobs
-from spec.acceptance import grammar_masked_verify_logits, processed_verify_logits
+from spec.acceptance import (
+    accept_on_host,
+    grammar_masked_verify_logits,
+    processed_verify_logits,
+)
 from spec.batching import Span, extend_batch
 from spec.device_round import DeviceRound
-from spec.tree import DraftTree, accept_tree
+from spec.tree import DraftTree
 from spec.tree_verify import TreeSlots, target_draws
 
 
@@ -69,10 +73,10 @@ def verify_on_host(
     result = VerifyResult([], [], [], [], [], [], [])
     writes = []  # row-table writes of requests that keep a tree's branch
     kept_rows: list[list[int]] = []
-    for i, (req, tree, span) in enumerate(zip(requests, trees, spans)):
-        # A greedy request follows the target's argmax, a sampled one its own draws.
-        targets = draws.get(i) or argmax[starts[i] : starts[i] + lens[i]]
-        verdict = accept_tree(tree, targets)
+    # A greedy request follows the target's argmax, a sampled one its own draws.
+    targets = [draws.get(i) or argmax[s : s + n] for i, (s, n) in enumerate(zip(starts, lens))]
+    verdicts = accept_on_host(trees, targets)
+    for i, (req, tree, span, verdict) in enumerate(zip(requests, trees, spans, verdicts)):
         path = verdict.path
         if not tree.is_chain:
             write = taken.keep_path(req, span.slots, path)

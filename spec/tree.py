@@ -1,4 +1,4 @@
-"""The draft token tree: its shape, its nodes, and the rules that verify it.
+"""The draft token tree: its shape and its nodes (spec/acceptance.py verifies it).
 
 A draft extend grows each request's tree level by level (spec/tree_extender.py): depth 0
 proposes the root's likeliest tokens, and at each deeper level the draft's greedy node and the
@@ -16,7 +16,6 @@ import math
 from dataclasses import dataclass, field
 
 from engine.config import MAX_DRAFT_TREE_TOKENS, EngineConfig
-from spec.acceptance import Verdict
 
 
 @dataclass(frozen=True)
@@ -154,35 +153,6 @@ def select_tree(candidates: list[Candidate], budget: int) -> DraftTree:
 
 def log_prob(p: float) -> float:
     return math.log(p) if p > 0 else -math.inf
-
-
-@dataclass
-class TreeVerdict(Verdict):
-    path: list[int] = field(default_factory=list)  # the accepted nodes, level 1 first
-
-
-def accept_tree(tree: DraftTree, targets: list[int]) -> TreeVerdict:
-    """targets[r]: the token the target chose at span row r, its argmax for a greedy request or
-    its draw for a sampled one (each row drawn from its own distribution as plain decoding
-    would draw that output token). Follows the child whose token is the target's choice for as
-    long as there is one, then adds the target's choice where it stopped.
-
-    For sampled requests this keeps the target's distribution exactly: every committed token is
-    the target's own draw at its position, the drafts only decide how many positions one
-    forward reaches. A node's children are tried all at once, so a tree accepts a child with
-    probability p(c1) + p(c2) + ..., the most any rule can, and seeded requests commit the
-    tokens plain decoding would, whatever the tree's shape or the batch."""
-    kids = tree.children()
-    row, path = 0, []
-    while True:
-        target = targets[row]
-        node = next((n for n in kids[row] if tree.tokens[n] == target), None)
-        if node is None:
-            break
-        path.append(node)
-        row = node + 1
-    tokens = [tree.tokens[n] for n in path] + [targets[row]]
-    return TreeVerdict(tokens, len(path), path)
 
 
 def tree_shape(config: EngineConfig, num_draft_steps: int) -> TreeShape:

@@ -44,6 +44,7 @@ from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
 from engine.verify_outputs import VerifyOutputs
+from spec.acceptance import accept
 from spec.decode_extend import FixedDecodeExtend
 from spec.device_round import (
     DeviceRound,
@@ -148,33 +149,6 @@ def gather_tree_round(
     )
 
 
-def accept_on_device(
-    targets: torch.Tensor,
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    levels: torch.Tensor,
-    k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """targets [n, N+1] (the target's argmax at the root and each node), the trees' tokens,
-    parents and levels [n, N]: each request's accepted count [n] and the span row of its
-    committed position j [n, K+1] (0: the root, then the accepted node of level j; 0 past
-    the accepted ones)."""
-    n, count = tokens.shape
-    from_parent = targets.gather(1, parents + 1)
-    match = tokens == from_parent
-    accepted = match
-    root = torch.ones((n, 1), dtype=torch.bool, device=tokens.device)
-    for _ in range(k - 1):  # level l is right after l - 1 passes
-        accepted = match & torch.cat([root, accepted], dim=1).gather(1, parents + 1)
-    num_accepted = accepted.sum(dim=1)
-    # The accepted node of level l to column l; the rest to a column dropped after.
-    columns = torch.where(accepted, levels, k + 1)
-    node_rows = torch.arange(1, count + 1, device=tokens.device).expand(n, count)
-    path = torch.zeros((n, k + 2), dtype=torch.int64, device=tokens.device)
-    path.scatter_(1, columns, node_rows)
-    return num_accepted, path[:, : k + 1]
-
-
 def keep_accepted_kv(
     kv_pool: KVPool,
     req_to_token: torch.Tensor,
@@ -241,8 +215,8 @@ def run_tree_round(
         path, verdict_block = decided[:, : k + 1], decided[:, k + 1 :]
         committed, accepted = verdict_block[:, : k + 1], verdict_block[:, k + 1]
     else:
-        tokens, parents, levels = nodes_on_device.long().view(n, 3, count).unbind(1)
-        accepted, path = accept_on_device(targets, tokens, parents, levels, k)
+        tokens, parents, _ = nodes_on_device.long().view(n, 3, count).unbind(1)
+        accepted, path = accept(targets, tokens, parents, k)
         committed = targets.gather(1, path)
         verdict_block = torch.cat([committed, accepted[:, None]], dim=1)
         keep_accepted_kv(kv_pool, req_to_token_pool.req_to_token, rows, newest, path, accepted)

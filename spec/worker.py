@@ -23,6 +23,7 @@ from engine.model_runner import ModelRunner
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
 from engine.verify_outputs import VerifyOutputs
+from spec.acceptance import chain_verdicts
 from spec.batching import Span, extend_batch
 from spec.catch_up import DraftCatchUp
 from spec.decode_extend import FixedDecodeExtend
@@ -118,7 +119,7 @@ class MultiLayerEagleWorker:
         recompute, so at most 2K; a tree's fork reads at most K."""
         k, shape = self.num_draft_steps, self.shape
         if shape.is_chain:
-            self.runner.capture_verify_graphs(k + 1)
+            self.runner.capture_verify_graphs(k + 1, verdicts=chain_verdicts)
         else:
             self.runner.capture_verify_graphs(1 + max(k, shape.budget), trees=True)
         max_tokens = self.runner.config.cuda_graph_max_bs * shape.beam_width * 2 * k

@@ -19,8 +19,8 @@ from engine import LLM, SamplingParams
 from engine.kv_pool import KVPool
 from spec.device_tree import DeviceTree, ForkColumns, TreeLayout
 from spec.round_plan import PlanPolicy
-from spec.tree import Candidate, DraftTree, TreeShape, accept_tree, log_prob, select_tree
-from spec.tree_round import accept_on_device, keep_accepted_kv
+from spec.tree import Candidate, TreeShape, log_prob, select_tree
+from spec.tree_round import keep_accepted_kv
 
 SPEC = "multi-layer-eagle"
 
@@ -224,44 +224,6 @@ def test_selecting_the_budget_on_the_device_is_the_hosts_rule() -> None:
         assert values[:b] == expected.tokens
         assert values[b : 2 * b] == expected.parents
         assert values[2 * b :] == expected.levels
-
-
-def _random_tree(rng: random.Random, k: int, size: int) -> DraftTree:
-    """A tree of `size` nodes and at most `k` levels, parents first, siblings distinct."""
-    tokens, parents, levels = [], [], []
-    for _ in range(size):
-        choices = [-1] + [i for i in range(len(tokens)) if levels[i] < k]
-        parent = rng.choice(choices)
-        taken = {tokens[i] for i in range(len(tokens)) if parents[i] == parent}
-        tokens.append(rng.choice([t for t in range(2) if t not in taken] or [99 + len(tokens)]))
-        parents.append(parent)
-        levels.append(levels[parent] + 1 if parent >= 0 else 1)
-    order = sorted(range(size), key=lambda i: levels[i])
-    new = {old: i for i, old in enumerate(order)}
-    return DraftTree(
-        [tokens[i] for i in order],
-        [new[parents[i]] if parents[i] >= 0 else -1 for i in order],
-        [levels[i] for i in order],
-    )
-
-
-def test_acceptance_on_the_device_is_the_hosts_walk() -> None:
-    """Random trees of two tokens and random targets, so that nodes off the accepted path
-    match their parent's target too, deep ones included: the device's accepted count and
-    path rows are `accept_tree`'s, and its committed tokens the verdict's."""
-    rng = random.Random(0)
-    k, size, n = 4, 9, 200
-    trees = [_random_tree(rng, k, size) for _ in range(n)]
-    targets = torch.tensor([[rng.randrange(2) for _ in range(size + 1)] for _ in range(n)])
-    nodes = torch.tensor([[t.tokens, t.parents, t.levels] for t in trees]).transpose(0, 1)
-    accepted, path = accept_on_device(targets, nodes[0], nodes[1], nodes[2], k)
-    committed = targets.gather(1, path)
-    for i, tree in enumerate(trees):
-        verdict = accept_tree(tree, targets[i].tolist())
-        a = verdict.num_accepted
-        assert int(accepted[i]) == a
-        assert path[i, 1 : a + 1].tolist() == [node + 1 for node in verdict.path]
-        assert committed[i, : a + 1].tolist() == verdict.tokens
 
 
 def test_the_accepted_nodes_kv_moves_to_the_positions_kept() -> None:

@@ -13,10 +13,10 @@ import torch
 from tiny_drafts import make_good_draft, make_predictable_llama
 from transformers import LlamaForCausalLM
 
-import spec.tree
 from engine import LLM, SamplingParams
 from engine.sampler import filtered_probs
-from spec.tree import DraftTree, accept_tree
+from spec.acceptance import Verdict, accept_on_host
+from spec.tree import DraftTree
 
 VOCAB = 16
 PROMPT = [1, 5, 7, 3]
@@ -48,7 +48,7 @@ def test_greedy_accepts_the_matching_prefix_then_adds_the_target_token() -> None
     targets = [3, 5, 1, 6]  # the target's argmax at the newest token and each draft
 
     def accept_greedy(targets: list[int], drafts: list[int]):
-        return accept_tree(DraftTree.chain(drafts), targets)
+        return accept_on_host([DraftTree.chain(drafts)], [targets])[0]
 
     all_right = accept_greedy(targets, [3, 5, 1])
     assert (all_right.tokens, all_right.num_accepted) == ([3, 5, 1, 6], 3)
@@ -150,23 +150,24 @@ def test_speculative_sampling_keeps_the_target_distribution(
 def _tree_second_chance(tree, targets):
     """A rule that favours drafts: where the walk stops at a node with children, take the
     first child anyway."""
-    verdict = _correct_tree_rule(tree, targets)
+    (verdict,) = accept_on_host([tree], [targets])
     row = verdict.path[-1] + 1 if verdict.path else 0
     kids = tree.children()[row]
     if kids:
         child = kids[0]
         path = [*verdict.path, child]
         tokens = [tree.tokens[n] for n in path] + [targets[child + 1]]
-        return spec.tree.TreeVerdict(tokens, len(path), path)
+        return Verdict(tokens, len(path), path)
     return verdict
 
 
-_correct_tree_rule = spec.tree.accept_tree
+def _second_chance_on_host(trees, targets):
+    return [_tree_second_chance(tree, chosen) for tree, chosen in zip(trees, targets)]
 
 
 @pytest.mark.parametrize("topk", [None, 4])
 def test_the_check_catches_a_broken_acceptance_rule(folders, monkeypatch, topk) -> None:
-    monkeypatch.setattr("spec.host_verify.accept_tree", _tree_second_chance)
+    monkeypatch.setattr("spec.host_verify.accept_on_host", _second_chance_on_host)
     params = SETTINGS["temperature-1"]
     runs = _sample_runs(folders, params, topk=topk)
     p_values = _p_values(runs, _exact_distribution(folders[0], params))

@@ -1,7 +1,7 @@
-"""The draft tree's own rules (spec/tree.py): the attention mask of its nodes against the
-ancestors found by brute force, the choice of the budget's nodes, and acceptance: the longest
-path the target agrees with (greedy), and tree speculative sampling, whose committed tokens are
-distributed as the target's."""
+"""The draft tree's own rules (spec/tree.py, spec/acceptance.py): the attention mask of its
+nodes against the ancestors found by brute force, the choice of the budget's nodes, and
+acceptance: the longest path the target agrees with (greedy), and tree speculative sampling,
+whose committed tokens are distributed as the target's."""
 
 from __future__ import annotations
 
@@ -13,14 +13,12 @@ from test_spec_sampling import chi_square_p_value
 
 from engine import SamplingParams
 from engine.sampler import filtered_probs
-from spec.tree import (
-    Candidate,
-    DraftTree,
-    TreeShape,
-    TreeVerdict,
-    accept_tree,
-    select_tree,
-)
+from spec.acceptance import Verdict, accept_on_host
+from spec.tree import Candidate, DraftTree, TreeShape, select_tree
+
+
+def accept_tree(tree: DraftTree, targets: list[int]) -> Verdict:
+    return accept_on_host([tree], [targets])[0]
 
 
 def _random_tree(rng: random.Random, size: int) -> DraftTree:
@@ -160,7 +158,7 @@ def _second_chance(tree, probs, generator):
         again = int(torch.multinomial(probs[0], 1, generator=generator))
         child = next((n for n in tree.children()[0] if tree.tokens[n] == again), None)
         if child is not None:
-            return TreeVerdict([again, int(probs[child + 1].argmax())], 1, [child])
+            return Verdict([again, int(probs[child + 1].argmax())], 1, [child])
     return verdict
 
 

@@ -215,7 +215,8 @@ def _allowed(bitmask: torch.Tensor, vocab: int) -> set[int]:
 
 def test_forbidden_draft_is_rejected_by_acceptance(default_llm):
     from engine.sampler import sample
-    from spec.tree import DraftTree, accept_tree
+    from spec.acceptance import accept_on_host
+    from spec.tree import DraftTree
 
     tokenizer = default_llm.tokenizer
     matcher = _matcher(default_llm, SCHEMAS[0])
@@ -226,12 +227,12 @@ def test_forbidden_draft_is_rejected_by_acceptance(default_llm):
     logits = torch.zeros(2, vocab)
     logits[:, forbidden] = 50.0
     masked = mask_verify_logits(logits, [matcher], [([forbidden], 0)])
-    greedy = accept_tree(DraftTree.chain([forbidden]), masked.argmax(-1).tolist())
+    (greedy,) = accept_on_host([DraftTree.chain([forbidden])], [masked.argmax(-1).tolist()])
     assert greedy.num_accepted == 0 and greedy.tokens[0] != forbidden
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0)
     draws = sample(masked, [params] * 2, [generator, generator], generator).tolist()
-    sampled = accept_tree(DraftTree.chain([forbidden]), draws)
+    (sampled,) = accept_on_host([DraftTree.chain([forbidden])], [draws])
     assert sampled.num_accepted == 0 and sampled.tokens[0] != forbidden
 
 

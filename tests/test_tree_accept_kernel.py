@@ -1,7 +1,9 @@
-"""The Triton kernel that decides a round of draft trees (engine/kernels/tree_accept.py)
-against the torch code it replaces on a GPU (spec.tree_round.accept_on_device, the committed
-tokens, keep_accepted_kv): the same paths, verdicts and KV moves, for trees from one node to
-62 (the most a visibility mask holds), 1 to 8 levels deep, and paths of every length."""
+"""The Triton kernel that decides a round of draft trees (engine/kernels/tree_accept.py), a
+fast implementation of the acceptance rule, against its torch reference (spec.acceptance.accept,
+the committed tokens along its path, spec.tree_round.keep_accepted_kv): the same paths,
+verdicts and KV moves, for trees from one node to 62 (the most a visibility mask holds), 1 to
+8 levels deep, siblings with distinct tokens (as the engine grows them) or repeated ones, and
+paths of every length."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import pytest
 import torch
 
 from engine.kv_pool import KVPool, ReqToTokenPool
-from spec.tree_round import accept_on_device, keep_accepted_kv
+from spec.acceptance import accept
+from spec.tree_round import keep_accepted_kv
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,9 +21,9 @@ pytestmark = [
 ]
 
 
-def _tree(rng: np.random.Generator, count: int, depth: int):
+def _tree(rng: np.random.Generator, count: int, depth: int, repeated: bool):
     """Nodes ordered by level, no level skipped, siblings with distinct tokens (as every tree
-    the engine grows)."""
+    the engine grows), or with `repeated` tokens of a few values, siblings' among them."""
     levels = np.sort(rng.integers(1, depth + 1, size=count))
     levels[0] = 1
     for i in range(1, count):
@@ -29,7 +32,7 @@ def _tree(rng: np.random.Generator, count: int, depth: int):
         -1 if lv == 1 else int(rng.choice([j for j in range(i) if levels[j] == lv - 1]))
         for i, lv in enumerate(levels)
     ]
-    tokens = rng.choice(np.arange(3, 1000), size=count, replace=False)
+    tokens = rng.choice(np.arange(3, 6 if repeated else 1000), size=count, replace=repeated)
     return tokens, np.array(parents), levels
 
 
@@ -52,9 +55,10 @@ def _targets(rng: np.random.Generator, tokens, parents, stop: float) -> np.ndarr
 @pytest.mark.parametrize("count,k", [(1, 1), (8, 3), (24, 3), (24, 5), (62, 8)])
 @pytest.mark.parametrize("stop", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("nodes_from", ["host", "block"])
+@pytest.mark.parametrize("repeated", [False, True])
 @torch.inference_mode()
-def test_the_kernel_decides_trees_as_torch_does(
-    count: int, k: int, stop: float, nodes_from: str
+def test_the_kernel_decides_trees_as_the_reference_does(
+    count: int, k: int, stop: float, nodes_from: str, repeated: bool
 ) -> None:
     """`nodes_from`: an int64 tensor of their own (copied from the host), or float64 columns
     of a wider block, as the extend that grew the trees leaves them on the device."""
@@ -65,7 +69,7 @@ def test_the_kernel_decides_trees_as_torch_does(
     slots = torch.randperm(n * context, device=device)[: n * context].view(n, context) + 1
     table.req_to_token[:n] = slots
     pool.kv_buffer.normal_()
-    trees = [_tree(rng, count, k) for _ in range(n)]
+    trees = [_tree(rng, count, k, repeated) for _ in range(n)]
     targets = np.stack([_targets(rng, t, p, stop) for t, p, _ in trees])
     nodes = np.stack([np.concatenate(tree) for tree in trees])
     rows = rng.permutation(n)
@@ -76,8 +80,8 @@ def test_the_kernel_decides_trees_as_torch_does(
     }
     before = pool.kv_buffer.clone()
 
-    tokens, parents, levels = on["nodes"].view(n, 3, count).unbind(1)
-    accepted, path = accept_on_device(on["targets"], tokens, parents, levels, k)
+    tokens, parents, _ = on["nodes"].view(n, 3, count).unbind(1)
+    accepted, path = accept(on["targets"], tokens, parents, k)
     committed = on["targets"].gather(1, path)
     keep_accepted_kv(pool, table.req_to_token, on["rows"], on["newest"], path, accepted)
     expected_kv = pool.kv_buffer.clone()

@@ -1,6 +1,6 @@
-"""Greedy acceptance of uniform chains (engine.verify_outputs): the function against a walk
-down each chain, and on a GPU the verdicts a verify graph computes in its replay against the
-same function over that replay's logits and tokens."""
+"""The verdicts a verify graph of chains computes in its replay (engine.verify_outputs), on a
+GPU: spec.acceptance.chain_verdicts over that replay's logits and tokens (the function itself
+against a brute-force rule: tests/test_spec_acceptance.py)."""
 
 from __future__ import annotations
 
@@ -14,41 +14,7 @@ from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
 from engine.kernels import triton_runs_on
-from engine.verify_outputs import greedy_chain_verdicts
-
-
-def _walked(logits: torch.Tensor, ids: torch.Tensor, width: int) -> list[list[int]]:
-    """Per span: the argmax at each token, then the drafts accepted walking the chain."""
-    rows = []
-    for first in range(0, logits.shape[0] - width + 1, width):
-        targets = logits[first : first + width].argmax(dim=-1).tolist()
-        drafts = ids[first + 1 : first + width].tolist()
-        accepted = 0
-        while accepted < width - 1 and drafts[accepted] == targets[accepted]:
-            accepted += 1
-        rows.append([*targets, accepted])
-    return rows
-
-
-@pytest.mark.parametrize("width", [2, 4, 6])
-@pytest.mark.parametrize("extra", [0, 1, 5])
-def test_verdicts_follow_each_chain_until_a_draft_differs(width: int, extra: int) -> None:
-    """Every accept count from none to all drafts; `extra` trailing tokens (a graph's
-    padding) that make no whole span are left out."""
-    rng = np.random.default_rng(width * 10 + extra)
-    n, vocab = 9, 11
-    logits = torch.from_numpy(rng.normal(size=(n * width + extra, vocab))).float()
-    ids = torch.from_numpy(rng.integers(0, vocab, size=n * width + extra))
-    targets = logits.argmax(dim=-1)
-    for i in range(n):
-        accept = i % width  # 0 .. width - 1 drafts accepted
-        first = i * width
-        ids[first + 1 : first + 1 + accept] = targets[first : first + accept]
-        if accept < width - 1:  # the next draft differs from the target
-            ids[first + 1 + accept] = (targets[first + accept] + 1) % vocab
-    verdicts = greedy_chain_verdicts(logits, ids, width)
-    assert verdicts.tolist() == _walked(logits, ids, width)
-    assert verdicts[:n, width].tolist() == [i % width for i in range(n)]
+from spec.acceptance import chain_verdicts
 
 
 @pytest.mark.gpu
@@ -86,6 +52,6 @@ def test_a_verify_graph_gives_the_verdicts_of_its_own_logits(tmp_path: Path, n: 
     batch = runner.uniform_graph_batch(rows, starts, tokens, slots)
     outputs = runner.forward_every_token(batch)
     assert outputs.verdicts is not None and outputs.verdicts.shape == (n, width + 1)
-    eager = greedy_chain_verdicts(outputs.logits, batch.input_ids, width)
+    eager = chain_verdicts(outputs.logits, batch.input_ids, width)
     assert torch.equal(outputs.verdicts, eager)
     assert all(a >= i % width for i, a in enumerate(outputs.verdicts[:, k + 1].tolist()))

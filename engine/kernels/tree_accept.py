@@ -1,8 +1,9 @@
 """A Triton kernel that decides a round of draft trees on the device in one launch
-(spec.tree_round): per request, which nodes the target's argmax accepts, the committed
-tokens, and the accepted nodes' KV moved to the positions the request keeps. In torch the
-same takes about thirty small kernels, each a call into torch on the host, which a round of
-trees pays on its critical path."""
+(spec.tree_round): a fast implementation of the acceptance rule spec.acceptance.accept (the
+path, and the committed tokens, the target's argmax along it), fused with the move of the
+accepted nodes' KV to the positions the request keeps. In torch the same takes a few dozen
+small kernels, each a call into torch on the host, which a round of trees pays on its
+critical path. tests/test_tree_accept_kernel.py holds it to `accept` on random trees."""
 
 from __future__ import annotations
 
@@ -39,14 +40,15 @@ def _tree_accept_kernel(
     levels = tl.load(nodes + 2 * count, mask=mask, other=0).to(tl.int64)
     targets = targets_ptr + i * (count + 1)
     match = mask & (tokens == tl.load(targets + parents + 1, mask=mask, other=-1))
-    # Level by level: a node is accepted where it matches and its parent (the root, or a node
-    # of the level above) is accepted. Bit c of `accepted`: node c.
+    # Level by level: the first node (in node order) that matches and whose parent (the root,
+    # or the node accepted at the level above) is accepted. Bit c of `accepted`: node c.
     one = tl.full((NODES,), 1, tl.int64)
     accepted = tl.zeros((), tl.int64)
     for level in range(1, k + 1):
         parent_in = (parents < 0) | (((accepted >> tl.maximum(parents, 0)) & 1) != 0)
         now = match & (levels == level) & parent_in
-        accepted |= tl.sum(tl.where(now, one << cols, 0), axis=0)
+        first = tl.min(tl.where(now, cols, NODES), axis=0)
+        accepted |= tl.sum(tl.where(cols == first, one << cols, 0), axis=0)
     kept = mask & (((accepted >> cols) & 1) != 0)
     num_accepted = tl.sum(kept.to(tl.int64), axis=0)
     row = tl.load(rows_ptr + i)
@@ -62,8 +64,7 @@ def _tree_accept_kernel(
     # span row to m + j. A node's span row is never below its level, so a move never
     # overwrites a node that a later level still reads.
     for level in range(1, k + 1):
-        # At most one node a level is accepted: siblings carry distinct tokens (one top-k's,
-        # spec/device_tree.py), so only one can equal their parent's argmax.
+        # At most one node a level is accepted (the first that matches).
         span_row = tl.sum(tl.where(kept & (levels == level), cols + 1, 0), axis=0)
         if chunk == 0:
             tl.store(out + level, span_row.to(tl.int64))
