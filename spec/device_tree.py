@@ -13,22 +13,16 @@ outputs (the rules of spec/draft_extend.py). Its rows sit in the depth's cache p
 the main rows, which the request's draft sequence holds for this (they are positions it will
 only reach later, and every extend rewrites what it reads before reading it).
 
-Each expanded node proposes its `width_at(d)` likeliest children; the next level expands the
-greedy child (the chain's next draft) and the `beam_width - 1` best other children by
-cumulative draft log-probability, as the host does. After the last depth the `budget` best
-candidates of every level are the tree, ordered by level (`select_tree`'s rule)."""
+Each expanded node proposes its `width_at(d)` likeliest children; which nodes the next level
+expands and which candidates are the tree after the last depth is the rule of
+spec.tree.TreeGrowth, which the general extend follows too."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.forward_batch import TREE_MAX_TOKENS
-from spec.tree import TreeShape
-
-# Scores are sums of log-probabilities; a probability that underflowed to 0 counts as this,
-# so that a child never scores above its parent and no score is -inf (ties with -inf would
-# let a child rank before its parent).
-_MIN_PROB = 1e-30
+from spec.tree import TreeGrowth, TreeShape
 
 
 class TreeLayout:
@@ -47,7 +41,6 @@ class TreeLayout:
             proposed = expanded * shape.width_at(d)
             self.level_sizes.append(proposed)
             expanded = min(shape.beam_width, proposed)
-        self.level_offsets = [sum(self.level_sizes[:d]) for d in range(k)]  # by proposing depth
         self.num_candidates = sum(self.level_sizes)
         self.budget = min(shape.budget, self.num_candidates)
         self.main_widths = [k + 1 + d for d in range(k)]
@@ -83,20 +76,14 @@ class ForkColumns:
             self.own_bits.append(((2 << r) - 1) << (width + f * d))
 
 
-class DeviceTree:
-    """The tree of a batch of `size` requests while the depths run: every candidate proposed
-    so far, and the nodes the next depth expands (their candidate index, score and path)."""
+class DeviceTree(TreeGrowth):
+    """The trees of a batch of `size` requests while the fixed extend's depths run, and where
+    each depth's forks read and attend in its span."""
 
     def __init__(self, layout: TreeLayout, columns: ForkColumns, size: int, device) -> None:
+        super().__init__(layout.shape, layout.k, size, device)
         self.layout = layout
         self.columns = columns
-        self.tokens: list[torch.Tensor] = []  # per level [size, L]
-        self.parents: list[torch.Tensor] = []  # candidate index, -1: the root
-        self.scores: list[torch.Tensor] = []
-        self.beam_candidate = torch.full((size, 1), -1, dtype=torch.int64, device=device)
-        self.beam_score = torch.zeros((size, 1), dtype=torch.float32, device=device)
-        self.beam_paths = torch.zeros((size, 1, 0), dtype=torch.int64, device=device)
-        self.parent_beam: torch.Tensor | None = None  # [size, forks]: each fork's parent node
 
     def fork_tokens(self, d: int) -> torch.Tensor:
         """[size, forks * d]: fork f's row r reads draft r+1 of its path."""
@@ -129,62 +116,3 @@ class DeviceTree:
         """[size, forks, width]: each fork's last row of depth d's span output `out`, where it
         proposes (a strided slice: no index to copy to the device inside a graph)."""
         return out[:, self.layout.main_widths[d] + d - 1 :: d]
-
-    def add_level(self, d: int, top: torch.Tensor, top_p: torch.Tensor) -> None:
-        """Depth d's proposals, [size, expanded, width] ids and probabilities (node 0 the
-        greedy one): candidates of level d+1, and the nodes the next depth expands."""
-        size, expanded, width = top.shape
-        scores = self.beam_score[:, :, None] + torch.log(top_p.float().clamp_min(_MIN_PROB))
-        scores = scores.reshape(size, expanded * width)
-        tokens = top.reshape(size, expanded * width)
-        self.tokens.append(tokens)
-        self.scores.append(scores)
-        # Each expanded node's candidate index, once for each of its children (no
-        # repeat_interleave: it waits for the device to size its output, which a graph forbids).
-        parents = self.beam_candidate[:, :, None].expand(size, expanded, width)
-        self.parents.append(parents.reshape(size, expanded * width))
-        layout = self.layout
-        if d + 1 >= layout.k:
-            return
-        forks = layout.forks[d + 1]
-        chosen = torch.zeros((size, 1), dtype=torch.int64, device=top.device)
-        if forks:
-            others = scores.clone()
-            others[:, 0] = float("-inf")  # the greedy child is expanded anyway
-            # A stable sort, not top-k: equal scores keep candidate order, as on the host.
-            best = others.sort(dim=1, descending=True, stable=True).indices[:, :forks]
-            chosen = torch.cat([chosen, best], dim=1)
-        parent = chosen // width
-        self.parent_beam = parent[:, 1:]
-        self.beam_score = scores.gather(1, chosen)
-        self.beam_candidate = layout.level_offsets[d] + chosen
-        paths = self.beam_paths.gather(1, parent[:, :, None].expand(-1, -1, d))
-        self.beam_paths = torch.cat([paths, tokens.gather(1, chosen)[:, :, None]], dim=2)
-
-    def select(self) -> torch.Tensor:
-        """The `budget` best candidates as trees, [size, 3 * budget] float64: tokens, parents
-        (node indices, -1: the root) and levels, nodes ordered by level then score."""
-        layout = self.layout
-        tokens = torch.cat(self.tokens, dim=1)
-        parents = torch.cat(self.parents, dim=1)
-        scores = torch.cat(self.scores, dim=1).double()
-        size, count = scores.shape
-        levels = torch.cat(
-            [
-                torch.full((n,), d + 1, dtype=torch.float64, device=scores.device)
-                for d, n in enumerate(layout.level_sizes)
-            ]
-        )
-        # Candidates are in level order, so a stable sort by score ranks equal scores by
-        # level and then candidate order, as `select_tree` does (a parent before its child).
-        chosen = scores.sort(dim=1, descending=True, stable=True).indices[:, : layout.budget]
-        chosen_levels = levels[chosen]
-        order = (chosen_levels * 1e6 - scores.gather(1, chosen)).argsort(dim=1, stable=True)
-        chosen = chosen.gather(1, order)
-        node_of = torch.full((size, count + 1), -1, dtype=torch.int64, device=scores.device)
-        nodes = torch.arange(layout.budget, device=scores.device).expand(size, -1)
-        node_of[:, 1:].scatter_(1, chosen, nodes)
-        node_parents = node_of.gather(1, parents.gather(1, chosen) + 1)
-        return torch.cat(
-            [tokens.gather(1, chosen).double(), node_parents.double(), levels[chosen]], dim=1
-        )

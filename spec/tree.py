@@ -1,19 +1,23 @@
-"""The draft token tree: its shape and its nodes (spec/acceptance.py verifies it).
+"""The draft token tree: its shape, its nodes, and the rule that grows it (`TreeGrowth`);
+spec/acceptance.py verifies it.
 
-A draft extend grows each request's tree level by level (spec/tree_extender.py): depth 0
-proposes the root's likeliest tokens, and at each deeper level the draft's greedy node and the
-`beam_width - 1` best other nodes by cumulative draft log-probability are run through the next
-depth, each proposing its `node_width` likeliest children. The `budget` best nodes of all those
-proposed are verified in one target forward, each node seeing the cached prefix, its ancestors
-and itself (a tree attention mask); the longest path the target agrees with is kept.
+A draft extend grows each request's tree level by level (the general extend,
+spec/tree_extender.py, and the fixed-shape one on the device, spec/device_tree.py, by one rule:
+`TreeGrowth`): depth 0 proposes the root's likeliest tokens, and at each deeper level the
+draft's greedy node and the `beam_width - 1` best other nodes by cumulative draft
+log-probability are run through the next depth, each proposing its `node_width` likeliest
+children. The `budget` best nodes of all those proposed are verified in one target forward,
+each node seeing the cached prefix, its ancestors and itself (a tree attention mask); the
+longest path the target agrees with is kept.
 
 Chains are trees too: one chain is (1, 1, 1, K), and N chains that start with depth 0's N
 likeliest tokens and go on greedily are (N, 1, N, N * K)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+import torch
 
 from engine.config import MAX_DRAFT_TREE_TOKENS, EngineConfig
 
@@ -123,36 +127,97 @@ class DraftTree:
         return [[]] + [self.path(i) for i in range(len(self.tokens))]
 
 
-@dataclass
-class Candidate:
-    token: int
-    parent: int  # a candidate's index, -1: the root
-    level: int
-    score: float  # cumulative draft log-probability
+# Scores are sums of log-probabilities; a probability that underflowed to 0 counts as this,
+# so that a child never scores above its parent and no score is -inf (ties with -inf would
+# let a child rank before its parent).
+_MIN_PROB = 1e-30
 
 
-def select_tree(candidates: list[Candidate], budget: int) -> DraftTree:
-    """The `budget` candidates of highest score, as a tree. A child's score is its parent's
-    plus a log-probability, never above it, so the choice keeps every chosen node's ancestors;
-    ordering ties by level puts a parent first."""
-    order = sorted(
-        range(len(candidates)), key=lambda i: (-candidates[i].score, candidates[i].level)
-    )
-    chosen = order[:budget]
-    chosen.sort(key=lambda i: (candidates[i].level, -candidates[i].score))
-    new_index = {old: new for new, old in enumerate(chosen)}
-    tokens, parents, levels = [], [], []
-    for i in chosen:
-        cand = candidates[i]
-        assert cand.parent < 0 or cand.parent in new_index, "a chosen node's parent is chosen"
-        tokens.append(cand.token)
-        parents.append(new_index[cand.parent] if cand.parent >= 0 else -1)
-        levels.append(cand.level)
-    return DraftTree(tokens, parents, levels)
+class TreeGrowth:
+    """The rule that grows a batch of `size` draft trees of `shape` over `k` depths, for the
+    fixed-shape extend on the device (spec/device_tree.py) and the general extend
+    (spec/tree_extender.py) alike: every candidate proposed so far, with its score (its path's
+    draft log-probabilities summed, in float32), and the nodes the next depth expands (their
+    candidate index, score and path). Candidates are numbered in the order they are proposed,
+    level by level. Tensor operations of fixed shape: it runs inside a CUDA graph's replay."""
 
+    def __init__(self, shape: TreeShape, k: int, size: int, device) -> None:
+        self.shape = shape
+        self.k = k
+        self.tokens: list[torch.Tensor] = []  # per level [size, L]
+        self.parents: list[torch.Tensor] = []  # candidate index, -1: the root
+        self.scores: list[torch.Tensor] = []
+        self.num_candidates = 0
+        self.beam_candidate = torch.full((size, 1), -1, dtype=torch.int64, device=device)
+        self.beam_score = torch.zeros((size, 1), dtype=torch.float32, device=device)
+        self.beam_paths = torch.zeros((size, 1, 0), dtype=torch.int64, device=device)
+        self.parent_beam: torch.Tensor | None = None  # [size, forks]: each fork's parent node
 
-def log_prob(p: float) -> float:
-    return math.log(p) if p > 0 else -math.inf
+    def add_level(self, d: int, top: torch.Tensor, top_p: torch.Tensor) -> None:
+        """Depth d's proposals, [size, expanded, width] ids and probabilities, by the first
+        `expanded` nodes chosen to expand (node 0 the greedy one; the general extend expands
+        the greedy node alone where it lacks the room for the others): candidates of level
+        d+1, and the nodes the next depth expands, the greedy child (the chain's next draft)
+        and the `beam_width - 1` best others by score."""
+        size, expanded, width = top.shape
+        beam_score = self.beam_score[:, :expanded, None]
+        scores = beam_score + torch.log(top_p.float().clamp_min(_MIN_PROB))
+        scores = scores.reshape(size, expanded * width)
+        tokens = top.reshape(size, expanded * width)
+        self.tokens.append(tokens)
+        self.scores.append(scores)
+        # Each expanded node's candidate index, once for each of its children (no
+        # repeat_interleave: it waits for the device to size its output, which a graph forbids).
+        parents = self.beam_candidate[:, :expanded, None].expand(size, expanded, width)
+        self.parents.append(parents.reshape(size, expanded * width))
+        first = self.num_candidates
+        self.num_candidates += expanded * width
+        if d + 1 >= self.k:
+            return
+        forks = min(self.shape.beam_width, expanded * width) - 1
+        chosen = torch.zeros((size, 1), dtype=torch.int64, device=top.device)
+        if forks:
+            # The greedy child (column 0) is expanded anyway. A stable sort, not top-k: equal
+            # scores keep candidate order.
+            best = scores[:, 1:].sort(dim=1, descending=True, stable=True).indices[:, :forks]
+            chosen = torch.cat([chosen, best + 1], dim=1)
+        parent = chosen // width
+        self.parent_beam = parent[:, 1:]
+        self.beam_score = scores.gather(1, chosen)
+        self.beam_candidate = first + chosen
+        paths = self.beam_paths[:, :expanded].gather(1, parent[:, :, None].expand(-1, -1, d))
+        self.beam_paths = torch.cat([paths, tokens.gather(1, chosen)[:, :, None]], dim=2)
+
+    def select(self) -> torch.Tensor:
+        """The `budget` candidates of highest score as trees, [size, 3 * budget] float64:
+        tokens, parents (node indices, -1: the root) and levels, nodes ordered by level then
+        score. A child's score is its parent's plus a log-probability, never above it, so the
+        choice keeps every chosen node's ancestors; ordering ties by level puts a parent
+        first."""
+        tokens = torch.cat(self.tokens, dim=1)
+        parents = torch.cat(self.parents, dim=1)
+        scores = torch.cat(self.scores, dim=1).double()
+        size, count = scores.shape
+        budget = min(self.shape.budget, count)
+        levels = torch.cat(
+            [
+                torch.full((t.shape[1],), d + 1, dtype=torch.float64, device=scores.device)
+                for d, t in enumerate(self.tokens)
+            ]
+        )
+        # Candidates are in level order, so a stable sort by score ranks equal scores by
+        # level and then candidate order (a parent before its child).
+        chosen = scores.sort(dim=1, descending=True, stable=True).indices[:, :budget]
+        chosen_levels = levels[chosen]
+        order = (chosen_levels * 1e6 - scores.gather(1, chosen)).argsort(dim=1, stable=True)
+        chosen = chosen.gather(1, order)
+        node_of = torch.full((size, count + 1), -1, dtype=torch.int64, device=scores.device)
+        nodes = torch.arange(budget, device=scores.device).expand(size, -1)
+        node_of[:, 1:].scatter_(1, chosen, nodes)
+        node_parents = node_of.gather(1, parents.gather(1, chosen) + 1)
+        return torch.cat(
+            [tokens.gather(1, chosen).double(), node_parents.double(), levels[chosen]], dim=1
+        )
 
 
 def tree_shape(config: EngineConfig, num_draft_steps: int) -> TreeShape:

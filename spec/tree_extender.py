@@ -5,10 +5,15 @@ item's draft tree (spec/tree.py) level by level.
 Each item's main extend runs its depths over the newly committed tokens and, past them, over
 its greedy chain: depth d's last position reads the chain's draft d and proposes draft d + 1.
 The chain's drafts stay on the device until every depth has run: depth d reads them from
-`chains`, so the host queues the next depth while the device runs this one. An item whose shape
-is a tree also needs, after each depth, its proposals on the host: they choose the nodes the
-next depth expands beside the greedy one (`TreeFork`), each a fork of the depth's sequence that
-recomputes only the positions whose tokens are its path's drafts (spec/draft_extend.py)."""
+`chains`, so the host queues the next depth while the device runs this one. Items whose shape is
+a tree grow their trees by the rule of the fixed-shape extend (spec.tree.TreeGrowth, on the
+device); after each depth the host reads the nodes the next depth expands beside the greedy
+one (`TreeFork`), each a fork of the depth's sequence that recomputes only the positions whose
+tokens are its path's drafts (spec/draft_extend.py). The two extends differ in how a fork's
+positions are run, not in the tree: here a fork is a sequence of its own, in slots taken for
+the depth, and a depth short of rows or slots for the forks expands the greedy nodes alone
+(the fixed extend's forks are rows of fixed shape in its spans, which a batch either fits
+whole or does not take)."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from engine.host_copy import int_tensor
 from spec.draft_extend import DraftExtend
 from spec.draft_runner import DraftInput, DraftRunner, DraftSeq, DraftTokenPatch
 from spec.draft_vocab import DraftHead
-from spec.tree import Candidate, log_prob, select_tree
+from spec.tree import DraftTree, TreeGrowth
 
 
 class TreeFork:
@@ -28,21 +33,14 @@ class TreeFork:
     runs over positions [max(0, m - level), m - 1], reading the node's path (level 1 to its own
     token) and the hidden states its parent's expansion produced there."""
 
-    def __init__(
-        self, growth: TreeGrowth, node: int, path: list[int], parent_rows: torch.Tensor
-    ) -> None:
-        self.growth = growth
-        self.node = node  # its candidate index in growth.candidates
+    def __init__(self, item: DraftExtend, path: list[int], parent_rows: torch.Tensor) -> None:
+        self.item = item
         self.level = len(path)
         self.path = path
         # The parent's output at positions [max(0, m - level + 1), m - 1].
         self.parent_rows = parent_rows
         self.seq: DraftSeq | None = None
         self.output: torch.Tensor | None = None  # this node's own rows, once run
-
-    @property
-    def item(self) -> DraftExtend:
-        return self.growth.item
 
     def shared_len(self) -> int:
         """Positions of the depth's sequence the fork reads from the main extend's KV."""
@@ -59,32 +57,6 @@ class TreeFork:
         # Position i reads token x_{i + level + 1}: draft (i + level + 1 - m) of the path.
         tokens = self.path[start + level - m :]
         return DraftInput(self.seq, start, tokens, tuple(rows))
-
-
-class TreeGrowth:
-    """One item's tree while the depths run: every proposed node (`candidates`) and the main
-    chain's node at the current level."""
-
-    def __init__(self, item: DraftExtend) -> None:
-        self.item = item
-        self.candidates: list[Candidate] = []
-        self.main_node = -1  # the greedy chain's node at the level being expanded (-1: root)
-
-    def add_children(self, parent: int, ids: list[int], probs: list[float]) -> list[int]:
-        """The proposals of `parent`'s expansion as candidates; their indices."""
-        base = self.candidates[parent].score if parent >= 0 else 0.0
-        level = self.candidates[parent].level + 1 if parent >= 0 else 1
-        first = len(self.candidates)
-        for token, p in zip(ids, probs):
-            self.candidates.append(Candidate(int(token), parent, level, base + log_prob(p)))
-        return list(range(first, len(self.candidates)))
-
-    def path(self, node: int) -> list[int]:
-        tokens = []
-        while node >= 0:
-            tokens.append(self.candidates[node].token)
-            node = self.candidates[node].parent
-        return tokens[::-1]
 
 
 class TreeExtender:
@@ -114,8 +86,12 @@ class TreeExtender:
         device = self.device
         chains = torch.zeros((num_items, k), dtype=torch.int64, device=device)
         probs = torch.zeros((num_items, k), dtype=torch.float32, device=device)
-        growths = [None if item.shape.is_chain else TreeGrowth(item) for item in items]
-        trees = [g for g in growths if g is not None]
+        trees = [item for item in items if not item.shape.is_chain]
+        growth = None
+        if trees:
+            shape = trees[0].shape
+            assert all(item.shape == shape for item in trees), "one tree shape a batch"
+            growth = TreeGrowth(shape, k, len(trees), device)
         forks: list[TreeFork] = []  # the nodes this depth expands beside the main chains
         for depth, runner in enumerate(self.depths):
             inputs = [item.input_for(depth) for item in items]
@@ -145,13 +121,18 @@ class TreeExtender:
                 assert fork.seq is not None
                 runner.release(fork.seq)
                 fork.seq = None
-            if trees:
-                forks = self._grow(growths, forks, depth, best, best_p, outputs)
+            if growth is not None:
+                forks = self._grow(growth, items, forks, depth, best, best_p, outputs)
         # One copy to the host (ids are exact in float64): each item's chain, then its drafts'
         # probabilities.
         host = torch.cat([chains.double(), probs.double()], dim=1).tolist()
-        for item, growth, row in zip(items, growths, host):
-            tree = None if growth is None else select_tree(growth.candidates, item.shape.budget)
+        selected = iter(growth.select().long().tolist() if growth is not None else [])
+        for item, row in zip(items, host):
+            tree = None
+            if not item.shape.is_chain:
+                nodes = next(selected)
+                budget = len(nodes) // 3
+                tree = DraftTree(nodes[:budget], nodes[budget : 2 * budget], nodes[2 * budget :])
             item.finish([int(t) for t in row[:k]], row[k:], tree)
 
     def _fork(
@@ -176,54 +157,49 @@ class TreeExtender:
 
     def _grow(
         self,
-        growths: list[TreeGrowth | None],
+        growth: TreeGrowth,
+        items: list[DraftExtend],
         forks: list[TreeFork],
         depth: int,
         best: torch.Tensor,
         best_p: torch.Tensor,
         outputs: tuple[torch.Tensor, ...],
     ) -> list[TreeFork]:
-        """Add what depth `depth` proposed to the trees, and choose the nodes the next depth
-        expands: each tree's greedy node and its beam_width - 1 best other new nodes."""
-        num_items = len(growths)
-        host = torch.cat([best.double(), best_p.double()], dim=1).tolist()
-        width = best.shape[1]
-        # Each expanded node: its tree, its batch row, and its output rows of this depth.
-        expanded: list[tuple[TreeGrowth, int, int, torch.Tensor]] = []
-        for i, growth in enumerate(growths):
-            if growth is not None:
-                expanded.append((growth, growth.main_node, i, outputs[i]))
-        for j, fork in enumerate(forks):
-            assert fork.output is not None
-            expanded.append((fork.growth, fork.node, num_items + j, fork.output))
-        rows_of: dict[tuple[int, int], torch.Tensor] = {}
-        for growth, node, row, out in expanded:
-            count = growth.item.shape.width_at(depth)
-            kids = growth.add_children(node, host[row][:count], host[row][width : width + count])
-            rows_of[id(growth), node] = out
-            if node == growth.main_node:
-                growth.main_node = kids[0]  # the chain's next draft is the likeliest
+        """Add what depth `depth` proposed to the trees (`growth`: the items whose shape is a
+        tree, in order), and the forks of the nodes the next depth expands beside each tree's
+        greedy node (`TreeGrowth.add_level`'s choice)."""
+        num_items = len(items)
+        trees = [i for i, item in enumerate(items) if not item.shape.is_chain]
+        per_tree = len(forks) // len(trees)  # forks are run for every tree or none
+        # Each tree's expanded nodes' rows in the batch: its main input's, then its forks'.
+        rows = [
+            [i] + [num_items + t * per_tree + j for j in range(per_tree)]
+            for t, i in enumerate(trees)
+        ]
+        index = int_tensor(rows, best.device)
+        count = growth.shape.width_at(depth)
+        growth.add_level(depth, best[index, :count], best_p[index, :count])
         if depth + 1 >= self.k:
             return []
+        size = len(trees)
+        paths = growth.beam_paths[:, 1:]
+        num_forks = paths.shape[1]
+        host = torch.cat([paths.reshape(size, -1), growth.parent_beam], dim=1).tolist()
+        level = depth + 1  # the level of the next forks' nodes
         next_forks = []
-        for growth in growths:
-            if growth is None:
-                continue
-            level = depth + 1  # the level this depth's proposals are at
-            others = [
-                n
-                for n, cand in enumerate(growth.candidates)
-                if cand.level == level and n != growth.main_node
-            ]
-            others.sort(key=lambda n: -growth.candidates[n].score)
-            m = growth.item.m
+        for t, i in enumerate(trees):
+            item = items[i]
             # The node reads its parent's rows at [max(0, m - level + 1), m - 1]: the last of
             # the parent's expansion (all of a fork's, the main chain's newest).
+            m = item.m
             count = m - max(0, m - level + 1)
-            for node in others[: growth.item.shape.beam_width - 1]:
-                parent_out = rows_of[id(growth), growth.candidates[node].parent]
-                rows = parent_out[parent_out.shape[0] - count :]
-                next_forks.append(TreeFork(growth, node, growth.path(node), rows))
+            for j in range(num_forks):
+                parent = host[t][num_forks * level + j]
+                parent_out = outputs[i] if parent == 0 else forks[t * per_tree + parent - 1].output
+                assert parent_out is not None
+                path = host[t][j * level : (j + 1) * level]
+                rows_read = parent_out[parent_out.shape[0] - count :]
+                next_forks.append(TreeFork(item, path, rows_read))
         return next_forks
 
 

@@ -1,8 +1,8 @@
 """A decode step's draft tree grown on the device (spec/device_tree.py): the fixed-shape
-extend's forks beside each depth's main rows, the beam chosen by top-k there, and the
-budget's nodes selected there. The trees are the ones the general extender grows with the
-host choosing each level (spec/tree_extender.py), the output stays the target's, and no
-fork's slots are left behind."""
+extend's forks beside each depth's main rows. The trees are the ones the general extender
+grows (spec/tree_extender.py; the two grow by one rule, spec.tree.TreeGrowth, and run their
+forks each their own way), the output stays the target's, and no fork's slots are left
+behind."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
 from engine.kv_pool import KVPool
-from spec.device_tree import DeviceTree, ForkColumns, TreeLayout
+from spec.device_tree import ForkColumns, TreeLayout
 from spec.round_plan import PlanPolicy
-from spec.tree import Candidate, TreeShape, log_prob, select_tree
+from spec.tree import TreeShape
 from spec.tree_round import keep_accepted_kv
 
 SPEC = "multi-layer-eagle"
@@ -187,43 +187,6 @@ def test_the_layout_of_a_top_k_tree_and_of_chains() -> None:
     # A fork row's own bits: itself and its fork's rows before it, after the main rows.
     bits = ForkColumns(top4, torch.device("cpu")).own_bits[2].tolist()
     assert bits == [1 << 6, 3 << 6, 1 << 8, 3 << 8, 1 << 10, 3 << 10]
-
-
-def test_selecting_the_budget_on_the_device_is_the_hosts_rule() -> None:
-    """Random proposals, levels grown as the extend grows them: the device's choice of the
-    budget's nodes and their order is `select_tree`'s."""
-    shape, k = TreeShape.top_k(3, 10), 3
-    layout = TreeLayout(shape, k)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        tree = DeviceTree(layout, ForkColumns(layout, torch.device("cpu")), 1, "cpu")
-        candidates: list[Candidate] = []
-        expanded = [-1]  # the candidates the next depth expands, the greedy one first
-        for d in range(k):
-            width = shape.width_at(d)
-            top = torch.randperm(500, generator=generator)[: len(expanded) * width]
-            top = top.view(1, len(expanded), width)
-            probs = torch.rand(1, len(expanded), width, generator=generator)
-            probs = (probs / probs.sum(-1, keepdim=True)).sort(-1, descending=True).values
-            first = len(candidates)
-            for e, parent in enumerate(expanded):
-                base = candidates[parent].score if parent >= 0 else 0.0
-                for c in range(width):
-                    p = float(probs[0, e, c])
-                    level = d + 1
-                    candidates.append(
-                        Candidate(int(top[0, e, c]), parent, level, base + log_prob(p))
-                    )
-            tree.add_level(d, top, probs)
-            if d + 1 < k:
-                expanded = tree.beam_candidate[0].tolist()
-                assert expanded[0] == first
-        expected = select_tree(candidates, layout.budget)
-        values = tree.select()[0].long().tolist()
-        b = layout.budget
-        assert values[:b] == expected.tokens
-        assert values[b : 2 * b] == expected.parents
-        assert values[2 * b :] == expected.levels
 
 
 def test_the_accepted_nodes_kv_moves_to_the_positions_kept() -> None:

@@ -5,6 +5,7 @@ whose committed tokens are distributed as the target's."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -14,7 +15,7 @@ from test_spec_sampling import chi_square_p_value
 from engine import SamplingParams
 from engine.sampler import filtered_probs
 from spec.acceptance import Verdict, accept_on_host
-from spec.tree import Candidate, DraftTree, TreeShape, select_tree
+from spec.tree import DraftTree, TreeGrowth, TreeShape
 
 
 def accept_tree(tree: DraftTree, targets: list[int]) -> Verdict:
@@ -62,26 +63,46 @@ def test_a_cut_tree_keeps_every_kept_node_s_ancestors() -> None:
             assert cut.path(node) in [tree.path(n) for n in range(len(tree))]
 
 
-def test_the_budget_keeps_the_likeliest_nodes_parents_first() -> None:
-    rng = random.Random(2)
-    for _ in range(50):
-        candidates: list[Candidate] = []
-        for i in range(30):
-            parent = rng.randrange(-1, i) if i else -1
-            base = candidates[parent].score if parent >= 0 else 0.0
-            level = candidates[parent].level + 1 if parent >= 0 else 1
-            candidates.append(Candidate(i, parent, level, base + rng.choice([0.0, -0.5, -2.0])))
-        budget = rng.randint(1, 30)
-        tree = select_tree(candidates, budget)
-        assert len(tree) == budget
-        assert all(parent < i for i, parent in enumerate(tree.parents))
-        chosen = sorted(candidates[t].score for t in tree.tokens)
-        best = sorted(c.score for c in candidates)[-budget:]
-        assert chosen == best
-        for node in range(len(tree)):  # the tree's structure is the candidates'
-            parent = tree.parents[node]
-            expected = candidates[tree.tokens[node]].parent
-            assert (tree.tokens[parent] if parent >= 0 else -1) == expected
+def test_growth_expands_the_best_nodes_and_keeps_the_budget_s_best() -> None:
+    """Random proposals over three depths of top-3 trees, two trees at once, against a
+    brute force over every candidate: each depth expands its level's greedy child (the first)
+    and the beam_width - 1 best others by score (the path's summed log-probabilities); the
+    tree is the budget's best candidates (ties: the shallower, then the earlier), ordered by
+    level then score, each node's parent the candidate's."""
+    shape, k, size = TreeShape.top_k(3, 10), 3, 2
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        growth = TreeGrowth(shape, k, size, "cpu")
+        # Per tree its candidates (token, parent candidate, level, score), and the expanded.
+        candidates: list[list[tuple[int, int, int, float]]] = [[] for _ in range(size)]
+        expanded = [[-1] for _ in range(size)]
+        for d in range(k):
+            width, count = shape.width_at(d), len(expanded[0])
+            top = torch.randperm(500, generator=generator)[: size * count * width]
+            top = top.view(size, count, width)
+            probs = torch.rand(size, count, width, generator=generator)
+            probs = probs.sort(-1, descending=True).values
+            growth.add_level(d, top, probs)
+            for t, cands in enumerate(candidates):
+                first = len(cands)
+                for e, parent in enumerate(expanded[t]):
+                    base = cands[parent][3] if parent >= 0 else 0.0
+                    for c in range(width):
+                        score = base + math.log(float(probs[t, e, c]))
+                        cands.append((int(top[t, e, c]), parent, d + 1, score))
+                if d + 1 < k:
+                    others = sorted(range(first + 1, len(cands)), key=lambda n: -cands[n][3])
+                    expanded[t] = [first] + others[: shape.beam_width - 1]
+                    assert growth.beam_candidate[t].tolist() == expanded[t]
+        selected = growth.select().long().tolist()
+        for cands, values in zip(candidates, selected):
+            best = sorted(range(len(cands)), key=lambda n: (-cands[n][3], cands[n][2], n))
+            order = sorted(best[: shape.budget], key=lambda n: (cands[n][2], -cands[n][3]))
+            node_of = {old: new for new, old in enumerate(order)}
+            tokens = [cands[n][0] for n in order]
+            parents = [node_of[cands[n][1]] if cands[n][1] >= 0 else -1 for n in order]
+            assert values == tokens + parents + [cands[n][2] for n in order]
+            assert all(parent < i for i, parent in enumerate(parents))
 
 
 def test_chain_shapes_are_trees() -> None:
