@@ -1,26 +1,22 @@
 """Acceptance: which of a verify's drafts the target keeps, and the verify logits it decides
 on.
 
-The rule is one function, `accept`, for chains and trees alike (a chain is the tree whose node
-i's parent is node i - 1): from the root, step to the first child (in node order) whose token
-is the target's choice at the current span row, for as long as there is one; the committed
-tokens are the target's choices along that path, the last one at the row where the walk
-stopped. A greedy request's choice at a row is the target's argmax there, a sampled one's its
-own draw (spec.tree_verify.target_draws): every committed token is then the target's own
-choice at its position, so speculation changes speed, never the output distribution. A node's
-children are tried all at once, so a tree accepts a child with probability p(c1) + p(c2) +
-..., the most any rule can, and seeded requests commit the tokens plain decoding would,
-whatever the tree's shape or the batch.
+One rule, `accept`, for chains and trees alike (a chain is the tree whose node i's parent is
+node i - 1): from the root, step to the first child (in node order) whose token is the
+target's choice at the current span row, while there is one; the committed tokens are the
+target's choices along that path, the last at the row where the walk stopped. A greedy
+request's choice is the target's argmax, a sampled one's its own draw
+(spec.tree_verify.target_draws): each committed token is the target's own choice at its
+position, so speculation changes speed, never the output distribution. A node's children are
+tried at once, so a tree accepts a child with probability p(c1) + p(c2) + ..., the most any
+rule can, and seeded requests commit what plain decoding would, whatever the tree or batch.
 
-Every path decides with it: the host's round (`accept_on_host`, trees of any sizes), a round
-of chains on the device and a graph of chain verifies in its replay (`chain_verdicts`), a
-round of trees on the device (spec/tree_round.py). On a GPU a round of trees takes the Triton
-kernel engine/kernels/tree_accept.py instead, which computes the same function (and moves the
-accepted nodes' KV in the same launch); tests/test_tree_accept_kernel.py holds it to `accept`.
-
-Before the rule, the verify's logits are made what plain decoding would see at each position
-(`processed_verify_logits`, `grammar_masked_verify_logits`): penalties and grammars in the
-state after the drafts before it."""
+Every path decides with it: the host's round (`accept_on_host`), rounds of chains on the
+device and the verify graphs of chains in their replay (`chain_verdicts`), rounds of trees on
+the device (spec/tree_round.py), where a GPU runs the Triton kernel
+engine/kernels/tree_accept.py instead: the same function, tested against `accept`. Before it,
+the verify's logits are made what plain decoding would see at each position (penalties and
+grammars in the state after the drafts before it)."""
 
 from __future__ import annotations
 

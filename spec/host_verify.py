@@ -14,11 +14,7 @@ from engine.host_copy import int_tensor
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampler import TokenLogprob, compute_logprobs
-from spec.acceptance import (
-    accept_on_host,
-    grammar_masked_verify_logits,
-    processed_verify_logits,
-)
+from spec.acceptance import accept_on_host, grammar_masked_verify_logits, processed_verify_logits
 from spec.batching import Span, extend_batch
 from spec.device_round import DeviceRound
 from spec.tree import DraftTree
