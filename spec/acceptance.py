@@ -55,13 +55,13 @@ def accept(
     tensor operations, no read on the host: it runs inside a CUDA graph's replay."""
     n = tokens.shape[0]
     parent_rows = parents + 1
+    matches = tokens == targets.gather(1, parent_rows.clamp_min(0))
     row = torch.zeros((n, 1), dtype=torch.int64, device=tokens.device)
     rows = [row]
     for _ in range(depth):
-        child = (parent_rows == row) & (tokens == targets.gather(1, row))
-        # The first child that matches; where none does, the walk stays (and stays for good,
-        # as the same row finds the same nothing).
-        found, first = child.max(dim=1, keepdim=True)
+        # The first child of `row` that matches; where none does, the walk stays (and stays
+        # for good, as the same row finds the same nothing).
+        found, first = ((parent_rows == row) & matches).max(dim=1, keepdim=True)
         row = torch.where(found, first + 1, row)
         rows.append(row)
     walked = torch.cat(rows, dim=1)  # a child's row is above its parent's
@@ -86,18 +86,22 @@ def chain_verdicts(logits: torch.Tensor, input_ids: torch.Tensor, width: int) ->
 
 def accept_on_host(trees: list[DraftTree], targets: list[list[int]]) -> list[Verdict]:
     """`accept` for trees of any sizes, `targets[i]` the target's choices at tree i's span
-    rows: the trees padded to the largest, decided in one call on the host."""
-    n, width = len(trees), max((len(tree) for tree in trees), default=0)
-    nodes = np.full((n, 2, width), -2, dtype=np.int64)  # tokens, parents
-    rows = np.full((n, width + 1), -1, dtype=np.int64)
-    for i, (tree, chosen) in enumerate(zip(trees, targets)):
-        nodes[i, :, : len(tree)] = (tree.tokens, tree.parents)
-        rows[i, : len(chosen)] = chosen
+    rows: the trees padded to the largest (-2, no token or row), decided in one call."""
+    width = max((len(tree) for tree in trees), default=0)
+    flat: list[int] = []  # per tree: its tokens, parents and targets, each padded
+    for tree, chosen in zip(trees, targets):
+        padding = [-2] * (width - len(tree))
+        flat += tree.tokens + padding + tree.parents + padding + chosen + padding
+    # numpy reads a list of ints several times faster than torch.tensor does.
+    columns = torch.from_numpy(np.array(flat, dtype=np.int64)).view(len(trees), 3 * width + 1)
+    tokens, parents, rows = columns.split([width, width, width + 1], dim=1)
     depth = max((tree.depth for tree in trees), default=0)
-    tokens, parents = torch.from_numpy(nodes).unbind(1)
-    accepted, path = accept(torch.from_numpy(rows), tokens, parents, depth)
+    accepted, path = accept(rows, tokens, parents, depth)
     verdicts = []
-    for tree, chosen, count, span_rows in zip(trees, targets, accepted.tolist(), path.tolist()):
+    for tree, chosen, decided in zip(
+        trees, targets, torch.cat([accepted[:, None], path], 1).tolist()
+    ):
+        count, span_rows = decided[0], decided[1:]
         kept = [r - 1 for r in span_rows[1 : count + 1]]
         tokens_out = [tree.tokens[node] for node in kept] + [chosen[span_rows[count]]]
         verdicts.append(Verdict(tokens_out, count, kept))
