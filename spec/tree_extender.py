@@ -143,7 +143,7 @@ class TreeExtender:
         live: list[tuple[DraftRunner, TreeFork]],
     ) -> list[TreeFork]:
         """Forks of this depth's sequences for `forks`, or none where the depth lacks the rows
-        or slots for them (the trees then stop growing beside their chains)."""
+        or slots for them (the depth then expands the trees' greedy nodes alone)."""
         # Forks share the main sequences' slots, so those are taken first.
         runner.grow_many([(i.seq, i.start + len(i.token_ids)) for i in inputs])
         own = sum(fork.level for fork in forks)
