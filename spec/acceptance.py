@@ -74,13 +74,15 @@ def chain_verdicts(logits: torch.Tensor, input_ids: torch.Tensor, width: int) ->
     """`accept` for the first n = T // width spans of `width` tokens each (the newest token
     then a chain of width - 1 drafts), with the target's argmax of `logits` [T, vocab]:
     [n, width + 1], the argmax at each token, then the accepted count. The argmax past the
-    accepted drafts is kept as it is (the draft extend reads the block whole)."""
+    accepted drafts is kept as it is (the draft extend reads the block whole). On a chain the
+walk of `accept` is the longest prefix of drafts equal to the argmax before each, which one
+cumulative product counts: a few kernels in a verify graph's replay where the walk takes
+several per level (tests/test_spec_acceptance.py holds the two equal)."""
     n = logits.shape[0] // width
     used = n * width
     targets = logits[:used].argmax(dim=-1).view(n, width)
     drafts = input_ids[:used].view(n, width)[:, 1:]
-    parents = torch.arange(-1, width - 2, device=drafts.device).expand(n, -1)
-    accepted, _ = accept(targets, drafts, parents, width - 1)
+    accepted = (targets[:, :-1] == drafts).long().cumprod(dim=1).sum(dim=1)
     return torch.cat([targets, accepted[:, None]], dim=1)
 
 

@@ -150,3 +150,9 @@ def test_chain_verdicts_follow_each_chain_until_a_draft_differs(width: int, extr
     verdicts = chain_verdicts(logits, ids, width)
     assert verdicts.tolist() == _walked(logits, ids, width)
     assert verdicts[:n, width].tolist() == [i % width for i in range(n)]
+    # The chain's shortcut is `accept` over a tree whose node i's parent is node i - 1.
+    used = n * width
+    chains = ids[:used].view(n, width)[:, 1:]
+    parents = torch.arange(-1, width - 2).expand(n, -1)
+    accepted, _ = accept(verdicts[:n, :width], chains, parents, width - 1)
+    assert accepted.tolist() == verdicts[:n, width].tolist()
