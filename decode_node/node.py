@@ -75,7 +75,12 @@ class DecodeNode(ServingNode):
         super().__init__(options)
         start_node_process(args, options)
         built = build_engine(
-            args, speculation_of(args), node_name=options.name, tracing=options.enable_tracing
+            args,
+            speculation_of(args),
+            node_name=options.name,
+            tracing=options.enable_tracing,
+            # Its requests' KV arrives by transfer: reusing what it holds is not done yet.
+            prefix_cache=False,
         )
         self.spec, self.engine = built.spec, built.core
         self.speculator, self.num_draft_steps = built.speculator, built.num_draft_steps

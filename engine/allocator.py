@@ -107,6 +107,10 @@ class SlotAllocator:
         for slot in slots:
             self._holders[slot] = self._holders.get(slot, 1) + 1
 
+    def is_shared(self, slot: int) -> bool:
+        """Whether more than one holder holds this slot (`share`)."""
+        return slot in self._holders
+
     def free(self, slots: Iterable[int]) -> None:
         slots = list(slots)
         if self._holders:

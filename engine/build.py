@@ -49,11 +49,13 @@ def build_engine(
     tracing: bool = False,
     handoff: PrefillHandoff | None = None,
     seed: int | None = None,
+    prefix_cache: bool = True,
 ) -> BuiltEngine:
     """`speculation`: for args that speculate (by default the one registered under
     args.speculative_algorithm). `node_name` names the tensor dump folder. `decodes=False` (a
     prefill node) captures no decode graphs, which would cost start-up time and memory for
-    nothing. `tracing`, `handoff` and `seed` are EngineCore's."""
+    nothing. `tracing`, `handoff`, `seed` and `prefix_cache` (False: none whatever the args)
+    are EngineCore's."""
     speculation = chosen_speculation(args.speculative_algorithm, speculation)
     spec = resolve(args, node_name, speculation)
     if not decodes:
@@ -62,6 +64,12 @@ def build_engine(
     runner = load_runner(spec)
     speculator = None if speculation is None else speculation.speculator(args, runner)
     core = EngineCore(
-        runner, spec.tokenizer, speculator, tracing=tracing, handoff=handoff, seed=seed
+        runner,
+        spec.tokenizer,
+        speculator,
+        tracing=tracing,
+        handoff=handoff,
+        seed=seed,
+        prefix_cache=prefix_cache,
     )
     return BuiltEngine(spec, core)

@@ -355,6 +355,9 @@ class EngineConfig:
     # A step that admits prompts while requests run decodes the running requests in the same
     # forward (engine/scheduler.py); off: such a step stops them. Speculating engines never mix.
     mixed_prefill: bool = True
+    # Reuse the KV of the longest cached prefix of each prompt (engine/prefix_cache.py); off
+    # by itself where the engine speculates.
+    enable_prefix_cache: bool = True
     seed: int = 0
     # Draft chains per request when speculating: the draft tree that branches at the first
     # draft only (spec/tree.py).

@@ -13,6 +13,7 @@ apart (a verify step is not mixed), and so does a prefill node, which runs no de
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.overlap import OverlapDecoder, overlappable
+from engine.prefix_cache import PrefixCache
 from engine.prompt_embeds import PromptEmbeds
 from engine.request import Request, RequestOutput, SpecStats, Usage
 from engine.sampling_params import SamplingParams
@@ -33,6 +35,7 @@ from engine.stopping import StopChecker
 from engine.tracing import RequestTrace, set_time, set_time_batch
 from engine.validation import validate_request
 
+log = logging.getLogger(__name__)
 # How long a step with nothing to run waits for a grammar still compiling.
 GRAMMAR_WAIT_S = 0.01
 
@@ -46,10 +49,12 @@ class EngineCore:
         tracing: bool = False,
         handoff: PrefillHandoff | None = None,
         seed: int | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         """`tracing`: give every request a timeline (engine.tracing). `handoff`: prefill only,
         each prompt handed to it once prefilled. `seed`: of unseeded sampling (default: the
-        engine config's)."""
+        engine config's). `prefix_cache`: False keeps this engine from reusing cached prefixes
+        whatever the config says (a decode node, whose KV arrives by transfer)."""
         config = runner.config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -62,6 +67,7 @@ class EngineCore:
             runner.kv_pool,
             runner.req_to_token_pool,
             max_requests=None if handoff is not None else config.max_num_seqs,
+            prefix_cache=make_prefix_cache(config, speculator, prefix_cache),
         )
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -363,6 +369,20 @@ class EngineCore:
             hidden_size=self.runner.model_config.hidden_size,
             prompt_embeds=prompt_embeds,
         )
+
+
+def make_prefix_cache(
+    config: EngineConfig, speculator: Speculator | None, wanted: bool
+) -> PrefixCache | None:
+    """The engine's prefix cache, or None. A speculating engine runs without one: a hit would
+    need every draft depth's KV of the prefix too, and the draft's KV at the prefix's last
+    position depends on the token after it."""
+    if not (config.enable_prefix_cache and wanted):
+        return None
+    if speculator is not None:
+        log.info("prefix cache off: this engine speculates (draft KV is not cached)")
+        return None
+    return PrefixCache()
 
 
 def mixed_step_tokens(config: EngineConfig) -> int | None:

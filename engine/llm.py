@@ -50,6 +50,7 @@ class LLM:
         cuda_graph_max_prefill_tokens: int | None = None,
         overlap_schedule: bool | None = None,
         mixed_prefill: bool = True,
+        enable_prefix_cache: bool = True,
         seed: int = 0,
         speculative_algorithm: str | None = None,
         draft_model: str | os.PathLike | None = None,
@@ -97,6 +98,8 @@ class LLM:
         before (engine/overlap.py); default on a GPU, off on a CPU.
         `mixed_prefill`: a step that admits prompts while others run decodes the running
         requests in the same forward (default); False gives admission steps of their own.
+        `enable_prefix_cache`: reuse the KV of the longest cached prefix of each prompt
+        (engine/prefix_cache.py; default); off by itself where the engine speculates.
         `gpu_memory_utilization`: the fraction of the GPU's total memory this engine may take,
         for engines that share a GPU (default: the KV pool takes 80% of what is free).
         `enable_tracing` gives each output its timeline (`RequestOutput.trace`, engine.tracing).
@@ -121,6 +124,7 @@ class LLM:
             cuda_graph_max_prefill_tokens=cuda_graph_max_prefill_tokens,
             overlap_schedule=overlap_schedule,
             mixed_prefill=mixed_prefill,
+            enable_prefix_cache=enable_prefix_cache,
             seed=seed,
             speculative_algorithm=speculative_algorithm,
             draft_model=model_path_arg(draft_model),

@@ -73,6 +73,8 @@ class EngineArgs:
     # A step that admits prompts while requests run decodes them in the same forward
     # (engine/scheduler.py); False: admission steps stop the running requests.
     mixed_prefill: bool = True
+    # Reuse cached prompt prefixes' KV (engine/prefix_cache.py); off where the engine speculates.
+    enable_prefix_cache: bool = True
     seed: int = 0
     # Speculative decoding (see spec/ and docs/draft-format.md); off when algorithm is None.
     speculative_algorithm: str | None = None
@@ -197,6 +199,7 @@ def resolve(
         cuda_graph_max_prefill_tokens=_cuda_graph_max_prefill_tokens(args, device, backend),
         overlap_schedule=_overlap_schedule(args, device),
         mixed_prefill=args.mixed_prefill,
+        enable_prefix_cache=args.enable_prefix_cache,
         seed=args.seed,
         num_draft_chains=_draft_chains(args),
         speculative_topk=args.speculative_topk or 1,

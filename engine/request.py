@@ -61,6 +61,13 @@ class Request:
     row: int | None = None
     slots: list[int] = field(default_factory=list)
     kv_len: int = 0
+    # The prefix cache's part of `slots`: the first `cached_len` belong to the cache
+    # (engine.prefix_cache), held through `cache_node` while the request reads them; the rest
+    # are the request's own.
+    cached_len: int = 0
+    cache_node: Any = None
+    # Prompt tokens whose KV the first prefill found cached (usage's cached_tokens).
+    cached_tokens: int = 0
     finish_reason: str | None = None
     stopped_by_string: str | None = None
     error: str | None = None
@@ -149,12 +156,16 @@ class Usage:
     spec_accept_length: float | None = None
     # [j]: verify steps that accepted draft token j+1 (the acceptance of each draft depth).
     spec_accepted_per_position: list[int] | None = None
+    # Prompt tokens whose KV came from the prefix cache (OpenAI's
+    # prompt_tokens_details.cached_tokens).
+    cached_tokens: int = 0
 
     @classmethod
     def of(cls, req: Request) -> Usage:
         stats = req.spec_stats
         if stats is None:
-            return cls(len(req.prompt_token_ids), len(req.output_token_ids))
+            prompt, output = len(req.prompt_token_ids), len(req.output_token_ids)
+            return cls(prompt, output, cached_tokens=req.cached_tokens)
         return cls(
             len(req.prompt_token_ids),
             len(req.output_token_ids),
@@ -162,6 +173,7 @@ class Usage:
             stats.verify_steps,
             stats.accept_length if stats.verify_steps else None,
             list(stats.accepted_per_position),
+            req.cached_tokens,
         )
 
     @property

@@ -36,6 +36,12 @@ without mixing, and so does one of more than `mixed_max_tokens` tokens (an engin
 steps replay CUDA graphs mixes only where a prefill graph holds the step: see EngineCore).
 Speculating engines do not mix: their decode step is a verify of its own.
 
+With a prefix cache (engine.kv_cache), a request admitted with no KV starts at the longest
+cached prefix of its tokens (a re-prefill after retraction too): only the rest is computed, and
+the cached slots count as free room wherever no request holds them. What a prefill step
+computes joins the cache at once; what a request decoded joins it when it lets go of its slots
+(finished, retracted or aborted; never after a failure).
+
 `prefill_only` (a prefill node): prompts are prefilled and sample their first token, then
 leave the scheduler without being released; their owner frees them (`KVCacheManager.release`)
 once their KV has been sent."""
@@ -44,37 +50,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from engine.sampler import TokenLogprob
+from engine.scheduled_batch import ScheduledBatch
 from engine.stopping import StopChecker
-
-
-@dataclass
-class ScheduledBatch:
-    requests: list[Request]
-    is_prefill: bool
-    # Prefill only: the position each request's forward extends its KV to in this step. A
-    # request whose end is its num_tokens completes its prompt (and samples); the others
-    # prefill a chunk of it.
-    ends: list[int] | None = None
-    # Prefill only: (fork, the request whose prompt KV it took) for parallel samples that join
-    # with a prompt completed in this step (Request.forks).
-    forks: list[tuple[Request, Request]] = field(default_factory=list)
-    # A mixed step: the running requests that decode their next token in the same forward,
-    # before the prompts (Scheduler's `mixed`).
-    decoding: list[Request] = field(default_factory=list)
-
-    def completes(self) -> list[bool]:
-        if self.ends is None:
-            return [True] * len(self.requests)
-        return [end == req.num_tokens for req, end in zip(self.requests, self.ends)]
-
-    @property
-    def completing(self) -> list[Request]:
-        return [req for req, done in zip(self.requests, self.completes()) if done]
 
 
 class Scheduler:
@@ -191,9 +172,12 @@ class Scheduler:
         grants = [(req, n) for req in decoding if (n := _missing_slots(req))]
         granted_slots = sum(n for _, n in grants)
         granted_rows = 0
+        matched: list[Request] = []  # started at a cached prefix here: undone if not admitted
         for req in self.waiting:
             if len(self.running) + len(admitted) + joining + 1 + len(req.forks) > self.max_num_seqs:
                 break
+            if self.kv_cache.match_prefix(req):
+                matched.append(req)
             need = req.num_tokens - req.kv_len
             take = need
             if self.chunk_size is not None:
@@ -222,6 +206,12 @@ class Scheduler:
             if take < need:
                 partial = req
         if not admitted or (max_tokens is not None and tokens > max_tokens):
+            admitted = []
+        chosen = {id(req) for req in admitted}
+        for req in matched:
+            if id(req) not in chosen:
+                self.kv_cache.unmatch(req)
+        if not admitted:
             return None
         self.kv_cache.grow_many(grants)
         forked = {id(source) for _, source in forks}  # prompts that complete: forks take them
@@ -238,8 +228,8 @@ class Scheduler:
             admitted, is_prefill=True, ends=ends, forks=forks, decoding=list(decoding)
         )
 
-    def _release(self, req: Request) -> None:
-        self.kv_cache.release(req)
+    def _release(self, req: Request, cache: bool = True) -> None:
+        self.kv_cache.release(req, cache)
         req.held_chunks = None
         if self.on_release is not None:
             self.on_release(req)
@@ -277,9 +267,15 @@ class Scheduler:
             if not done:
                 req.kv_len = end
         completing = ScheduledBatch(batch.completing + list(forks), is_prefill=True)
-        return finished + self.process_result(
+        finished += self.process_result(
             completing, tokens[decoded:], logprobs[decoded:], stop_checker
         )
+        # What this step computed is there for the next request with the same prefix (the
+        # finished ones gave theirs to the cache when they let their slots go).
+        for req in batch.requests:
+            if not req.finished:
+                self.kv_cache.cache_prefix(req)
+        return finished
 
     def process_result(
         self,
@@ -348,7 +344,7 @@ class Scheduler:
         """End a request that hit an error: it leaves every queue and gives back its slots; the
         forks waiting for its prompt end with it. Returns the requests ended."""
         self.detach(req)
-        self._release(req)
+        self._release(req, cache=False)
         req.error = error
         req.finish_reason = "error"
         forks, req.forks = req.forks, []

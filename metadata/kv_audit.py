@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.request import Request
@@ -124,12 +124,14 @@ def request_pools(
     requests: list[Request],
     speculator,
     rows: tuple[int, int] | None = None,
+    cached: Iterable[int] = (),
 ) -> list[PoolCount]:
-    """The PoolCounts of a node whose `requests` hold all its slots: the target pool, each draft
-    depth's pool (`speculator`: spec.MultiLayerEagleWorker or None) and, with `rows` (used,
-    held), the metadata rows."""
-    # Distinct slots: parallel samples of one prompt hold its slots together.
-    held = set().union(*(r.slots for r in requests))
+    """The PoolCounts of a node whose `requests` and prefix cache (`cached`: the slots it
+    holds) hold all its slots: the target pool, each draft depth's pool (`speculator`:
+    spec.MultiLayerEagleWorker or None) and, with `rows` (used, held), the metadata rows."""
+    # Distinct slots: parallel samples of one prompt hold its slots together, and requests
+    # read the cache's slots of their prefix.
+    held = set(cached).union(*(r.slots for r in requests))
     counts = [PoolCount("target", target_used, len(held))]
     for depth, runner in enumerate(speculator.depths if speculator is not None else []):
         held = set()

@@ -113,7 +113,8 @@ def _request(engine, name: str, length: int, max_tokens: int = 8) -> Request:
 def test_running_requests_decode_between_chunks_and_short_ones_join_the_first(models):
     """Without mixed steps (tests/test_mixed_steps.py has them: every step decodes)."""
     tiny, *_ = models
-    engine = _llm(tiny, 16, mixed_prefill=False).engine
+    # Every prompt here begins alike: without the prefix cache, each is computed whole.
+    engine = _llm(tiny, 16, mixed_prefill=False, enable_prefix_cache=False).engine
     running = _request(engine, "running", 5, max_tokens=20)
     engine.step()
     assert len(running.output_token_ids) == 1
@@ -190,10 +191,11 @@ def test_an_abort_between_a_prefill_nodes_chunks_frees_the_slots_and_abandons_it
     _queue(node, 42, [5, 6])
     node._feed()
     node.engine.step()  # room 41's first chunk, room 42 whole
-    assert node.kv_cache.kv_pool.allocator.num_used == 3 + 2
+    assert node.kv_cache.num_used_slots == 3 + 2
     node._handle(AbortRequest(41))
-    # Room 41's slots are free at once; it was never announced, so nothing is sent for it.
-    assert node.kv_cache.kv_pool.allocator.num_used == 2
+    # Room 41's slots are free at once (its first chunk's KV stays cached, free to evict);
+    # it was never announced, so nothing is sent for it.
+    assert node.kv_cache.num_used_slots == 2
     assert [a.room for a in recorder.messages(TransferAnnounce)] == [42]
     assert [e[1:] for e in recorder.events if e[0] == "kv"] == [(42, [2], 42)]
     abandoned = recorder.messages(TransferAbandoned)

@@ -335,15 +335,22 @@ def test_an_abort_between_chunks_leaves_the_running_requests_as_they_were(tiny_m
     running = _request(engine, "running", 4, max_tokens=12, prompt=[9, 8, 7, 6])
     engine.step()
     long = _request(engine, "long", 40)
-    used = engine.kv_cache.kv_pool.allocator.num_used
+    used = _held_slots(engine)
     engine.step()  # the first chunk, beside the running request's next token
     assert long.kv_len == 8 and len(running.output_token_ids) == 2
-    assert engine.kv_cache.kv_pool.allocator.num_used == used + 8 + 1
+    assert _held_slots(engine) == used + 8 + 1
     assert engine.abort("long") is long
-    assert engine.kv_cache.kv_pool.allocator.num_used == used + 1
+    assert _held_slots(engine) == used + 1
     while engine.has_work():
         engine.step()
     assert running.output_token_ids == alone.token_ids and engine.kv_cache.is_empty()
+
+
+def _held_slots(engine) -> int:
+    """Slots some request holds: used ones, less those only the prefix cache keeps (free to
+    evict)."""
+    cache = engine.kv_cache.prefix_cache
+    return engine.kv_cache.kv_pool.allocator.num_used - (cache.evictable_size if cache else 0)
 
 
 # --- budget and reservation ----------------------------------------------------------------
@@ -359,8 +366,11 @@ def test_the_decode_tokens_count_in_the_steps_token_budget(tiny_model_path: Path
     _request(engine, "long", 40)
     engine.step()
     assert spans == [[1, 1, 1, 9]]
-    # Whole prompts: the first always, the next only within the budget.
-    engine = _llm(tiny_model_path, True, 0, max_prefill_tokens=12, max_num_seqs=8).engine
+    # Whole prompts: the first always, the next only within the budget. (The three prompts
+    # are the same: without the prefix cache, each is computed whole.)
+    engine = _llm(
+        tiny_model_path, True, 0, max_prefill_tokens=12, max_num_seqs=8, enable_prefix_cache=False
+    ).engine
     for i in range(3):
         _request(engine, f"r{i}", 3 + i, max_tokens=20)
     engine.step()
@@ -440,7 +450,8 @@ def test_no_step_after_a_mixed_step_retracts(tiny_model_path: Path):
 
 
 def test_a_mixed_step_larger_than_its_limit_is_left_a_prefill_step(tiny_model_path: Path):
-    engine = _llm(tiny_model_path, True).engine
+    # "wide" begins with "fits"'s tokens: without the prefix cache, it is computed whole.
+    engine = _llm(tiny_model_path, True, enable_prefix_cache=False).engine
     engine.scheduler.mixed_max_tokens = 12
     for i in range(2):
         _request(engine, f"r{i}", 4, max_tokens=20)

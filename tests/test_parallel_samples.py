@@ -71,7 +71,8 @@ def _clean(llm: LLM) -> bool:
 
 def test_samples_draw_what_they_draw_alone_from_one_prefill(models):
     tiny, *_ = models
-    llm = _llm(tiny)
+    # Without the prefix cache: the samples run alone first would leave their prompts cached.
+    llm = _llm(tiny, enable_prefix_cache=False)
     expected = _alone(llm, PROMPTS, SAMPLED)
     counted = _prefilled_tokens(llm)
     outputs = llm.generate(PROMPTS, SAMPLED)
@@ -171,7 +172,7 @@ def test_more_samples_than_max_num_seqs_share_a_prefill_per_group(models):
     split into groups of at most max_num_seqs, each sharing one prefill (one group larger
     than max_num_seqs would never be admitted)."""
     tiny, *_ = models
-    llm = _llm(tiny, max_num_seqs=3)
+    llm = _llm(tiny, max_num_seqs=3, enable_prefix_cache=False)  # as above
     params = SamplingParams(n=7, max_tokens=5, temperature=0.9, seed=11, ignore_eos=True)
     expected = _alone(llm, PROMPTS[:1], params)
     counted = _prefilled_tokens(llm)
