@@ -275,9 +275,8 @@ class EngineCore:
         completing = batch.completing
         forks = [fork for fork, _ in batch.forks]
         decoding = batch.decoding
-        # A request begins its prefill where it has no KV yet (a preempted one begins again).
-        starting = [req for req in batch.requests if req.kv_len == 0]
-        set_time_batch(starting, "prefill_start")
+        # A preempted request begins again; a cached prefix does not count as begun.
+        set_time_batch(batch.starting, "prefill_start")
         set_time_batch(decoding, "decode_start")
         keep_hidden = any(r.num_draft_tokens for r in batch.requests)
         assert not (keep_hidden and decoding), "a speculating engine runs no mixed step"

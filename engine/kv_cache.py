@@ -8,7 +8,9 @@ computed KV moves into the cache when its prompt (or a chunk) is prefilled and w
 slots go; only the KV of tokens below `kv_len` is ever cached, and never that of a request
 whose forward failed. Slots that parallel samples share (`SlotAllocator.share`) stay out of the
 cache until their last holder lets them go, so the cache never owns a slot someone else frees.
-Cached slots without holds count as room: a step that needs them evicts them."""
+A live request's slots never change (a begun transfer may read them): where two requests
+computed the same tokens, the second keeps its copy until it lets go. Cached slots without
+holds count as room: a step that needs them evicts them."""
 
 from __future__ import annotations
 

@@ -22,6 +22,9 @@ class ScheduledBatch:
     # A mixed step: the running requests that decode their next token in the same forward,
     # before the prompts (Scheduler's `mixed`).
     decoding: list[Request] = field(default_factory=list)
+    # Prefill only: the requests that begin their prefill in this step (a new or retracted
+    # one, which may start past a cached prefix; not a prompt's later chunk).
+    starting: list[Request] = field(default_factory=list)
 
     def completes(self) -> list[bool]:
         if self.ends is None:

@@ -173,6 +173,7 @@ class Scheduler:
         granted_slots = sum(n for _, n in grants)
         granted_rows = 0
         matched: list[Request] = []  # started at a cached prefix here: undone if not admitted
+        starting: list[Request] = []
         for req in self.waiting:
             if len(self.running) + len(admitted) + joining + 1 + len(req.forks) > self.max_num_seqs:
                 break
@@ -193,6 +194,8 @@ class Scheduler:
             slots_after = granted_slots + take + reserve + after
             if not self.kv_cache.can_grow(slots_after, granted_rows + rows):
                 break
+            if req.row is None:
+                starting.append(req)
             grants.append((req, take))
             granted_slots += take
             granted_rows += rows
@@ -225,7 +228,12 @@ class Scheduler:
         if partial is not None:
             self.waiting.appendleft(partial)
         return ScheduledBatch(
-            admitted, is_prefill=True, ends=ends, forks=forks, decoding=list(decoding)
+            admitted,
+            is_prefill=True,
+            ends=ends,
+            forks=forks,
+            decoding=list(decoding),
+            starting=starting,
         )
 
     def _release(self, req: Request, cache: bool = True) -> None:

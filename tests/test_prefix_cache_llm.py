@@ -206,3 +206,14 @@ def test_a_speculating_engine_runs_without_the_cache(tmp_path, caplog):
     prompt = list(range(10, 30))
     first, second = (llm.generate([prompt], GREEDY)[0] for _ in range(2))
     assert first.token_ids == second.token_ids and second.usage.cached_tokens == 0
+
+
+def test_a_request_that_starts_past_a_cached_prefix_still_traces_its_prefill(tiny_model_path):
+    llm = _llm(tiny_model_path, True, enable_tracing=True, chunked_prefill_size=8)
+    prompt = list(range(10, 40))
+    llm.generate([prompt], GREEDY)
+    [again] = llm.generate([prompt + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]], GREEDY)
+    assert again.usage.cached_tokens > 0
+    names = [event[0] for event in again.trace]
+    # Once, though its prompt ran in two chunks after the cached prefix.
+    assert names.count("prefill_start") == 1 and names.count("prefill_end") == 1
