@@ -60,6 +60,14 @@ def make_usage(prompt_tokens: int, completion_tokens: int, **extra: Any) -> dict
     }
 
 
+def cached_prompt_usage(cached_tokens: int | None) -> dict[str, Any]:
+    """OpenAI's `prompt_tokens_details` for `usage`: the prompt tokens whose KV the serving
+    engine's prefix cache held. Empty where that engine runs no prefix cache (None)."""
+    if cached_tokens is None:
+        return {}
+    return {"prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
 @runtime_checkable
 class GenerationBackend(Protocol):
     model_name: str

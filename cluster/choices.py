@@ -143,8 +143,8 @@ def merge_choices(streams: list[AsyncIterator[TokenDelta]]) -> MergedChoices:
 
 
 def total_usage(usages: list[dict[str, Any] | None], requests: list[ChoiceRequest]) -> dict:
-    """The response's usage: every choice's completion tokens, every prompt's tokens once,
-    and the speculative counts (completion_tokens_details) added up."""
+    """The response's usage: every choice's completion tokens, every prompt's tokens (and its
+    cached tokens) once, and the speculative counts (completion_tokens_details) added up."""
     if len(usages) == 1 and usages[0] is not None:
         return usages[0]
     # A prompt is read by each of its samples but counted once, as OpenAI does.
@@ -155,6 +155,10 @@ def total_usage(usages: list[dict[str, Any] | None], requests: list[ChoiceReques
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    firsts = [u for u, r in zip(usages, requests) if u and r.sample == 0]
+    cached = [u["prompt_tokens_details"] for u in firsts if "prompt_tokens_details" in u]
+    if cached:
+        total["prompt_tokens_details"] = {"cached_tokens": sum(d["cached_tokens"] for d in cached)}
     details = [u.get("completion_tokens_details") for u in usages if u]
     details = [d for d in details if d]
     if details:

@@ -123,6 +123,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "waiting for it (by default they decode their next token in the same forward)",
     )
     parser.add_argument(
+        "--disable-prefix-cache",
+        action="store_true",
+        help="compute every prompt from its first token (by default an engine reuses the KV of "
+        "the longest prefix it has cached; engines that speculate never do)",
+    )
+    parser.add_argument(
         "--speculative-algorithm",
         default=None,
         choices=["multi-layer-eagle"],

@@ -30,6 +30,7 @@ def engine_args(args: argparse.Namespace):
         cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
         overlap_schedule=False if args.disable_overlap_schedule else None,
         mixed_prefill=not args.disable_mixed_prefill,
+        enable_prefix_cache=not args.disable_prefix_cache,
         speculative_algorithm=args.speculative_algorithm,
         draft_model=args.draft_model,
         num_draft_steps=args.num_draft_steps,

@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.backend import BackendError, TokenDelta, make_usage
+from cluster.backend import BackendError, TokenDelta, cached_prompt_usage, make_usage
 from cluster.metrics import failure_kind
 from cluster.node_state import NodeState
 from cluster.router_messages import speculation_usage, token_logprob
@@ -199,6 +199,7 @@ async def _last_delta(
         flight.completion_tokens,
         prefill_node=(prefill or decode_node).name,
         decode_node=decode_node.name,
+        **cached_prompt_usage(end.stats.get("cached_tokens")),
         **speculation_usage(end.stats),
     )
     flight.timer.finished(end.finish_reason, usage)

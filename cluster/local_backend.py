@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.backend import BackendError, TokenDelta, make_usage
+from cluster.backend import BackendError, TokenDelta, cached_prompt_usage, make_usage
 from cluster.metrics import ClusterMetrics, RequestTimer
 from engine import LLM, RequestRejectedError, SamplingParams, TokenLogprob
 from engine.detokenizer import IncrementalDetokenizer
@@ -39,6 +39,8 @@ class _Tokens:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    # Prompt tokens the prefix cache held; None where the engine runs none.
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -168,7 +170,11 @@ class LocalBackend:
                 usage = None
                 if item.finish_reason is not None:
                     finished = True
-                    usage = make_usage(item.num_prompt_tokens, item.num_output_tokens)
+                    usage = make_usage(
+                        item.num_prompt_tokens,
+                        item.num_output_tokens,
+                        **cached_prompt_usage(item.num_cached_tokens),
+                    )
                     timer.finished(item.finish_reason, usage)
                 yield TokenDelta(
                     item.token_ids, item.text, item.logprobs, item.finish_reason, usage
@@ -323,6 +329,9 @@ class LocalBackend:
             finish_reason=finish_reason,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=end,
+            num_cached_tokens=(
+                request.cached_tokens if self.engine.kv_cache.prefix_cache is not None else None
+            ),
         )
         stream.sent = end
         return stream.put(item)
@@ -378,6 +387,7 @@ def _joined(items: list[_Tokens | BackendError]) -> _Tokens | BackendError:
             following.finish_reason,
             following.num_prompt_tokens,
             following.num_output_tokens,
+            following.num_cached_tokens,
         )
     return item
 
@@ -410,4 +420,5 @@ class _LocalNode:
             "kv_used": kv_cache.capacity - kv_cache.num_free_slots,
             "kv_capacity": kv_cache.capacity,
             "spec_plans": engine.plan_counts(),
+            **kv_cache.prefix_cache_stats(),
         }

@@ -1,7 +1,7 @@
-"""Per-node Prometheus metrics for a backend's /metrics: each node's load, KV usage, transfers,
-speculation and control-plane messages dropped by its inbox, copied from its `stats()` (a Ray
-call for cluster nodes) when scraped, at most once per STATS_MAX_AGE_S, so scrapes never hammer
-nodes."""
+"""Per-node Prometheus metrics for a backend's /metrics: each node's load, KV usage, prefix
+cache, transfers, speculation and control-plane messages dropped by its inbox, copied from its
+`stats()` (a Ray call for cluster nodes) when scraped, at most once per STATS_MAX_AGE_S, so
+scrapes never hammer nodes."""
 
 from __future__ import annotations
 
@@ -179,6 +179,26 @@ class _NodeFamilies:
             "Transfers stuck past their timeout whose slots are held.",
             labels=labels,
         )
+        self.prefix_lookup = CounterMetricFamily(
+            "pdcluster_node_prefix_cache_lookup_tokens",
+            "Prompt tokens looked up in the node's prefix cache when admitted.",
+            labels=labels,
+        )
+        self.prefix_hit = CounterMetricFamily(
+            "pdcluster_node_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV the node's prefix cache held (not computed again).",
+            labels=labels,
+        )
+        self.prefix_evicted = CounterMetricFamily(
+            "pdcluster_node_prefix_cache_evicted_tokens",
+            "Cached tokens evicted from the node's prefix cache to make room.",
+            labels=labels,
+        )
+        self.prefix_cached = GaugeMetricFamily(
+            "pdcluster_node_prefix_cache_tokens",
+            "Tokens whose KV the node's prefix cache holds now.",
+            labels=labels,
+        )
         self.control_rejected = CounterMetricFamily(
             "pdcluster_control_messages_rejected",
             "Control-plane messages a node's socket dropped: unsigned, forged, signed with "
@@ -252,6 +272,10 @@ class _NodeFamilies:
             (self.kv_unaccounted, "kv_unaccounted"),
             (self.kv_quarantined, "kv_quarantined"),
             (self.transfers_stuck, "transfers_stuck"),
+            (self.prefix_lookup, "prefix_cache_lookup_tokens"),
+            (self.prefix_hit, "prefix_cache_hit_tokens"),
+            (self.prefix_evicted, "prefix_cache_evicted_tokens"),
+            (self.prefix_cached, "prefix_cache_tokens"),
         ):
             if stats.get(key) is not None:
                 family.add_metric(labels, stats[key])

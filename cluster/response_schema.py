@@ -15,6 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from cluster.protocol import FinishReason
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        description="prompt tokens whose KV the serving engine's prefix cache held"
+    )
+
+
 class Usage(BaseModel):
     # Extensions: completion_tokens_details, spec_verify_steps, spec_accept_length, timeline.
     model_config = ConfigDict(extra="allow")
@@ -22,6 +28,8 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Absent where the serving engine runs no prefix cache.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class _Choice(BaseModel):

@@ -72,7 +72,7 @@ class AggregatedNode(ServingNode):
             "running": len(self.engine.scheduler.running),
             "queued": len(self.engine.scheduler.waiting),
             "retractions": self.engine.scheduler.num_retractions,
-            "kv_used": allocator.num_used,
+            "kv_used": self.kv_cache.num_used_slots,
             "kv_capacity": allocator.capacity,
             "tokens_out": self.streams.tokens_out,
             "prompt_tokens": self.prompt_tokens,
@@ -99,7 +99,9 @@ class AggregatedNode(ServingNode):
                     self._step()
                 self.streams.flush()
                 allocator = self.engine.runner.kv_pool.allocator
-                self.load_reports.tick(len(self.rooms), allocator.num_used, allocator.capacity)
+                self.load_reports.tick(
+                    len(self.rooms), self.kv_cache.num_used_slots, allocator.capacity
+                )
                 self.activity_log.tick(self._activity)
         finally:
             self.frontends.close()
@@ -111,7 +113,7 @@ class AggregatedNode(ServingNode):
             len(running),
             len(self.engine.scheduler.waiting),
             0,
-            allocator.num_used,
+            self.kv_cache.num_used_slots,
             allocator.capacity,
             self.streams.tokens_out,
             *self.spec_totals.with_running(running),
@@ -180,6 +182,8 @@ class AggregatedNode(ServingNode):
 
     def _final_stats(self, req: Request) -> dict:
         stats = {"stop_string": req.stopped_by_string, **self.spec_totals.usage(req)}
+        if self.kv_cache.prefix_cache is not None:
+            stats["cached_tokens"] = req.cached_tokens
         if req.trace is not None:
             stats["trace"] = {"replica": req.trace.events}
         return stats
@@ -210,5 +214,8 @@ class AggregatedNode(ServingNode):
     def _pool_counts(self) -> list[PoolCount]:
         requests = [served.req for served in self.rooms.values()]
         return request_pools(
-            self.engine.runner.kv_pool.allocator.num_used, requests, self.speculator
+            self.engine.runner.kv_pool.allocator.num_used,
+            requests,
+            self.speculator,
+            cached=self.kv_cache.cached_slots(),
         )

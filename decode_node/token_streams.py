@@ -182,6 +182,8 @@ def decode_final_stats(
         "stop_string": req.stopped_by_string,
         **spec_totals.usage(req),
     }
+    if tracked.result is not None and tracked.result.cached_tokens is not None:
+        stats["cached_tokens"] = tracked.result.cached_tokens
     if req.trace is not None:
         prefill = tracked.result.trace if tracked.result is not None else []
         stats["trace"] = {"prefill": prefill, "decode": req.trace.events}

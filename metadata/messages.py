@@ -140,6 +140,9 @@ class PrefillResult:
     # The request's timeline on the prefill node when it traces: [[name, time_ns(, args)], ...]
     trace: list[list[Any]] = field(default_factory=list)
     error: str | None = None
+    # Prompt tokens whose KV the prefill node's prefix cache held (usage's cached_tokens);
+    # None where it runs no prefix cache.
+    cached_tokens: int | None = None
 
 
 @message

@@ -207,6 +207,7 @@ class ServingNode:
             "kv_quarantined": sum(len(h.req.slots) for h in self.quarantine.requests()),
             "transfers_stuck": len(self.quarantine.requests()),
             "faults_injected": self.faults.transfers_failed,
+            **self.kv_cache.prefix_cache_stats(),
         }
 
     def shutdown(self) -> None:

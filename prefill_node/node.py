@@ -131,7 +131,7 @@ class PrefillNode(ServingNode):
             "node": self.options.name,
             "queued": self._num_waiting() + len(self.prefilling),
             "sending": len(self.sending),
-            "kv_used": allocator.num_used,
+            "kv_used": self.kv_cache.num_used_slots,
             "kv_capacity": allocator.capacity,
             "prompts_done": self.prompts_done,
             "prompt_tokens": self.prompt_tokens,
@@ -168,7 +168,7 @@ class PrefillNode(ServingNode):
                     self.engine.step()
                 allocator = self.runner.kv_pool.allocator
                 requests = self._num_waiting() + len(self.prefilling) + len(self.sending)
-                self.load_reports.tick(requests, allocator.num_used, allocator.capacity)
+                self.load_reports.tick(requests, self.kv_cache.num_used_slots, allocator.capacity)
                 self.activity_log.tick(self._activity)
         finally:
             self.frontends.close()
@@ -179,7 +179,7 @@ class PrefillNode(ServingNode):
             None,
             self._num_waiting() + len(self.prefilling),
             len(self.sending),
-            allocator.num_used,
+            self.kv_cache.num_used_slots,
             allocator.capacity,
             self.prompt_tokens,
         )
@@ -329,7 +329,10 @@ class PrefillNode(ServingNode):
         # this node's timeline, which the decode node reports to the router with its own.
         set_time(req, "transfer_start")
         trace = req.trace.events if req.trace is not None else []
-        self.outboxes[pending.decode_node].send(PrefillResult(room, top, trace))
+        cached = req.cached_tokens if self.kv_cache.prefix_cache is not None else None
+        self.outboxes[pending.decode_node].send(
+            PrefillResult(room, top, trace, cached_tokens=cached)
+        )
         self._post_send(pending, pools)
 
     def _send_void(self, pending: Pending, reason: str) -> None:
@@ -455,4 +458,5 @@ class PrefillNode(ServingNode):
             requests,
             self.speculator,
             (self.metadata.num_rows - self.metadata.num_free, rows_held),
+            cached=self.kv_cache.cached_slots(),
         )

@@ -144,6 +144,9 @@ def test_completion_matches_offline_engine(client, tiny_llm):
     assert choice["token_ids"] == reference.token_ids
     assert choice["text"] == reference.text
     assert choice["finish_reason"] == reference.finish_reason
+    # What the backend's prefix cache held of the prompt depends on what it served before.
+    cached = answer["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    assert 0 <= cached < len(reference.prompt_token_ids)
     assert answer["usage"] == {
         "prompt_tokens": len(reference.prompt_token_ids),
         "completion_tokens": len(reference.token_ids),
@@ -202,6 +205,10 @@ def test_stream_concatenates_to_the_non_streamed_answer(client, path):
     assert sum((c["token_ids"] for c in choices), []) == whole["choices"][0]["token_ids"]
     assert [c["finish_reason"] for c in choices[:-1]] == [None] * (len(choices) - 1)
     assert choices[-1]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    # The streamed request reads the prompt the first one left in the prefix cache.
+    streamed_details = usage_chunk["usage"].pop("prompt_tokens_details")
+    whole_details = whole["usage"].pop("prompt_tokens_details")
+    assert streamed_details["cached_tokens"] >= whole_details["cached_tokens"]
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
 
 

@@ -1,0 +1,118 @@
+"""The prefix cache through the cluster (Ray local actors on CPU): a 1P1D cluster, whose prefill
+node reuses cached prefixes and still sends the whole prompt's KV, and an aggregated replica
+give the greedy output of an offline engine without the cache over shared prefixes and
+multi-turn histories; usage's prompt_tokens_details.cached_tokens and the nodes' stats count
+the reuse; every node's KV audit finds the cached slots accounted for; with
+--disable-prefix-cache nothing is cached."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+from cluster_helpers import launch, launch_aggregated, serve, wait_for
+from tiny_models import make_tiny_llama
+
+from engine import LLM, SamplingParams
+
+ray = pytest.importorskip("ray")
+
+ENGINE = dict(max_model_len=512, kv_cache_tokens=2048, max_num_seqs=16, chunked_prefill_size=16)
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-prefix-cluster")
+    make_tiny_llama(path)
+    return str(path)
+
+
+def _turns(seed: int) -> list[list[list[int]]]:
+    """Rounds of prompts: two conversations sharing a system prompt, each round resending a
+    conversation's history with a new message (the answers are added as they come)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 300) for _ in range(40)]
+    return [
+        [system + [rng.randrange(3, 300) for _ in range(rng.randint(2, 8))] for _ in range(2)]
+        for _ in range(3)
+    ]
+
+
+def _converse(complete, seed: int) -> tuple[list[list[int]], list[int]]:
+    """Every round's answers and the cached tokens each request's usage reported."""
+    histories: list[list[int]] = [[], []]
+    answers, cached = [], []
+    for round_prompts in _turns(seed):
+        for i, message in enumerate(round_prompts):
+            prompt = histories[i] + (message if not histories[i] else message[40:])
+            tokens, usage = complete(prompt)
+            answers.append(tokens)
+            cached.append(usage.get("prompt_tokens_details", {}).get("cached_tokens"))
+            histories[i] = prompt + tokens
+    return answers, cached
+
+
+def _http_complete(url: str):
+    def complete(prompt: list[int]) -> tuple[list[int], dict]:
+        body = {
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        return answer["choices"][0]["token_ids"], answer["usage"]
+
+    return complete
+
+
+def _offline(tiny_model: str):
+    llm = LLM(tiny_model, device="cpu", enable_prefix_cache=False, **ENGINE)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+    def complete(prompt: list[int]) -> tuple[list[int], dict]:
+        return llm.generate([prompt], params)[0].token_ids, {}
+
+    return complete
+
+
+@pytest.mark.parametrize("layout", ["1P1D", "aggregated"])
+def test_the_cluster_reuses_prefixes_without_changing_output(tiny_model, layout):
+    expected, _ = _converse(_offline(tiny_model), seed=1)
+    if layout == "1P1D":
+        cluster = launch(tiny_model, prefill=1, decode=1, **ENGINE)
+    else:
+        cluster = launch_aggregated(tiny_model, replicas=1, **ENGINE)
+    server = serve(cluster)
+    try:
+        answers, cached = _converse(_http_complete(server.url), seed=1)
+        assert answers == expected
+        # The first prompt finds nothing; every later one at least the system prompt.
+        assert cached[0] == 0 and all(c >= 40 for c in cached[1:]), cached
+        assert wait_for(cluster.kv_pools_empty, 30), cluster.node_stats()
+        for actor in cluster.prefill_actors + cluster.decode_actors:
+            assert ray.get(actor.audit_kv.remote()) == []
+        stats = cluster.node_stats()
+        caching = [s for s in stats if "prefix_cache_hit_tokens" in s]
+        assert len(caching) == 1  # the prefill node or the replica; decode nodes have none
+        assert caching[0]["prefix_cache_hit_tokens"] == sum(cached)
+        assert caching[0]["prefix_cache_tokens"] > 0
+    finally:
+        server.stop()
+        cluster.shutdown()
+
+
+def test_disable_prefix_cache_through_the_cluster(tiny_model):
+    cluster = launch(tiny_model, prefill=1, decode=1, enable_prefix_cache=False, **ENGINE)
+    server = serve(cluster)
+    try:
+        _, cached = _converse(_http_complete(server.url), seed=2)
+        assert cached == [None] * len(cached)  # no prompt_tokens_details at all
+        assert all("prefix_cache_hit_tokens" not in s for s in cluster.node_stats())
+    finally:
+        server.stop()
+        cluster.shutdown()
