@@ -36,14 +36,24 @@ class CompletionUsage:
     completion_tokens: int
     total_tokens: int
     extra: dict[str, Any] = field(default_factory=dict)  # server statistics beyond OpenAI's
+    # Prompt tokens the server's prefix cache held (OpenAI's prompt_tokens_details); None where
+    # it runs none. Left out of comparisons: it tells what the server had cached, not what it
+    # answered, so two answers to one request compare equal whatever it held each time.
+    cached_tokens: int | None = field(default=None, compare=False)
 
     @classmethod
     def parse(cls, usage: dict[str, Any] | None) -> CompletionUsage | None:
         if not usage:
             return None
-        known = ("prompt_tokens", "completion_tokens", "total_tokens")
+        known = ("prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details")
         extra = {k: v for k, v in usage.items() if k not in known}
-        return cls(*(int(usage.get(k) or 0) for k in known), extra=extra)
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        return cls(
+            *(int(usage.get(k) or 0) for k in known[:3]),
+            extra=extra,
+            cached_tokens=None if cached is None else int(cached),
+        )
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,10 @@ def test_samples_share_one_prefill_and_transfer_through_the_cluster(models):
                 tokens.setdefault(choice.index, []).extend(_ids(choice))
         assert [tokens[i] for i in range(6)] == expected
         assert usage.completion_tokens == 60 and usage.prompt_tokens == sum(prompt_lens)
-        assert _stats(cluster, "prefill")[0]["prefill_tokens"] == 2 * sum(prompt_lens)
+        # The prefill node's prefix cache holds the prompts now: each computes its last token
+        # only (its whole KV still crosses), and usage counts each prompt's cached tokens once.
+        assert _stats(cluster, "prefill")[0]["prefill_tokens"] == sum(prompt_lens) + len(PROMPTS)
+        assert usage.prompt_tokens_details.cached_tokens == sum(n - 1 for n in prompt_lens)
         assert wait_for(cluster.kv_pools_empty, 30)
     finally:
         server.stop()

@@ -20,6 +20,7 @@ from cluster.backend import cached_prompt_usage
 from cluster.choices import total_usage
 from cluster.cli import build_parser
 from cluster.cli_commands import engine_args
+from cluster.client_protocol import CompletionUsage
 from cluster.local_backend import LocalBackend
 from cluster.openai_api import create_app
 from engine import LLM
@@ -147,3 +148,12 @@ def test_disable_prefix_cache_reaches_the_engine():
     on = engine_args(parser.parse_args(["serve"]))
     off = engine_args(parser.parse_args(["serve", "--disable-prefix-cache"]))
     assert on.enable_prefix_cache and not off.enable_prefix_cache
+
+
+def test_the_client_reads_the_cached_tokens():
+    usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    parsed = CompletionUsage.parse({**usage, "prompt_tokens_details": {"cached_tokens": 4}})
+    assert parsed.cached_tokens == 4 and parsed.extra == {}
+    assert CompletionUsage.parse(usage).cached_tokens is None
+    # What the server had cached does not make two answers' usage differ.
+    assert parsed == CompletionUsage.parse(usage)
