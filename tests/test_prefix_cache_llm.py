@@ -16,6 +16,7 @@ from tiny_drafts import make_good_draft, make_predictable_llama
 
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
+from engine.kernels import triton_runs_on
 from metadata.kv_audit import request_pools
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -217,3 +218,31 @@ def test_a_request_that_starts_past_a_cached_prefix_still_traces_its_prefill(tin
     names = [event[0] for event in again.trace]
     # Once, though its prompt ran in two chunks after the cached prefix.
     assert names.count("prefill_start") == 1 and names.count("prefill_end") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not triton_runs_on("cuda"), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_greedy_output_with_the_cache_on_a_gpu(tiny_model_path, chunk):
+    """The GPU's defaults (Triton attention, CUDA graphs for decode and prefill steps, overlap),
+    in float32: a hit's span after the cached prefix runs in a prefill graph like a chunk."""
+    prompts = _shared_prefix_prompts(seed=8)
+    firsts = _shared_prefix_prompts(seed=9, groups=2, per_group=3)
+    results = {}
+    for cache in (False, True):
+        llm = LLM(
+            str(tiny_model_path),
+            device="cuda",
+            dtype="float32",
+            kv_cache_tokens=4096,
+            max_num_seqs=8,
+            chunked_prefill_size=chunk,
+            enable_prefix_cache=cache,
+        )
+        assert llm.config.cuda_graph_max_bs and llm.config.cuda_graph_max_prefill_tokens
+        shared = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        turns = _conversations(llm, firsts, turns=3, seed=10)
+        results[cache] = (shared, turns)
+        assert llm.engine.kv_cache.is_empty()
+        assert (llm.engine.kv_cache.hit_tokens > 0) == cache
+    assert results[True] == results[False]
