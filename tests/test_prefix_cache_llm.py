@@ -179,6 +179,51 @@ def test_the_kv_audit_finds_no_mismatch_through_a_run_with_aborts(tiny_model_pat
     assert engine.kv_cache.hit_tokens > 0 and engine.kv_cache.is_empty()
 
 
+def test_a_multi_turn_soak_with_aborts_keeps_every_slot_accounted_for(tiny_model_path):
+    """Conversations whose next turn resends the history as soon as the last one ends, some
+    turns aborted on the way, in a pool small enough to evict and retract: at every step the
+    used slots are exactly those held by live requests and the cache, and the tree keeps its
+    invariants."""
+    llm = _llm(tiny_model_path, True, chunked_prefill_size=16, kv_cache_tokens=400)
+    engine = llm.engine
+    rng = random.Random(11)
+    system = [rng.randrange(3, 320) for _ in range(24)]
+    histories = {c: system + [rng.randrange(3, 320) for _ in range(4)] for c in range(12)}
+    live: dict[int, object] = {}
+    served = aborted = steps = 0
+    while served < 240:
+        for conversation, history in histories.items():
+            if conversation not in live:
+                name = f"c{conversation}-{served}"
+                live[conversation] = _add(engine, name, history, max_tokens=rng.randint(1, 10))
+                served += 1
+        engine.step()
+        steps += 1
+        if steps % 5 == 0:
+            conversation = rng.choice(list(live))
+            engine.abort(live[conversation].request_id)
+            aborted += 1
+        for conversation, req in list(live.items()):
+            if req.finished:
+                del live[conversation]
+                answer = req.output_token_ids if req.finish_reason != "abort" else []
+                turn = [rng.randrange(3, 320) for _ in range(rng.randint(1, 5))]
+                histories[conversation] = (req.prompt_token_ids + answer + turn)[-200:]
+        pools = request_pools(
+            engine.kv_cache.kv_pool.allocator.num_used,
+            list(live.values()),
+            None,
+            cached=engine.kv_cache.cached_slots(),
+        )
+        assert [p for p in pools if p.used != p.held] == [], steps
+        engine.kv_cache.prefix_cache.check_integrity()
+    while engine.has_work():
+        engine.step()
+    stats = engine.kv_cache.prefix_cache_stats()
+    assert aborted > 20 and stats["prefix_cache_hit_tokens"] > 0
+    assert stats["prefix_cache_evicted_tokens"] > 0 and engine.kv_cache.is_empty()
+
+
 def test_the_audit_counts_the_cached_slots(tiny_model_path):
     llm = _llm(tiny_model_path, True)
     llm.generate(_shared_prefix_prompts(seed=7, groups=1), GREEDY)
