@@ -7,14 +7,17 @@ hits, evictions and the tokens held; `--disable-prefix-cache` turns it off."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import TINY_BACKEND_MODEL as MODEL
 from fastapi.testclient import TestClient
+from node_builders import built, new_prefill_node
 from prometheus_client.parser import text_string_to_metric_families
-from test_early_announce import Recorder, finish_sends, prefill_node, run_batch
+from test_early_announce import Recorder, finish_sends, run_batch
 
 from cluster.backend import cached_prompt_usage
 from cluster.choices import total_usage
@@ -24,9 +27,6 @@ from cluster.client_protocol import CompletionUsage
 from cluster.local_backend import LocalBackend
 from cluster.openai_api import create_app
 from engine import LLM
-from engine.engine_core import EngineCore
-from engine.loader import EngineArgs, load_runner, resolve
-from metadata.buffers import MetadataBuffers
 from metadata.messages import PrefillResult
 
 SYSTEM = list(range(30, 70))
@@ -44,23 +44,16 @@ class KVRecorder(Recorder):
         return super().send_kv(dst_rank, room, pools_and_slots, metadata, row, begun)
 
 
+@contextmanager
 def _real_prefill_node(model: Path, recorder: Recorder, cache: bool, chunk: int | None = None):
-    """A prefill node (bare, as tests/test_early_announce.py builds them) on the tiny model."""
-    node = prefill_node(recorder)
-    args = EngineArgs(
-        model=str(model),
-        device="cpu",
-        kv_cache_tokens=512,
-        chunked_prefill_size=chunk,
-        enable_prefix_cache=cache,
-    )
-    spec = resolve(args)
-    node.runner = load_runner(spec)
-    node.engine = EngineCore(node.runner, spec.tokenizer, None, handoff=node)
-    node.kv_cache = node.engine.kv_cache
-    hidden = spec.model_config.spec_hidden_size
-    node.metadata = MetadataBuffers(4, hidden, 0, 1, torch.float32, "cpu")
-    return node
+    """A prefill node built through its constructor on the tiny model (tests/node_builders.py),
+    whose outboxes and KV sender are `recorder`."""
+    engine = dict(chunked_prefill_size=chunk, enable_prefix_cache=cache)
+    with built(new_prefill_node(model, 512, 4, **engine)) as node:
+        node.rank = 0
+        node.outboxes = {0: recorder}
+        node.sender = SimpleNamespace(send=recorder.send_kv, begin=recorder.begin_kv)
+        yield node
 
 
 def _serve(node, prompts: dict[int, list[int]]) -> None:
@@ -79,20 +72,20 @@ def test_a_prefill_node_reuses_a_cached_prefix_and_sends_the_whole_prompts_kv(
     sent = {}
     for cache in (False, True):
         recorder = KVRecorder()
-        node = _real_prefill_node(tiny_model_path, recorder, cache, chunk)
-        _serve(node, prompts)
-        sent[cache] = recorder.kv
-        results = {r.room: r.cached_tokens for r in recorder.messages(PrefillResult)}
-        if cache:
-            assert results == {11: 0, 12: len(SYSTEM), 13: len(SYSTEM) + 2}
-            stats = node.kv_cache.prefix_cache_stats()
-            assert stats["prefix_cache_hit_tokens"] == 2 * len(SYSTEM) + 2
-            assert stats["prefix_cache_tokens"] == len(SYSTEM) + 5
-        else:
-            assert results == {11: None, 12: None, 13: None}
-            assert node.kv_cache.prefix_cache_stats() == {}
-        assert all(p.used == p.held for p in node._pool_counts())  # the audit
-        assert node.kv_cache.is_empty()
+        with _real_prefill_node(tiny_model_path, recorder, cache, chunk) as node:
+            _serve(node, prompts)
+            sent[cache] = recorder.kv
+            results = {r.room: r.cached_tokens for r in recorder.messages(PrefillResult)}
+            if cache:
+                assert results == {11: 0, 12: len(SYSTEM), 13: len(SYSTEM) + 2}
+                stats = node.kv_cache.prefix_cache_stats()
+                assert stats["prefix_cache_hit_tokens"] == 2 * len(SYSTEM) + 2
+                assert stats["prefix_cache_tokens"] == len(SYSTEM) + 5
+            else:
+                assert results == {11: None, 12: None, 13: None}
+                assert node.kv_cache.prefix_cache_stats() == {}
+            assert all(p.used == p.held for p in node._pool_counts())  # the audit
+            assert node.kv_cache.is_empty()
     for room, prompt in prompts.items():
         [with_cache], [without] = sent[True][room], sent[False][room]
         assert with_cache.shape[0] == len(prompt)  # the whole prompt's KV crosses
