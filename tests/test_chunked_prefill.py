@@ -9,17 +9,20 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
-from test_early_announce import PROMPTS, Recorder, finish_sends, prefill_node
+from test_early_announce import PROMPTS, Recorder, finish_sends, recorded_prefill_node
 from tiny_drafts import make_good_draft, make_predictable_llama
 from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
 from engine.request import Request
 from metadata.messages import AbortRequest, TransferAbandoned, TransferAnnounce
+from prefill_node.node import PrefillNode
 from prefill_node.pending import Pending
 
 SPEC = "multi-layer-eagle"
@@ -154,7 +157,19 @@ def test_an_abort_between_chunks_frees_the_prompt_before_the_next_chunk(models):
     assert _clean(llm)
 
 
-# --- on a prefill node (built bare: test_early_announce's fake runner and recorder) ---
+# --- on a prefill node (tests/test_early_announce.py's, over the tiny model, and its recorder) ---
+
+
+@pytest.fixture
+def prefill_node(tiny_model_path: Path) -> Iterator[Callable[..., PrefillNode]]:
+    with ExitStack() as nodes:
+
+        def make(recorder: Recorder, chunk: int) -> PrefillNode:
+            return recorded_prefill_node(
+                nodes, tiny_model_path, recorder, chunked_prefill_size=chunk
+            )
+
+        yield make
 
 
 def _queue(node, room: int, prompt: list[int]) -> None:
@@ -162,7 +177,7 @@ def _queue(node, room: int, prompt: list[int]) -> None:
     node.waiting.append([Pending(req, decode_node=0, decode_rank=1)])
 
 
-def test_a_prefill_node_announces_before_the_last_chunk_and_sends_after_it():
+def test_a_prefill_node_announces_before_the_last_chunk_and_sends_after_it(prefill_node):
     """Announced and sent in one step, a transfer keeps the order of announcements to a decode
     node the order of its sends (NCCL matches by order), whatever runs between the chunks."""
     recorder = Recorder()
@@ -184,7 +199,7 @@ def test_a_prefill_node_announces_before_the_last_chunk_and_sends_after_it():
     assert node.kv_cache.is_empty() and node.metadata.num_free == 4
 
 
-def test_an_abort_between_a_prefill_nodes_chunks_frees_the_slots_and_abandons_it():
+def test_an_abort_between_a_prefill_nodes_chunks_frees_the_slots_and_abandons_it(prefill_node):
     recorder = Recorder()
     node = prefill_node(recorder, chunk=3)
     _queue(node, 41, list(range(3, 11)))
@@ -205,7 +220,7 @@ def test_an_abort_between_a_prefill_nodes_chunks_frees_the_slots_and_abandons_it
     assert node.kv_cache.is_empty() and node.metadata.num_free == 4
 
 
-def test_whole_prompts_on_a_prefill_node_are_unchanged_by_the_chunk_size():
+def test_whole_prompts_on_a_prefill_node_are_unchanged_by_the_chunk_size(prefill_node):
     """Prompts shorter than the chunk size go as they always went: one forward, every transfer
     announced before it."""
     recorder = Recorder()

@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -19,7 +22,7 @@ import pytest
 import zmq
 from cluster_helpers import launch, serve, wait_for
 from prometheus_client.parser import text_string_to_metric_families
-from test_early_announce import PREFILL_RANK, PROMPT, ROOM, ScratchReceiver, decode_node
+from test_early_announce import PREFILL_RANK, PROMPT, ROOM, ScratchReceiver, announced_decode_node
 from tiny_models import make_tiny_llama
 
 from cluster.client import Client
@@ -153,29 +156,36 @@ def test_an_inbox_takes_its_clusters_messages_and_drops_and_counts_the_rest():
 
 
 # --- what a decode node takes from an authenticated prefill node ---
-def announced_node():
-    """A bare decode node (tests/test_early_announce.py) whose request ROOM, of PROMPT, went to
-    prefill-0 (rank PREFILL_RANK), with a receiver that records what it posts."""
-    node, cache = decode_node(TransferState.BOOTSTRAPPING)
-    node.rooms[ROOM].handle = None
-    node.engine.runner = SimpleNamespace(kv_pool=cache.kv_pool)
-    node.prefill_ranks = {0: PREFILL_RANK, 1: PREFILL_RANK + 1}
-    receiver = node.receiver = ScratchReceiver()
-    receiver.expected = []
+@pytest.fixture
+def announced_node(tiny_model_path: Path) -> Iterator[Callable[[], tuple]]:
+    """Decode nodes over the tiny model (tests/test_early_announce.py) whose request ROOM, of
+    PROMPT, went to prefill-0 (rank PREFILL_RANK), with a receiver that records what it posts."""
+    with ExitStack() as nodes:
 
-    def expect(src_rank, room, pools, metadata, row):
-        receiver.expected.append((src_rank, room))
-        return TransferHandle(room, src_rank)
+        def make():
+            node, cache = announced_decode_node(nodes, tiny_model_path, TransferState.BOOTSTRAPPING)
+            node.rooms[ROOM].handle = None
+            node.prefill_ranks = {0: PREFILL_RANK, 1: PREFILL_RANK + 1}
+            receiver = node.receiver = ScratchReceiver()
+            receiver.expected = []
 
-    receiver.expect = expect
-    return node, cache
+            def expect(src_rank, room, pools, metadata, row):
+                receiver.expected.append((src_rank, room))
+                return TransferHandle(room, src_rank)
+
+            receiver.expect = expect
+            return node, cache
+
+        yield make
 
 
 def scratch(node, cache, rank: int, room: int, num_tokens: int):
     return (rank, room, [kv_nbytes(cache.kv_pool, num_tokens), node.metadata.row_nbytes])
 
 
-def test_an_announcement_from_another_prefill_rank_is_discarded_and_fails_the_request():
+def test_an_announcement_from_another_prefill_rank_is_discarded_and_fails_the_request(
+    announced_node,
+):
     node, cache = announced_node()
     node._handle(TransferAnnounce(ROOM, PREFILL_RANK + 1, len(PROMPT)))
     assert node.receiver.discarded == [scratch(node, cache, PREFILL_RANK + 1, ROOM, len(PROMPT))]
@@ -190,7 +200,7 @@ def test_an_announcement_from_another_prefill_rank_is_discarded_and_fails_the_re
     assert len(node.receiver.discarded) == 2 and not node.receiver.expected
 
 
-def test_an_announcement_from_no_prefill_rank_posts_nothing_and_fails_the_request():
+def test_an_announcement_from_no_prefill_rank_posts_nothing_and_fails_the_request(announced_node):
     node, cache = announced_node()
     node._handle(TransferAnnounce(ROOM, 42, len(PROMPT)))
     assert not node.receiver.discarded and not node.receiver.expected
@@ -202,7 +212,9 @@ def test_an_announcement_from_no_prefill_rank_posts_nothing_and_fails_the_reques
 
 
 @pytest.mark.parametrize("num_tokens", [0, -3, 65, 10**12])
-def test_a_token_count_no_prompt_has_posts_nothing_and_breaks_that_channel(num_tokens):
+def test_a_token_count_no_prompt_has_posts_nothing_and_breaks_that_channel(
+    announced_node, num_tokens
+):
     node, cache = announced_node()
     node._handle(TransferAnnounce(ROOM + 1, PREFILL_RANK, num_tokens))
     assert not node.receiver.discarded and not node.receiver.expected
@@ -210,7 +222,7 @@ def test_a_token_count_no_prompt_has_posts_nothing_and_breaks_that_channel(num_t
     assert ROOM in node.rooms and not node.router.updates  # the room announced was unknown
 
 
-def test_a_second_announcement_fails_the_request_and_frees_it_once_the_first_ends():
+def test_a_second_announcement_fails_the_request_and_frees_it_once_the_first_ends(announced_node):
     node, cache = announced_node()
     node._handle(TransferAnnounce(ROOM, PREFILL_RANK, len(PROMPT)))
     assert node.receiver.expected == [(PREFILL_RANK, ROOM)]
@@ -224,7 +236,7 @@ def test_a_second_announcement_fails_the_request_and_frees_it_once_the_first_end
     assert cache.is_empty() and node.metadata.num_free == 2 and not node.rooms
 
 
-def test_draft_depths_the_request_does_not_receive_fail_it():
+def test_draft_depths_the_request_does_not_receive_fail_it(announced_node):
     node, cache = announced_node()
     node._handle(TransferAnnounce(ROOM, PREFILL_RANK, len(PROMPT), num_draft_tokens=2))
     (update,) = node.router.updates

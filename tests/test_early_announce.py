@@ -86,36 +86,47 @@ def draft(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return make_random_draft(tmp_path_factory.mktemp("announce") / "draft", tiny_model_path, 2)
 
 
+def recorded_prefill_node(
+    nodes: ExitStack,
+    model: Path,
+    recorder: Recorder,
+    fail: bool = False,
+    draft: Path | None = None,
+    **engine: object,
+) -> PrefillNode:
+    """A prefill node over `model` (pool of CAPACITY slots, four metadata rows), closed with
+    `nodes`, whose outboxes and KV sender are `recorder`, which logs every forward; `fail`:
+    the forward fails; `draft`: it speculates with that draft, whose draft extend fails.
+    `engine`: more EngineArgs (a chunk size, the prefix cache)."""
+    spec = dict(speculative_algorithm=SPEC, draft_model=str(draft)) if draft else {}
+    engine = dict(max_num_seqs=8, max_prefill_tokens=512, **spec, **engine)
+    node = nodes.enter_context(built(new_prefill_node(model, CAPACITY, 4, **engine)))
+    node.rank = 0
+    node.outboxes = {0: recorder}
+    node.sender = SimpleNamespace(send=recorder.send_kv, begin=recorder.begin_kv)
+    forward = node.runner.forward
+
+    def logged_forward(batch, keep_hidden: bool = False):
+        recorder.events.append(("forward",))
+        if fail:
+            raise RuntimeError("injected forward failure")
+        return forward(batch, keep_hidden=keep_hidden)
+
+    node.runner.forward = logged_forward
+    if draft:
+        node.speculator.draft_extend_prefill = _failing_draft_extend
+    return node
+
+
 @pytest.fixture
 def make_prefill(tiny_model_path: Path, draft: Path) -> Iterator[Callable[..., PrefillNode]]:
-    """Prefill nodes over the tiny model (pool of CAPACITY slots, four metadata rows) whose
-    outboxes and KV sender are `recorder`, with two draft depths whose draft extend fails if
-    `failing_drafts`; `fail`: the forward fails. Every forward is logged in the recorder."""
+    """`recorded_prefill_node`s over the tiny model; `failing_drafts`: with two draft depths
+    whose draft extend fails."""
     with ExitStack() as nodes:
 
         def make(recorder: Recorder, fail: bool = False, failing_drafts: bool = False):
-            spec = (
-                dict(speculative_algorithm=SPEC, draft_model=str(draft)) if failing_drafts else {}
-            )
-            engine = dict(max_num_seqs=8, max_prefill_tokens=512, **spec)
-            node = nodes.enter_context(
-                built(new_prefill_node(tiny_model_path, CAPACITY, 4, **engine))
-            )
-            node.rank = 0
-            node.outboxes = {0: recorder}
-            node.sender = SimpleNamespace(send=recorder.send_kv, begin=recorder.begin_kv)
-            forward = node.runner.forward
-
-            def logged_forward(batch, keep_hidden: bool = False):
-                recorder.events.append(("forward",))
-                if fail:
-                    raise RuntimeError("injected forward failure")
-                return forward(batch, keep_hidden=keep_hidden)
-
-            node.runner.forward = logged_forward
-            if failing_drafts:
-                node.speculator.draft_extend_prefill = _failing_draft_extend
-            return node
+            used = draft if failing_drafts else None
+            return recorded_prefill_node(nodes, tiny_model_path, recorder, fail, used)
 
         yield make
 
@@ -289,36 +300,41 @@ PROMPT = list(range(3, 13))
 PREFILL_RANK = 3  # prefill-0's, which every request here goes to
 
 
+def announced_decode_node(
+    nodes: ExitStack, model: Path, state: TransferState, error: str | None = None
+) -> tuple[DecodeNode, KVCacheManager]:
+    """A decode node over `model` (pool of CAPACITY slots, two metadata rows), closed with
+    `nodes`, streaming to a recorder (`node.router`), receiving request ROOM from prefill-0,
+    its transfer in `state` (failed with `error`)."""
+    node = nodes.enter_context(built(new_decode_node(model, CAPACITY, 2, max_num_seqs=8)))
+    cache = node.kv_cache
+    node.router = StreamRecorder()
+    node.streams = node.router.streams("decode-0")
+    node.prefill_ranks = {0: PREFILL_RANK}
+    req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
+    cache.grow(req, len(PROMPT) + 4)
+    message = SimpleNamespace(room=ROOM, prefill_node=0)
+    stream = node.streams.open(FRONTEND, ROOM)
+    tracked = Tracked(req, message, stream, meta_row=node.metadata.allocate())
+    tracked.handle = TransferHandle(ROOM, peer=0)
+    if state == TransferState.FAILED:
+        tracked.handle.fail(error)
+    else:
+        tracked.handle.advance(state)
+    node.rooms = {ROOM: tracked}
+    node.receiving = [tracked]
+    return node, cache
+
+
 @pytest.fixture
 def make_decode(
     tiny_model_path: Path,
 ) -> Iterator[Callable[..., tuple[DecodeNode, KVCacheManager]]]:
-    """Decode nodes over the tiny model (pool of CAPACITY slots, two metadata rows) streaming to
-    a recorder (`node.router`), each receiving request ROOM from prefill-0, its transfer in
-    `state` (failed with `error`)."""
+    """`announced_decode_node`s over the tiny model."""
     with ExitStack() as nodes:
 
         def make(state: TransferState, error: str | None = None):
-            node = nodes.enter_context(
-                built(new_decode_node(tiny_model_path, CAPACITY, 2, max_num_seqs=8))
-            )
-            cache = node.kv_cache
-            node.router = StreamRecorder()
-            node.streams = node.router.streams("decode-0")
-            node.prefill_ranks = {0: PREFILL_RANK}
-            req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
-            cache.grow(req, len(PROMPT) + 4)
-            message = SimpleNamespace(room=ROOM, prefill_node=0)
-            stream = node.streams.open(FRONTEND, ROOM)
-            tracked = Tracked(req, message, stream, meta_row=node.metadata.allocate())
-            tracked.handle = TransferHandle(ROOM, peer=0)
-            if state == TransferState.FAILED:
-                tracked.handle.fail(error)
-            else:
-                tracked.handle.advance(state)
-            node.rooms = {ROOM: tracked}
-            node.receiving = [tracked]
-            return node, cache
+            return announced_decode_node(nodes, tiny_model_path, state, error)
 
         yield make
 
