@@ -106,6 +106,8 @@ class KVCacheManager:
         self.lookup_tokens -= req.num_tokens - 1
         self.hit_tokens -= req.cached_len
         self.prefix_cache.unlock(req.cache_node)
+        if not req.output_token_ids:
+            req.cached_tokens = 0
         req.slots, req.kv_len, req.cached_len, req.cache_node = [], 0, 0, None
 
     def cache_prefix(self, req: Request) -> None:

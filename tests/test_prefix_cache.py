@@ -194,8 +194,10 @@ def test_a_request_reads_a_cached_prefix_and_the_row_agrees():
     third = _request([5, 6, 7, 8, 9])
     manager.match_prefix(third)
     assert third.kv_len == 4
+    assert third.cached_tokens == 4
     manager.unmatch(third)
-    assert third.slots == [] and third.cache_node is None
+    # Not admitted: it reports no cached prompt tokens it never used.
+    assert third.slots == [] and third.cache_node is None and third.cached_tokens == 0
     assert manager.hit_tokens == 3 and manager.lookup_tokens == 8
     manager.release(second)
     assert manager.is_empty()
