@@ -18,6 +18,9 @@ from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.prefix_cache import PrefixCache
 from engine.request import Request
 
+# The fewest slots an eviction frees when it runs (fewer where no more are free of holds).
+EVICT_AT_LEAST = 256
+
 
 class KVCacheManager:
     def __init__(
@@ -70,7 +73,9 @@ class KVCacheManager:
         allocator = self.kv_pool.allocator
         missing = sum(n for _, n in grants) - allocator.num_free
         if missing > 0 and self.prefix_cache is not None:
-            allocator.free(self.prefix_cache.evict(missing))
+            # An eviction walks the whole tree: with the pool full of cache, taking just what
+            # a decode step lacks would walk it at every step.
+            allocator.free(self.prefix_cache.evict(max(missing, EVICT_AT_LEAST)))
         # A request that starts at a cached prefix holds its slots, but no row yet.
         writes = []
         for req, _ in grants:

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import EVICT_AT_LEAST, KVCacheManager
 from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.prefix_cache import PrefixCache
 from engine.request import Request
@@ -249,6 +249,24 @@ def test_eviction_under_a_full_pool_frees_only_unreferenced_entries():
     assert first_slots(manager, [7]) == []
     allocator.check_integrity()
     manager.prefix_cache.check_integrity()
+
+
+def test_an_eviction_frees_a_batch_of_slots_not_just_what_one_step_lacks():
+    """Each eviction walks the tree: with the pool full of cache, one per decode step would
+    walk it at every step. It frees EVICT_AT_LEAST slots (the least recently used) at once."""
+    capacity = 2 * EVICT_AT_LEAST
+    manager = _manager(capacity, rows=capacity)
+    for i in range(capacity // 8):  # the whole pool cached, in prompts of 8 nobody holds
+        req = _request([1000 + 8 * i + j for j in range(8)], f"r{i}")
+        _prefill(manager, req)
+        manager.release(req)
+    assert manager.kv_pool.allocator.num_free == 0
+    manager.grow(_request([1, 2], "new"), 2)
+    assert manager.prefix_cache.evicted_tokens == EVICT_AT_LEAST
+    assert manager.kv_pool.allocator.num_free == EVICT_AT_LEAST - 2
+    # The least recently used went: the first prompts, the latest still cached.
+    assert first_slots(manager, [1000]) == []
+    assert len(first_slots(manager, [1000 + capacity - 8 + j for j in range(8)])) == 8
 
 
 def test_release_lets_go_of_the_prefix_and_caches_only_computed_kv():
