@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from cluster.cli_commands import engine_args
 from engine import LLM, SamplingParams
 from engine.errors import PdclusterError
 from engine.loader import DEFAULT_DRAFT_CHAINS, EngineArgs, resolve
+from engine.request import Request
 from spec.draft_vocab import DraftHead
 from spec.train.dense import draft_forward, target_forward
 from spec.tree_verify import TreeSlots
@@ -327,7 +327,7 @@ def test_requests_hold_at_most_max_num_seqs_rows(models) -> None:
     target, draft = models["random"]
     cache = _llm(target, draft, 3, max_num_seqs=2).engine.kv_cache
     assert cache.req_to_token_pool.max_reqs == 2 and cache.max_requests == 2
-    holders = [SimpleNamespace(row=None, slots=[]) for _ in range(2)]
+    holders = [Request(str(i), [1, 2, 3, 4], SamplingParams(max_tokens=1)) for i in range(2)]
     for holder in holders:
         assert cache.can_grow(4, 1)
         cache.grow(holder, 4)
