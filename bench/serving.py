@@ -2,6 +2,7 @@
 same hardware, each loaded by `pdcluster bench serving` over HTTP.
 
     python bench/serving.py --setups aggregated 1p1d [--gpus-per-node 0.5] [--speculative off on]
+        [--prefix-cache on off]
         [--datasets random chat shared-prefix multiturn] [--input-len 1024] [--output-len 128]
         [--num-prompts 200] [--prefix-groups 8 --prompts-per-group 16 --system-prompt-len 1500
         --question-len 128] [--num-conversations N --concurrent-conversations 16]
@@ -48,10 +49,22 @@ POOLS_DRAIN_S = 60.0
 class Setup:
     name: str  # "aggregated" or "1p1d"
     speculative: bool
+    prefix_cache: bool = True
 
     @property
     def label(self) -> str:
-        return f"{self.name}{' + spec' if self.speculative else ''}"
+        spec = " + spec" if self.speculative else ""
+        return f"{self.name}{spec}{'' if self.prefix_cache else ', no prefix cache'}"
+
+
+def setups_of(args: argparse.Namespace) -> list[Setup]:
+    """One setup per (prefix cache, speculation, setup name) asked for."""
+    return [
+        Setup(name, spec == "on", cache == "on")
+        for cache in args.prefix_cache
+        for spec in args.speculative
+        for name in args.setups
+    ]
 
 
 def cluster_config(setup: Setup, args: argparse.Namespace) -> ClusterConfig:
@@ -64,6 +77,7 @@ def cluster_config(setup: Setup, args: argparse.Namespace) -> ClusterConfig:
         draft_model=args.draft_model if setup.speculative else None,
         overlap_schedule=False if args.disable_overlap_schedule else None,
         cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
+        enable_prefix_cache=setup.prefix_cache,
     )
     common = dict(
         engine=engine,
@@ -178,6 +192,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     parser.add_argument("--speculative", nargs="+", choices=["off", "on"], default=["off"])
+    parser.add_argument(
+        "--prefix-cache", nargs="+", choices=["on", "off"], default=["on"],
+        help="each setup with the engines' prefix cache on (the default) and/or off",
+    )  # fmt: skip
     parser.add_argument("--model", default=None, help="default: the embedded default model")
     parser.add_argument(
         "--draft-model", default=None, help="with --speculative on (default: the shipped draft)"
@@ -221,7 +239,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     init_ray(None)
-    setups = [Setup(name, spec == "on") for spec in args.speculative for name in args.setups]
+    setups = setups_of(args)
     rows: list[dict] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:

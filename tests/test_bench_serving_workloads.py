@@ -415,3 +415,23 @@ def test_bench_serving_script_passes_each_dataset_its_own_flags(tiny_model_path,
     assert {name: limit for name, (_, limit) in specs.items()} == {
         "random": 4, "chat": 4, "shared-prefix": 4, "multiturn": None,
     }  # fmt: skip
+
+
+def test_bench_serving_script_compares_the_prefix_cache_on_and_off(tiny_model_path):
+    """--prefix-cache on off: each setup twice, the engines of the second without the cache,
+    and the rows' labels tell them apart."""
+    pytest.importorskip("ray")
+    from bench import serving
+
+    args = serving.parse_args(
+        ["--model", str(tiny_model_path), "--setups", "aggregated", "1p1d",
+         "--prefix-cache", "on", "off"]
+    )  # fmt: skip
+    setups = serving.setups_of(args)
+    assert [s.label for s in setups] == [
+        "aggregated", "1p1d", "aggregated, no prefix cache", "1p1d, no prefix cache",
+    ]  # fmt: skip
+    caches = [serving.cluster_config(s, args).engine.enable_prefix_cache for s in setups]
+    assert caches == [True, True, False, False]
+    default = serving.setups_of(serving.parse_args(["--model", str(tiny_model_path)]))
+    assert default and all(s.prefix_cache for s in default)
