@@ -34,6 +34,14 @@ def hf_greedy(
 
 def every_token_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     """The engine's logits at every prompt position, all prompts prefilled in one batch."""
+    return [logits for logits, _ in every_token_outputs(llm, prompts)]
+
+
+def every_token_outputs(
+    llm: LLM, prompts: list[list[int]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The engine's (logits, draft hidden states) at every prompt position, all prompts
+    prefilled in one batch."""
     core = llm.engine
     requests = [
         core.make_request(str(i), p, SamplingParams(max_tokens=1)) for i, p in enumerate(prompts)
@@ -41,10 +49,11 @@ def every_token_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]
     for req in requests:
         core.kv_cache.grow(req, req.num_tokens)
     batch = core.runner.build_batch(requests)
-    logits = core.runner.forward_every_token(batch).logits
+    outputs = core.runner.forward_every_token(batch)
     for req in requests:
         core.kv_cache.release(req)
-    return list(logits.split(batch.extend_lens))
+    lens = batch.extend_lens
+    return list(zip(outputs.logits.split(lens), outputs.hidden.split(lens)))
 
 
 def edit_config(source: Path, dest: Path, **fields) -> Path:

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import torch
+from family_checks import hf_greedy
 
 from engine import LLM, SamplingParams
 from engine.default_model import default_model_path
@@ -49,19 +50,7 @@ def hf_reference(prompts) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
-    eos = hf.generation_config.eos_token_id
-    outputs = []
-    for prompt in prompts:
-        with torch.no_grad():
-            generated = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos,
-            )
-        outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
+    return hf_greedy(hf, prompts, MAX_TOKENS, stop_at_eos=True)
 
 
 def _trim_after_eos(tokens: list[int], eos: set[int]) -> list[int]:

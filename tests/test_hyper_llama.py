@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_checks import every_token_outputs
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_hyper_llama, make_tiny_llama, widen_to_hyper_llama
 
@@ -34,28 +35,12 @@ def _llm(path: Path) -> LLM:
     return LLM(str(path), device="cpu", kv_cache_tokens=1024, max_num_seqs=8)
 
 
-def _every_token(llm: LLM, prompts: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(logits, draft hidden states) at every prompt position, all prompts in one batch."""
-    core = llm.engine
-    requests = [
-        core.make_request(str(i), p, SamplingParams(max_tokens=1)) for i, p in enumerate(prompts)
-    ]
-    for req in requests:
-        core.kv_cache.grow(req, req.num_tokens)
-    batch = core.runner.build_batch(requests)
-    outputs = core.runner.forward_every_token(batch)
-    logits, hidden = outputs.logits, outputs.hidden
-    for req in requests:
-        core.kv_cache.release(req)
-    return list(zip(logits.split(batch.extend_lens), hidden.split(batch.extend_lens)))
-
-
 def test_one_copy_with_unit_mixing_is_the_plain_llama_exactly(folders) -> None:
     plain, hyper = _llm(folders["llama"]), _llm(folders["hc1"])
     assert type(hyper.engine.runner.model).__name__ == "HyperLlamaForCausalLM"
     assert hyper.model_config.hc_mult == 1
     for (ours, ours_hidden), (theirs, theirs_hidden) in zip(
-        _every_token(hyper, PROMPTS), _every_token(plain, PROMPTS)
+        every_token_outputs(hyper, PROMPTS), every_token_outputs(plain, PROMPTS)
     ):
         assert torch.equal(ours, theirs)
         assert torch.equal(ours_hidden, theirs_hidden)
@@ -69,7 +54,7 @@ def test_the_stream_is_hc_mult_copies_wide(folders) -> None:
     llm = _llm(folders["hc2"])
     config = llm.model_config
     assert config.hc_mult == 2 and config.spec_hidden_size == 2 * config.hidden_size
-    (logits, hidden), *_ = _every_token(llm, PROMPTS[:1])
+    (logits, hidden), *_ = every_token_outputs(llm, PROMPTS[:1])
     assert logits.shape == (len(PROMPTS[0]), config.vocab_size)
     assert hidden.shape == (len(PROMPTS[0]), 2 * config.hidden_size)
     # Random mixes make the copies differ: the draft sees more than one copy's worth.
@@ -79,9 +64,9 @@ def test_the_stream_is_hc_mult_copies_wide(folders) -> None:
 
 def test_batched_equals_one_by_one(folders) -> None:
     llm = _llm(folders["hc2"])
-    batched = _every_token(llm, PROMPTS)
+    batched = every_token_outputs(llm, PROMPTS)
     for prompt, (logits, hidden) in zip(PROMPTS, batched):
-        ((alone_logits, alone_hidden),) = _every_token(llm, [prompt])
+        ((alone_logits, alone_hidden),) = every_token_outputs(llm, [prompt])
         torch.testing.assert_close(logits, alone_logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(hidden, alone_hidden, atol=1e-5, rtol=1e-5)
 
@@ -90,7 +75,7 @@ def test_decode_with_cache_equals_full_recompute(folders) -> None:
     llm = _llm(folders["hc2"])
     core, runner = llm.engine, llm.engine.runner
     prompt = PROMPTS[2]
-    ((full_logits, full_hidden),) = _every_token(llm, [prompt])
+    ((full_logits, full_hidden),) = every_token_outputs(llm, [prompt])
     split = len(prompt) - 5
     req = core.make_request("0", prompt[:split], SamplingParams(max_tokens=8))
     core.kv_cache.grow(req, split)
