@@ -16,7 +16,7 @@ import os
 from engine.config import ModelConfig
 from engine.loader import EngineArgs, ModelSpec, resolve
 from engine.model_runner import ModelRunner
-from engine.speculation import Speculation, register_speculation
+from engine.speculation import Speculation, chosen_speculation, register_speculation
 from spec.config import draft_target_config
 from spec.default_draft import resolve_draft_model
 from spec.draft_model import load_draft
@@ -72,12 +72,10 @@ register_speculation(ALGORITHMS[0], MULTI_LAYER_EAGLE)
 
 
 def speculation_of(args: EngineArgs) -> Speculation | None:
-    """The `Speculation` an engine built from `args` runs; None without speculation.
-    ValueError naming the supported algorithms for another name."""
-    if args.speculative_algorithm is None:
-        return None
-    check_algorithm(args.speculative_algorithm)
-    return MULTI_LAYER_EAGLE
+    """The `Speculation` an engine built from `args` runs, as the engine's registry has it
+    (this module registers multi-layer EAGLE above); None without speculation. ValueError
+    naming the supported algorithms for another name."""
+    return chosen_speculation(args.speculative_algorithm)
 
 
 def resolve_model(args: EngineArgs) -> ModelSpec:
