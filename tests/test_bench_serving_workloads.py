@@ -307,7 +307,7 @@ def test_shared_prefix_against_the_server(server, long_context_model, tmp_path, 
         "--url", server.url, "--model", "tiny", "--tokenizer", str(long_context_model),
         "--dataset", "shared-prefix", "--prefix-groups", "2", "--prompts-per-group", "3",
         "--system-prompt-len", "60", "--question-len", "8", "--output-len", "4",
-        "--output-dir", str(out), "--save-requests",
+        "--max-concurrency", "1", "--output-dir", str(out), "--save-requests",
     )  # fmt: skip
     assert code == 0
     assert "6 shared-prefix prompts, mean 70 prompt tokens" in capsys.readouterr().out
@@ -319,7 +319,9 @@ def test_shared_prefix_against_the_server(server, long_context_model, tmp_path, 
     assert (dataset["groups"], dataset["prompts_per_group"], dataset["num_prompts"]) == (2, 3, 6)
     assert (dataset["system_len"], dataset["question_len"]) == (60, 8)
     # The server's prefix cache serves the system prompt to the group's later questions: the
-    # cached tokens it reports are counted, never more than the prompts hold.
+    # cached tokens it reports are counted, never more than the prompts hold. One request at a
+    # time, so a group's first prompt is cached before the next arrives (prompts admitted in one
+    # step all compute their prefix).
     requests = read_lines(out / "requests.jsonl")
     assert all(r["cached_tokens"] is not None for r in requests)
     assert run["total_cached_tokens"] == sum(r["cached_tokens"] for r in requests) > 0
