@@ -43,6 +43,13 @@ class DraftConfig:
     # Width of every depth's MLP; None: the target's `intermediate_size`. A narrower MLP buys
     # more depths within the same bytes.
     intermediate_size: int | None = None
+    # The draft steps an engine runs when not told (`num_draft_steps=None`): more than the depths
+    # for a draft trained to run its last depth again; None: `num_draft_steps`.
+    default_draft_steps: int | None = None
+
+    @property
+    def default_steps(self) -> int:
+        return self.default_draft_steps or self.num_draft_steps
 
     @classmethod
     def for_target(
@@ -52,9 +59,12 @@ class DraftConfig:
         name: str,
         draft_vocab_size: int | None = None,
         intermediate_size: int | None = None,
+        default_draft_steps: int | None = None,
     ) -> DraftConfig:
         if intermediate_size == target.intermediate_size:
             intermediate_size = None
+        if default_draft_steps == num_draft_steps:
+            default_draft_steps = None
         return cls(
             num_draft_steps=num_draft_steps,
             spec_hidden_size=target.spec_hidden_size,
@@ -63,6 +73,7 @@ class DraftConfig:
             aux_layers=target.draft_aux_layers,
             draft_vocab_size=draft_vocab_size,
             intermediate_size=intermediate_size,
+            default_draft_steps=default_draft_steps,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -79,6 +90,8 @@ class DraftConfig:
             raw["draft_vocab_size"] = self.draft_vocab_size
         if self.intermediate_size is not None:
             raw["intermediate_size"] = self.intermediate_size
+        if self.default_draft_steps is not None:
+            raw["default_draft_steps"] = self.default_draft_steps
         return raw
 
     @classmethod
@@ -118,6 +131,12 @@ class DraftConfig:
                 f"{file}: aux_layers must be a list of distinct target layer indices, "
                 f"got {aux_layers!r}"
             )
+        default_steps = _optional_positive_int(raw, "default_draft_steps", file)
+        if default_steps is not None and default_steps < raw["num_draft_steps"]:
+            raise ModelLoadError(
+                f"{file}: default_draft_steps ({default_steps}) is fewer than num_draft_steps "
+                f"({raw['num_draft_steps']})"
+            )
         return cls(
             int(raw["num_draft_steps"]),
             int(raw["spec_hidden_size"]),
@@ -126,6 +145,7 @@ class DraftConfig:
             tuple(aux_layers),
             _optional_positive_int(raw, "draft_vocab_size", file),
             _optional_positive_int(raw, "intermediate_size", file),
+            default_steps,
         )
 
     def check_target(self, target: ModelConfig, folder: Path) -> None:

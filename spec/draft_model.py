@@ -116,10 +116,14 @@ class MultiLayerEagleDraft(nn.Module):
 
 
 def save_draft(
-    path: str | os.PathLike, draft: MultiLayerEagleDraft, target_name: str = "unknown"
+    path: str | os.PathLike,
+    draft: MultiLayerEagleDraft,
+    target_name: str = "unknown",
+    default_draft_steps: int | None = None,
 ) -> None:
     """Write `draft` as a draft folder: config.json and model.safetensors with HF layer names
-    (the depths with weights of their own: a reused last depth is written once)."""
+    (the depths with weights of their own: a reused last depth is written once).
+    `default_draft_steps`: the steps an engine runs it for by default (None: its depths)."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = draft.vocab
@@ -134,6 +138,7 @@ def save_draft(
         target_name,
         None if vocab is None else vocab.numel(),
         draft.intermediate_size,
+        default_draft_steps,
     )
     (folder / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
     tensors: dict[str, torch.Tensor] = {}
@@ -159,13 +164,13 @@ def load_draft(
     device: str | torch.device,
     dtype: torch.dtype,
 ) -> MultiLayerEagleDraft:
-    """The draft's first `num_draft_steps` depths (all by default; more steps than the folder
-    has depths run its last depth again), refused with DraftMismatchError when it was made for
-    a target of other shapes."""
+    """The draft's first `num_draft_steps` depths (by default the folder's default_draft_steps,
+    else all its depths; more steps than the folder has depths run its last depth again),
+    refused with DraftMismatchError when it was made for a target of other shapes."""
     folder = Path(path)
     config = DraftConfig.load(folder)
     config.check_target(target, folder)
-    asked = config.num_draft_steps if num_draft_steps is None else num_draft_steps
+    asked = config.default_steps if num_draft_steps is None else num_draft_steps
     if not 1 <= asked <= MAX_DRAFT_STEPS:
         raise ModelLoadError(
             f"num_draft_steps={asked}: must be 1 to {MAX_DRAFT_STEPS} (draft {folder} has "
