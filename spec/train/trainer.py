@@ -36,6 +36,7 @@ from spec.train.batches import (
 from spec.train.data import Sequences, progress_interval
 from spec.train.dense import draft_forward, target_forward
 from spec.train.replay import Validation, validate
+from spec.train.steps import StepWeighting, step_weights
 
 CHECKPOINT_FILE = "checkpoint.pt"
 LOG_FILE = "train_log.jsonl"
@@ -64,6 +65,9 @@ class Schedule:
     # Depth d's loss counts decay**d in the step's total (1: all alike). EAGLE-3's training
     # weights its steps so, with 0.8: the first depths, accepted most often, matter most.
     depth_loss_decay: float = 1.0
+    # How each draft step's loss counts (spec.train.steps.step_weights): "uniform", or
+    # "accepted", by the share of verify rounds that reach the step.
+    step_weighting: StepWeighting = "uniform"
 
     def resume_key(self) -> dict:
         return {
@@ -75,7 +79,7 @@ class Schedule:
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # the sum over depths, with its graph
+    loss: torch.Tensor  # the weighted sum over draft steps, with its graph
     # [2, K], detached, on the step's device: each depth's loss (row 0) and top-1 agreement
     # with the target, teacher-forced (row 1). Read on the host only when logged: reading
     # them every step would make the host wait for the device every step.
@@ -100,10 +104,13 @@ def distillation_step(
     hidden_noise: float = 0.0,
     noise_seed: int = 0,
     depth_loss_decay: float = 1.0,
+    step_weighting: StepWeighting = "uniform",
 ) -> StepResult:
-    """Cross-entropy of each depth against the target's own distribution (soft labels), summed
-    with depth d's weighted by depth_loss_decay**d. `noise_seed` seeds the hidden-state noise:
-    one seed per step keeps a resumed run exact."""
+    """Cross-entropy of each draft step against the target's own distribution (soft labels),
+    summed with the weights of spec.train.steps.step_weights (`step_weighting`, with step d's
+    also scaled by depth_loss_decay**d). The steps are the draft's `depths`: its stored depths,
+    then its last depth again where the draft reuses it. `noise_seed` seeds the hidden-state
+    noise: one seed per step keeps a resumed run exact."""
     target_hidden, last = target_forward(target, rotary, block.tokens)
     if hidden_noise > 0:
         rms = target_hidden.float().pow(2).mean(-1, keepdim=True).sqrt()
@@ -117,21 +124,23 @@ def distillation_step(
         draft, target, rotary, block.tokens, target_hidden, detach_between_depths
     )
     device = block.tokens.device
-    total = torch.zeros((), device=device)
     stats = torch.zeros(2, len(outputs), device=device)
-    counts = []
+    losses, counts = [], []
     for d, out in enumerate(outputs):
         # Chosen on the host: no kernel waits for a count of positions.
         rows = to_device(drafted_positions(block, d).reshape(-1).nonzero().squeeze(1), device)
         counts.append(rows.numel())
         if rows.numel() == 0:
+            losses.append(torch.zeros((), device=device))
             continue
         labels = target_logits[rows + d + 1]
         logits = target.lm_head_logits(out[rows])
         loss = -(F.softmax(labels, dim=-1) * F.log_softmax(logits, dim=-1)).sum(-1).mean()
-        total = total + depth_loss_decay**d * loss
+        losses.append(loss)
         stats[0, d] = loss.detach()
         stats[1, d] = (logits.detach().argmax(-1) == labels.argmax(-1)).float().mean()
+    weights = step_weights(stats[1], step_weighting, depth_loss_decay)
+    total = (weights * torch.stack(losses)).sum()
     return StepResult(total, stats, counts)
 
 
@@ -295,6 +304,7 @@ class DraftTrainer:
                             s.hidden_noise,
                             noise_seed=s.seed * 1_000_003 + self.progress.step,
                             depth_loss_decay=s.depth_loss_decay,
+                            step_weighting=s.step_weighting,
                         )
                     self.optimizer.zero_grad(set_to_none=True)
                     result.loss.backward()
