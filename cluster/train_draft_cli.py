@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from cluster.cli_args import add_model_args, layer_list
 
+# spec.train.steps.STEP_WEIGHTINGS, written out: importing spec here would load torch for
+# every command (TrainDraftConfig checks the name again).
+STEP_WEIGHTINGS = ("uniform", "accepted")
+
 
 def run_train_draft(args: argparse.Namespace) -> None:
+    from spec.train.corpus_report import report_lines
     from spec.train.pipeline import TrainDraftConfig, train_draft
     from spec.train.trainer import Schedule
 
@@ -17,6 +23,7 @@ def run_train_draft(args: argparse.Namespace) -> None:
         device=args.device,
         dtype=args.dtype,
         num_draft_steps=args.num_draft_steps,
+        train_steps=args.train_steps,
         draft_intermediate_size=args.draft_intermediate_size,
         aux_layers=args.aux_layers or (),
         num_prompts=args.num_prompts,
@@ -25,6 +32,9 @@ def run_train_draft(args: argparse.Namespace) -> None:
         self_other_languages=args.self_other_languages,
         num_self_followups=args.self_followups,
         num_heldout=args.num_heldout,
+        prompts_file=args.prompts,
+        prompts_heldout_share=args.prompts_heldout_share,
+        prompts_max_turns=args.prompts_max_turns,
         max_tokens=args.max_tokens,
         generate_batch=args.generate_batch,
         schedule=Schedule(
@@ -38,6 +48,7 @@ def run_train_draft(args: argparse.Namespace) -> None:
             hidden_noise=args.hidden_noise,
             detach_between_depths=args.detach_between_depths,
             depth_loss_decay=args.depth_loss_decay,
+            step_weighting=args.step_weights,
         ),
         save_dtype=args.save_dtype,
         draft_vocab_size=args.draft_vocab_size or None,
@@ -49,6 +60,7 @@ def run_train_draft(args: argparse.Namespace) -> None:
         progress=not args.no_progress,
     )
     summary = train_draft(config)
+    print("\n".join(report_lines(summary["corpus"])))
     if config.generate_only:
         data = summary["data"]
         print(
@@ -83,6 +95,21 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
         parser, "target model folder or GGUF (default: the embedded one)", "the target's dtype"
     )
     parser.add_argument("--num-draft-steps", type=int, default=3, help="draft depths K")
+    parser.add_argument(
+        "--train-steps",
+        type=int,
+        default=None,
+        metavar="M",
+        help="draft steps trained, at least K (default K): steps past the K depths run the "
+        "last depth again, as an engine does; the saved draft runs M steps by default",
+    )
+    parser.add_argument(
+        "--step-weights",
+        choices=STEP_WEIGHTINGS,
+        default="uniform",
+        help="how each draft step's loss counts: uniform (default), or accepted: by the "
+        "share of verify rounds that reach it (the product of the earlier steps' agreement)",
+    )
     parser.add_argument(
         "--draft-intermediate-size",
         type=int,
@@ -133,6 +160,28 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--num-heldout", type=int, default=None, help="held-out conversations (default: all)"
+    )
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="your own prompts, ShareGPT JSON or chat JSONL: their user turns are answered by "
+        "the target and trained on",
+    )
+    parser.add_argument(
+        "--prompts-heldout-share",
+        type=float,
+        default=0.05,
+        metavar="SHARE",
+        help="share of the --prompts conversations held out from training (default 0.05)",
+    )
+    parser.add_argument(
+        "--prompts-max-turns",
+        type=int,
+        default=4,
+        metavar="N",
+        help="user turns answered per --prompts conversation (default 4)",
     )
     parser.add_argument("--max-tokens", type=int, default=256, help="answer length cap")
     parser.add_argument(

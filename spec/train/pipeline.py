@@ -6,13 +6,17 @@
     checkpoint.pt            the draft and optimizer state (spec.train.trainer), resumable
     train_log.jsonl          losses and accuracies every few steps, a validation per epoch
     draft/                   the trained draft (docs/draft-format.md), 16-bit by default
-    summary.json             data sizes, time, final losses, held-out accept length
+    user_prompts.json, user_answers*.pt, user_heldout*.pt
+                             a user's prompts and the target's answers (spec.train.user_answers)
+    summary.json             data sizes, the corpus's mix (spec.train.corpus_report), time,
+                             final losses, held-out accept length
 
 `generate_only` stops once the data is made. `data_from` adds the answer files of other
 output folders to the training data: several runs with their own seeds can generate in
 parallel (on as many GPUs), and one trains on all of it.
 
-The held-out prompts (spec.train.prompts.heldout_prompts) are never trained on. After training,
+The held-out prompts (spec.train.prompts.heldout_prompts, and a share of a user's prompts) are
+never trained on. After training,
 the engine itself decodes them with the new draft: its accept length is the figure to trust;
 the trainer's replay (Validation) estimates the same number without running the loop."""
 
@@ -21,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -37,99 +41,14 @@ from engine.weights import iter_safetensors, model_fingerprint
 from spec.config import draft_target_config
 from spec.draft_model import MultiLayerEagleDraft, load_draft, save_draft
 from spec.draft_vocab import choose_draft_vocab, count_tokens, coverage
+from spec.train.corpus_report import CorpusPart, corpus_report
 from spec.train.data import Sequences
 from spec.train.generate import generate_data, load_data_from
-from spec.train.prompts import heldout_prompts
-from spec.train.trainer import CHECKPOINT_FILE, DraftTrainer, Schedule
+from spec.train.run_config import HELDOUT_CHAINS, SAVE_DTYPES, TrainDraftConfig
+from spec.train.steps import check_train_steps, stored_state, with_train_steps
+from spec.train.trainer import CHECKPOINT_FILE, DraftTrainer
 
-SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-# The second held-out measurement verifies this many chains a step, to show what they add.
-HELDOUT_CHAINS = 4
-
-
-@dataclass
-class TrainDraftConfig:
-    out_dir: Path
-    model: str | None = None  # None: the embedded default model
-    device: str | None = None
-    dtype: str = "auto"
-    num_draft_steps: int = 3
-    # Width of each depth's MLP; None: the target's intermediate_size.
-    draft_intermediate_size: int | None = None
-    # Target layers depth 0 reads side by side (EAGLE3 style); () for the last layer's output.
-    aux_layers: tuple[int, ...] = ()
-    num_prompts: int = 4000  # conversations from the written templates (spec.train.prompts)
-    num_self_prompts: int = 0  # conversations whose user message the target wrote
-    self_prompt_max_tokens: int = 96
-    # Of the self-written messages, the share that starts in another language than English.
-    self_other_languages: float = 0.0
-    # Three-turn conversations: a self-written conversation, its answer and a second user
-    # message the target writes after them (at most one per self-written conversation).
-    num_self_followups: int = 0
-    num_heldout: int | None = None  # None: every held-out prompt
-    max_tokens: int = 256
-    generate_batch: int = 128
-    schedule: Schedule = field(default_factory=Schedule)
-    save_dtype: str = "bfloat16"
-    # Tokens the draft may propose, the most frequent in the training answers (spec.draft_vocab);
-    # no restriction when it is not below the target's vocabulary size, or None.
-    draft_vocab_size: int | None = 8192
-    restart: bool = False
-    # Stop after generating the data: no training, no draft.
-    generate_only: bool = False
-    # Other output folders whose answer files are trained on too (same target, same max_tokens).
-    data_from: tuple[Path, ...] = ()
-    evaluate: bool = True
-    # Other draft folders for the same target that the engine runs over the held-out set after
-    # the new draft, in the same process: figures from one engine, where figures from an
-    # earlier run may come from an engine that computed differently.
-    compare_drafts: tuple[Path, ...] = ()
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        self.out_dir = Path(self.out_dir)
-        self.data_from = tuple(Path(folder) for folder in self.data_from)
-        self.compare_drafts = tuple(Path(folder) for folder in self.compare_drafts)
-        if self.compare_drafts and (not self.evaluate or self.generate_only):
-            raise ValueError(
-                "compare_drafts (--compare-draft) needs the held-out evaluation: not with "
-                "--no-evaluate or --generate-only"
-            )
-        places = [folder.resolve() for folder in (self.out_dir, *self.data_from)]
-        if len(set(places)) != len(places):
-            raise ValueError("data_from must name other folders than out_dir, each once")
-        if self.save_dtype not in SAVE_DTYPES:
-            raise ValueError(f"save_dtype must be one of {', '.join(SAVE_DTYPES)}")
-        for name in ("num_draft_steps", "max_tokens", "generate_batch", "self_prompt_max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_prompts < 0 or self.num_self_prompts < 0 or self.num_self_followups < 0:
-            raise ValueError(
-                "num_prompts, num_self_prompts and num_self_followups must not be negative"
-            )
-        if self.num_self_followups > self.num_self_prompts:
-            raise ValueError(
-                "each follow-up continues a self-written conversation: at most num_self_prompts"
-            )
-        if not 0.0 <= self.self_other_languages <= 1.0:
-            raise ValueError(
-                f"self_other_languages is a share in [0, 1], got {self.self_other_languages}"
-            )
-        if self.num_prompts + self.num_self_prompts < 1:
-            raise ValueError("num_prompts and num_self_prompts add up to no training prompt")
-        if self.draft_intermediate_size is not None and self.draft_intermediate_size < 1:
-            raise ValueError(
-                f"draft_intermediate_size must be positive, got {self.draft_intermediate_size}"
-            )
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
-        if self.schedule.epochs < 1 or self.schedule.tokens_per_batch < 2:
-            raise ValueError("epochs must be >= 1 and tokens_per_batch >= 2")
-        if not self.schedule.depth_loss_decay > 0:
-            raise ValueError(
-                f"depth_loss_decay must be positive, got {self.schedule.depth_loss_decay}"
-            )
+__all__ = ["HELDOUT_CHAINS", "TrainDraftConfig", "evaluate_draft", "train_draft"]
 
 
 def evaluate_draft(
@@ -192,7 +111,8 @@ def train_draft(config: TrainDraftConfig) -> dict:
         except ModelLoadError as err:
             raise ModelLoadError(f"--compare-draft {folder}: {err}") from err
     started = time.perf_counter()
-    own, held = generate_data(config, args, spec)
+    corpus = generate_data(config, args, spec)
+    own, held = corpus.train, corpus.heldout
     generate_s = time.perf_counter() - started
     extra = (
         []
@@ -200,22 +120,34 @@ def train_draft(config: TrainDraftConfig) -> dict:
         else load_data_from(config.data_from, spec.path, config.max_tokens)
     )
     train = Sequences.joined([own, *extra]) if extra else own
+    if not len(train) and not config.generate_only:
+        raise ValueError("no training conversation is left to train on")
+    sources = {part.source: len(part.sequences) for part in corpus.parts}
     data = {
         "train_conversations": len(train),
         "template_conversations": config.num_prompts,
         "self_written_conversations": config.num_self_prompts,
         "self_written_other_language_share": config.self_other_languages,
-        "followup_conversations": len(own) - config.num_prompts - config.num_self_prompts,
+        "followup_conversations": sources.get("follow-ups", 0),
         "train_answer_tokens": train.num_answer_tokens,
         "train_tokens": sum(len(t) for t in train.tokens),
         "heldout_conversations": len(held),
         "heldout_answer_tokens": held.num_answer_tokens,
     }
+    if corpus.user_prompts:
+        data["user_prompts"] = corpus.user_prompts
     if extra:
         data["data_from"] = [str(folder) for folder in config.data_from]
         data["data_from_conversations"] = len(train) - len(own)
+    parts = corpus.parts + [CorpusPart("other folders", None, part) for part in extra]
+    report = corpus_report(parts)
     if config.generate_only:
-        summary = {"model": str(spec.path), "data": data, "generate_s": round(generate_s, 1)}
+        summary = {
+            "model": str(spec.path),
+            "data": data,
+            "corpus": report,
+            "generate_s": round(generate_s, 1),
+        }
         _write_summary(out, summary)
         return summary
 
@@ -242,6 +174,12 @@ def train_draft(config: TrainDraftConfig) -> dict:
     draft = MultiLayerEagleDraft(
         model_config, config.num_draft_steps, intermediate_size=config.draft_intermediate_size
     ).to(device)
+    check_train_steps(
+        config.steps_trained,
+        config.num_draft_steps,
+        config.num_draft_steps > 1 or model_config.spec_hidden_size == model_config.hidden_size,
+    )
+    with_train_steps(draft, config.steps_trained)
     run_key = {
         # By content: a checkpoint resumes after the folder moved or was converted again.
         "model": model_fingerprint(spec.path),
@@ -252,6 +190,10 @@ def train_draft(config: TrainDraftConfig) -> dict:
         "num_self_prompts": config.num_self_prompts,
         "max_tokens": config.max_tokens,
     }
+    if config.steps_trained != config.num_draft_steps:
+        run_key["train_steps"] = config.steps_trained
+    if corpus.user_prompts:
+        run_key["user_turns"] = corpus.user_prompts["train_turns"]
     if extra:
         # Their sizes: a checkpoint resumes only over the same added data.
         run_key["data_from"] = [len(part) for part in extra]
@@ -273,8 +215,13 @@ def train_draft(config: TrainDraftConfig) -> dict:
     saved = MultiLayerEagleDraft(
         model_config, config.num_draft_steps, vocab, config.draft_intermediate_size
     )
-    saved.load_state_dict(draft.state_dict())
-    save_draft(draft_dir, saved.to(SAVE_DTYPES[config.save_dtype]), spec.path.name)
+    saved.load_state_dict(stored_state(draft))
+    save_draft(
+        draft_dir,
+        saved.to(SAVE_DTYPES[config.save_dtype]),
+        spec.path.name,
+        default_draft_steps=config.steps_trained,
+    )
     summary = {
         "model": str(spec.path),
         "device": str(device),
@@ -282,13 +229,15 @@ def train_draft(config: TrainDraftConfig) -> dict:
             **{
                 k: v
                 for k, v in asdict(config).items()
-                if k not in ("schedule", "out_dir", "data_from", "compare_drafts")
+                if k not in ("schedule", "out_dir", "data_from", "compare_drafts", "prompts_file")
             },
+            "prompts_file": None if config.prompts_file is None else str(config.prompts_file),
             "data_from": [str(folder) for folder in config.data_from],
             "compare_drafts": [str(folder) for folder in config.compare_drafts],
             "schedule": asdict(config.schedule),
         },
         "data": data,
+        "corpus": report,
         "generate_s": round(generate_s, 1),
         "train_s": round(progress.elapsed_s, 1),
         "steps": progress.step,
@@ -306,7 +255,7 @@ def train_draft(config: TrainDraftConfig) -> dict:
             return evaluate_draft(
                 config.model,
                 draft,
-                heldout_prompts()[: config.num_heldout],
+                corpus.heldout_conversations,
                 config.max_tokens,
                 device=config.device,
                 dtype=config.dtype,
