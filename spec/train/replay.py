@@ -41,6 +41,8 @@ def validate(
     device: torch.device,
     autocast: bool,
 ) -> Validation:
+    # Every step the draft runs, a reused last depth's steps included (spec.train.steps): the
+    # chains have as many steps as the saved folder makes an engine run by default.
     k = draft.num_draft_steps
     # What the engine proposes with: the draft's vocabulary, if it has one.
     head = DraftHead(target, draft.vocab)
