@@ -133,6 +133,7 @@ def main() -> int:
         control_key=bytes.fromhex(config.control_key),
         prefill_policy=cluster.prefill_policy,
         decode_policy=cluster.decode_policy,
+        cache_aware_load_threshold=cluster.cache_aware_load_threshold,
         host=config.inbox_host,
         tracing=cluster.enable_tracing,
         trace_dir=config.trace_dir,

@@ -213,7 +213,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
-    from cluster.policies import POLICIES
+    from cluster.cache_aware import DEFAULT_LOAD_THRESHOLD
+    from cluster.policies import DECODE_POLICIES, POLICIES
 
     parser.add_argument("--prefill-nodes", type=int, default=1, help="prefill actors (default 1)")
     parser.add_argument("--decode-nodes", type=int, default=1, help="decode actors (default 1)")
@@ -237,8 +238,25 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
         help="share of a GPU each node takes; 0.5 puts a prefill and a decode node on one GPU "
         "(KV pools sized to the share, transfers through host memory) (default 1)",
     )
-    parser.add_argument("--prefill-policy", default="round_robin", choices=sorted(POLICIES))
-    parser.add_argument("--decode-policy", default="least_load", choices=sorted(POLICIES))
+    parser.add_argument(
+        "--prefill-policy",
+        default="round_robin",
+        choices=sorted(POLICIES),
+        help="how the router picks a prefill node: round_robin (default), least_load, or "
+        "cache_aware: the node that holds the longest cached prefix of the prompt, as the "
+        "router tracks what it sent where, unless that node is busier than the least-loaded "
+        "one by more than --cache-aware-load-threshold",
+    )
+    parser.add_argument("--decode-policy", default="least_load", choices=sorted(DECODE_POLICIES))
+    parser.add_argument(
+        "--cache-aware-load-threshold",
+        type=int,
+        default=DEFAULT_LOAD_THRESHOLD,
+        metavar="REQUESTS",
+        help="with --prefill-policy cache_aware: a prompt goes to the least-loaded prefill node "
+        "instead of the one holding its prefix when that one holds more than this many "
+        f"requests more (default {DEFAULT_LOAD_THRESHOLD})",
+    )
     parser.add_argument(
         "--ray-address",
         default=None,

@@ -106,6 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node,
             prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy,
+            cache_aware_load_threshold=args.cache_aware_load_threshold,
             ray_address=args.ray_address,
             # Nothing of a local cluster behind a loopback-only API needs to be reachable
             # from elsewhere.

@@ -6,6 +6,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from cluster.cache_aware import DEFAULT_LOAD_THRESHOLD
+from cluster.policies import DECODE_POLICIES, POLICIES
 from engine.loader import EngineArgs
 
 # Room for a full long context as text or token ids, and for some prompt_embeds vectors
@@ -28,6 +30,9 @@ class ClusterConfig:
     gpus_per_node: float = 1.0
     prefill_policy: str = "round_robin"
     decode_policy: str = "least_load"
+    # cache_aware (cluster.cache_aware) sends a prompt to the prefill node holding its longest
+    # cached prefix unless that node holds this many more requests than the least-loaded one.
+    cache_aware_load_threshold: int = DEFAULT_LOAD_THRESHOLD
     ray_address: str | None = None
     # A local cluster (no ray_address) whose every socket, Ray's included, listens on loopback
     # only: for an HTTP API served on loopback (cluster.ray_start). Hosts of a joined cluster
@@ -80,6 +85,20 @@ class ClusterConfig:
             )
         if not self.aggregated and (self.prefill_nodes < 1 or self.decode_nodes < 1):
             raise ValueError("a cluster needs at least one prefill node and one decode node")
+        if self.prefill_policy not in POLICIES:
+            raise ValueError(
+                f"unknown prefill policy {self.prefill_policy!r}; supported: "
+                f"{', '.join(sorted(POLICIES))}"
+            )
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(
+                f"unknown decode policy {self.decode_policy!r}; supported: "
+                f"{', '.join(sorted(DECODE_POLICIES))}"
+            )
+        if self.cache_aware_load_threshold < 0:
+            raise ValueError(
+                f"cache_aware_load_threshold must be >= 0, got {self.cache_aware_load_threshold}"
+            )
         if not 0 < self.gpus_per_node <= 1:
             raise ValueError(
                 f"gpus_per_node must be in (0, 1] (a node uses one GPU at most), got "

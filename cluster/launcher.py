@@ -114,6 +114,7 @@ class Cluster:
                 control_key=control_key,
                 prefill_policy=config.prefill_policy,
                 decode_policy=config.decode_policy,
+                cache_aware_load_threshold=config.cache_aware_load_threshold,
                 host=host,
                 tracing=config.enable_tracing,
                 trace_dir=config.trace_dir,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
+
+from cluster.cache_aware import DEFAULT_LOAD_THRESHOLD, CacheAware
 
 
 class NodeView(Protocol):
@@ -16,29 +19,59 @@ class NodeView(Protocol):
 
 
 class Policy(Protocol):
-    def pick(self, nodes: Sequence[NodeView]) -> NodeView: ...
+    def pick(self, nodes: Sequence[NodeView], prompt_token_ids: Sequence[int]) -> NodeView:
+        """One of `nodes` (alive, not empty) for a request of `prompt_token_ids` (empty where
+        the prompt is given as vectors)."""
+        ...
+
+    def forget(self, index: int) -> None:
+        """Node `index` died or was replaced: whatever the policy kept about it is stale."""
+        ...
 
 
 class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, nodes: Sequence[NodeView]) -> NodeView:
+    def pick(self, nodes: Sequence[NodeView], prompt_token_ids: Sequence[int]) -> NodeView:
         return nodes[next(self._counter) % len(nodes)]
+
+    def forget(self, index: int) -> None:
+        pass
 
 
 class LeastLoad:
     """The node with the least load (the requests it holds, as it reports them, and those sent
     to it since: cluster.node_state); ties go to the lowest index."""
 
-    def pick(self, nodes: Sequence[NodeView]) -> NodeView:
+    def pick(self, nodes: Sequence[NodeView], prompt_token_ids: Sequence[int]) -> NodeView:
         return min(nodes, key=lambda n: (n.load, n.index))
 
+    def forget(self, index: int) -> None:
+        pass
 
-POLICIES: dict[str, Callable[[], Policy]] = {"round_robin": RoundRobin, "least_load": LeastLoad}
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """What the policies that need more than a name are built with: `tokens_per_node`, the KV
+    capacity of a node in tokens (cache_aware's bound on what it believes a node holds), and
+    `load_threshold` (cache_aware's)."""
+
+    tokens_per_node: int
+    load_threshold: int = DEFAULT_LOAD_THRESHOLD
 
 
-def create_policy(name: str) -> Policy:
+POLICIES: dict[str, Callable[[PolicyOptions], Policy]] = {
+    "round_robin": lambda _: RoundRobin(),
+    "least_load": lambda _: LeastLoad(),
+    "cache_aware": lambda options: CacheAware(options.tokens_per_node, options.load_threshold),
+}
+# A decode node reuses no prefix of its own (prefill nodes send it every prompt's KV), so
+# routing decodes by cached prefix would only pile conversations onto one node.
+DECODE_POLICIES = ("least_load", "round_robin")
+
+
+def create_policy(name: str, options: PolicyOptions) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; supported: {', '.join(sorted(POLICIES))}")
-    return POLICIES[name]()
+    return POLICIES[name](options)

@@ -19,13 +19,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from cluster.backend import BackendError, TokenDelta
+from cluster.cache_aware import DEFAULT_LOAD_THRESHOLD
 from cluster.cluster_status import follow_status
 from cluster.flights import Flight, FlightTable, next_delta
 from cluster.frontend_sockets import FrontEndSockets
+from cluster.health_watch import watch_health
 from cluster.loop_calls import call_in_loop
 from cluster.metrics import ClusterMetrics
 from cluster.node_state import NodeState, health_report
-from cluster.policies import create_policy
+from cluster.policies import Policy, PolicyOptions, create_policy
 from cluster.router_messages import embeddings_spec, sampling_spec
 from cluster.sample_streams import SharedPrefill
 from cluster.tracing import TraceStore
@@ -42,10 +44,8 @@ from metadata.messages import (
     ParallelSample,
     TokenFrame,
 )
-from metadata.serving_node import NodeHealth
 
 log = logging.getLogger(__name__)
-HEALTH_INTERVAL_S = 1.0
 
 
 class Router:
@@ -59,6 +59,7 @@ class Router:
         control_key: bytes,
         prefill_policy: str = "round_robin",
         decode_policy: str = "least_load",
+        cache_aware_load_threshold: int = DEFAULT_LOAD_THRESHOLD,
         host: str = "127.0.0.1",
         model_name: str | None = None,
         tracing: bool = False,
@@ -72,7 +73,8 @@ class Router:
         """`control_key`: the cluster's control-plane key (metadata.control_auth), which signs
         what the router sends and must sign what it receives. `tracing`: keep each request's
         trace (`traces`, GET /v1/traces/{id}) and its summary in `usage`, and write it to
-        `trace_dir` if given; the nodes must trace too.
+        `trace_dir` if given; the nodes must trace too. `cache_aware_load_threshold`: the
+        cache_aware policy's (cluster.cache_aware), which takes `kv_cache_tokens` as a node's.
 
         One of several API processes (cluster.api_servers) does not probe the nodes itself
         (`watch_health=False`): it says hello to the cluster's `controller` (an endpoint) and
@@ -87,8 +89,9 @@ class Router:
         self.kv_cache_tokens = kv_cache_tokens
         self.prefill_nodes = prefill_nodes
         self.decode_nodes = decode_nodes
-        self.prefill_policy = create_policy(prefill_policy)
-        self.decode_policy = create_policy(decode_policy)
+        options = PolicyOptions(kv_cache_tokens, cache_aware_load_threshold)
+        self.prefill_policy = create_policy(prefill_policy, options)
+        self.decode_policy = create_policy(decode_policy, options)
         self.traces = TraceStore(trace_dir, prune_files=prune_trace_files) if tracing else None
         # The API processes of the cluster, as the controller last told (several of them).
         self.api_servers: list[dict[str, Any]] | None = None
@@ -122,7 +125,7 @@ class Router:
             self.sockets.connect(node)
         self._tasks = [asyncio.create_task(self._receive_updates())]
         if self._watch_health_enabled:
-            self._tasks.append(asyncio.create_task(self._watch_health()))
+            self._tasks.append(asyncio.create_task(watch_health(self)))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -258,10 +261,12 @@ class Router:
         ]
         await self.start()
         timers = self.metrics.samples(len(request_ids))
-        decode_node = self._pick(self.decode_nodes, self.decode_policy, self._decode_role)
+        # A prompt given as vectors is not cached (engine.kv_cache): route it by load alone.
+        routed_ids = prompt_token_ids if prompt_embeds is None else []
+        decode_node = self._pick(self.decode_nodes, self._decode_role, routed_ids)
         prefill = None
         if not self.aggregated:
-            prefill = self._pick(self.prefill_nodes, self.prefill_policy, "prefill")
+            prefill = self._pick(self.prefill_nodes, "prefill", routed_ids)
         prefilled_by = prefill or decode_node
         flights = []
         for timer, timeline in zip(timers, timelines):
@@ -329,28 +334,6 @@ class Router:
             if node.index == load.index:
                 node.reported(load.requests)
 
-    async def _watch_health(self) -> None:
-        while True:
-            await asyncio.sleep(HEALTH_INTERVAL_S)
-            for node in self.prefill_nodes + self.decode_nodes:
-                if node.alive:
-                    await self._probe(node)
-
-    async def _probe(self, node: NodeState) -> None:
-        ping = node.ping
-        try:
-            health = await asyncio.wait_for(ping(), timeout=10 * HEALTH_INTERVAL_S)
-        except Exception as err:  # noqa: BLE001 - any failed probe means the node is gone
-            if node.ping is ping:  # not replaced meanwhile
-                self.node_down(node, f"{type(err).__name__}: {err}")
-            return
-        if isinstance(health, NodeHealth) and node.ping is ping:
-            if node.degraded != health.degraded:
-                node.degraded = health.degraded
-                self._nodes_changed()
-            if health.broken_peers and self.on_channels_broken is not None:
-                self.on_channels_broken(node, health.broken_peers)
-
     def node_down(self, node: NodeState, reason: str) -> None:
         """`node` is gone: its requests end with an error naming it, no new ones go there, and
         the supervisor (`on_node_down`) is told. Call on the event loop (`call_in_loop`)."""
@@ -361,11 +344,12 @@ class Router:
         node.error = reason.splitlines()[0][:300]
         log.error("%s is down: %s", node.name, node.error)
         self._flights.fail_node(node, self.aggregated)
+        self._policy_for(node.role).forget(node.index)
         if self.on_node_down is not None:
             self.on_node_down(node)
-        self._nodes_changed()
+        self.nodes_changed()
 
-    def _nodes_changed(self) -> None:
+    def nodes_changed(self) -> None:
         if self.on_nodes_changed is not None:
             self.on_nodes_changed()
 
@@ -380,6 +364,7 @@ class Router:
         loop (`call_in_loop`)."""
         node.ping, node.stats, node.endpoint = ping, stats, endpoint
         node.forget_load()
+        self._policy_for(node.role).forget(node.index)
         if self._tasks and not self.sockets.closed:
             self.sockets.connect(node)
         node.error = None
@@ -387,18 +372,21 @@ class Router:
         node.restarting = False
         node.alive = True
         log.info("%s is back (restart %d)", node.name, node.restarts)
-        self._nodes_changed()
+        self.nodes_changed()
 
     def call_in_loop(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0) -> Any:
         """Run `fn(*args)` on the router's event loop and return its result (from any thread;
         directly when no loop serves the router, or when called on it)."""
         return call_in_loop(self._loop, fn, *args, timeout_s=timeout_s)
 
-    def _pick(self, nodes: list[NodeState], policy, role: str) -> NodeState:
+    def _policy_for(self, role: str) -> Policy:
+        return self.prefill_policy if role == "prefill" else self.decode_policy
+
+    def _pick(self, nodes: list[NodeState], role: str, prompt_token_ids: list[int]) -> NodeState:
         alive = [n for n in nodes if n.alive]
         if not alive:
             self.metrics.failure("node_down")
             raise BackendError(f"no {role} node is alive", stage="routing", status=503)
-        node = policy.pick(alive)
+        node = self._policy_for(role).pick(alive, prompt_token_ids)
         node.routed_since_report += 1
         return node

@@ -81,15 +81,15 @@ def test_least_load_weighs_what_nodes_report_plus_what_was_sent_since():
     policy = LeastLoad()
     # Before any report: this front end's own requests in flight.
     nodes[0].in_flight = 1
-    assert policy.pick(nodes) is nodes[1]
+    assert policy.pick(nodes, []) is nodes[1]
     # Node 1 holds 5 requests of other front ends: this front end's count knows nothing of them.
     nodes[0].reported(2)
     nodes[1].reported(5)
-    assert policy.pick(nodes) is nodes[0]
+    assert policy.pick(nodes, []) is nodes[0]
     nodes[0].routed_since_report = 4  # sent since its report
-    assert policy.pick(nodes) is nodes[1]
+    assert policy.pick(nodes, []) is nodes[1]
     nodes[0].reported(1)  # its next report counts them itself
-    assert nodes[0].load == 1 and policy.pick(nodes) is nodes[0]
+    assert nodes[0].load == 1 and policy.pick(nodes, []) is nodes[0]
     nodes[1].forget_load()  # a replacement: back to this front end's own count
     assert nodes[1].load == nodes[1].in_flight == 0
 
