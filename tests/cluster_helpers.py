@@ -18,12 +18,18 @@ def ensure_ray() -> None:
         init_ray(None)
 
 
-def launch(model: str, prefill: int, decode: int, **engine: object) -> Cluster:
+def launch(
+    model: str, prefill: int, decode: int, prefill_policy: str = "round_robin", **engine: object
+) -> Cluster:
     ensure_ray()
     engine_args = EngineArgs(model=model, device="cpu", **engine)
     return Cluster.launch(
         ClusterConfig(
-            engine=engine_args, prefill_nodes=prefill, decode_nodes=decode, transfer_timeout_s=30.0
+            engine=engine_args,
+            prefill_nodes=prefill,
+            decode_nodes=decode,
+            prefill_policy=prefill_policy,
+            transfer_timeout_s=30.0,
         )
     )
 

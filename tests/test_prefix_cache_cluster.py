@@ -3,7 +3,8 @@ node reuses cached prefixes and still sends the whole prompt's KV, and an aggreg
 give the greedy output of an offline engine without the cache over shared prefixes and
 multi-turn histories; usage's prompt_tokens_details.cached_tokens and the nodes' stats count
 the reuse; every node's KV audit finds the cached slots accounted for; with
---disable-prefix-cache nothing is cached."""
+--disable-prefix-cache nothing is cached; with two prefill nodes and --prefill-policy
+cache_aware, a conversation's turns go to the prefill node that holds it."""
 
 from __future__ import annotations
 
@@ -101,6 +102,61 @@ def test_the_cluster_reuses_prefixes_without_changing_output(tiny_model, layout)
         assert len(caching) == 1  # the prefill node or the replica; decode nodes have none
         assert caching[0]["prefix_cache_hit_tokens"] == sum(cached)
         assert caching[0]["prefix_cache_tokens"] > 0
+    finally:
+        server.stop()
+        cluster.shutdown()
+
+
+def _conversations(seed: int, count: int, turns: int) -> list[list[list[int]]]:
+    """Each conversation's messages: an opening of 30 tokens that starts with a token of its
+    own (no two conversations share a prefix), then messages of 4 to 8 tokens."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 300) for _ in range(n)]
+
+    return [
+        [[300 + c] + tokens(29)] + [tokens(rng.randint(4, 8)) for _ in range(turns - 1)]
+        for c in range(count)
+    ]
+
+
+def _converse_in_turns(complete, conversations) -> tuple[list[list[int]], list[int], list[int]]:
+    """The conversations' turns one request at a time, round by round: every answer, the
+    cached tokens each usage reported, and each prompt's length."""
+    histories: list[list[int]] = [[] for _ in conversations]
+    answers, cached, lengths = [], [], []
+    for turn in range(len(conversations[0])):
+        for c, messages in enumerate(conversations):
+            prompt = histories[c] + messages[turn]
+            tokens, usage = complete(prompt)
+            answers.append(tokens)
+            cached.append(usage.get("prompt_tokens_details", {}).get("cached_tokens"))
+            lengths.append(len(prompt))
+            histories[c] = prompt + tokens
+    return answers, cached, lengths
+
+
+def test_cache_aware_routing_keeps_a_conversation_on_the_prefill_node_that_holds_it(tiny_model):
+    """Three conversations over two prefill nodes, a turn at a time: each turn after the first
+    finds the whole previous prompt cached, so it went to the node that prefilled it (round
+    robin would send a conversation's second turn to the other node), and the output is the
+    offline engine's without a cache."""
+    conversations = _conversations(seed=3, count=3, turns=3)
+    expected, _, _ = _converse_in_turns(_offline(tiny_model), conversations)
+    cluster = launch(tiny_model, prefill=2, decode=1, prefill_policy="cache_aware", **ENGINE)
+    server = serve(cluster)
+    try:
+        answers, cached, lengths = _converse_in_turns(_http_complete(server.url), conversations)
+        assert answers == expected
+        count = len(conversations)
+        assert cached[:count] == [0] * count, cached
+        later = zip(cached[count:], lengths)  # a turn, and the same conversation's turn before
+        assert all(hit >= previous for hit, previous in later), (cached, lengths)
+        stats = {s["node"]: s for s in cluster.node_stats()}
+        prefill = [stats[f"prefill-{i}"] for i in range(2)]
+        assert all(node["prompts_done"] > 0 for node in prefill), prefill
+        assert sum(node["prefix_cache_hit_tokens"] for node in prefill) == sum(cached)
     finally:
         server.stop()
         cluster.shutdown()
