@@ -1,8 +1,8 @@
 """Serving under load, side by side: the disaggregated cluster against the aggregated mode on the
 same hardware, each loaded by `pdcluster bench serving` over HTTP.
 
-    python bench/serving.py --setups aggregated 1p1d [--gpus-per-node 0.5] [--speculative off on]
-        [--prefix-cache on off]
+    python bench/serving.py --setups aggregated 1p1d 2p1d [--gpus-per-node 0.5]
+        [--speculative off on] [--prefix-cache on off] [--prefill-policies cache_aware round_robin]
         [--datasets random chat shared-prefix multiturn] [--input-len 1024] [--output-len 128]
         [--num-prompts 200] [--prefix-groups 8 --prompts-per-group 16 --system-prompt-len 1500
         --question-len 128] [--num-conversations N --concurrent-conversations 16]
@@ -34,36 +34,43 @@ import ray  # noqa: E402
 
 from bench.report import write_section  # noqa: E402
 from cluster.bench_serving.dataset_args import FLAG_DATASETS  # noqa: E402
+from cluster.cache_aware import DEFAULT_LOAD_THRESHOLD  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.launcher import Cluster, describe_nodes, init_ray  # noqa: E402
 from cluster.openai_api import BackgroundServer, create_app  # noqa: E402
+from cluster.policies import POLICIES  # noqa: E402
 from engine.loader import EngineArgs  # noqa: E402
 from engine.weights import resolve_model  # noqa: E402
 
-SETUPS = ("aggregated", "1p1d")
+# A setup's name and its prefill nodes (none: aggregated); one decode node or replica each.
+SETUPS = {"aggregated": 0, "1p1d": 1, "2p1d": 2}
 DATASETS = ["random", "chat", "shared-prefix", "multiturn"]  # file: needs a path of its own
 POOLS_DRAIN_S = 60.0
 
 
 @dataclass(frozen=True)
 class Setup:
-    name: str  # "aggregated" or "1p1d"
+    name: str  # a key of SETUPS
     speculative: bool
     prefix_cache: bool = True
+    prefill_policy: str = "round_robin"  # named in the label where it chooses (2 prefill nodes)
 
     @property
     def label(self) -> str:
         spec = " + spec" if self.speculative else ""
-        return f"{self.name}{spec}{'' if self.prefix_cache else ', no prefix cache'}"
+        policy = f", {self.prefill_policy}" if SETUPS[self.name] > 1 else ""
+        return f"{self.name}{spec}{policy}{'' if self.prefix_cache else ', no prefix cache'}"
 
 
 def setups_of(args: argparse.Namespace) -> list[Setup]:
-    """One setup per (prefix cache, speculation, setup name) asked for."""
+    """One setup per (prefix cache, speculation, setup name, prefill policy) asked for; the
+    policies only for setups of more than one prefill node, where there is a choice."""
     return [
-        Setup(name, spec == "on", cache == "on")
+        Setup(name, spec == "on", cache == "on", policy)
         for cache in args.prefix_cache
         for spec in args.speculative
         for name in args.setups
+        for policy in (args.prefill_policies if SETUPS[name] > 1 else ["round_robin"])
     ]
 
 
@@ -88,7 +95,12 @@ def cluster_config(setup: Setup, args: argparse.Namespace) -> ClusterConfig:
     if setup.name == "aggregated":
         return ClusterConfig(aggregated=True, replicas=args.replicas, **common)
     return ClusterConfig(
-        prefill_nodes=1, decode_nodes=1, gpus_per_node=args.gpus_per_node, **common
+        prefill_nodes=SETUPS[setup.name],
+        decode_nodes=1,
+        gpus_per_node=args.gpus_per_node,
+        prefill_policy=setup.prefill_policy,
+        cache_aware_load_threshold=args.cache_aware_load_threshold,
+        **common,
     )
 
 
@@ -190,11 +202,19 @@ def _fmt(value: float | None, digits: int) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    parser.add_argument("--setups", nargs="+", choices=list(SETUPS), default=["aggregated", "1p1d"])
     parser.add_argument("--speculative", nargs="+", choices=["off", "on"], default=["off"])
     parser.add_argument(
         "--prefix-cache", nargs="+", choices=["on", "off"], default=["on"],
         help="each setup with the engines' prefix cache on (the default) and/or off",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill-policies", nargs="+", choices=sorted(POLICIES), default=["round_robin"],
+        help="setups of several prefill nodes (2p1d) once per policy named",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cache-aware-load-threshold", type=int, default=DEFAULT_LOAD_THRESHOLD,
+        help="as pdcluster's flag",
     )  # fmt: skip
     parser.add_argument("--model", default=None, help="default: the embedded default model")
     parser.add_argument(

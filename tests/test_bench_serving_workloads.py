@@ -437,3 +437,21 @@ def test_bench_serving_script_compares_the_prefix_cache_on_and_off(tiny_model_pa
     assert caches == [True, True, False, False]
     default = serving.setups_of(serving.parse_args(["--model", str(tiny_model_path)]))
     assert default and all(s.prefix_cache for s in default)
+
+
+def test_bench_serving_script_compares_prefill_policies_over_two_prefill_nodes(tiny_model_path):
+    """--prefill-policies: each setup of two prefill nodes once per policy, labelled by it;
+    a setup of one prefill node has no choice to make and runs once."""
+    pytest.importorskip("ray")
+    from bench import serving
+
+    args = serving.parse_args(
+        ["--model", str(tiny_model_path), "--setups", "1p1d", "2p1d",
+         "--prefill-policies", "cache_aware", "round_robin", "--cache-aware-load-threshold", "3"]
+    )  # fmt: skip
+    setups = serving.setups_of(args)
+    assert [s.label for s in setups] == ["1p1d", "2p1d, cache_aware", "2p1d, round_robin"]
+    configs = [serving.cluster_config(s, args) for s in setups]
+    assert [(c.prefill_nodes, c.decode_nodes) for c in configs] == [(1, 1), (2, 1), (2, 1)]
+    assert [c.prefill_policy for c in configs] == ["round_robin", "cache_aware", "round_robin"]
+    assert {c.cache_aware_load_threshold for c in configs} == {3}
