@@ -1,6 +1,6 @@
 """The `cache_aware` prefill policy: send a prompt to the prefill node that holds the longest
 prefix of it in its prefix cache, unless that node is busier than the least-loaded node by more
-than a threshold.
+than a threshold, or holds too little more of the prompt than the least-loaded node does.
 
 How the router knows what a node holds: it keeps, per node, an approximate radix tree of the
 prompts it sent there (cluster.routed_prefixes, SGLang's model gateway does the same), not the
@@ -23,34 +23,38 @@ from cluster.routed_prefixes import RoutedPrefixes
 # A cached prefix is worth a queue this many requests longer than the least-loaded node's; a
 # prefill node batches waiting prompts, so a few more queued cost less than one long prompt.
 DEFAULT_LOAD_THRESHOLD = 8
-# A match shorter than this share of the prompt does not count: every prompt shares a chat
-# template's opening with every other, and that alone should not tie all traffic to one node.
-DEFAULT_MIN_MATCH_SHARE = 0.5
+# A prefix must save at least this share of the prompt's prefill over the least-loaded node
+# to be worth a longer queue: prompts share short openings by chance (a chat template, "User:")
+# that would otherwise draw traffic to one node. A conversation's second turn, whose history
+# holds the first answer that no prefill node computed, finds from a tenth to a half of
+# itself cached (the built-in conversations of `pdcluster bench serving`).
+DEFAULT_MIN_SAVED_SHARE = 0.1
 
 
 class CacheAware:
     """Picks, among the alive `nodes` it is given (cluster.policies.NodeView), the node whose
     tree holds the longest prefix of the prompt (ties: the least loaded, then the lowest
-    index), where that prefix is at least `min_match_share` of the prompt and the node's load
-    exceeds the least-loaded node's by at most `load_threshold` requests; else the least
-    loaded node (ties: the one whose tree holds least, then the lowest index), which spreads
-    new prompts over the nodes. The node picked is told the prompt (its tree holds it)."""
+    index), where that prefix is longer than what the least-loaded node holds by at least
+    `min_saved_share` of the prompt and the node's load exceeds the least-loaded node's by at
+    most `load_threshold` requests; else the least-loaded node (ties: the one whose tree holds
+    least, then the lowest index), which spreads new prompts over the nodes. The node picked
+    is told the prompt (its tree holds it)."""
 
     def __init__(
         self,
         tokens_per_node: int,
         load_threshold: int = DEFAULT_LOAD_THRESHOLD,
-        min_match_share: float = DEFAULT_MIN_MATCH_SHARE,
+        min_saved_share: float = DEFAULT_MIN_SAVED_SHARE,
     ) -> None:
         if tokens_per_node < 1:
             raise ValueError(f"tokens_per_node must be at least 1, got {tokens_per_node}")
         if load_threshold < 0:
             raise ValueError(f"load_threshold must be >= 0, got {load_threshold}")
-        if not 0 <= min_match_share <= 1:
-            raise ValueError(f"min_match_share must be in [0, 1], got {min_match_share}")
+        if not 0 <= min_saved_share <= 1:
+            raise ValueError(f"min_saved_share must be in [0, 1], got {min_saved_share}")
         self.tokens_per_node = tokens_per_node
         self.load_threshold = load_threshold
-        self.min_match_share = min_match_share
+        self.min_saved_share = min_saved_share
         self.trees: dict[int, RoutedPrefixes] = {}
 
     def _tree(self, index: int) -> RoutedPrefixes:
@@ -63,9 +67,9 @@ class CacheAware:
         matched = {node.index: self._tree(node.index).match(prompt_token_ids) for node in nodes}
         least = min(nodes, key=lambda n: (n.load, self._tree(n.index).size, n.index))
         best = min(nodes, key=lambda n: (-matched[n.index], n.load, n.index))
-        longest = matched[best.index]
-        counts = longest > 0 and longest >= self.min_match_share * len(prompt_token_ids)
-        chosen = best if counts and best.load - least.load <= self.load_threshold else least
+        saved = matched[best.index] - matched[least.index]
+        worth = saved > 0 and saved >= self.min_saved_share * len(prompt_token_ids)
+        chosen = best if worth and best.load - least.load <= self.load_threshold else least
         self._tree(chosen.index).insert(prompt_token_ids)
         return chosen
 

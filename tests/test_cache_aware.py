@@ -80,10 +80,12 @@ def test_the_node_with_the_longest_prefix_wins():
     nodes[1].reported(3)  # busier, but within the threshold
     assert policy.pick(nodes, second + [7, 8]) is nodes[1]
     assert policy.pick(nodes, first + [9]) is nodes[0]
-    # A longer match beats a shorter one: node 2 is given a longer prefix of `first`.
+    # A longer match beats a shorter one: node 2 is given a longer prefix of `first`, and wins
+    # over node 0, the least loaded (holding least), by what it saves.
+    longer = first + list(range(1000, 1040))
     policy.trees[2] = RoutedPrefixes(10_000)
-    policy.trees[2].insert(first + [9, 10, 11, 12])
-    assert policy.pick(nodes, first + [9, 10, 11, 12, 13]) is nodes[2]
+    policy.trees[2].insert(longer)
+    assert policy.pick(nodes, longer + [1]) is nodes[2]
 
 
 def test_a_node_busier_than_the_threshold_gives_way_to_the_least_loaded():
@@ -99,17 +101,22 @@ def test_a_node_busier_than_the_threshold_gives_way_to_the_least_loaded():
     assert policy.pick(nodes, prompt + [2, 3]) is nodes[1]
 
 
-def test_a_match_below_the_minimum_share_of_the_prompt_does_not_count():
-    policy = CacheAware(tokens_per_node=10_000, min_match_share=0.5)
+def test_a_prefix_counts_by_what_it_saves_over_the_least_loaded_node():
+    policy = CacheAware(tokens_per_node=10_000, min_saved_share=0.25)
     nodes = _nodes(0, 0)
     template = [1, 2, 3, 4]
     assert policy.pick(nodes, template + list(range(100, 120))) is nodes[0]
-    # Sharing the template's 4 tokens of 24 is no reason to load node 0 again.
+    # Sharing the template's 4 tokens of 24 saves too little to load node 0 again.
     assert policy.pick(nodes, template + list(range(200, 220))) is nodes[1]
-    # Half the prompt is.
-    assert policy.pick(nodes, template + list(range(100, 110)) + [0] * 14) is nodes[0]
+    # Both hold the template now: it saves nothing on either, the least loaded gets it.
+    nodes[1].reported(1)
+    assert policy.pick(nodes, template + list(range(300, 320))) is nodes[0]
+    nodes[0].reported(2)
+    assert policy.pick(nodes, template + list(range(400, 420))) is nodes[1]
+    # 10 tokens on node 0 against the template on node 1 (the least loaded): a quarter saved.
+    assert policy.pick(nodes, template + list(range(100, 106)) + [0] * 14) is nodes[0]
+    assert policy.pick(nodes, template + list(range(100, 105)) + [0] * 15) is nodes[1]
     # Prompts given as vectors come with no ids: the least loaded, and nothing is recorded.
-    nodes[0].reported(1)
     sizes = {i: tree.size for i, tree in policy.trees.items()}
     assert policy.pick(nodes, []) is nodes[1]
     assert {i: tree.size for i, tree in policy.trees.items()} == sizes
