@@ -8,10 +8,10 @@ nodes' own KV events (stored / evicted, as vLLM and llm-d use). The tree needs n
 and no per-token traffic from nodes, and for what routing needs, a conversation's next turn
 going back to the node that computed its last, it is exact: a prompt's KV is cached on the
 node that prefilled it. Where it is not: a node that evicted a prompt still looks like it holds
-it until the tree's own bound (the node's KV capacity in tokens) drops it, and a router learns
-only of the prompts it routed itself, so the API processes of a front end with several each
-keep their own tree. A node that dies or is replaced starts with an empty cache, and so does
-its tree (`forget`).
+it until the tree's own bound (a node's KV capacity in tokens, as the router knows it) drops
+it, and a router learns only of the prompts it routed itself, so the API processes of a front
+end with several each keep their own tree. A node that dies or is replaced starts with an
+empty cache, and so does its tree (`forget`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from collections.abc import Sequence
 
 from cluster.routed_prefixes import RoutedPrefixes
 
-# A cached prefix is worth a queue this many requests longer than the least-loaded node's; a
-# prefill node batches waiting prompts, so a few more queued cost less than one long prompt.
+# How many requests more than the least-loaded node a node holding the prefix may hold and
+# still get the prompt; past it the longer queue is taken to cost more than the prefix saves.
+# A judgement, not a measurement: --cache-aware-load-threshold tunes it.
 DEFAULT_LOAD_THRESHOLD = 8
 # A prefix must save at least this share of the prompt's prefill over the least-loaded node
 # to be worth a longer queue: prompts share short openings by chance (a chat template, "User:")
