@@ -68,6 +68,7 @@ class EngineCore:
             runner.req_to_token_pool,
             max_requests=None if handoff is not None else config.max_num_seqs,
             prefix_cache=make_prefix_cache(config, speculator, prefix_cache),
+            companion=speculator.prefix_companion() if speculator is not None else None,
         )
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -313,6 +314,12 @@ class EngineCore:
         set_time_batch(completing + forks, "prefill_end")
         set_time_batch(decoding, "decode_end")
         failed = self.speculative.draft_extend_prefill(drafting) if drafting else []
+        if drafting and self.kv_cache.companion is not None:
+            # The prompts' draft KV exists now: what the cache can take of them is cacheable.
+            gone = {id(req) for req in failed}
+            for req, _, _, _ in drafting:
+                if id(req) not in gone and not req.finished:
+                    self.kv_cache.cache_prefix(req)
         if self.handoff is not None:
             gone = {id(req) for req in failed}
             done = completing + forks
@@ -373,13 +380,13 @@ class EngineCore:
 def make_prefix_cache(
     config: EngineConfig, speculator: Speculator | None, wanted: bool
 ) -> PrefixCache | None:
-    """The engine's prefix cache, or None. A speculating engine runs without one: a hit would
-    need every draft depth's KV of the prefix too, and the draft's KV at the prefix's last
-    position depends on the token after it."""
+    """The engine's prefix cache, or None. A speculating engine's needs its speculator to cache
+    the draft depths' KV beside the target's (`Speculator.prefix_companion`): a hit needs every
+    depth's KV of the prefix too."""
     if not (config.enable_prefix_cache and wanted):
         return None
-    if speculator is not None:
-        log.info("prefix cache off: this engine speculates (draft KV is not cached)")
+    if speculator is not None and speculator.prefix_companion() is None:
+        log.info("prefix cache off: this engine's speculator cannot cache its draft KV")
         return None
     return PrefixCache()
 

@@ -42,10 +42,45 @@ class StepPlan(Protocol):
         """What the step's trace events carry of it."""
 
 
+class PrefixCompanion(Protocol):
+    """KV that other pools hold at each of a request's target positions (a speculator's draft
+    depths), cached by the prefix cache together with the target's (engine.kv_cache). The cache
+    keys a position by the target slot that holds it: a companion keeps its own slots of a
+    cached position for as long as that target slot stays in the cache."""
+
+    # A match's last `lag` positions are computed again: the companion's KV there read tokens
+    # past the matched prefix (a draft depth at position i reads a token up to `lag` ahead).
+    lag: int
+
+    def cacheable_end(self, req: Request, end: int) -> int:
+        """How far (at most `end`) the companion holds `req`'s KV computed from its own tokens
+        alone, in slots of its own, from `req.cached_len` on: the most the cache may take."""
+
+    def adopt(self, req: Request, present: int, end: int) -> None:
+        """The cache took `req`'s target positions [present, end) (its target slots there are
+        the keys); the request's companion KV at [cached_len, present), which the cache held
+        already, is its own copy, freed now. The request lets go of its slots right after
+        unless present == cached_len (a request that goes on)."""
+
+    def evicted(self, target_slots: list[int]) -> None:
+        """The cache let go of these target slots: free the companion's slots kept for them."""
+
+    def matched(self, req: Request, target_slots: list[int]) -> None:
+        """`req` starts at a cached prefix whose target slots are `target_slots`: give it the
+        companion's KV there."""
+
+    def unmatched(self, req: Request) -> None:
+        """Undo `matched` (the request was not admitted after all)."""
+
+
 class Speculator(Protocol):
     """What the engine asks of speculative decoding (implemented in spec/)."""
 
     num_draft_steps: int
+
+    def prefix_companion(self) -> PrefixCompanion | None:
+        """What caches the speculator's KV beside the target's in a prefix cache; None: a prefix
+        cache cannot serve this speculator (the engine runs without one)."""
 
     def draft_extend_prefill(
         self,

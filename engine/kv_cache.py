@@ -10,10 +10,15 @@ whose forward failed. Slots that parallel samples share (`SlotAllocator.share`) 
 cache until their last holder lets them go, so the cache never owns a slot someone else frees.
 A live request's slots never change (a begun transfer may read them): where two requests
 computed the same tokens, the second keeps its copy until it lets go. Cached slots without
-holds count as room: a step that needs them evicts them."""
+holds count as room: a step that needs them evicts them.
+
+A speculating engine caches its draft depths' KV beside the target's (`PrefixCompanion`):
+a position enters the cache only where every depth holds its KV, and a match gives up its
+last `companion.lag` positions, whose draft KV read tokens past the matched prefix."""
 
 from __future__ import annotations
 
+from engine.engine_hooks import PrefixCompanion
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.prefix_cache import PrefixCache
 from engine.request import Request
@@ -29,14 +34,17 @@ class KVCacheManager:
         req_to_token_pool: ReqToTokenPool,
         max_requests: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        companion: PrefixCompanion | None = None,
     ) -> None:
         """`max_requests`: rows requests may hold (default: all). The rest stay free for
         speculative decoding's alternative chains, which take rows within a step only.
-        `prefix_cache`: None runs without one."""
+        `prefix_cache`: None runs without one. `companion`: the KV of other pools cached with
+        the target's (a speculator's draft depths)."""
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
         self.max_requests = req_to_token_pool.max_reqs if max_requests is None else max_requests
         self.prefix_cache = prefix_cache
+        self.companion = companion if prefix_cache is not None else None
         # Tokens looked up in the prefix cache at admission, and those found there.
         self.lookup_tokens = 0
         self.hit_tokens = 0
@@ -75,7 +83,10 @@ class KVCacheManager:
         if missing > 0 and self.prefix_cache is not None:
             # An eviction walks the whole tree: with the pool full of cache, taking just what
             # a decode step lacks would walk it at every step.
-            allocator.free(self.prefix_cache.evict(max(missing, EVICT_AT_LEAST)))
+            evicted = self.prefix_cache.evict(max(missing, EVICT_AT_LEAST))
+            if self.companion is not None:
+                self.companion.evicted(evicted)
+            allocator.free(evicted)
         # A request that starts at a cached prefix holds its slots, but no row yet.
         writes = []
         for req, _ in grants:
@@ -95,6 +106,8 @@ class KVCacheManager:
             return False
         tokens = req.token_ids(0, req.num_tokens - 1)
         match = cache.match(tokens)
+        if self.companion is not None and match.length:
+            match = cache.match(tokens[: max(0, match.length - self.companion.lag)])
         cache.lock(match.node)
         req.slots = list(match.slots)
         req.kv_len = req.cached_len = match.length
@@ -103,6 +116,8 @@ class KVCacheManager:
             req.cached_tokens = match.length
         self.lookup_tokens += len(tokens)
         self.hit_tokens += match.length
+        if self.companion is not None and match.length:
+            self.companion.matched(req, req.slots)
         return True
 
     def unmatch(self, req: Request) -> None:
@@ -111,6 +126,8 @@ class KVCacheManager:
         self.lookup_tokens -= req.num_tokens - 1
         self.hit_tokens -= req.cached_len
         self.prefix_cache.unlock(req.cache_node)
+        if self.companion is not None and req.cached_len:
+            self.companion.unmatched(req)
         if not req.output_token_ids:
             req.cached_tokens = 0
         req.slots, req.kv_len, req.cached_len, req.cache_node = [], 0, 0, None
@@ -129,6 +146,8 @@ class KVCacheManager:
         if cache.match(tokens).length > req.cached_len:
             return
         cache.insert(tokens, req.slots[:end])
+        if self.companion is not None:
+            self.companion.adopt(req, req.cached_len, end)
         node = cache.match(tokens).node
         cache.lock(node)
         cache.unlock(req.cache_node)
@@ -143,6 +162,8 @@ class KVCacheManager:
         end = req.cached_len
         while end < req.kv_len and not is_shared(req.slots[end]):
             end += 1
+        if self.companion is not None and end > req.cached_len:
+            end = self.companion.cacheable_end(req, end)
         return end
 
     def fork(self, source: Request, forks: list[Request], length: int) -> None:
@@ -175,6 +196,8 @@ class KVCacheManager:
         if end > req.cached_len:
             assert self.prefix_cache is not None
             present = self.prefix_cache.insert(req.token_ids(0, end), req.slots[:end])
+            if self.companion is not None:
+                self.companion.adopt(req, present, end)
             own = req.slots[req.cached_len : present] + req.slots[end:]
         if own:
             self.kv_pool.allocator.free(own)

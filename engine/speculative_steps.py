@@ -122,6 +122,10 @@ class SpeculativeSteps:
             # No chain is worth drafting for a request that has one token left to emit.
             if not item[0].finished and item[0].lookahead
         ]
+        for req, _, _, _ in prompts:
+            if not req.finished and not req.lookahead and req.spec_state is not None:
+                # A cached prefix's draft state (spec/prefix_drafts.py) that no chain follows.
+                self.speculator.release(req)
         if not items:
             return []
         requests = [req for req, _, _, _ in items]

@@ -134,7 +134,7 @@ def request_pools(
     held = set(cached).union(*(r.slots for r in requests))
     counts = [PoolCount("target", target_used, len(held))]
     for depth, runner in enumerate(speculator.depths if speculator is not None else []):
-        held = set()
+        held = set(speculator.prefix_drafts.cached_slots(depth))
         for req in requests:
             state = req.spec_state
             if state is not None and depth < len(state.seqs):

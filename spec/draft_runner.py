@@ -228,10 +228,24 @@ class DraftRunner:
             self.req_to_token_pool.free_row(seq.row)
         seq.slots, seq.row, seq.valid_len, seq.shared = [], None, 0, 0
 
-    def is_empty(self) -> bool:
+    def cached_prefix(self, slots: list[int]) -> DraftSeq:
+        """A sequence in a row of its own whose first positions are `slots`, a cached prefix's
+        (spec/prefix_drafts.py): valid there, and not its own to free."""
+        row = self.req_to_token_pool.allocate_row()
+        try:
+            self.req_to_token_pool.write(row, 0, slots)
+        except BaseException:
+            self.req_to_token_pool.free_row(row)
+            raise
+        return DraftSeq(row, list(slots), len(slots), len(slots))
+
+    def is_empty(self, num_cached: int = 0) -> bool:
+        """No sequence holds a slot or a row; `num_cached`: slots the prefix cache holds."""
         self.kv_pool.allocator.check_integrity()
         pool = self.req_to_token_pool
-        return self.kv_pool.allocator.num_used == 0 and pool.num_free_rows == pool.max_reqs
+        return (
+            self.kv_pool.allocator.num_used == num_cached and pool.num_free_rows == pool.max_reqs
+        )
 
     def forward(
         self, inputs: list[DraftInput], patch: DraftTokenPatch | None = None

@@ -58,4 +58,5 @@ def sample_extend(
     state = SpecRequestState([DraftSeq() for _ in depths], boundary=list(source.prompt_boundary))
     req.spec_state = state
     share_prompt(depths, source.state.seqs, state, n)
-    return DraftExtend(state, req.all_token_ids, target_hidden[n - 1 :], None, shape)
+    # The last prompt position's: the hidden states start at the cached prefix, if any.
+    return DraftExtend(state, req.all_token_ids, target_hidden[-1:], None, shape)

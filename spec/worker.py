@@ -44,6 +44,7 @@ from spec.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
 from spec.extend_items import FORK_GROW_AHEAD, FixedExtendItem
 from spec.host_verify import VerifyResult, verify_on_host
+from spec.prefix_drafts import DraftPrefixCache, starts_at_cached_prefix
 from spec.round_costs import StepCosts
 from spec.round_plan import PlanInputs, PlanPolicy, QueueNext, RoundPlan, plan_round
 from spec.round_stats import count_round
@@ -111,6 +112,11 @@ class MultiLayerEagleWorker:
         self.catch_up = DraftCatchUp(
             self.extender, runner.model_config.spec_hidden_size, runner.config.dtype.itemsize
         )
+        # Every depth's KV of the positions the engine's prefix cache holds.
+        self.prefix_drafts = DraftPrefixCache(self.depths, self._new_state)
+
+    def prefix_companion(self) -> DraftPrefixCache:
+        return self.prefix_drafts
 
     def _capture_graphs(self) -> None:
         """CUDA graphs for the forwards of every decode step. Verify: the newest token and a
@@ -136,9 +142,10 @@ class MultiLayerEagleWorker:
         input_embeds: list[InputEmbeds | None] | None = None,
         prompt_sources: list[int | None] | None = None,
     ) -> None:
-        """Run every depth over positions [0, n-1] of freshly prefilled requests, whose first
-        sampled token x_n is already appended (kv_len == n); `hidden[i]`: the target's hidden
-        states at those positions (ModelRunner.forward(..., keep_hidden=True)), and
+        """Run every depth over positions [S, n-1] of freshly prefilled requests, whose first
+        sampled token x_n is already appended (kv_len == n), S being the cached prefix that
+        every depth holds already (spec/prefix_drafts.py; 0 without one); `hidden[i]`: the
+        target's hidden states at those positions (ModelRunner.forward(..., keep_hidden=True)), and
         `input_embeds[i]` the input-embedding rows that forward read there, if any
         (ForwardOutput.input_embeds): a depth reading a token given as a vector reads these
         rows, not the placeholder's embedding. Builds each request's first chain and boundary
@@ -151,12 +158,15 @@ class MultiLayerEagleWorker:
         followed = {source for source in sources if source is not None}
         items: dict[int, DraftExtend] = {}
         for i, (req, h, e) in enumerate(zip(requests, hidden, embeds, strict=True)):
-            assert req.kv_len == req.num_tokens - 1 == h.shape[0], "prefill starts at 0"
             assert e is None or len(e) == h.shape[0], "one input row per prefilled position"
-            if req.spec_state is not None:
-                self.release(req)
             if sources[i] is None:
-                req.spec_state = self._new_state()
+                start = starts_at_cached_prefix(req.spec_state)
+                if start < 0:
+                    self.release(req)
+                    start = 0
+                assert req.kv_len == req.num_tokens - 1 == start + h.shape[0], "whole prompts"
+                if req.spec_state is None:
+                    req.spec_state = self._new_state()
                 items[i] = DraftExtend(
                     req.spec_state, req.all_token_ids, h, e, self._shape(req), i in followed
                 )
@@ -566,7 +576,8 @@ class MultiLayerEagleWorker:
         req.spec_state = None
 
     def is_empty(self) -> bool:
-        return all(runner.is_empty() for runner in self.depths)
+        """No request holds draft KV (the prefix cache may hold some of its own)."""
+        return all(runner.is_empty(len(self.prefix_drafts)) for runner in self.depths)
 
     def _shape(self, req: Request) -> TreeShape:
         # A grammar masks each verified position in the state after the drafts before it, which

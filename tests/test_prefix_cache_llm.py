@@ -3,16 +3,14 @@ it (shared system prompts, multi-turn conversations whose next turn resends the 
 chunked prefill, overlap, parallel samples, a pool small enough to evict and retract); what
 it saves is counted (hits, prefill tokens, usage's cached_tokens); an aborted request lets go
 of its prefix; the KV audit finds every used slot held by a request or the cache at every
-step of a run with aborts; a speculating engine runs without it."""
+step of a run with aborts. A speculating engine's: tests/test_prefix_cache_spec.py."""
 
 from __future__ import annotations
 
-import logging
 import random
 from pathlib import Path
 
 import pytest
-from tiny_drafts import make_good_draft, make_predictable_llama
 
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
@@ -233,25 +231,6 @@ def test_the_audit_counts_the_cached_slots(tiny_model_path):
     assert without.held == 0  # the cache's slots would read as leaked
     [counted] = request_pools(used, [], None, cached=llm.engine.kv_cache.cached_slots())
     assert counted.held == used
-
-
-def test_a_speculating_engine_runs_without_the_cache(tmp_path, caplog):
-    make_predictable_llama(tmp_path / "target", seed=0)
-    make_good_draft(tmp_path / "draft", tmp_path / "target", 2, noise=0.01)
-    with caplog.at_level(logging.INFO, logger="engine.engine_core"):
-        llm = LLM(
-            str(tmp_path / "target"),
-            device="cpu",
-            kv_cache_tokens=2048,
-            speculative_algorithm="multi-layer-eagle",
-            draft_model=str(tmp_path / "draft"),
-            num_draft_steps=2,
-        )
-    assert llm.engine.kv_cache.prefix_cache is None
-    assert "prefix cache off: this engine speculates" in caplog.text
-    prompt = list(range(10, 30))
-    first, second = (llm.generate([prompt], GREEDY)[0] for _ in range(2))
-    assert first.token_ids == second.token_ids and second.usage.cached_tokens == 0
 
 
 def test_a_request_that_starts_past_a_cached_prefix_still_traces_its_prefill(tiny_model_path):
