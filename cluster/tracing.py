@@ -302,9 +302,11 @@ def _cross_track_spans(
     arrival, finish = _time(router, "arrival"), _time(router, "finish")
     if arrival is not None and finish is not None:
         out.append(_span("request", ROUTER_PID, arrival, finish, {}))
-    sent, landed = _time(prefill, "transfer_start"), _event(decode, "transfer_end")
+    start, landed = _event(prefill, "transfer_start"), _event(decode, "transfer_end")
+    sent = start[1] if start is not None else None
     if sent is not None and landed is not None:
-        args = dict(landed[2]) if len(landed) > 2 else {}
+        args = dict(start[2]) if len(start) > 2 else {}
+        args.update(landed[2] if len(landed) > 2 else {})
         out.append(_span("transfer", prefill_pid, sent, max(sent, landed[1]), args))
     posted = _time(decode, "receive_posted")
     if posted is not None and landed is not None:

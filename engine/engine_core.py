@@ -32,7 +32,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.speculative_steps import SpeculativeSteps
 from engine.step_sampling import decode_plainly, sample_next_tokens, sample_overlapped
 from engine.stopping import StopChecker
-from engine.tracing import RequestTrace, set_time, set_time_batch
+from engine.tracing import RequestTrace, set_prefill_end, set_time, set_time_batch
 from engine.validation import validate_request
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,7 @@ class EngineCore:
         finished = self.scheduler.process_prefill(
             batch, tokens.tolist(), logprobs, self.stop_checker, forks
         )
-        set_time_batch(completing + forks, "prefill_end")
+        set_prefill_end(completing + forks)
         set_time_batch(decoding, "decode_end")
         failed = self.speculative.draft_extend_prefill(drafting) if drafting else []
         if drafting and self.kv_cache.companion is not None:

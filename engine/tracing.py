@@ -68,6 +68,17 @@ def set_time(req: Request, name: str, args: dict[str, Any] | None = None) -> Non
         req.trace.add(name, clock_ns(), args)
 
 
+def set_prefill_end(requests: Sequence[Request]) -> None:
+    """Stamp `prefill_end` on requests whose prompt is done, with the prompt tokens each read
+    from the prefix cache (`cached_tokens`) rather than computed."""
+    if not requests or requests[0].trace is None:
+        return
+    now = clock_ns()
+    for req in requests:
+        if req.trace is not None:
+            req.trace.add("prefill_end", now, {"cached_tokens": req.cached_tokens})
+
+
 def set_correct_drafts(requests: Sequence[Request]) -> None:
     """After a decode step counted its statistics: stamp `correct_drafts` with this step's draft
     tokens checked (`drafts`) and accepted (`correct`) on each request that verified drafts in

@@ -327,7 +327,7 @@ class PrefillNode(ServingNode):
         top = [[t, lp] for t, lp in logprob.top_logprobs] if logprob else []
         # The result goes first, so that the decode node has it when the KV lands; it carries
         # this node's timeline, which the decode node reports to the router with its own.
-        set_time(req, "transfer_start")
+        set_time(req, "transfer_start", {"kv_tokens": req.kv_len})
         trace = req.trace.events if req.trace is not None else []
         cached = req.cached_tokens if self.kv_cache.prefix_cache is not None else None
         self.outboxes[pending.decode_node].send(

@@ -242,6 +242,9 @@ def test_a_request_that_starts_past_a_cached_prefix_still_traces_its_prefill(tin
     names = [event[0] for event in again.trace]
     # Once, though its prompt ran in two chunks after the cached prefix.
     assert names.count("prefill_start") == 1 and names.count("prefill_end") == 1
+    # prefill_end says how much of the prompt came from the cache.
+    [end] = [event for event in again.trace if event[0] == "prefill_end"]
+    assert end[2] == {"cached_tokens": again.usage.cached_tokens}
 
 
 @pytest.mark.gpu

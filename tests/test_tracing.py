@@ -239,6 +239,12 @@ def _check_trace(trace: dict, request_id: str, usage: dict) -> None:
     assert summary == trace["otherData"]["trace_summary"]
     assert summary["ttft_ms"] > 0 and summary["e2e_ms"] >= summary["ttft_ms"]
     assert summary["transfer_ms"] >= 0 and summary["transfer_bytes"] > 0
+    # What the prefill read from its prefix cache, and the positions whose KV it sent.
+    [prefill_span] = _spans(trace, prefill, "prefill")
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    assert prefill_span["args"]["cached_tokens"] == cached
+    [transfer] = _spans(trace, prefill, "transfer")
+    assert transfer["args"]["kv_tokens"] == usage["prompt_tokens"]
     assert summary["accept_length"] == usage["spec_accept_length"]
 
 
