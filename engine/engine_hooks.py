@@ -44,12 +44,11 @@ class StepPlan(Protocol):
 
 class PrefixCompanion(Protocol):
     """KV that other pools hold at each of a request's target positions (a speculator's draft
-    depths), cached by the prefix cache together with the target's (engine.kv_cache). The cache
-    keys a position by the target slot that holds it: a companion keeps its own slots of a
-    cached position for as long as that target slot stays in the cache."""
+    depths), cached by the prefix cache together with the target's (engine.kv_cache). The
+    companion's KV at a position reads up to `lag` tokens after it, so the cache keys it by the
+    target slot `lag` positions later, whose path fixes those tokens: it lives as long as that
+    slot stays in the cache, and a match of L tokens gives the companion's KV of L - lag."""
 
-    # A match's last `lag` positions are computed again: the companion's KV there read tokens
-    # past the matched prefix (a draft depth at position i reads a token up to `lag` ahead).
     lag: int
 
     def cacheable_end(self, req: Request, end: int) -> int:

@@ -13,8 +13,8 @@ computed the same tokens, the second keeps its copy until it lets go. Cached slo
 holds count as room: a step that needs them evicts them.
 
 A speculating engine caches its draft depths' KV beside the target's (`PrefixCompanion`):
-a position enters the cache only where every depth holds its KV, and a match gives up its
-last `companion.lag` positions, whose draft KV read tokens past the matched prefix."""
+the drafts' KV of a position enters the cache with the target's `lag` positions later, and a
+match gives up its last `lag` positions."""
 
 from __future__ import annotations
 
@@ -106,18 +106,21 @@ class KVCacheManager:
             return False
         tokens = req.token_ids(0, req.num_tokens - 1)
         match = cache.match(tokens)
-        if self.companion is not None and match.length:
-            match = cache.match(tokens[: max(0, match.length - self.companion.lag)])
+        used = match.length
+        if self.companion is not None:
+            used = max(0, used - self.companion.lag)
+        # The whole match is held: the companion's KV of the positions used is keyed by the
+        # target slots after them.
         cache.lock(match.node)
-        req.slots = list(match.slots)
-        req.kv_len = req.cached_len = match.length
+        req.slots = match.slots[:used]
+        req.kv_len = req.cached_len = used
         req.cache_node = match.node
         if not req.output_token_ids:
-            req.cached_tokens = match.length
+            req.cached_tokens = used
         self.lookup_tokens += len(tokens)
-        self.hit_tokens += match.length
-        if self.companion is not None and match.length:
-            self.companion.matched(req, req.slots)
+        self.hit_tokens += used
+        if self.companion is not None and used:
+            self.companion.matched(req, match.slots)
         return True
 
     def unmatch(self, req: Request) -> None:

@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_drafts import make_good_draft, make_predictable_llama
 
 from engine import LLM, SamplingParams
@@ -73,8 +74,9 @@ def _drafts_held_by_the_cache_alone(llm: LLM) -> None:
     used = engine.kv_cache.kv_pool.allocator.num_used
     pools = request_pools(used, [], speculator, cached=engine.kv_cache.cached_slots())
     assert all(p.used == p.held for p in pools), pools
-    # One slot in every depth for each cached target position.
-    assert [p.used for p in pools] == [used] * (K + 1)
+    # At most one slot in every depth for each cached target position (none for the first K
+    # positions of a path, whose slots key no draft KV).
+    assert len({p.used for p in pools[1:]}) == 1 and 0 < pools[1].used < used
 
 
 @pytest.mark.parametrize(
@@ -132,6 +134,38 @@ def test_a_match_gives_up_the_positions_whose_draft_read_past_it(models):
     _drafts_held_by_the_cache_alone(llm)
 
 
+def _prefill(llm: LLM, prompt: list[int]):
+    engine = llm.engine
+    req = engine.make_request("probe", prompt, GREEDY)
+    engine.add_request(req)
+    engine.step()  # the prompt's prefill and the draft's first extend
+    return req
+
+
+def test_a_position_where_cached_paths_part_serves_only_the_path_its_draft_read(models):
+    """The tree holds a shared opening once for every path through it, but the draft KV of its
+    last positions read the tokens of the request that computed them: a request that parts from
+    that path there reads the cache only up to where its own tokens differ."""
+    llm = _llm(models, True)
+    common = list(range(10, 30))
+    llm.generate([common + [50, 51, 52, 53, 54, 55]], GREEDY)
+    [other] = llm.generate([common + [60, 61, 62, 63, 64, 65]], GREEDY)
+    prompt = common + [60, 61, 62, 63, 64, 65] + other.token_ids + [70]
+    ours = _prefill(llm, prompt)
+    # Past the common opening, through the second path.
+    assert ours.cached_tokens > len(common)
+    reference = _llm(models, False)
+    fresh = _prefill(reference, prompt)
+    assert ours.spec_state.chain == fresh.spec_state.chain
+    pairs = zip(llm.engine.speculator.depths, reference.engine.speculator.depths)
+    for (mine, theirs), a, b in zip(pairs, ours.spec_state.seqs, fresh.spec_state.seqs):
+        assert a.valid_len == b.valid_len
+        for name in ("k_buffers", "v_buffers"):
+            x = getattr(mine.kv_pool, name)[0][a.slots[: a.valid_len]]
+            y = getattr(theirs.kv_pool, name)[0][b.slots[: b.valid_len]]
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
 def test_parallel_samples_share_a_cached_prefix(models):
     prompt = list(range(10, 40))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, n=3)
@@ -157,4 +191,15 @@ def test_an_aborted_request_lets_go_of_its_cached_prefix(models):
     assert engine.abort("r") is req
     while engine.has_work():
         engine.step()
+    _drafts_held_by_the_cache_alone(llm)
+
+
+def test_a_request_that_does_not_speculate_reads_the_targets_cached_kv_alone(models):
+    llm = _llm(models, True)
+    system = list(range(10, 40))
+    llm.generate([system + [50]], GREEDY)
+    prompt = system + [60, 61]
+    [plain] = llm.generate([prompt], GREEDY, speculative=False)
+    assert plain.usage.cached_tokens == len(system) - K
+    assert plain.token_ids == llm.generate([prompt], GREEDY)[0].token_ids
     _drafts_held_by_the_cache_alone(llm)
