@@ -108,7 +108,10 @@ def test_speculating_samples_share_a_prefill_and_abort_alone(models):
     prompt = [1, 17, 99, 4, 250, 31, 8, 40, 41]
     params = SamplingParams(n=3, max_tokens=16, temperature=0.7, seed=5, ignore_eos=True)
     expected = [o.token_ids for o in offline.generate([prompt], params)]
-    cluster = launch(target, prefill=1, decode=1, draft_model=draft, **SPEC, **ENGINE)
+    # Without the prefix cache, so that the prefill tokens count each group's prefills.
+    cluster = launch(
+        target, prefill=1, decode=1, draft_model=draft, enable_prefix_cache=False, **SPEC, **ENGINE
+    )
     router = cluster.router
 
     async def run() -> tuple[list, list]:

@@ -77,7 +77,8 @@ def test_incremental_draft_state_equals_a_fresh_prefill(models, kind: str) -> No
         engine.step()
         # A request with one token left drafts no chain: nothing would verify it.
         alive = [r for r in requests if not r.finished and r.lookahead]
-        # The same committed tokens, prefilled at once: prompt x_0..x_{m-1}, then greedy x_m.
+        # The same committed tokens, prefilled at once: prompt x_0..x_{m-1}, then greedy x_m
+        # (from the longest prefix the scratch engine's prefix cache holds of the last round's).
         fresh = [
             scratch.make_request(f"s{r.request_id}", r.all_token_ids[:-1], PARAMS) for r in alive
         ]
