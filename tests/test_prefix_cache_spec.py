@@ -14,6 +14,7 @@ import torch
 from tiny_drafts import make_good_draft, make_predictable_llama
 
 from engine import LLM, SamplingParams
+from engine.kernels import triton_runs_on
 from metadata.kv_audit import request_pools
 
 K = 2
@@ -31,9 +32,9 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 def _llm(models, cache: bool, **kw) -> LLM:
     target, draft = models
     kw.setdefault("kv_cache_tokens", 4096)
+    kw.setdefault("device", "cpu")
     return LLM(
         str(target),
-        device="cpu",
         enable_prefix_cache=cache,
         speculative_algorithm="multi-layer-eagle",
         draft_model=str(draft),
@@ -203,3 +204,23 @@ def test_a_request_that_does_not_speculate_reads_the_targets_cached_kv_alone(mod
     assert plain.usage.cached_tokens == len(system) - K
     assert plain.token_ids == llm.generate([prompt], GREEDY)[0].token_ids
     _drafts_held_by_the_cache_alone(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not triton_runs_on("cuda"), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("options", [{}, {"speculative_topk": 2, "num_draft_tokens": 4}])
+def test_output_with_the_cache_on_a_gpu(models, options):
+    """The GPU's defaults (Triton attention, CUDA graphs for the target's and the drafts'
+    steps, device-queued verifies), in float32: a draft extend that starts at a cached prefix
+    runs as one that starts at a prompt's beginning."""
+    prompts = _shared_prefix_prompts(seed=3)
+    results = {}
+    for cache in (False, True):
+        llm = _llm(models, cache, device="cuda", dtype="float32", max_num_seqs=8, **options)
+        assert llm.config.cuda_graph_max_bs
+        outputs = _run(llm, prompts)
+        results[cache] = [o.token_ids for o in outputs]
+        if cache:
+            assert sum(o.usage.cached_tokens for o in outputs) > 0
+            _drafts_held_by_the_cache_alone(llm)
+    assert results[True] == results[False]
