@@ -379,9 +379,12 @@ class EngineConfig:
     cpu_packed_linear: bool = True
     # Set by --debug-tensor-dump-dir: where this engine's forward passes are dumped.
     tensor_dump: TensorDumpConfig | None = None
+    # Ranks the model is split over, one process each (engine/tensor_parallel/).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "kv_cache_tokens", "max_prefill_tokens"):
+        names = ("max_num_seqs", "max_model_len", "kv_cache_tokens", "max_prefill_tokens")
+        for name in names + ("tensor_parallel_size",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:

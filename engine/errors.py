@@ -20,3 +20,12 @@ class RequestRejectedError(PdclusterError, ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class TensorParallelError(PdclusterError, ValueError):
+    """A tensor parallel engine cannot be built as asked: a model its ranks cannot split, or
+    an option not supported with it. The message names the mismatch."""
+
+
+class RankFailedError(PdclusterError):
+    """A tensor parallel rank exited or lost its connection; the engine cannot run on."""

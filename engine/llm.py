@@ -65,6 +65,7 @@ class LLM:
         debug_tensor_dump_layers: Sequence[int] | None = None,
         enable_tracing: bool = False,
         speculation: Speculation | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """With `speculative_algorithm` ("multi-layer-eagle") and `draft_model` (a draft folder,
         see docs/draft-format.md; by default the shipped draft for the default model), every
@@ -104,7 +105,10 @@ class LLM:
         for engines that share a GPU (default: the KV pool takes 80% of what is free).
         `enable_tracing` gives each output its timeline (`RequestOutput.trace`, engine.tracing).
         `speculation`: the speculative algorithm's implementation (engine.speculation), for an
-        engine other than the one registered under `speculative_algorithm`."""
+        engine other than the one registered under `speculative_algorithm`.
+        `tensor_parallel_size` N > 1 splits the model over N ranks on this host, this process
+        and N - 1 processes it starts (docs/tensor-parallel.md; CPU only, no speculation so
+        far); `close()` ends them, as does collecting the LLM or this process ending."""
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         self.args = EngineArgs(
@@ -139,6 +143,7 @@ class LLM:
             debug_tensor_dump_layers=(
                 None if debug_tensor_dump_layers is None else tuple(debug_tensor_dump_layers)
             ),
+            tensor_parallel_size=tensor_parallel_size,
         )
         built = build_engine(self.args, speculation, tracing=enable_tracing)
         self.model_path = built.spec.path
@@ -147,6 +152,17 @@ class LLM:
         self.config = built.spec.engine_config
         self.engine = built.core
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (tensor parallel ranks); the LLM
+        cannot generate afterwards. Idempotent."""
+        self.engine.runner.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -21,9 +21,13 @@ from engine.config import (
 )
 from engine.debug_dump import OFFLINE_NODE, tensor_dump_config
 from engine.env import speculative_plan_default
+from engine.errors import TensorParallelError
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.speculation import Speculation, chosen_speculation
+from engine.tensor_parallel.layers import ModelShard
+from engine.tensor_parallel.layout import check_tensor_parallel, check_tensor_parallel_options
+from engine.tensor_parallel.leader import start_tensor_parallel
 from engine.weights import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
@@ -102,8 +106,14 @@ class EngineArgs:
     # a relative one in its own working directory. Layers: the target decoder layers kept.
     debug_tensor_dump_dir: str | None = None
     debug_tensor_dump_layers: tuple[int, ...] | None = None
+    # Ranks the model is split over, one process each (engine/tensor_parallel/, CPU only).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise TensorParallelError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
         if self.speculative_algorithm is None and (
             self.draft_model is not None or self.num_draft_steps is not None
         ):
@@ -168,6 +178,8 @@ def resolve(
     """`node_name` ("prefill-0", "decode-1", ...) names this engine's tensor dump folder.
     `speculation`: the speculative algorithm's (engine.speculation), for args that speculate;
     by default the one registered under args.speculative_algorithm."""
+    device = args.device or default_device()
+    check_tensor_parallel_options(args.tensor_parallel_size, device, args.speculative_algorithm)
     path = resolve_model(args.model)
     hf_config = load_hf_config(path)
     tokenizer = load_tokenizer(path)
@@ -177,7 +189,7 @@ def resolve(
         # The draft may read auxiliary target layers: derived here, once, so the runner, the
         # metadata buffers and the pairing spec all see one spec_hidden_size.
         model_config = speculation.target_config(args, model_config)
-    device = args.device or default_device()
+    check_tensor_parallel(model_config, args.tensor_parallel_size)
     dtype = resolve_dtype(None if args.dtype == "auto" else args.dtype, device)
     max_model_len = args.max_model_len or model_config.max_position_embeddings
     kv_tokens = args.kv_cache_tokens or _default_kv_tokens(
@@ -213,6 +225,7 @@ def resolve(
             node_name,
             model_config.num_layers,
         ),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     return ModelSpec(path, model_config, engine_config, tokenizer)
 
@@ -280,7 +293,22 @@ def _overlap_schedule(args: EngineArgs, device: str) -> bool:
 
 
 def load_runner(spec: ModelSpec) -> ModelRunner:
-    return ModelRunner(spec.model_config, spec.engine_config, iter_safetensors(spec.path))
+    """The runner of the spec's engine: on this device, or rank 0 of its tensor parallel ranks
+    (which it starts)."""
+    if spec.engine_config.tensor_parallel_size > 1:
+        return start_tensor_parallel(spec.path, spec.model_config, spec.engine_config)
+    return load_rank_runner(spec.path, spec.model_config, spec.engine_config)
+
+
+def load_rank_runner(
+    path: Path,
+    model_config: ModelConfig,
+    engine_config: EngineConfig,
+    shard: ModelShard | None = None,
+) -> ModelRunner:
+    """A runner of the model at `path`, or with `shard` of one tensor parallel rank's part of
+    it (a follower rank loads its own through this)."""
+    return ModelRunner(model_config, engine_config, iter_safetensors(path), shard)
 
 
 def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:

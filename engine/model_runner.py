@@ -1,5 +1,7 @@
 """Owns the model, its KV pools and attention backend on one device; turns scheduled requests
-into a ForwardBatch and returns last-position logits."""
+into a ForwardBatch and returns last-position logits. With a `ModelShard` (tensor parallelism,
+engine/tensor_parallel/) it owns one rank's part: the model's shard, the attention over the
+rank's heads and a KV pool of the rank's KV heads only; logits still come back whole."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
+from engine.tensor_parallel.layers import ModelShard
 from engine.verify_outputs import ChainVerdicts, VerifyOutputs
 
 
@@ -43,11 +46,15 @@ class ModelRunner:
         model_config: ModelConfig,
         engine_config: EngineConfig,
         weights: Iterable[tuple[str, torch.Tensor]],
+        shard: ModelShard | None = None,
     ) -> None:
         self.model_config = model_config
         self.config = engine_config
+        self.shard = shard
         self.device = torch.device(engine_config.device)
-        self.model = build_model(model_config, engine_config, weights)
+        self.model = build_model(model_config, engine_config, weights, shard)
+        # The heads this runner attends with and caches: all of them, or its rank's.
+        local = model_config if shard is None else shard.local_config(model_config)
         self.rotary = RotaryEmbedding(
             model_config.rope,
             model_config.head_dim,
@@ -56,14 +63,14 @@ class ModelRunner:
         )
         self.attention = create_attention_backend(
             engine_config.attention_backend,
-            model_config.num_heads,
-            model_config.num_kv_heads,
+            local.num_heads,
+            local.num_kv_heads,
             model_config.head_dim,
         )
         self.kv_pool = KVPool(
             engine_config.kv_cache_tokens,
             model_config.num_layers,
-            model_config.num_kv_heads,
+            local.num_kv_heads,
             model_config.head_dim,
             engine_config.dtype,
             self.device,
@@ -102,6 +109,10 @@ class ModelRunner:
                 max_span=1,
             )
             self.graphs.capture()
+
+    def close(self) -> None:
+        """Release what this runner holds outside its process (a tensor parallel engine's
+        follower ranks); a runner on one device holds nothing there."""
 
     def capture_verify_graphs(
         self, max_span: int, trees: bool = False, verdicts: ChainVerdicts | None = None
@@ -283,17 +294,26 @@ def build_model(
     model_config: ModelConfig,
     engine_config: EngineConfig,
     weights: Iterable[tuple[str, torch.Tensor]],
+    shard: ModelShard | None = None,
 ) -> LlamaForCausalLM:
+    """The model, or with `shard` one rank's part of it, loaded from `weights` (the whole
+    checkpoint's HF-named tensors: a shard slices each as it streams past)."""
+    config = model_config
+    if shard is not None:
+        config, weights = shard.local_config(model_config), shard.weights(weights)
     # Build on the meta device so no memory is spent on a random initialisation that the
     # checkpoint overwrites anyway.
     with torch.device("meta"):
-        model = model_class(model_config)(model_config)
+        model = model_class(config)(config)
     model = model.to_empty(device=engine_config.device).to(engine_config.dtype)
-    if model_config.tie_word_embeddings:
+    if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_weights(weights)
     if engine_config.cpu_packed_linear and packed_linear_available(
         torch.device(engine_config.device), engine_config.dtype
     ):
         pack_linears(model)
+    if shard is not None:
+        # Wrapped after packing, which replaces the linears the wrappers hold.
+        shard.parallelize(model)
     return model.eval()

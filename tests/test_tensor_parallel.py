@@ -1,0 +1,287 @@
+"""Tensor parallelism inside the offline engine (engine/tensor_parallel/), on CPU with gloo:
+greedy output of 2 and 4 ranks token-exact against one rank and against transformers (with KV
+heads split at 2 ranks and replicated at 4, biases on every projection, a vocabulary that 4 ranks
+split with padding, chunked prefill, penalties, a grammar); each rank's KV pool holds only its
+KV heads; a model or option the ranks cannot split is refused naming the mismatch; and no rank
+outlives its engine (closed, collected, or its process killed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from family_checks import hf_greedy
+from tiny_models import make_tiny_llama
+from transformers import LlamaForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.config import ModelConfig
+from engine.errors import PdclusterError, TensorParallelError
+from engine.grammar import grammar_library_available, json_schema_grammar
+from engine.tensor_parallel.layout import (
+    TensorParallelLayout,
+    check_tensor_parallel,
+    check_tensor_parallel_options,
+)
+from engine.weights import load_hf_config
+
+# Heads 4, KV heads 2 (TINY_DEFAULTS): split at 2 ranks, each replicated on 2 ranks at 4. A
+# vocabulary of 322 rows leaves 4 ranks 80.5 each: the last rank's shard is padded.
+MODEL = dict(vocab_size=322, attention_bias=True, mlp_bias=True)
+PROMPTS = [[5, 17, 99, 5, 40], [200, 201, 202, 7], [77] * 9 + [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+MAX_TOKENS = 12
+# Smaller than the longest prompt: it is prefilled in chunks.
+CHUNK = 8
+ENGINE = dict(device="cpu", kv_cache_tokens=1024, max_num_seqs=8, chunked_prefill_size=CHUNK)
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tp_llama")
+    make_tiny_llama(path, seed=3, **MODEL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf(model_path: Path) -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_pretrained(model_path).eval()
+
+
+@pytest.fixture(scope="module")
+def engines(model_path: Path):
+    """One engine per rank count, shared by the module's tests."""
+    built = {n: LLM(str(model_path), tensor_parallel_size=n, **ENGINE) for n in (1, 2, 4)}
+    yield built
+    for llm in built.values():
+        llm.close()
+
+
+def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [out.token_ids for out in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_greedy_matches_one_rank_and_transformers(engines, hf, ranks: int) -> None:
+    expected = hf_greedy(hf, PROMPTS, MAX_TOKENS)
+    assert _tokens(engines[1], GREEDY) == expected
+    assert _tokens(engines[ranks], GREEDY) == expected
+    # The model is not degenerate: the comparison covers more than one repeated token.
+    assert all(len(set(tokens)) > 2 for tokens in expected)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_repetition_penalty_matches_transformers(engines, hf, ranks: int) -> None:
+    params = dataclasses.replace(GREEDY, repetition_penalty=1.5)
+    expected = []
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                repetition_penalty=1.5,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+        expected.append(out[0, len(prompt) :].tolist())
+    assert expected != hf_greedy(hf, PROMPTS, MAX_TOKENS)  # the penalty changes the output
+    assert _tokens(engines[ranks], params) == expected
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_openai_penalties_and_bias_match_one_rank(engines, ranks: int) -> None:
+    params = dataclasses.replace(
+        GREEDY, presence_penalty=0.7, frequency_penalty=0.4, logit_bias={5: 5.0}
+    )
+    expected = _tokens(engines[1], params)
+    assert expected != _tokens(engines[1], GREEDY)
+    assert _tokens(engines[ranks], params) == expected
+
+
+@pytest.mark.skipif(not grammar_library_available(), reason="needs llguidance")
+def test_grammar_matches_one_rank(engines) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["x"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        max_tokens=30, temperature=0.0, grammar=json_schema_grammar(schema, "response_format")
+    )
+    expected = [out.text for out in engines[1].generate(PROMPTS, params)]
+    for text in expected:
+        assert set(json.loads(text)) == {"x"}
+    assert [out.text for out in engines[2].generate(PROMPTS, params)] == expected
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_prompt_embeddings_match_one_rank(engines, ranks: int) -> None:
+    """Vectors given in place of some prompt tokens' embeddings reach every rank."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = engines[1].model_config.hidden_size
+    embeds = [{1: torch.randn(hidden, generator=generator) * 0.5}, None, {0: torch.ones(hidden)}]
+    expected = _tokens_with(engines[1], embeds)
+    assert expected != _tokens(engines[1], GREEDY)  # the vectors are read
+    assert _tokens_with(engines[ranks], embeds) == expected
+
+
+def _tokens_with(llm: LLM, embeds: list) -> list[list[int]]:
+    return [out.token_ids for out in llm.generate(PROMPTS, GREEDY, prompt_embeds=embeds)]
+
+
+def test_each_rank_caches_only_its_kv_heads(engines) -> None:
+    assert engines[1].engine.runner.kv_pool.num_kv_heads == 2
+    assert engines[2].engine.runner.kv_pool.num_kv_heads == 1
+    assert engines[4].engine.runner.kv_pool.num_kv_heads == 1
+
+
+def test_layout_splits_or_replicates_kv_heads(model_path: Path) -> None:
+    config = ModelConfig.from_hf(load_hf_config(model_path))
+    split, replicated = TensorParallelLayout.of(config, 2), TensorParallelLayout.of(config, 4)
+    assert [split.first_kv_head(r) for r in range(2)] == [0, 1]
+    # Rank r's query heads (r at 4 ranks) read KV head r // 2 (2 query heads per KV head).
+    assert [replicated.first_kv_head(r) for r in range(4)] == [0, 0, 1, 1]
+    assert (replicated.vocab_shard, replicated.local_intermediate) == (81, 32)
+    local = replicated.local_config(config)
+    assert (local.num_heads, local.num_kv_heads, local.vocab_size) == (1, 1, 81)
+
+
+def test_shards_cover_each_weight_once(model_path: Path) -> None:
+    """The ranks' slices put back together give the checkpoint's tensors (biases of the
+    row-parallel projections once, on rank 0)."""
+    config = ModelConfig.from_hf(load_hf_config(model_path))
+    layout = TensorParallelLayout.of(config, 4)
+    weight = torch.randn(config.vocab_size, config.hidden_size)
+    rows = torch.cat([layout.shard_tensor("lm_head.weight", weight, r) for r in range(4)])
+    assert torch.equal(rows[: config.vocab_size], weight) and not rows[config.vocab_size :].any()
+    down = torch.randn(config.hidden_size, config.intermediate_size)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(torch.cat([layout.shard_tensor(name, down, r) for r in range(4)], 1), down)
+    bias = torch.randn(config.hidden_size)
+    name = "model.layers.0.self_attn.o_proj.bias"
+    assert torch.equal(sum(layout.shard_tensor(name, bias, r) for r in range(4)), bias)
+
+
+def test_refused_layouts_name_the_mismatch(model_path: Path) -> None:
+    config = ModelConfig.from_hf(load_hf_config(model_path))
+    with pytest.raises(TensorParallelError, match=r"attention heads \(num_attention_heads=4\)"):
+        LLM(str(model_path), tensor_parallel_size=3, **ENGINE)
+    with pytest.raises(TensorParallelError, match=r"num_key_value_heads=3"):
+        check_tensor_parallel(dataclasses.replace(config, num_heads=6, num_kv_heads=3), 2)
+    with pytest.raises(TensorParallelError, match=r"num_key_value_heads=6"):
+        check_tensor_parallel(dataclasses.replace(config, num_heads=12, num_kv_heads=6), 4)
+    with pytest.raises(TensorParallelError, match=r"intermediate_size=130"):
+        check_tensor_parallel(dataclasses.replace(config, intermediate_size=130), 4)
+    with pytest.raises(TensorParallelError, match="must be >= 1"):
+        LLM(str(model_path), tensor_parallel_size=0, **ENGINE)
+
+
+def test_refused_options_name_them() -> None:
+    with pytest.raises(TensorParallelError, match="speculative decoding"):
+        check_tensor_parallel_options(2, "cpu", "multi-layer-eagle")
+    with pytest.raises(TensorParallelError, match="CPU"):
+        check_tensor_parallel_options(2, "cuda:0", None)
+    check_tensor_parallel_options(1, "cuda:0", "multi-layer-eagle")  # one rank: anything goes
+
+
+def test_speculative_engine_refused(model_path: Path) -> None:
+    import spec  # noqa: F401  registers the speculative algorithm
+
+    with pytest.raises(TensorParallelError, match="speculative decoding"):
+        LLM(
+            str(model_path),
+            tensor_parallel_size=2,
+            speculative_algorithm="multi-layer-eagle",
+            draft_model=str(model_path),
+            **ENGINE,
+        )
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, whose parent has not reaped it, is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_gone(pids: list[int], deadline_s: float = 60.0) -> list[int]:
+    """The pids still running after they had `deadline_s` to exit."""
+    end = time.monotonic() + deadline_s
+    while any(_running(pid) for pid in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    return [pid for pid in pids if _running(pid)]
+
+
+def _follower_pids(llm: LLM) -> list[int]:
+    return [process.pid for process in llm.engine.runner.followers.processes]
+
+
+def test_close_ends_the_ranks(model_path: Path) -> None:
+    llm = LLM(str(model_path), tensor_parallel_size=2, **ENGINE)
+    pids = _follower_pids(llm)
+    assert all(_running(pid) for pid in pids)
+    llm.close()
+    assert _wait_gone(pids) == []
+    with pytest.raises(PdclusterError, match="closed"):
+        llm.generate(PROMPTS, GREEDY)
+    llm.close()  # idempotent
+
+
+def test_collection_ends_the_ranks(model_path: Path) -> None:
+    llm = LLM(str(model_path), tensor_parallel_size=2, **ENGINE)
+    pids = _follower_pids(llm)
+    del llm
+    gc.collect()
+    assert _wait_gone(pids) == []
+
+
+def test_a_dead_rank_fails_requests_naming_it(model_path: Path) -> None:
+    llm = LLM(str(model_path), tensor_parallel_size=2, **ENGINE)
+    [pid] = _follower_pids(llm)
+    os.kill(pid, signal.SIGKILL)
+    assert _wait_gone([pid]) == []
+    with pytest.raises(PdclusterError, match="tensor parallel rank 1 exited"):
+        llm.generate(PROMPTS, GREEDY)
+    llm.close()
+
+
+def test_ranks_end_when_rank_zero_dies(model_path: Path, tmp_path: Path) -> None:
+    """A process holding a tensor parallel LLM is killed outright: its followers leave too."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from engine import LLM
+        if __name__ == "__main__":
+            llm = LLM({str(model_path)!r}, tensor_parallel_size=2, **{ENGINE!r})
+            llm.generate([[5, 6, 7]])
+            pids = [p.pid for p in llm.engine.runner.followers.processes]
+            print(" ".join(map(str, pids)), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    (tmp_path / "rank_zero.py").write_text(script)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "rank_zero.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert done.returncode == -9, done.stderr
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert len(pids) == 1
+    assert _wait_gone(pids) == []
