@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from engine.debug_dump import OFFLINE_NODE
 from engine.engine_core import EngineCore
 from engine.engine_hooks import PrefillHandoff, Speculator
+from engine.errors import TensorParallelError
 from engine.loader import EngineArgs, ModelSpec, load_runner, resolve
 from engine.model_runner import ModelRunner
 from engine.speculation import Speculation, chosen_speculation
@@ -56,6 +57,11 @@ def build_engine(
     prefill node) captures no decode graphs, which would cost start-up time and memory for
     nothing. `tracing`, `handoff`, `seed` and `prefix_cache` (False: none whatever the args)
     are EngineCore's."""
+    if args.tensor_parallel_size > 1 and node_name != OFFLINE_NODE:
+        raise TensorParallelError(
+            f"{node_name}: tensor_parallel_size={args.tensor_parallel_size} runs in the offline "
+            "LLM only so far, not in a serving node"
+        )
     speculation = chosen_speculation(args.speculative_algorithm, speculation)
     spec = resolve(args, node_name, speculation)
     if not decodes:

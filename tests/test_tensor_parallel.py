@@ -25,9 +25,11 @@ from tiny_models import make_tiny_llama
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.build import build_engine
 from engine.config import ModelConfig
 from engine.errors import PdclusterError, TensorParallelError
 from engine.grammar import grammar_library_available, json_schema_grammar
+from engine.loader import EngineArgs
 from engine.tensor_parallel.layout import (
     TensorParallelLayout,
     check_tensor_parallel,
@@ -194,6 +196,12 @@ def test_refused_options_name_them() -> None:
     with pytest.raises(TensorParallelError, match="CPU"):
         check_tensor_parallel_options(2, "cuda:0", None)
     check_tensor_parallel_options(1, "cuda:0", "multi-layer-eagle")  # one rank: anything goes
+
+
+def test_serving_nodes_refuse_ranks(model_path: Path) -> None:
+    args = EngineArgs(model=str(model_path), device="cpu", tensor_parallel_size=2)
+    with pytest.raises(TensorParallelError, match="decode-0: .*offline LLM only"):
+        build_engine(args, node_name="decode-0")
 
 
 def test_speculative_engine_refused(model_path: Path) -> None:

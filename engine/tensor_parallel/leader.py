@@ -32,6 +32,9 @@ from engine.weights import iter_safetensors
 
 # How long a follower gets to leave after the stop order before it is terminated.
 STOP_GRACE_S = 10.0
+# How long a follower that failed a collective gets to finish exiting, so that the error can
+# name it (its traceback may still be printing).
+EXIT_WAIT_S = 2.0
 # How often rank 0 checks, while followers start, that none has died.
 JOIN_POLL_S = 0.05
 
@@ -47,7 +50,7 @@ class Followers:
     def failure(self) -> RankFailedError | None:
         """The error naming the first follower that has exited, if one has."""
         for rank, process in enumerate(self.processes, start=1):
-            process.join(timeout=0.5 if process.is_alive() else 0)
+            process.join(timeout=EXIT_WAIT_S if process.is_alive() else 0)
             if process.exitcode is not None:
                 return RankFailedError(
                     f"tensor parallel rank {rank} exited (exit code {process.exitcode})"
@@ -55,18 +58,23 @@ class Followers:
         return None
 
     def stop(self) -> None:
-        """Tell every follower to stop and wait for it; terminate any that does not leave."""
+        """Tell every follower to stop and wait for it; terminate any that does not leave.
+        With a rank gone the group is broken: the others cannot hear the order, and are
+        terminated at once."""
+        grace = 0.0
         if all(p.is_alive() for p in self.processes):
             try:
                 announce_stop(self.group)
+                grace = STOP_GRACE_S
             except RuntimeError:
-                pass  # a rank is gone; the others are ended below
-        end_processes(self.processes)
+                pass
+        end_processes(self.processes, grace)
 
 
-def end_processes(processes: list[BaseProcess]) -> None:
+def end_processes(processes: list[BaseProcess], grace: float = 0.0) -> None:
+    """Wait up to `grace` seconds for each process to leave, then terminate, then kill."""
     for process in processes:
-        process.join(timeout=STOP_GRACE_S)
+        process.join(timeout=grace)
     for process in processes:
         if process.is_alive():
             process.terminate()
