@@ -190,6 +190,12 @@ def test_refused_layouts_name_the_mismatch(model_path: Path) -> None:
         LLM(str(model_path), tensor_parallel_size=0, **ENGINE)
 
 
+def test_the_default_model_refuses_two_ranks() -> None:
+    """SmolLM2-135M has 9 query heads: 3 ranks split it, 2 do not (bench/tensor_parallel.py)."""
+    with pytest.raises(TensorParallelError, match=r"num_attention_heads=9"):
+        LLM(None, tensor_parallel_size=2, **ENGINE)
+
+
 def test_refused_options_name_them() -> None:
     with pytest.raises(TensorParallelError, match="speculative decoding"):
         check_tensor_parallel_options(2, "cpu", "multi-layer-eagle")
