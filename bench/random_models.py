@@ -71,6 +71,8 @@ def _qwen3_moe(*dims: Any, experts: int, per_token: int, width: int) -> tuple[st
 # The dense fields, in order: vocab, hidden, intermediate, layers, heads, KV heads, head_dim, tied.
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm2": _llama(49152, 576, 1536, 30, 9, 3, 64, True, rope_theta=100000.0),
+    # SmolLM2-135M with 8 query heads and 2 KV heads: its own 9 and 3 do not split over 2 ranks.
+    "smollm2-8h": _llama(49152, 576, 1536, 30, 8, 2, 64, True, rope_theta=100000.0),
     "llama8b": _llama(128256, 4096, 14336, 32, 32, 8, 128, False, rope_theta=500000.0),
     "qwen3-8b": _qwen3(151936, 4096, 12288, 36, 32, 8, 128, False),
     "gemma3-270m": _gemma3(262144, 640, 2048, 18, 4, 1, 256, True, window=512, query_scalar=256),
