@@ -3,7 +3,8 @@ greedy output of 2 and 4 ranks token-exact against one rank and against transfor
 heads split at 2 ranks and replicated at 4, biases on every projection, a vocabulary that 4 ranks
 split with padding, chunked prefill, penalties, a grammar); each rank's KV pool holds only its
 KV heads; a model or option the ranks cannot split is refused naming the mismatch; and no rank
-outlives its engine (closed, collected, or its process killed)."""
+outlives its engine (closed, collected, or its process killed). Gemma 3 at 2 ranks covers tied
+embeddings, q/k norms, sandwich norms, sliding windows and soft-capped logits."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from family_checks import hf_greedy
+from tiny_families import make_tiny_family
 from tiny_models import make_tiny_llama
 from transformers import LlamaForCausalLM
 
@@ -141,6 +143,24 @@ def test_prompt_embeddings_match_one_rank(engines, ranks: int) -> None:
 
 def _tokens_with(llm: LLM, embeds: list) -> list[list[int]]:
     return [out.token_ids for out in llm.generate(PROMPTS, GREEDY, prompt_embeds=embeds)]
+
+
+def test_gemma3_with_two_ranks_matches_transformers(tmp_path: Path) -> None:
+    """Gemma 3's options on sharded heads: tied embeddings (the vocabulary-parallel embedding's
+    rows are the LM head's), scaled embeddings, per-head q/k norms, sandwich norms,
+    sliding-window layers and soft-capped logits."""
+    layer_types = ["sliding_attention", "full_attention"]
+    hf_model = make_tiny_family(
+        tmp_path,
+        "gemma3",
+        seed=0,
+        layer_types=layer_types,
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0,
+    )
+    with LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE) as llm:
+        assert _tokens(llm, GREEDY) == hf_greedy(hf_model, PROMPTS, MAX_TOKENS)
 
 
 def test_each_rank_caches_only_its_kv_heads(engines) -> None:
