@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from cluster.api_errors import OpenAIError
 from cluster.backend import BackendError, TokenDelta
@@ -238,6 +238,22 @@ class WatchedDeltas:
         if any(d.token_ids or d.finish_reason is not None for d in deltas):
             self._first_token_seen = True
         return deltas
+
+    def listen(self, direct: Callable[[Callable[[], TokenDelta | None]], bool]) -> bool:
+        """The backend's `listen` (cluster.sample_streams.SampleStream), where it has one,
+        declined once the request is ended or before its first token (news must then wake
+        `__anext__`, which ends it or lets its deadline go)."""
+        listen = getattr(self._deltas, "listen", None)
+        if listen is None:
+            return False
+        request = self._request
+
+        def gated(take: Callable[[], TokenDelta | None]) -> bool:
+            if request.ended_by is not None or not self._first_token_seen:
+                return False
+            return direct(take)
+
+        return listen(gated)
 
     async def aclose(self) -> None:
         try:

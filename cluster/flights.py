@@ -4,11 +4,17 @@ deltas (with usage and trace at the end, an error when it failed).
 
 A flight gathers its news as frames bring it (tokens, the text the node detokenized, their
 log-probabilities, its end) and its stream takes everything gathered at once: a client that
-reads slower than the node generates gets the tokens that waited for it as one delta."""
+reads slower than the node generates gets the tokens that waited for it as one delta.
+
+A stream parked waiting for news may leave a `listener` on its flight, which the frame's
+delivery calls instead of waking the stream: it takes plain tokens at once (`take_tokens`) and
+writes them itself, so that a step costs no task wake-up per stream. An end, an error, and
+any news the listener declines still wake the stream."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +49,8 @@ class Flight:
     logprobs: list[list[Any]] = field(default_factory=list)  # wire entries
     end: StreamEnd | NodeDied | None = None
     waiter: asyncio.Future | None = None
+    # Called (while `waiter` waits) with news and no end: True when it took the news itself.
+    listener: Callable[[], bool] | None = None
     got_first_token: bool = False
     completion_tokens: int = 0
     finished: bool = False  # its last delta or its error was taken
@@ -69,8 +77,17 @@ class Flight:
 
     def _wake(self) -> None:
         waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is None or waiter.done():
+            return
+        listener = self.listener
+        if listener is not None and self.end is None:
+            try:
+                if listener():
+                    return
+            except Exception as err:  # noqa: BLE001 - the stream raises it where it waits
+                waiter.set_exception(err)
+                return
+        waiter.set_result(None)
 
     @property
     def has_news(self) -> bool:
@@ -145,19 +162,16 @@ async def next_delta(flight: Flight, prefill_stage: str, traces: TraceStore | No
             await flight.waiter
         finally:
             flight.waiter = None
-    tokens, texts, wire_logprobs = flight.token_ids, flight.texts, flight.logprobs
     end = flight.end
     failed = isinstance(end, NodeDied) or (end is not None and end.error is not None)
-    if tokens or texts:
-        flight.token_ids, flight.texts, flight.logprobs = [], [], []
-        _count_tokens(flight, len(tokens))
-        logprobs = [token_logprob(entry) for entry in wire_logprobs] if wire_logprobs else []
-        text = "".join(texts) if len(texts) != 1 else texts[0]
+    if flight.token_ids or flight.texts:
+        delta = _take(flight)
         if end is None or failed:
             # A failure is raised at the next call, after the tokens that came before it.
-            return TokenDelta(tokens, text, logprobs)
+            return delta
+        tokens, text, logprobs = delta.token_ids, delta.text, delta.logprobs
     else:
-        text, logprobs = "", []
+        tokens, text, logprobs = [], "", []
     flight.finished = True
     if isinstance(end, NodeDied):
         flight.timer.failed("node_down")
@@ -172,6 +186,23 @@ async def next_delta(flight: Flight, prefill_stage: str, traces: TraceStore | No
         stage = "decode" if flight.got_first_token else prefill_stage
         raise BackendError(end.error, stage=stage, node=flight.decode.name)
     return await _last_delta(flight, end, tokens, text, logprobs, traces)
+
+
+def take_tokens(flight: Flight) -> TokenDelta | None:
+    """What `next_delta` would return at once when the flight has tokens and no end yet (None
+    otherwise: nothing new, or its end, which only `next_delta` takes)."""
+    if flight.end is not None or not (flight.token_ids or flight.texts):
+        return None
+    return _take(flight)
+
+
+def _take(flight: Flight) -> TokenDelta:
+    """The tokens, text and log-probabilities gathered since the last take, as one delta."""
+    tokens, texts, wire_logprobs = flight.token_ids, flight.texts, flight.logprobs
+    flight.token_ids, flight.texts, flight.logprobs = [], [], []
+    _count_tokens(flight, len(tokens))
+    logprobs = [token_logprob(entry) for entry in wire_logprobs] if wire_logprobs else []
+    return TokenDelta(tokens, "".join(texts) if len(texts) != 1 else texts[0], logprobs)
 
 
 def _count_tokens(flight: Flight, count: int) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 from cluster.backend import BackendError, TokenDelta
 from cluster.cache_aware import DEFAULT_LOAD_THRESHOLD
 from cluster.cluster_status import follow_status
-from cluster.flights import Flight, FlightTable, next_delta
+from cluster.flights import Flight, FlightTable, next_delta, take_tokens
 from cluster.frontend_sockets import FrontEndSockets
 from cluster.health_watch import watch_health
 from cluster.loop_calls import call_in_loop
@@ -240,7 +240,7 @@ class Router:
                 )
 
             streams += SharedPrefill(
-                len(ids), open_flights, self._next_delta, self._end_flight
+                len(ids), open_flights, self._next_delta, self._end_flight, take_tokens
             ).streams
         return streams
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Generic, TypeVar
 
 from cluster.backend import TokenDelta
@@ -23,13 +24,17 @@ class SharedPrefill(Generic[Flight]):
         open_flights: Callable[[list[int]], Awaitable[list[Flight]]],
         next_delta: Callable[[Flight], Awaitable[TokenDelta]],
         end: Callable[[Flight], None],
+        take_tokens: Callable[[Flight], TokenDelta | None] | None = None,
     ) -> None:
         """`open_flights(samples)`: send the request for these samples (their indices), one
         flight each; `next_delta(flight)`: its next delta (raises on failure); `end(flight)`:
-        let go of it, aborting it unless it finished (idempotent)."""
+        let go of it, aborting it unless it finished (idempotent); `take_tokens(flight)`: the
+        delta `next_delta` would give at once when it holds tokens and no end, else None
+        (without it, a stream cannot be listened to: `SampleStream.listen`)."""
         self._open_flights = open_flights
         self.next_delta = next_delta
         self.end = end
+        self.take_tokens = take_tokens
         self.streams = [SampleStream(self, index) for index in range(count)]
         self._lock = asyncio.Lock()
         self._flights: dict[int, Flight] | None = None
@@ -83,6 +88,18 @@ class SampleStream:
         if delta.finish_reason is not None:
             await self.aclose()
         return delta
+
+    def listen(self, direct: Callable[[Callable[[], TokenDelta | None]], bool]) -> bool:
+        """From now on, while this stream waits for its next delta, news of plain tokens goes
+        to `direct(take)` first, at its delivery: `take()` gives the delta `__anext__` would
+        (or None), and `direct` returns True when it took and handled it, False to have
+        `__anext__` give it as usual. Ends and errors always come through `__anext__`. False
+        when the stream cannot be listened to (not started, finished, or no `take_tokens`)."""
+        take_tokens, flight = self._group.take_tokens, self._flight
+        if take_tokens is None or flight is None or self._done:
+            return False
+        flight.listener = partial(direct, partial(take_tokens, flight))
+        return True
 
     async def aclose(self) -> None:
         if self._done:

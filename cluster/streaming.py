@@ -21,6 +21,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from cluster.backend import BackendError, TokenDelta
+from cluster.eager_send import send_eagerly
 from cluster.protocol import error_body
 from engine import TokenLogprob
 
@@ -160,7 +161,14 @@ class EventStreamResponse(Response):
     silently). Whichever ends first stops the other, and the backend's deltas are always
     closed, so an unfinished request is aborted. The stop is one plain asyncio cancellation,
     not an anyio cancel scope: a scope cancels every await until it exits, which would break a
-    backend that awaits in its generator's `finally` (to send an abort message, say)."""
+    backend that awaits in its generator's `finally` (to send an abort message, say).
+
+    A lone choice whose deltas can be listened to (`listen`, cluster.sample_streams), served
+    with the server's own `send` (RAW_SEND), has its plain tokens written by the call that
+    delivers them (`_write_now`), the stream's task staying parked: a node's step then costs
+    no task wake-up per stream. A write that has to wait for a slow client finishes in a task
+    of its own; until it has, news wakes the stream's task, which waits for that write and
+    sends everything gathered meanwhile as one chunk. Ends and errors take the task's way."""
 
     media_type = "text/event-stream"
 
@@ -185,6 +193,11 @@ class EventStreamResponse(Response):
         self.log_line = log_line
         self.num_choices = num_choices
         self.total_usage = total_usage
+        self.completion_tokens = 0
+        self._raw_send: Send | None = None
+        # A `_write_now` still under way, and the news that waits for it.
+        self._pending_write: asyncio.Future | None = None
+        self._deferred_take: Callable[[], TokenDelta | None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = asyncio.ensure_future(self._stream(send, scope.get(RAW_SEND, send)))
@@ -196,6 +209,10 @@ class EventStreamResponse(Response):
                 task.cancel()
             await asyncio.gather(stream, listen, return_exceptions=True)
             await self.deltas.aclose()  # type: ignore[attr-defined]
+            self._deferred_take = None
+            if self._pending_write is not None:
+                self._pending_write.cancel()
+                await asyncio.gather(self._pending_write, return_exceptions=True)
         if not stream.cancelled() and stream.exception() is not None:
             raise stream.exception()
 
@@ -205,26 +222,31 @@ class EventStreamResponse(Response):
         deltas, formatter = self.deltas, self.formatter
         take_next = deltas.__anext__
         ready = getattr(deltas, "ready", None)
-        completion_tokens, outcome = 0, "client disconnected"
+        outcome = "client disconnected"
         usages: list[dict[str, Any] | None] = [None] * self.num_choices
         finished = 0
         try:
             await send(
                 {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
             )
+            listen = getattr(deltas, "listen", None)
+            if listen is not None and self.num_choices == 1 and raw_send is not send:
+                self._raw_send = raw_send
+                listen(self._write_now)
             batch = [self.first]
             while True:
                 if ready is not None:
                     batch += ready()
                 events = []
                 for delta in coalesce(batch) if len(batch) > 1 else batch:
-                    completion_tokens += len(delta.token_ids)
+                    self.completion_tokens += len(delta.token_ids)
                     events.append(sse(formatter.chunk(delta)))
                     if delta.finish_reason is not None:
                         usages[getattr(delta, "index", 0)] = delta.usage
                         finished += 1
                 if finished >= self.num_choices:
                     break
+                await self._after_pending_write()
                 await raw_send(
                     {"type": "http.response.body", "body": b"".join(events), "more_body": True}
                 )
@@ -236,6 +258,7 @@ class EventStreamResponse(Response):
             usage_chunk = formatter.usage_chunk(self.total_usage(usages))
             if usage_chunk is not None:
                 events.append(sse(usage_chunk))
+            await self._after_pending_write()
             await _write(raw_send, b"".join(events) + DONE, more_body=False)
         except OSError:
             pass  # the client went away mid-write
@@ -245,9 +268,59 @@ class EventStreamResponse(Response):
                 err = BackendError(f"internal error: {err!r}", stage="stream")
             outcome = f"error: {err}"
             with contextlib.suppress(OSError):
+                await self._after_pending_write()
                 await _write(raw_send, sse(backend_error_body(err)) + DONE, more_body=False)
         finally:
-            self.log_line(outcome, completion_tokens)
+            self.log_line(outcome, self.completion_tokens)
+
+    def _write_now(self, take: Callable[[], TokenDelta | None]) -> bool:
+        """Write the delta `take()` gives as its chunk, from the call that delivered it (the
+        deltas' listener). While an earlier such write waits for the client, the news waits
+        too, and goes out as one chunk when that write is done (`_write_deferred`). False,
+        taking nothing, when there is nothing to take or an earlier write failed: the stream's
+        task then takes the news, and meets the failure."""
+        pending = self._pending_write
+        if pending is not None:
+            if not pending.done():
+                self._deferred_take = take
+                return True
+            if pending.cancelled() or pending.exception() is not None:
+                return False
+            self._pending_write = None
+        delta = take()
+        if delta is None:
+            return False
+        self.completion_tokens += len(delta.token_ids)
+        body = sse(self.formatter.chunk(delta))
+        message = {"type": "http.response.body", "body": body, "more_body": True}
+        pending = send_eagerly(self._raw_send, message)
+        if pending is not None:
+            self._pending_write = pending
+            pending.add_done_callback(self._write_deferred)
+        return True
+
+    def _write_deferred(self, done: asyncio.Task) -> None:
+        take, self._deferred_take = self._deferred_take, None
+        if take is None or self._pending_write is not done:
+            return
+        if done.cancelled() or done.exception() is not None:
+            return
+        try:
+            self._write_now(take)
+        except Exception as err:  # noqa: BLE001 - the stream's task raises it at its next write
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(err)
+            self._pending_write = failed
+
+    async def _after_pending_write(self) -> None:
+        """Wait for the `_write_now` writes still under way (raising what they raised), so
+        that the stream's writes go out in order."""
+        while (pending := self._pending_write) is not None:
+            try:
+                await pending
+            finally:
+                if self._pending_write is pending:
+                    self._pending_write = None
 
 
 async def _write(send: Send, body: bytes, more_body: bool = True) -> None:
