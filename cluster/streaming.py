@@ -200,7 +200,11 @@ class EventStreamResponse(Response):
         self._deferred_take: Callable[[], TokenDelta | None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream = asyncio.ensure_future(self._stream(send, scope.get(RAW_SEND, send)))
+        raw_send = scope.get(RAW_SEND)
+        # Only the server's own `send` may be run from a delivery's call (`_write_now`).
+        if raw_send is not None and self.num_choices == 1:
+            self._raw_send = raw_send
+        stream = asyncio.ensure_future(self._stream(send, raw_send or send))
         listen = asyncio.ensure_future(_wait_for_disconnect_message(receive))
         try:
             await asyncio.wait({stream, listen}, return_when=asyncio.FIRST_COMPLETED)
@@ -230,8 +234,7 @@ class EventStreamResponse(Response):
                 {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
             )
             listen = getattr(deltas, "listen", None)
-            if listen is not None and self.num_choices == 1 and raw_send is not send:
-                self._raw_send = raw_send
+            if listen is not None and self._raw_send is not None:
                 listen(self._write_now)
             batch = [self.first]
             while True:
