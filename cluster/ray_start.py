@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 
 import ray
 from ray._private import ray_constants
@@ -30,6 +30,18 @@ log = logging.getLogger(__name__)
 
 LOOPBACK_NODE_ADDRESS = "127.0.0.1"
 
+# Ray's own observability, which pdcluster reads nowhere (no dashboard, no state API, no Ray
+# metrics: the cluster's metrics are its own, cluster.metrics) and which costs the serving
+# process CPU every second whatever the load: the buffer of task events its core worker sends
+# to the GCS each second (disabled by an interval of 0), and the recording and export of Ray's
+# internal metrics. Neither takes part in detecting failures (actor deaths come from the GCS,
+# node health from the router's probes). Set before `ray.init`, they reach the processes a
+# local instance starts; a variable already set is kept.
+RAY_OBSERVABILITY_OFF = {
+    "RAY_task_events_report_interval_ms": "0",
+    "RAY_enable_metrics_collection": "0",
+}
+
 
 def init_ray(address: str | None, *, loopback_only: bool = False) -> None:
     """Start a local Ray instance (address None) or join one; nodes inherit the settings they
@@ -38,6 +50,7 @@ def init_ray(address: str | None, *, loopback_only: bool = False) -> None:
     `loopback_only` (local instances only) keeps every socket of the instance on loopback."""
     if loopback_only and address is not None:
         raise ValueError("a joined Ray cluster cannot listen on loopback only")
+    without_ray_observability(os.environ)
     options: dict = {
         "address": address or "local",
         "include_dashboard": False,
@@ -57,6 +70,12 @@ def init_ray(address: str | None, *, loopback_only: bool = False) -> None:
             node_address,
             LOOPBACK_NODE_ADDRESS,
         )
+
+
+def without_ray_observability(environ: MutableMapping[str, str]) -> None:
+    """Switch off what RAY_OBSERVABILITY_OFF names in `environ`, unless set there already."""
+    for key, value in RAY_OBSERVABILITY_OFF.items():
+        environ.setdefault(key, value)
 
 
 @contextlib.contextmanager
