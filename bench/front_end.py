@@ -19,10 +19,16 @@ random tokens answering output-len tokens (EOS ignored), after a warm-up. CPU pe
 - controller: the serve process when API processes serve the port (Ray's driver, the nodes'
   probes, the status it sends every second);
 
-the nodes (Ray actors) and the load generator are not counted. With --offline the same prompts
-go through `engine.LLM` at batch = concurrency first (the engine alone: no HTTP, no Ray). Prints
-one table and rewrites the section TITLE of docs/BENCHMARKS.md (raw figures in
-docs/bench/<slug>.json)."""
+the nodes (Ray actors) and the load generator are not counted. Since a process also spends
+CPU every second whatever the load (Ray's driver threads, the nodes' probes), the front end's
+idle rate is measured too (ms a second, over --idle-seconds with no request, after the warm-up),
+and "above idle": the run's CPU less that rate over the run's wall time, per token. On a host
+shared with other work the tokens/s vary from run to run, and with them the share of the idle
+rate in the per-token figure, which the above-idle figure leaves out.
+
+With --offline the same prompts go through `engine.LLM` at batch = concurrency first (the
+engine alone: no HTTP, no Ray). Prints one table and rewrites the section TITLE of
+docs/BENCHMARKS.md (raw figures in docs/bench/<slug>.json)."""
 
 from __future__ import annotations
 
@@ -202,11 +208,14 @@ def measure(
         # measured run would count.
         warm = work / f"warm-{tag}"
         load(args, serve.url, max(args.concurrency), max(args.concurrency), warm)
+        idle_rate = idle_cpu_rate(front_ends, args.idle_seconds)
         for concurrency in args.concurrency:
             cpu_before = [cpu_seconds(pid) for pid in front_ends]
             controller_before = cpu_seconds(controller) if controller else 0.0
             out = work / f"run-{tag}-{concurrency}"
+            started = time.monotonic()
             figures = load(args, serve.url, concurrency, concurrency * args.prompts_per_stream, out)
+            wall_s = time.monotonic() - started
             front_end_s = sum(cpu_seconds(pid) for pid in front_ends) - sum(cpu_before)
             controller_s = (cpu_seconds(controller) - controller_before) if controller else 0.0
             tokens = max(1, figures["output_tokens"])
@@ -217,17 +226,33 @@ def measure(
                 **figures,
                 "front_end_cpu_s": round(front_end_s, 3),
                 "front_end_us_per_token": round(front_end_s / tokens * 1e6, 1),
+                "front_end_idle_ms_per_s": round(idle_rate * 1e3, 2),
+                "front_end_above_idle_us_per_token": round(
+                    (front_end_s - idle_rate * wall_s) / tokens * 1e6, 1
+                ),
                 "controller_us_per_token": round(controller_s / tokens * 1e6, 1),
             }
             rows.append(row)
             print(
                 f"{concurrency} streams: {figures['output_tokens_per_s']:.0f} tok/s, front end "
-                f"{row['front_end_us_per_token']} us/token",
+                f"{row['front_end_us_per_token']} us/token "
+                f"({row['front_end_above_idle_us_per_token']} above its idle "
+                f"{row['front_end_idle_ms_per_s']} ms/s)",
                 flush=True,
             )
     finally:
         serve.stop()
     return rows
+
+
+def idle_cpu_rate(pids: list[int], seconds: float) -> float:
+    """CPU seconds a second the processes spend with no request in flight."""
+    if seconds <= 0:
+        return 0.0
+    time.sleep(1.0)  # the warm-up's last responses settle
+    before, started = sum(cpu_seconds(pid) for pid in pids), time.monotonic()
+    time.sleep(seconds)
+    return (sum(cpu_seconds(pid) for pid in pids) - before) / (time.monotonic() - started)
 
 
 def offline_rows(args: argparse.Namespace) -> list[dict]:
@@ -280,14 +305,15 @@ def table(rows: list[dict]) -> str:
     offline = {row["concurrency"]: row for row in rows if row["setup"] == "offline engine"}
     lines = [
         "| setup | API processes | streams | out tok/s | of offline | TTFT p50 / p99 ms "
-        "| ITL p50 / p99 ms | front end us/token | controller us/token |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ITL p50 / p99 ms | front end us/token | above idle us/token | idle ms/s "
+        "| controller us/token |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         if row["setup"] == "offline engine":
             lines.append(
                 f"| offline engine | - | {row['concurrency']} (batch) "
-                f"| {row['output_tokens_per_s']:,.0f} | 100 % | - | - | - | - |"
+                f"| {row['output_tokens_per_s']:,.0f} | 100 % | - | - | - | - | - | - |"
             )
             continue
         reference = offline.get(row["concurrency"])
@@ -302,7 +328,9 @@ def table(rows: list[dict]) -> str:
             f"| {row['output_tokens_per_s']:,.0f} | {share} "
             f"| {row['ttft_p50_ms']:,.0f} / {row['ttft_p99_ms']:,.0f} "
             f"| {row['itl_p50_ms']:.1f} / {row['itl_p99_ms']:.1f} "
-            f"| {row['front_end_us_per_token']} | {controller} |"
+            f"| {row['front_end_us_per_token']} "
+            f"| {row.get('front_end_above_idle_us_per_token', '-')} "
+            f"| {row.get('front_end_idle_ms_per_s', '-')} | {controller} |"
         )
     return "\n".join(lines)
 
@@ -345,6 +373,12 @@ def main() -> None:
     parser.add_argument("--serve-flags", nargs=argparse.REMAINDER, default=[],
                         help="more flags for pdcluster serve (last)")  # fmt: skip
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=20.0,
+        help="how long the front end's idle CPU rate is measured (0: not measured)",
+    )
     parser.add_argument("--section", default="Front end under load")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the rows here")
