@@ -173,7 +173,10 @@ def load(args: argparse.Namespace, url: str, concurrency: int, prompts: int, out
     for process, directory in processes:
         if process.wait() != 0:
             raise SystemExit(f"the load generator stopped with code {process.returncode}")
-        runs.append(json.loads((directory / "results.jsonl").read_text().splitlines()[-1]))
+        run = json.loads((directory / "results.jsonl").read_text().splitlines()[-1])
+        if not run["completed"]:
+            raise SystemExit(f"no request completed ({run['failed']} failed): {run['errors']}")
+        runs.append(run)
     duration = max(run["duration_s"] for run in runs)
     return {
         "completed": sum(run["completed"] for run in runs),
