@@ -41,6 +41,7 @@ from cluster.openai_api import BackgroundServer, create_app  # noqa: E402
 from cluster.policies import POLICIES  # noqa: E402
 from engine.loader import EngineArgs  # noqa: E402
 from engine.weights import resolve_model  # noqa: E402
+from spec.default_draft import resolve_draft_model  # noqa: E402
 
 # A setup's name and its prefill nodes (none: aggregated); one decode node or replica each.
 SETUPS = {"aggregated": 0, "1p1d": 1, "2p1d": 2}
@@ -252,6 +253,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--progress", action="store_true", help="show a progress bar per run")
     parser.add_argument("--section", default="Serving under load")
     args = parser.parse_args(argv)
+    # The shipped draft goes with the default model, which the setups name by its path.
+    args.draft_model = resolve_draft_model(args.model, args.draft_model)
     args.model = str(resolve_model(args.model))
     return args
 
