@@ -89,7 +89,13 @@ class EngineCore:
             config.seed if seed is None else seed
         )
         self.eos_token_ids = tuple(runner.model_config.eos_token_ids)
-        # Plain decode steps overlap the host's work with the device's (engine.overlap).
+        self.speculative: SpeculativeSteps | None = None
+        if speculator is not None:
+            self.speculative = SpeculativeSteps(
+                speculator, runner, self.scheduler, self.stop_checker, self._fail
+            )
+        # Plain decode steps overlap the host's work with the device's (engine.overlap), a
+        # speculating engine's plain steps too.
         self.overlap: OverlapDecoder | None = None
         if config.overlap_schedule and self.stop_checker is not None:
             self.overlap = OverlapDecoder(
@@ -100,11 +106,7 @@ class EngineCore:
                 lambda logits, requests, in_flight: sample_overlapped(
                     logits, requests, in_flight, self.default_generator
                 ),
-            )
-        self.speculative: SpeculativeSteps | None = None
-        if speculator is not None:
-            self.speculative = SpeculativeSteps(
-                speculator, runner, self.scheduler, self.stop_checker, self._fail
+                plans=self.speculative,
             )
         self.grammars: GrammarCompiler | None = None
         # Tokens that prefill forwards ran (chunks and re-prefills included; a prompt that
@@ -249,7 +251,7 @@ class EngineCore:
             return self._prefill(batch)
         if any(req.num_draft_tokens for req in batch.requests):
             assert self.speculative is not None
-            return self.speculative.decode(batch, self.default_generator)
+            return self.speculative.decode(batch, self.default_generator, self.overlap)
         if self.overlap is not None and all(overlappable(req) for req in batch.requests):
             try:
                 self.overlap.launch(batch.requests, self.runner.build_batch(batch.requests))

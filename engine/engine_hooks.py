@@ -98,6 +98,11 @@ class Speculator(Protocol):
         """The plan of the decode step of `requests` that begins now; `waiting`: prompts wait
         for admission (the next step may not decode the same requests)."""
 
+    def plain_plan(self, requests: list[Request], waiting: bool) -> StepPlan | None:
+        """The plan of a decode step of `requests` launched while the step before it is in
+        flight (engine.overlap), where it is a plain step that catches no draft up; None,
+        recording nothing, otherwise (the step is planned with `plan` once that one is read)."""
+
     def verify(
         self, requests: list[Request], default_generator: torch.Generator, plan: StepPlan
     ) -> Any:
@@ -119,10 +124,11 @@ class Speculator(Protocol):
     def after_plain_step(
         self, requests: list[Request], hidden: torch.Tensor, plan: StepPlan
     ) -> None:
-        """After a plain step committed one token for each of `requests`: keep the target's
-        hidden state at the position before it (`hidden` [n, spec_hidden_size]) for the
-        request's draft, which is one more position behind; where the plan catches up, the
-        drafts extend over every position they are behind."""
+        """After a plain step committed one token for each of `requests`, or launched it
+        (engine.overlap: its tokens are read later, the hidden states still on their way): keep
+        the target's hidden state at the position before it (`hidden` [n, spec_hidden_size])
+        for the request's draft, which is one more position behind; where the plan catches up,
+        the drafts extend over every position they are behind."""
 
     def release(self, req: Request) -> None:
         """Free the request's draft KV (called whenever its target KV is freed)."""

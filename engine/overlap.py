@@ -14,8 +14,12 @@ stream order, can reuse the slot). A request that step N's token must finish by 
 left out of step N+1.
 
 Only steps whose every request samples from its logits alone overlap: penalties and min_tokens
-read the token history, a grammar's mask needs the newest token, logprobs are read on the host,
-and speculative steps have a loop of their own. A request that joins the running set with its
+read the token history, a grammar's mask needs the newest token, logprobs are read on the host.
+A speculating engine's plain steps (the ones its round plan chooses, spec.round_plan) overlap
+the same way (`PlainStepPlans`): the step launched ahead must be planned a plain step, and keeps
+the target's hidden states for the drafts to catch up over later; a step that verifies drafts
+or catches them up first waits for the step in flight, as a plain engine's prefill does. A
+request that joins the running set with its
 KV already cached (from a transfer) joins the next step, its input token known on the host.
 Anything else that changes the batch (a prompt to prefill, alone or in a mixed step beside the
 running requests, or a retraction) first waits for the step in flight (`flush`), then runs as
@@ -26,9 +30,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from engine.engine_hooks import StepPlan
 from engine.forward_batch import ForwardBatch, Span
 from engine.host_copy import HostCopy, int_tensor
 from engine.kv_cache import KVCacheManager
@@ -48,6 +54,18 @@ def overlappable(req: Request) -> bool:
     return req.num_draft_tokens == 0 and samples_from_logits_alone(req)
 
 
+class PlainStepPlans(Protocol):
+    """A speculating engine's plain steps launched ahead (engine.speculative_steps)."""
+
+    def plain_plan(self, requests: list[Request], waiting: bool) -> StepPlan | None:
+        """The plan of the step of `requests` about to be launched, where it is a plain step
+        that may be (None: the step in flight is read first, then the step planned anew)."""
+
+    def launched(self, requests: list[Request], hidden: torch.Tensor, plan: StepPlan) -> None:
+        """The plain step of `requests` was launched; `hidden`: the target's hidden states at
+        their newest tokens [n, spec_hidden_size], on the device."""
+
+
 @dataclass
 class StepInFlight:
     """A launched decode step whose tokens the host has not read yet."""
@@ -65,12 +83,18 @@ class OverlapDecoder:
         kv_cache: KVCacheManager,
         stop_checker: StopChecker,
         sample: SampleOnDevice,
+        plans: PlainStepPlans | None = None,
     ) -> None:
+        """`plans`: a speculating engine's (see the module's doc)."""
         self.runner = runner
         self.scheduler = scheduler
         self.kv_cache = kv_cache
         self.stop_checker = stop_checker
         self.sample = sample
+        self.plans = plans
+        # A request that joins the running set joins a step in flight where its sampling is
+        # one this decoder runs (a speculating engine's runs requests with drafts too).
+        self.joins = overlappable if plans is None else samples_from_logits_alone
         self.in_flight: StepInFlight | None = None
         # Requests finished by the last step read, their slots held until the step launched
         # after it (which still ran them) is done on the device: a slot freed earlier could be
@@ -79,14 +103,23 @@ class OverlapDecoder:
         self.num_overlapped_steps = 0
 
     def launch(
-        self, requests: list[Request], batch: ForwardBatch, in_flight: list[int] | None = None
+        self,
+        requests: list[Request],
+        batch: ForwardBatch,
+        in_flight: list[int] | None = None,
+        plan: StepPlan | None = None,
     ) -> None:
         """Run `batch` (one token for each of `requests`) and sample, leaving the tokens on the
-        device; `in_flight[i]`: tokens request i already has in a step not read yet."""
-        set_time_batch(requests, "decode_start")
-        output = self.runner.forward(batch)
+        device; `in_flight[i]`: tokens request i already has in a step not read yet; `plan`:
+        the plain step's plan in a speculating engine."""
+        args = plan.trace_args() if plan is not None and requests[0].trace is not None else None
+        set_time_batch(requests, "decode_start", args=args)
+        output = self.runner.forward(batch, keep_hidden=plan is not None)
         tokens = self.sample(output.logits, requests, in_flight or [0] * len(requests))
         self.in_flight = StepInFlight(requests, tokens, HostCopy(tokens))
+        if plan is not None:
+            assert self.plans is not None and output.hidden is not None
+            self.plans.launched(requests, output.hidden, plan)
 
     def step(self) -> list[Request] | None:
         """Launch the step after the one in flight, then read that one; returns the requests
@@ -104,7 +137,7 @@ class OverlapDecoder:
         if (
             self.scheduler.may_admit()
             or not _same(running[: len(live)], live)
-            or not all(overlappable(req) and req.kv_len == req.num_tokens - 1 for req in joined)
+            or not all(self.joins(req) and req.kv_len == req.num_tokens - 1 for req in joined)
         ):
             return None
         going_on = [req for req in live if not self._ends_by_length(req)]
@@ -114,6 +147,11 @@ class OverlapDecoder:
         grants += [(req, max(0, req.num_tokens - len(req.slots))) for req in joined]
         if not (going_on or joined) or not self.kv_cache.can_grow(sum(n for _, n in grants)):
             return None
+        plan = None
+        if self.plans is not None and any(req.num_draft_tokens for req in going_on + joined):
+            plan = self.plans.plain_plan(going_on + joined, bool(self.scheduler.waiting))
+            if plan is None:
+                return None
         self.kv_cache.grow_many([(req, n) for req, n in grants if n])
         spans = [Span(req.row, req.num_tokens, [0], req.slots[req.num_tokens : req.num_tokens + 1])
                  for req in going_on]  # fmt: skip
@@ -128,7 +166,8 @@ class OverlapDecoder:
         # The tokens in flight over their placeholders; the joined requests' were loaded.
         batch.input_ids[: len(going_on)].copy_(source)
         try:
-            self.launch(going_on + joined, batch, [1] * len(going_on) + [0] * len(joined))
+            in_flight = [1] * len(going_on) + [0] * len(joined)
+            self.launch(going_on + joined, batch, in_flight, plan)
         except Exception:
             self.in_flight = previous
             raise

@@ -3,7 +3,11 @@ prompts (with each parallel sample pointed at the prompt it shares), and the dec
 speculating requests, which runs the plan the speculator chose for it (spec/round_plan.py):
 a speculative round (verify each request's draft, commit the accepted tokens, extend the draft
 over them), or a plain step (the forward and sampling of a plain engine's decode step, keeping
-the target's hidden states for the drafts to catch up over).
+the target's hidden states for the drafts to catch up over). Where the engine overlaps its
+plain steps (engine.overlap) and the requests' sampling allows, a plain step is launched as a
+plain engine's is, and so are the plain steps after it that their plans choose
+(`plain_plan`, `launched`): a speculating engine's plain step then costs what a plain
+engine's does, and the round plan weighs rounds against that cost.
 
 The speculator is spec.MultiLayerEagleWorker, handed in by whoever builds the engine: engine
 never imports spec, which depends on it."""
@@ -16,11 +20,12 @@ import torch
 
 from engine.engine_hooks import QueuedWork, Speculator, StepPlan
 from engine.model_runner import ForwardOutput, ModelRunner
+from engine.overlap import OverlapDecoder
 from engine.prefill_chunks import HeldChunks
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.step_sampling import decode_plainly
+from engine.step_sampling import decode_plainly, samples_from_logits_alone
 from engine.stopping import StopChecker
 from engine.tracing import set_correct_drafts, set_time_batch
 
@@ -147,15 +152,24 @@ class SpeculativeSteps:
         return []
 
     # --- a decode step ---
-    def decode(self, batch: ScheduledBatch, default_generator: torch.Generator) -> list[Request]:
+    def decode(
+        self,
+        batch: ScheduledBatch,
+        default_generator: torch.Generator,
+        overlap: OverlapDecoder | None = None,
+    ) -> list[Request]:
         """One decode step of the running requests, as the speculator's plan for it says: a
-        speculative round (verify, commit, draft extend), or a plain step."""
+        speculative round (verify, commit, draft extend), or a plain step, launched by
+        `overlap` where it can be (its tokens read after the next step is launched)."""
         requests = batch.requests
         # With nothing waiting for admission, the next step decodes those of these requests
         # that are still running (or something changes in between, which its plan sees).
         plan = self.speculator.plan(requests, bool(self.scheduler.waiting))
         self._count(plan)
         if not plan.speculates:
+            if overlap is not None and not plan.catches_up:
+                if all(samples_from_logits_alone(req) for req in requests):
+                    return self._launch_plain(batch, plan, overlap)
             return self._plain(batch, plan, default_generator)
         # The chain this step verifies already exists (drafted by the last draft extend, or by
         # the draft extend for prefill): its draft span is empty. docs/architecture.md, Tracing.
@@ -220,6 +234,31 @@ class SpeculativeSteps:
             return finished + self.fail(alive, "draft extend", err)
         set_time_batch(requests, "draft_extend_end", where=extending)
         return finished
+
+    def _launch_plain(
+        self, batch: ScheduledBatch, plan: StepPlan, overlap: OverlapDecoder
+    ) -> list[Request]:
+        """A plain step launched by `overlap`: its tokens are read once the next step is on
+        its way (engine.overlap), or when the next step's plan is not a plain one."""
+        requests = batch.requests
+        try:
+            overlap.launch(requests, self.runner.build_batch(requests), plan=plan)
+        except Exception as err:  # noqa: BLE001 - any failure ends this batch, not the engine
+            self.release_held(wait=True)
+            return self.fail(requests, "decode", err)
+        return []
+
+    # --- plain steps launched while the step before is in flight (engine.overlap) ---
+    def plain_plan(self, requests: list[Request], waiting: bool) -> StepPlan | None:
+        plan = self.speculator.plain_plan(requests, waiting)
+        if plan is not None:
+            self._count(plan)
+        return plan
+
+    def launched(self, requests: list[Request], hidden: torch.Tensor, plan: StepPlan) -> None:
+        # The hidden states are kept where they are: the drafts read them when they catch up,
+        # after the step has been read.
+        self.speculator.after_plain_step(requests, hidden, plan)
 
     def _count(self, plan: StepPlan) -> None:
         label = plan.label

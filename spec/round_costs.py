@@ -12,12 +12,15 @@ the last few per batch-size bucket (powers of two) and kind (plain or round). No
 its plan to its end: with overlap scheduling and verifies queued on the device, a step's own
 host time is mostly kernel launches, and the device's work surfaces as waits elsewhere in the
 engine's loop (where the next step reads its tokens); the time between two steps' ends holds
-both, which is what tokens/s sees. A step right after a change of kind or bucket, after a
-prefill, or that catches drafts up is not measured (it pays for the transition, not the steady
-state). The
-first steps at a bucket measure what is missing (rounds first, then plain steps), unless a
-round's cost over a plain step measured at a smaller batch already rules speculation out, or
-one measured at a larger batch already rules it in (that cost ratio grows with the batch)."""
+both, which is what tokens/s sees. A plain step that the engine launches ahead (overlap
+scheduling, engine.overlap) ends when it is launched: in a run of them, each engine step
+launches one and reads the one before, so the time from one launch to the next is what a plain
+engine's overlapped step takes, and that is what a round is weighed against. A step right after
+a change of kind or bucket, after a prefill, or that catches drafts up is not measured (it pays
+for the transition, not the steady state). The first steps at a bucket measure what is missing
+(rounds first, then plain steps), unless a round's cost over a plain step measured at a smaller
+batch already rules speculation out, or one measured at a larger batch already rules it in
+(that cost ratio grows with the batch)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
 from engine.host_copy import int_tensor
 from engine.kv_pool import KVPool
@@ -46,23 +45,16 @@ from spec.extend_items import FORK_GROW_AHEAD, FixedExtendItem
 from spec.host_verify import VerifyResult, verify_on_host
 from spec.prefix_drafts import DraftPrefixCache, starts_at_cached_prefix
 from spec.round_costs import StepCosts
-from spec.round_plan import PlanInputs, PlanPolicy, QueueNext, RoundPlan, plan_round
+from spec.round_plan import PlanPolicy, QueueNext, RoundPlan
 from spec.round_stats import count_round
 from spec.round_survey import RoundSurvey
 from spec.sample_extend import sample_extend, share_prompt, shared_prompt_len
 from spec.state import DraftState, SpecRequestState
+from spec.step_planner import StepPlanner, plan_policy
 from spec.tree import DraftTree, TreeShape, tree_shape
 from spec.tree_extender import TreeExtender
 from spec.tree_round import TreeRoundInputs, run_tree_round
 from spec.tree_verify import TreeSlots
-
-
-def plan_policy(config: EngineConfig) -> PlanPolicy:
-    """The round plans an engine of `config` chooses (spec.round_plan)."""
-    return PlanPolicy(
-        speculation=config.speculative_plan,
-        disable_batch_size=config.speculative_disable_batch_size,
-    )
 
 
 class MultiLayerEagleWorker:
@@ -103,15 +95,17 @@ class MultiLayerEagleWorker:
         self.extender = TreeExtender(self.depths, self.head, runner.device)
         # The next round's verify, queued before its step (`_launch_verify`).
         self._launched: LaunchedVerify | None = None
-        # How each decode step's plan is chosen (spec.round_plan), what steps cost, and what
-        # the plan of the step running found of its requests.
-        self.policy = plan_policy(runner.config)
-        self.costs = StepCosts()
-        self._survey: RoundSurvey | None = None
         # Drafts that plain steps leave behind, and their catching up.
         self.catch_up = DraftCatchUp(
             self.extender, runner.model_config.spec_hidden_size, runner.config.dtype.itemsize
         )
+        # How each decode step's plan is chosen, and what the plan of the step running found
+        # of its requests.
+        self.planner = StepPlanner(
+            plan_policy(runner.config), k, self.shape, self.fixed_extend,
+            runner.req_to_token_pool.max_context_len, self.catch_up, self._shape,
+        )  # fmt: skip
+        self._survey: RoundSurvey | None = None
         # Every depth's KV of the positions the engine's prefix cache holds.
         self.prefix_drafts = DraftPrefixCache(self.depths, self._new_state)
 
@@ -250,45 +244,29 @@ class MultiLayerEagleWorker:
     def set_plan_policy(self, policy: PlanPolicy, costs: StepCosts | None = None) -> None:
         """Choose later steps' plans under `policy` (and, given, with `costs` in place of what
         this engine measured)."""
-        self.policy = policy
+        self.planner.policy = policy
         if costs is not None:
-            self.costs = costs
+            self.planner.costs = costs
+
+    @property
+    def costs(self) -> StepCosts:
+        """What this engine's decode steps cost and commit (spec.round_costs)."""
+        return self.planner.costs
 
     def plan(self, requests: list[Request], waiting: bool) -> RoundPlan:
-        """The plan of the decode step of `requests` that begins now (spec.round_plan);
+        """The plan of the decode step of `requests` that begins now (spec.step_planner);
         `waiting`: prompts wait for admission. The step then runs it: `verify` and
         `finish_round` for a round, a plain forward and `after_plain_step` otherwise."""
-        launched = self._launched
-        queued = "none"
-        if launched is not None and launched.runs(requests):
-            queued = "by_host" if launched.inputs is not None else "by_device"
-        k = self.num_draft_steps
-        survey = RoundSurvey(
-            requests, k, self.shape, self.fixed_extend,
-            self.runner.req_to_token_pool.max_context_len,
-            launched if queued != "none" else None, self._shape,
-        )  # fmt: skip
-        self._survey = survey
-        behind = self.catch_up.behind(requests)
-        inputs = PlanInputs(
-            batch_size=len(requests),
-            kind="chain" if self.shape.is_chain else "tree",
-            num_drafts=k,
-            drafting=any(
-                req.lookahead and req.spec_state is not None and not req.spec_state.kept_hidden
-                for req in requests
-            ),
-            behind=behind.requests,
-            pending_positions=behind.positions,
-            over_cap=behind.over_cap,
-            queued=queued,
-            waiting=waiting,
-            costs=self.costs.facts(len(requests)),
-            feasible=survey.feasible,
-        )
-        plan = plan_round(inputs, self.policy)
-        self.costs.step_started(plan.speculates, plan.catches_up, len(requests))
+        planned = self.planner.plan(requests, waiting, self._launched)
+        assert planned is not None
+        plan, self._survey = planned
         return plan
+
+    def plain_plan(self, requests: list[Request], waiting: bool) -> RoundPlan | None:
+        """The plan of a step of `requests` launched while the step before it is in flight,
+        where it is a plain step that catches nothing up; None otherwise (spec.step_planner)."""
+        planned = self.planner.plan(requests, waiting, self._launched, plain_only=True)
+        return None if planned is None else planned[0]
 
     @torch.inference_mode()
     def verify(

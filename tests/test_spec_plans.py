@@ -2,8 +2,9 @@
 (spec/round_plan.py), chosen here through the worker's public `set_plan_policy`: every plan
 kind decodes what plain decoding does, with the acceptance of the host's general round; the
 adaptive plan switches speculation off for a draft that never accepts and keeps it on for one
-that always does; switching on and off mid-request loses nothing and leaks no slot; the
-trace of a step names its plan, and the engine counts plans by label."""
+that always does; switching on and off mid-request loses nothing and leaks no slot, with the
+plain steps launched ahead by overlap scheduling as a plain engine's are (engine/overlap.py) or
+without; the trace of a step names its plan, and the engine counts plans by label."""
 
 from __future__ import annotations
 
@@ -144,11 +145,13 @@ def test_each_plan_kind_decodes_what_plain_decoding_does(models, plain, general_
 # --- adaptive speculation --------------------------------------------------------------------
 
 
-def test_a_draft_that_never_accepts_switches_speculation_off(models, plain):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_draft_that_never_accepts_switches_speculation_off(models, plain, overlap):
     """From the rounds that measure the accept length on, every step is plain: a step
     commits one token a request either way, so the rounds are all it costs over plain
-    decoding; and the output is plain decoding's."""
-    llm = _llm(models, "never", speculative_plan="adaptive")
+    decoding; and the output is plain decoding's. With overlap scheduling those plain steps
+    are launched ahead as a plain engine's are, and measured so (spec/round_costs.py)."""
+    llm = _llm(models, "never", speculative_plan="adaptive", overlap_schedule=overlap)
     prompts, params = _workload()
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == plain
@@ -159,12 +162,20 @@ def test_a_draft_that_never_accepts_switches_speculation_off(models, plain):
     assert 1 <= rounds <= -(-MIN_ACCEPT_SAMPLES // len(prompts)), plans
     assert sum(plans.values()) == max(p.max_tokens for p in params) - 1
     assert all(o.usage.spec_accepted_per_position in ([0] * K, None) for o in outputs)
+    if overlap:
+        # Every plain step but the first of a run of them, and the one after the batch
+        # shrinks to another bucket or a request finished, is launched while the one before
+        # runs; the costs the plan weighs hold those steps.
+        overlapped = llm.engine.overlap.num_overlapped_steps
+        assert overlapped >= plans["plain"] - len(prompts) - 1, (overlapped, plans)
+        assert llm.engine.speculator.costs.measured(len(prompts))[0] is not None
 
 
-def test_a_draft_that_always_accepts_keeps_speculation_on(models, plain):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_draft_that_always_accepts_keeps_speculation_on(models, plain, overlap):
     """Where a round costs 1.5 plain steps (given: this host's timings must not decide a
     test), a draft that accepts everything pays at every step."""
-    llm = _llm(models, "perfect", speculative_plan="adaptive")
+    llm = _llm(models, "perfect", speculative_plan="adaptive", overlap_schedule=overlap)
     llm.engine.speculator.set_plan_policy(PlanPolicy("adaptive"), StepCosts.fixed(0.010, 0.015))
     outputs = llm.generate(*_workload())
     assert [o.token_ids for o in outputs] == plain
@@ -209,13 +220,15 @@ def _stepped(llm: LLM, groups, policy_at) -> tuple[list, dict]:
     return requests, drafts
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_switching_speculation_on_and_off_mid_request_loses_nothing(models, tree):
+@pytest.mark.parametrize("tree, overlap", [(False, False), (True, False), (False, True)])
+def test_switching_speculation_on_and_off_mid_request_loses_nothing(models, tree, overlap):
     """Plain steps and rounds alternate every few steps, over greedy requests, a penalized
     one, one with logprobs, one under a grammar and a prompt's parallel samples: the tokens
     (and logprobs) are plain decoding's; the drafts caught up after plain steps are the ones
     an engine that speculated all along drafted at the same positions; every slot of the
-    target and the depths comes back."""
+    target and the depths comes back. With overlap scheduling, the plain steps of requests
+    that sample from their logits alone are launched ahead (once the others finished), the
+    draft state kept across them as across the others."""
     prompts, _ = _workload(seed=3, n=5)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     grammar = json_schema_grammar(schema, "response_format")
@@ -229,7 +242,7 @@ def test_switching_speculation_on_and_off_mid_request_loses_nothing(models, tree
     reference = LLM(str(models["target"]), device="cpu", **ENGINE)
     expected = reference.generate([p for p, _ in groups], [sp for _, sp in groups])
     _, always = _stepped(_llm(models, tree=tree), groups, lambda step: ON)
-    llm = _llm(models, tree=tree)
+    llm = _llm(models, tree=tree, overlap_schedule=overlap)
     requests, switching = _stepped(llm, groups, lambda step: OFF if (step // 3) % 2 else ON)
     got = [llm.engine.output(req) for req in requests]
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
@@ -241,12 +254,34 @@ def test_switching_speculation_on_and_off_mid_request_loses_nothing(models, tree
     _check_empty(llm)
     plans = llm.engine.plan_counts()
     assert plans.get("plain", 0) > 0 and plans.get("plain/catch_up", 0) > 0
+    if overlap:
+        assert llm.engine.overlap.num_overlapped_steps > 0
     caught_up = {
         key: drafted for key, (drafted, steps) in switching.items() if steps.get("plain/catch_up")
     }
     same = [key for key in caught_up if key in always]
     assert len(same) >= 3, (caught_up.keys(), always.keys())
     assert all(caught_up[key] == always[key][0] for key in same)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_plain_steps_launched_ahead_between_rounds_lose_nothing(models, plain, tree):
+    """Overlap scheduling in a speculating engine: rounds and runs of plain steps alternate,
+    each run's steps after its first launched while the one before still runs (engine/overlap.py)
+    and the drafts caught up over them once it was read; the output is plain decoding's and
+    every slot comes back."""
+    llm = _llm(models, tree=tree, overlap_schedule=True)
+    prompts, params = _workload()
+    groups = list(zip(prompts, params))
+    requests, _ = _stepped(llm, groups, lambda step: OFF if (step // 4) % 2 else ON)
+    assert [req.output_token_ids for req in requests] == plain
+    _check_empty(llm)
+    plans = llm.engine.plan_counts()
+    rounds = sum(n for plan, n in plans.items() if not plan.startswith("plain"))
+    assert rounds > 0 and plans.get("plain/catch_up", 0) > 0
+    # Of the four plain steps of each run, the first is launched when it is planned and the
+    # three after it while the one before runs.
+    assert llm.engine.overlap.num_overlapped_steps >= plans["plain"] // 2, plans
 
 
 # --- the plan in the trace ---------------------------------------------------------------------
