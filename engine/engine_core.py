@@ -316,12 +316,6 @@ class EngineCore:
         set_prefill_end(completing + forks)
         set_time_batch(decoding, "decode_end")
         failed = self.speculative.draft_extend_prefill(drafting) if drafting else []
-        if drafting and self.kv_cache.companion is not None:
-            # The prompts' draft KV exists now: what the cache can take of them is cacheable.
-            gone = {id(req) for req in failed}
-            for req, _, _, _ in drafting:
-                if id(req) not in gone and not req.finished:
-                    self.kv_cache.cache_prefix(req)
         if self.handoff is not None:
             gone = {id(req) for req in failed}
             done = completing + forks

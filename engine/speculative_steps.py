@@ -149,6 +149,11 @@ class SpeculativeSteps:
         except Exception as err:  # noqa: BLE001 - a failed draft ends its requests only
             return self.fail(requests, "draft extend (prefill)", err)
         set_time_batch(requests, "draft_extend_end")
+        kv_cache = self.scheduler.kv_cache
+        if kv_cache.companion is not None:
+            # The prompts' draft KV exists now: the prefix cache can take what it covers.
+            for req in requests:
+                kv_cache.cache_prefix(req)
         return []
 
     # --- a decode step ---
