@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
+from prefix_prompts import shared_prefix_prompts
 
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
@@ -23,17 +24,6 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 def _llm(path: Path, cache: bool, **kw) -> LLM:
     kw.setdefault("kv_cache_tokens", 4096)
     return LLM(str(path), device="cpu", enable_prefix_cache=cache, **kw)
-
-
-def _shared_prefix_prompts(seed: int, groups: int = 3, per_group: int = 4) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(groups):
-        system = [rng.randrange(3, 320) for _ in range(rng.randint(20, 40))]
-        for _ in range(per_group):
-            prompts.append(system + [rng.randrange(3, 320) for _ in range(rng.randint(1, 12))])
-    rng.shuffle(prompts)
-    return prompts
 
 
 def _conversations(llm: LLM, firsts: list[list[int]], turns: int, seed: int) -> list[list[int]]:
@@ -63,8 +53,8 @@ def _conversations(llm: LLM, firsts: list[list[int]], turns: int, seed: int) -> 
     ids=["whole", "chunked", "chunked-unmixed", "overlap"],
 )
 def test_greedy_output_with_the_cache_equals_output_without_it(tiny_model_path, options):
-    prompts = _shared_prefix_prompts(seed=1)
-    firsts = _shared_prefix_prompts(seed=2, groups=2, per_group=3)
+    prompts = shared_prefix_prompts(seed=1)
+    firsts = shared_prefix_prompts(seed=2, groups=2, per_group=3)
     results = {}
     for cache in (False, True):
         llm = _llm(tiny_model_path, cache, **options)
@@ -96,7 +86,7 @@ def test_a_turn_reuses_the_whole_history_and_usage_says_so(tiny_model_path):
 
 
 def test_parallel_samples_with_the_cache(tiny_model_path):
-    prompts = _shared_prefix_prompts(seed=4, groups=2, per_group=2)
+    prompts = shared_prefix_prompts(seed=4, groups=2, per_group=2)
     params = [
         SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, n=3),
         SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True, n=2),
@@ -111,7 +101,7 @@ def test_parallel_samples_with_the_cache(tiny_model_path):
 
 
 def test_a_full_pool_evicts_and_retracts_without_changing_output(tiny_model_path):
-    prompts = _shared_prefix_prompts(seed=5, groups=6, per_group=3)
+    prompts = shared_prefix_prompts(seed=5, groups=6, per_group=3)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     results = {}
     for cache in (False, True):
@@ -154,7 +144,7 @@ def test_the_kv_audit_finds_no_mismatch_through_a_run_with_aborts(tiny_model_pat
     llm = _llm(tiny_model_path, True, chunked_prefill_size=8, kv_cache_tokens=300)
     engine = llm.engine
     rng = random.Random(6)
-    prompts = _shared_prefix_prompts(seed=6, groups=4, per_group=5)
+    prompts = shared_prefix_prompts(seed=6, groups=4, per_group=5)
     live = []
     for i, prompt in enumerate(prompts):
         live.append(_add(engine, f"r{i}", prompt, max_tokens=rng.randint(2, 16)))
@@ -224,7 +214,7 @@ def test_a_multi_turn_soak_with_aborts_keeps_every_slot_accounted_for(tiny_model
 
 def test_the_audit_counts_the_cached_slots(tiny_model_path):
     llm = _llm(tiny_model_path, True)
-    llm.generate(_shared_prefix_prompts(seed=7, groups=1), GREEDY)
+    llm.generate(shared_prefix_prompts(seed=7, groups=1), GREEDY)
     used = llm.engine.kv_cache.kv_pool.allocator.num_used
     assert used > 0
     [without] = request_pools(used, [], None)
@@ -253,8 +243,8 @@ def test_a_request_that_starts_past_a_cached_prefix_still_traces_its_prefill(tin
 def test_greedy_output_with_the_cache_on_a_gpu(tiny_model_path, chunk):
     """The GPU's defaults (Triton attention, CUDA graphs for decode and prefill steps, overlap),
     in float32: a hit's span after the cached prefix runs in a prefill graph like a chunk."""
-    prompts = _shared_prefix_prompts(seed=8)
-    firsts = _shared_prefix_prompts(seed=9, groups=2, per_group=3)
+    prompts = shared_prefix_prompts(seed=8)
+    firsts = shared_prefix_prompts(seed=9, groups=2, per_group=3)
     results = {}
     for cache in (False, True):
         llm = LLM(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prefix_prompts import shared_prefix_prompts
 from tiny_drafts import make_good_draft, make_predictable_llama
 
 from engine import LLM, SamplingParams
@@ -44,14 +45,7 @@ def _llm(models, cache: bool, **kw) -> LLM:
 
 
 def _shared_prefix_prompts(seed: int, groups: int = 2, per_group: int = 3) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(groups):
-        system = [rng.randrange(3, 320) for _ in range(rng.randint(20, 40))]
-        for _ in range(per_group):
-            prompts.append(system + [rng.randrange(3, 320) for _ in range(rng.randint(1, 12))])
-    rng.shuffle(prompts)
-    return prompts
+    return shared_prefix_prompts(seed, groups, per_group)
 
 
 def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
