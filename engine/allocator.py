@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 PADDING_SLOT = 0
 
@@ -37,6 +38,15 @@ def _runs(slots: set[int]) -> Iterator[tuple[int, int]]:
     yield start, prev + 1
 
 
+class Reclaimer(Protocol):
+    def reclaimable(self) -> int:
+        """Used slots that no one needs."""
+
+    def reclaim(self, num_slots: int) -> None:
+        """Free at least `num_slots` of them into the allocator (fewer if there are not so
+        many)."""
+
+
 class SlotAllocator:
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -50,6 +60,9 @@ class SlotAllocator:
         # Slots with more than one holder (parallel samples sharing their prompt's KV): how
         # many. A slot not here has one holder while used.
         self._holders: dict[int, int] = {}
+        # What frees used slots that no one needs when an allocation is short (the prefix
+        # cache's unheld slots, engine.kv_cache); None: nothing does.
+        self.reclaimer: Reclaimer | None = None
 
     @property
     def num_free(self) -> int:
@@ -59,11 +72,18 @@ class SlotAllocator:
     def num_used(self) -> int:
         return len(self._used)
 
+    def reclaimable(self) -> int:
+        """Used slots an allocation may take back (`reclaimer`)."""
+        return self.reclaimer.reclaimable() if self.reclaimer is not None else 0
+
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= self._num_free
+        """Whether `n` slots fit, counting the ones an allocation would reclaim."""
+        return 0 <= n <= self._num_free + self.reclaimable()
 
     def allocate(self, n: int) -> list[int]:
-        if not self.can_allocate(n):
+        if n > self._num_free and self.reclaimer is not None:
+            self.reclaimer.reclaim(n - self._num_free)
+        if not 0 <= n <= self._num_free:
             raise MemoryError(f"asked for {n} KV slots, {self._num_free} free")
         if n == 0:
             return []

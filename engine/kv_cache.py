@@ -45,6 +45,9 @@ class KVCacheManager:
         self.max_requests = req_to_token_pool.max_reqs if max_requests is None else max_requests
         self.prefix_cache = prefix_cache
         self.companion = companion if prefix_cache is not None else None
+        if prefix_cache is not None:
+            # Every allocation from the pool (a speculative round's slots too) may evict.
+            kv_pool.allocator.reclaimer = self
         # Tokens looked up in the prefix cache at admission, and those found there.
         self.lookup_tokens = 0
         self.hit_tokens = 0
@@ -67,6 +70,19 @@ class KVCacheManager:
     def _evictable(self) -> int:
         return self.prefix_cache.evictable_size if self.prefix_cache is not None else 0
 
+    def reclaimable(self) -> int:
+        return self._evictable()
+
+    def reclaim(self, num_slots: int) -> None:
+        """Evict at least `num_slots` unheld cached slots (engine.allocator.Reclaimer)."""
+        assert self.prefix_cache is not None
+        # An eviction walks the whole tree: with the pool full of cache, taking just what a
+        # decode step lacks would walk it at every step.
+        evicted = self.prefix_cache.evict(max(num_slots, EVICT_AT_LEAST))
+        if self.companion is not None:
+            self.companion.evicted(evicted)
+        self.kv_pool.allocator.free(evicted)
+
     def can_grow(self, num_slots: int, num_new_rows: int = 0) -> bool:
         rows = self.req_to_token_pool
         held = rows.max_reqs - rows.num_free_rows
@@ -78,15 +94,7 @@ class KVCacheManager:
 
     def grow_many(self, grants: list[tuple[Request, int]]) -> None:
         """`grow` for several requests, with one write to the row table for the new slots."""
-        allocator = self.kv_pool.allocator
-        missing = sum(n for _, n in grants) - allocator.num_free
-        if missing > 0 and self.prefix_cache is not None:
-            # An eviction walks the whole tree: with the pool full of cache, taking just what
-            # a decode step lacks would walk it at every step.
-            evicted = self.prefix_cache.evict(max(missing, EVICT_AT_LEAST))
-            if self.companion is not None:
-                self.companion.evicted(evicted)
-            allocator.free(evicted)
+        # The allocation evicts unheld cached slots where the free ones are short (`reclaim`).
         # A request that starts at a cached prefix holds its slots, but no row yet.
         writes = []
         for req, _ in grants:

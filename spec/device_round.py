@@ -379,7 +379,8 @@ def grow_for_next_round(
             needed.append(held < need)
     if not any(needed):
         return
-    free, reserve = kv_pool.allocator.num_free, (k + 1) * len(requests)
+    allocator = kv_pool.allocator
+    free, reserve = allocator.num_free + allocator.reclaimable(), (k + 1) * len(requests)
     alone = [grant for grant, must in zip(grants, needed) if must]
     for choice in (grants, alone):
         if free - sum(n for _, n in choice) >= reserve:

@@ -477,7 +477,9 @@ def test_where_decode_steps_replay_graphs_only_a_graph_holds_a_mixed_step():
 
 def test_a_speculating_engine_keeps_its_steps_apart(tiny_model_path: Path):
     llm = _llm(tiny_model_path, True)
-    speculator = SimpleNamespace(release=lambda req: None, num_draft_steps=2)
+    speculator = SimpleNamespace(
+        release=lambda req: None, num_draft_steps=2, prefix_companion=lambda: None
+    )
     engine = EngineCore(llm.engine.runner, llm.tokenizer, speculator)  # type: ignore[arg-type]
     assert not engine.scheduler.mixed and llm.engine.scheduler.mixed
     assert not EngineCore(llm.engine.runner, llm.tokenizer, handoff=object()).scheduler.mixed

@@ -337,11 +337,17 @@ def test_requests_hold_at_most_max_num_seqs_rows(models) -> None:
 
 
 def _held_slots(engine) -> tuple[int, list[int]]:
-    """Slots the live requests hold in the target's pool and in each depth's."""
+    """Slots the live requests and the prefix cache hold in the target's pool and in each
+    depth's (a request reads its cached prefix from the cache's slots)."""
     running = [req for req in engine.scheduler.running]
-    target = sum(len(req.slots) for req in running)
+    target = len(set(engine.kv_cache.cached_slots()).union(*(req.slots for req in running)))
+    cache = engine.speculator.prefix_drafts
     depths = [
-        sum(len(req.spec_state.seqs[d].slots) for req in running if req.spec_state is not None)
+        len(
+            set(cache.cached_slots(d)).union(
+                *(req.spec_state.seqs[d].slots for req in running if req.spec_state is not None)
+            )
+        )
         for d in range(len(engine.speculator.depths))
     ]
     return target, depths
