@@ -376,7 +376,7 @@ class EngineCore:
 def make_prefix_cache(
     config: EngineConfig, speculator: Speculator | None, wanted: bool
 ) -> PrefixCache | None:
-    """The engine's prefix cache, or None. A speculating engine's needs its speculator to cache
+    """The engine's prefix cache, or None. A speculating engine needs its speculator to cache
     the draft depths' KV beside the target's (`Speculator.prefix_companion`): a hit needs every
     depth's KV of the prefix too."""
     if not (config.enable_prefix_cache and wanted):

@@ -13,10 +13,15 @@ from engine import LLM, SamplingParams
 
 
 def hf_greedy(
-    hf: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = False
+    hf: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_at_eos: bool = False,
+    **generate_options: object,
 ) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, one prompt at a time (no padding to
-    get wrong); without `stop_at_eos`, exactly `max_new_tokens` tokens each."""
+    get wrong); without `stop_at_eos`, exactly `max_new_tokens` tokens each.
+    `generate_options`: more of `generate`'s arguments (a repetition penalty, say)."""
     eos = {} if stop_at_eos else {"eos_token_id": None}
     outputs = []
     for prompt in prompts:
@@ -27,6 +32,7 @@ def hf_greedy(
                 do_sample=False,
                 pad_token_id=0,
                 **eos,
+                **generate_options,
             )
         outputs.append(out[0, len(prompt) :].tolist())
     return outputs

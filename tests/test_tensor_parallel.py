@@ -87,18 +87,7 @@ def test_greedy_matches_one_rank_and_transformers(engines, hf, ranks: int) -> No
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_repetition_penalty_matches_transformers(engines, hf, ranks: int) -> None:
     params = dataclasses.replace(GREEDY, repetition_penalty=1.5)
-    expected = []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                repetition_penalty=1.5,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
-        expected.append(out[0, len(prompt) :].tolist())
+    expected = hf_greedy(hf, PROMPTS, MAX_TOKENS, repetition_penalty=1.5)
     assert expected != hf_greedy(hf, PROMPTS, MAX_TOKENS)  # the penalty changes the output
     assert _tokens(engines[ranks], params) == expected
 
