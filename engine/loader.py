@@ -179,7 +179,7 @@ def resolve(
     `speculation`: the speculative algorithm's (engine.speculation), for args that speculate;
     by default the one registered under args.speculative_algorithm."""
     device = args.device or default_device()
-    check_tensor_parallel_options(args.tensor_parallel_size, device, args.speculative_algorithm)
+    check_tensor_parallel_options(args.tensor_parallel_size, device)
     path = resolve_model(args.model)
     hf_config = load_hf_config(path)
     tokenizer = load_tokenizer(path)

@@ -110,6 +110,12 @@ class ModelRunner:
             )
             self.graphs.capture()
 
+    def vocabulary_model(self) -> LlamaForCausalLM:
+        """The model whose token embedding, final norm and LM head cover the whole vocabulary
+        in this process: what a speculative draft embeds its tokens with and proposes through
+        (this runner's own model; a tensor parallel rank 0's whole copy of those three)."""
+        return self.model
+
     def close(self) -> None:
         """Release what this runner holds outside its process (a tensor parallel engine's
         follower ranks); a runner on one device holds nothing there."""

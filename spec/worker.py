@@ -60,7 +60,8 @@ from spec.tree_verify import TreeSlots
 class MultiLayerEagleWorker:
     def __init__(self, runner: ModelRunner, draft: MultiLayerEagleDraft) -> None:
         self.runner = runner
-        self.target = runner.model
+        # The target's embedding and LM head, whole (tensor parallel ranks split theirs).
+        self.target = runner.vocabulary_model()
         self.num_draft_steps = draft.num_draft_steps
         # The draft tree of each request that may draft one (`_shape`); one chain is a tree too.
         self.shape = tree_shape(runner.config, draft.num_draft_steps)
@@ -75,14 +76,14 @@ class MultiLayerEagleWorker:
             DraftRunner(
                 d,
                 module,
-                runner.model,
+                self.target,
                 runner.rotary,
                 runner.config,
                 tree_slots=k + fork_rows[d] + FORK_GROW_AHEAD if fork_rows[d] else 0,
             )
             for d, module in enumerate(draft.depths)
         ]
-        self.head = DraftHead(runner.model, draft.vocab)
+        self.head = DraftHead(self.target, draft.vocab)
         if runner.config.cuda_graph_max_bs:
             self._capture_graphs()
         # The decode step's extend of requests that all draft the engine's shape (a chain or

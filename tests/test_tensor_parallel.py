@@ -206,30 +206,15 @@ def test_the_default_model_refuses_two_ranks() -> None:
 
 
 def test_refused_options_name_them() -> None:
-    with pytest.raises(TensorParallelError, match="speculative decoding"):
-        check_tensor_parallel_options(2, "cpu", "multi-layer-eagle")
     with pytest.raises(TensorParallelError, match="CPU"):
-        check_tensor_parallel_options(2, "cuda:0", None)
-    check_tensor_parallel_options(1, "cuda:0", "multi-layer-eagle")  # one rank: anything goes
+        check_tensor_parallel_options(2, "cuda:0")
+    check_tensor_parallel_options(1, "cuda:0")  # one rank: anything goes
 
 
 def test_serving_nodes_refuse_ranks(model_path: Path) -> None:
     args = EngineArgs(model=str(model_path), device="cpu", tensor_parallel_size=2)
     with pytest.raises(TensorParallelError, match="decode-0: .*offline LLM only"):
         build_engine(args, node_name="decode-0")
-
-
-def test_speculative_engine_refused(model_path: Path) -> None:
-    import spec  # noqa: F401  registers the speculative algorithm
-
-    with pytest.raises(TensorParallelError, match="speculative decoding"):
-        LLM(
-            str(model_path),
-            tensor_parallel_size=2,
-            speculative_algorithm="multi-layer-eagle",
-            draft_model=str(model_path),
-            **ENGINE,
-        )
 
 
 def _running(pid: int) -> bool:

@@ -153,18 +153,11 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         )
 
 
-def check_tensor_parallel_options(
-    size: int, device: str, speculative_algorithm: str | None
-) -> None:
+def check_tensor_parallel_options(size: int, device: str) -> None:
     """Refuse (TensorParallelError) engine options that tensor parallelism does not run with."""
     if size == 1:
         return
     if torch.device(device).type != "cpu":
         raise TensorParallelError(
             f"tensor_parallel_size={size} runs on CPU (gloo) only so far, not on {device!r}"
-        )
-    if speculative_algorithm is not None:
-        raise TensorParallelError(
-            f"tensor_parallel_size={size} does not run speculative decoding "
-            f"(speculative_algorithm={speculative_algorithm!r}) yet"
         )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Iterable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -22,11 +21,13 @@ from engine.config import EngineConfig, ModelConfig
 from engine.errors import RankFailedError
 from engine.forward_batch import ForwardBatch
 from engine.model_runner import ForwardOutput, ModelRunner
+from engine.models.llama import LlamaForCausalLM
 from engine.tensor_parallel.follower import RankStart, follow
 from engine.tensor_parallel.forward_plan import Order, announce, announce_stop
 from engine.tensor_parallel.group import RankGroup, host_store, joined_key
 from engine.tensor_parallel.layers import ModelShard
 from engine.tensor_parallel.layout import TensorParallelLayout
+from engine.tensor_parallel.whole_vocabulary import load_vocabulary_model
 from engine.verify_outputs import VerifyOutputs
 from engine.weights import iter_safetensors
 
@@ -91,14 +92,25 @@ class TensorParallelRunner(ModelRunner):
         self,
         model_config: ModelConfig,
         engine_config: EngineConfig,
-        weights: Iterable[tuple[str, torch.Tensor]],
+        model_path: Path,
         shard: ModelShard,
         followers: Followers,
     ) -> None:
-        super().__init__(model_config, engine_config, weights, shard)
+        super().__init__(model_config, engine_config, iter_safetensors(model_path), shard)
         self.followers = followers
+        self._model_path = model_path
+        self._vocabulary_model: LlamaForCausalLM | None = None
         # Runs once: on close(), when the runner is collected, or at interpreter exit.
         self._stop = weakref.finalize(self, followers.stop)
+
+    def vocabulary_model(self) -> LlamaForCausalLM:
+        """Rank 0's whole embedding, final norm and LM head (engine.tensor_parallel.
+        whole_vocabulary), loaded the first time a draft asks."""
+        if self._vocabulary_model is None:
+            self._vocabulary_model = load_vocabulary_model(
+                self._model_path, self.model_config, self.config
+            )
+        return self._vocabulary_model
 
     def forward(self, batch: ForwardBatch, keep_hidden: bool = False) -> ForwardOutput:
         self._refuse_closed()
@@ -161,7 +173,7 @@ def start_tensor_parallel(
         runner = TensorParallelRunner(
             model_config,
             engine_config,
-            iter_safetensors(model_path),
+            model_path,
             ModelShard(layout, group),
             followers,
         )
