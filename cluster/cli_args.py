@@ -45,6 +45,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests batched at once")
     parser.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tensor_parallel_size",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="split the model over N ranks (processes) per engine; on CPU (gloo) only so far, "
+        "and in a cluster only with --aggregated (default 1)",
+    )
+    parser.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
     parser.add_argument(

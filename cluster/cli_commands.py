@@ -18,6 +18,7 @@ def engine_args(args: argparse.Namespace):
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len,
         max_tokens_cap=args.max_tokens_cap,
         kv_cache_tokens=args.kv_cache_tokens,

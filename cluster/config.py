@@ -85,6 +85,12 @@ class ClusterConfig:
             )
         if not self.aggregated and (self.prefill_nodes < 1 or self.decode_nodes < 1):
             raise ValueError("a cluster needs at least one prefill node and one decode node")
+        if not self.aggregated and self.engine.tensor_parallel_size > 1:
+            raise ValueError(
+                f"--tp {self.engine.tensor_parallel_size} runs in aggregated replicas "
+                "(--aggregated) only so far: KV transfer between tensor parallel prefill and "
+                "decode nodes is not built"
+            )
         if self.prefill_policy not in POLICIES:
             raise ValueError(
                 f"unknown prefill policy {self.prefill_policy!r}; supported: "

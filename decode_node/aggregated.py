@@ -198,7 +198,8 @@ class AggregatedNode(ServingNode):
         """A replica has no peers: nothing is held for another node."""
 
     def _serving_error(self) -> str | None:
-        return self.streams.error()
+        # A lost tensor parallel rank fails the whole node, which the supervisor replaces.
+        return self.streams.error() or self.engine.runner.lost_rank()
 
     def shutdown(self) -> None:
         super().shutdown()

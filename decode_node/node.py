@@ -78,6 +78,7 @@ class DecodeNode(ServingNode):
             args,
             speculation_of(args),
             node_name=options.name,
+            transfers_kv=True,
             tracing=options.enable_tracing,
             # Its requests' KV arrives by transfer: reusing what it holds is not done yet.
             prefix_cache=False,

@@ -47,6 +47,7 @@ def build_engine(
     *,
     node_name: str = OFFLINE_NODE,
     decodes: bool = True,
+    transfers_kv: bool = False,
     tracing: bool = False,
     handoff: PrefillHandoff | None = None,
     seed: int | None = None,
@@ -55,12 +56,14 @@ def build_engine(
     """`speculation`: for args that speculate (by default the one registered under
     args.speculative_algorithm). `node_name` names the tensor dump folder. `decodes=False` (a
     prefill node) captures no decode graphs, which would cost start-up time and memory for
-    nothing. `tracing`, `handoff`, `seed` and `prefix_cache` (False: none whatever the args)
-    are EngineCore's."""
-    if args.tensor_parallel_size > 1 and node_name != OFFLINE_NODE:
+    nothing. `transfers_kv`: its requests' KV crosses to or from another node (a prefill or
+    decode node), which a tensor parallel engine does not do yet. `tracing`, `handoff`, `seed`
+    and `prefix_cache` (False: none whatever the args) are EngineCore's."""
+    if args.tensor_parallel_size > 1 and transfers_kv:
         raise TensorParallelError(
             f"{node_name}: tensor_parallel_size={args.tensor_parallel_size} runs in the offline "
-            "LLM only so far, not in a serving node"
+            "LLM and aggregated replicas only so far: KV transfer between tensor parallel "
+            "prefill and decode nodes is not built"
         )
     speculation = chosen_speculation(args.speculative_algorithm, speculation)
     spec = resolve(args, node_name, speculation)

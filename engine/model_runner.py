@@ -116,6 +116,11 @@ class ModelRunner:
         (this runner's own model; a tensor parallel rank 0's whole copy of those three)."""
         return self.model
 
+    def lost_rank(self) -> str | None:
+        """Why this runner can run no forward (a tensor parallel rank that has exited), or
+        None; cheap enough for a health probe (a runner on one device loses none)."""
+        return None
+
     def close(self) -> None:
         """Release what this runner holds outside its process (a tensor parallel engine's
         follower ranks); a runner on one device holds nothing there."""

@@ -211,10 +211,10 @@ def test_refused_options_name_them() -> None:
     check_tensor_parallel_options(1, "cuda:0")  # one rank: anything goes
 
 
-def test_serving_nodes_refuse_ranks(model_path: Path) -> None:
+def test_nodes_that_transfer_kv_refuse_ranks(model_path: Path) -> None:
     args = EngineArgs(model=str(model_path), device="cpu", tensor_parallel_size=2)
-    with pytest.raises(TensorParallelError, match="decode-0: .*offline LLM only"):
-        build_engine(args, node_name="decode-0")
+    with pytest.raises(TensorParallelError, match="decode-0: .*KV transfer"):
+        build_engine(args, node_name="decode-0", transfers_kv=True)
 
 
 def _running(pid: int) -> bool:

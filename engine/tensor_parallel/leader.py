@@ -130,6 +130,12 @@ class TensorParallelRunner(ModelRunner):
             self._raise_rank_failure(err)
             raise
 
+    def lost_rank(self) -> str | None:
+        for rank, process in enumerate(self.followers.processes, start=1):
+            if not process.is_alive():
+                return f"tensor parallel rank {rank} exited (exit code {process.exitcode})"
+        return None
+
     def _refuse_closed(self) -> None:
         if not self._stop.alive:
             raise RankFailedError("this tensor parallel engine was closed")

@@ -1,0 +1,126 @@
+"""Aggregated replicas of 2 tensor parallel ranks in a CPU cluster (`--tp 2 --aggregated`): greedy
+output through the router equals the offline engine's, and a rank killed outright fails its
+node, whose requests end with an error naming the node, and the supervisor replaces the whole
+node (its new ranks serving the same output). Prefill and decode nodes refuse ranks, naming the
+transfer they lack."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from healing_helpers import launch_healing_cluster, one_request, wait_for_node
+from tiny_models import make_tiny_llama
+
+from cluster.cli import build_parser
+from cluster.config import ClusterConfig
+from engine import LLM, SamplingParams
+from engine.loader import EngineArgs
+
+# Heads 4 and KV heads 2 (tiny_models' defaults): each rank holds half of both.
+ENGINE = dict(max_model_len=256, kv_cache_tokens=2048, max_num_seqs=8, tensor_parallel_size=2)
+PROMPTS = [[5, 17, 99, 5, 40], [200, 201, 202, 7], [77] * 9 + [12, 13, 14, 15]]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+RESTART_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("tp_cluster") / "model"
+    make_tiny_llama(path, seed=3)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def expected(model: str) -> list[list[int]]:
+    with LLM(model, device="cpu") as llm:
+        return [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _replica_ranks() -> list[int]:
+    """The follower ranks' pids: the spawned children of this host's replica actors."""
+    ranks = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmdline.startswith(b"ray::AggregatedNode"):
+            for child in _children(int(entry.name)):
+                try:
+                    if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                        ranks.append(child)
+                except OSError:
+                    continue
+    return ranks
+
+
+async def _tokens(router, tag: str) -> list[list[int]]:
+    """Each prompt's greedy tokens through the router, one request at a time."""
+    outputs = []
+    for i, prompt in enumerate(PROMPTS):
+        tokens: list[int] = []
+        async for delta in router.generate(f"{tag}{i}", prompt, GREEDY):
+            tokens += delta.token_ids
+        outputs.append(tokens)
+    return outputs
+
+
+def test_a_replica_of_two_ranks_serves_the_offline_output_and_is_replaced_whole(model, expected):
+    cluster = launch_healing_cluster(model, ENGINE, aggregated=True, replicas=1)
+    try:
+        router = cluster.router
+        [rank] = _replica_ranks()
+
+        async def main():
+            try:
+                served = await _tokens(router, "before")
+                os.kill(rank, signal.SIGKILL)
+                failed_at = time.monotonic()
+                failed = await one_request(router, "after-kill", PROMPTS[0], GREEDY)
+                node = await wait_for_node(router, "replica-0", "ok", RESTART_S, restarts=1)
+                again = await _tokens(router, "replaced")
+                return served, failed, failed_at, node, again
+            finally:
+                await router.close()
+
+        served, failed, failed_at, node, again = asyncio.run(main())
+        assert served == expected
+        # Killed between requests, the rank fails the next one or the node's probe first; either
+        # way the request ends with an error naming the node, and soon.
+        assert failed.error is not None and "replica-0" in failed.error, failed
+        assert failed.ended - failed_at < 30.0
+        assert node["restarts"] == 1
+        assert again == expected
+        [new_rank] = _replica_ranks()
+        assert new_rank != rank
+    finally:
+        cluster.shutdown()
+
+
+def test_the_cli_passes_tp_and_disaggregated_nodes_refuse_it() -> None:
+    args = build_parser().parse_args(["serve", "--aggregated", "--tp", "2", "--device", "cpu"])
+    assert args.tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="--tp 2 runs in aggregated replicas.*KV transfer"):
+        ClusterConfig(engine=EngineArgs(device="cpu", tensor_parallel_size=2))
+    ClusterConfig(engine=EngineArgs(device="cpu", tensor_parallel_size=2), aggregated=True)
