@@ -38,14 +38,21 @@ class DraftPrefixCache:
     def cacheable_end(self, req: Request, end: int) -> int:
         state: SpecRequestState | None = req.spec_state
         start = req.cached_len
-        if state is None or any(seq.shared < start for seq in state.seqs):
-            # No draft KV, or a sequence whose first positions are not the cache's.
+        if state is None:
+            return start
+        # The cache holds the depths' KV up to `cached`, keyed by target slots up to
+        # cached + lag: at least every target slot the request holds of it (start).
+        cached = state.cached_drafts
+        if cached < start - self.lag:
             return start
         draft_end = end - self.lag
         for runner, seq in zip(self.depths, state.seqs, strict=True):
+            if seq.shared > cached:
+                # Positions past the cache's belong to another sequence (a fork's parent).
+                return max(start, min(end, cached + self.lag))
             draft_end = min(draft_end, seq.valid_len, len(seq.slots))
             is_shared = runner.kv_pool.allocator.is_shared
-            position = start
+            position = cached
             while position < draft_end and not is_shared(seq.slots[position]):
                 position += 1
             draft_end = position
@@ -53,21 +60,23 @@ class DraftPrefixCache:
 
     def adopt(self, req: Request, present: int, end: int) -> None:
         state: SpecRequestState = req.spec_state
-        start, lag = req.cached_len, self.lag
-        # Draft positions the cache holds already (keyed by target slots it held before), and
-        # those it takes now, keyed by the target slots it takes.
-        held_end = max(start, present - lag)
+        lag = self.lag
+        # Draft positions the cache holds already: the request's own (`cached_drafts`) and
+        # those keyed by the target slots it held before this insert (`present`), whose copies
+        # here are freed (only a finishing request's insert finds more than it holds).
+        held_end = max(state.cached_drafts, present - lag)
         taken_end = max(held_end, end - lag)
         columns = []
         for runner, seq in zip(self.depths, state.seqs, strict=True):
-            if held_end > start:
-                runner.kv_pool.allocator.free(seq.slots[start:held_end])
+            if held_end > state.cached_drafts:
+                runner.kv_pool.allocator.free(seq.slots[state.cached_drafts : held_end])
             columns.append(seq.slots[held_end:taken_end])
             # Its first positions are the cache's now: releasing the sequence keeps them.
             seq.shared = max(seq.shared, taken_end)
         keys = req.slots[held_end + lag : taken_end + lag]
         for i, target_slot in enumerate(keys):
             self._slots[target_slot] = tuple(column[i] for column in columns)
+        state.cached_drafts = taken_end
 
     def evicted(self, target_slots: list[int]) -> None:
         kept = [self._slots.pop(slot) for slot in target_slots if slot in self._slots]
@@ -83,6 +92,7 @@ class DraftPrefixCache:
         req.spec_state = state
         for d, runner in enumerate(self.depths):
             state.seqs[d] = runner.cached_prefix([slots[d] for slots in kept])
+        state.cached_drafts = len(kept)
 
     def unmatched(self, req: Request) -> None:
         state: SpecRequestState | None = req.spec_state

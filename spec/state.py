@@ -120,6 +120,9 @@ class SpecRequestState:
     # since the draft's last extend, oldest first: (a step's hidden states [batch, width], this
     # request's row there). Depth 0 reads them when the draft catches up over those positions.
     kept_hidden: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    # The leading positions whose KV in every depth the prefix cache holds for this request
+    # (spec/prefix_drafts.py): its match's, then what it gave the cache.
+    cached_drafts: int = 0
     # Where the next drafts come from while they are on their way to the host: the batch's
     # drafts and this request's index there.
     _pending: tuple[DraftsOnTheirWay, int] | None = field(default=None, init=False, repr=False)

@@ -218,3 +218,21 @@ def test_output_with_the_cache_on_a_gpu(models, options):
             assert sum(o.usage.cached_tokens for o in outputs) > 0
             _drafts_held_by_the_cache_alone(llm)
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("options", [{}, {"speculative_topk": 2, "num_draft_tokens": 4}])
+def test_a_turn_finds_the_answer_before_it_cached(models, options):
+    """A finished request gives the cache its answer's positions too, each depth's KV with the
+    target's: the next turn of the conversation starts past them."""
+    llm = _llm(models, True, **options)
+    prompt = list(range(10, 40))
+    first = llm.generate([prompt], GREEDY)[0]
+    history = prompt + first.token_ids + [70, 71]
+    second = llm.generate([history], GREEDY)[0]
+    # All the first request computed (its last token's KV never was) but the last K positions,
+    # whose draft KV read tokens after them.
+    assert second.usage.cached_tokens == len(prompt) + len(first.token_ids) - 1 - K
+    fresh = _llm(models, False, **options).generate([history], GREEDY)[0]
+    assert second.token_ids == fresh.token_ids
+    assert second.usage.spec_accepted_per_position == fresh.usage.spec_accepted_per_position
+    _drafts_held_by_the_cache_alone(llm)
