@@ -116,6 +116,18 @@ def test_a_turn_carries_the_answers_it_is_given(tokenizer):
         script.turn_request(2, ["only one"], tokenizer)
 
 
+def test_a_completion_turn_continues_the_previous_prompt_and_answer_exactly(tokenizer):
+    """A server's answer to "...Assistant:" begins where that prompt ended: the next turn's
+    transcript is that prompt and answer as they were, which a prefix cache then finds."""
+    script = ConversationScript("t", ("one", "two"), ("a",), (5, 6))
+    first = script.turn_request(0, [], tokenizer)
+    answer = " The answer, as a server streams it."
+    second = script.turn_request(1, [answer], tokenizer)
+    assert second.prompt.startswith(first.prompt + answer + "\n\nUser: two")
+    # A built-in answer, which begins with its first word, is set off by a space.
+    assert "Assistant: a" in script.turn_request(1, ["a"], tokenizer).prompt
+
+
 def test_multiturn_dataset_lists_every_turn_with_the_built_in_answers(tokenizer):
     spec = DatasetSpec("multiturn", 3)
     scripts = multiturn_scripts(spec, tokenizer, np.random.default_rng(0))

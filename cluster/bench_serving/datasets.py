@@ -240,9 +240,20 @@ def conversation_request(turns: Sequence[str], output_len: int, tokenizer: Any) 
 
 
 def transcript(messages: tuple[Message, ...]) -> str:
-    """A conversation as plain text for /v1/completions, ending where the assistant answers."""
-    lines = [f"{message.role.capitalize()}: {message.content}" for message in messages]
+    """A conversation as plain text for /v1/completions, ending where the assistant answers.
+    A text that begins with white space follows its "Role:" as it is: a server's answer to
+    the transcript before it begins where "Assistant:" ended (usually with a space), so the
+    next turn's prompt holds that answer exactly as the server wrote it after its prompt, and
+    a prefix cache finds both."""
+    lines = [_line(message) for message in messages]
     return "\n\n".join([*lines, "Assistant:"])
+
+
+def _line(message: Message) -> str:
+    role = message.role.capitalize()
+    if message.content[:1].isspace():
+        return f"{role}:{message.content}"
+    return f"{role}: {message.content}"
 
 
 @dataclass(frozen=True)
