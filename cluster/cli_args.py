@@ -257,7 +257,21 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "router tracks what it sent where, unless that node is busier than the least-loaded "
         "one by more than --cache-aware-load-threshold",
     )
-    parser.add_argument("--decode-policy", default="least_load", choices=sorted(DECODE_POLICIES))
+    parser.add_argument(
+        "--decode-policy",
+        default="least_load",
+        choices=sorted(DECODE_POLICIES),
+        help="how the router picks a decode node: least_load (default), round_robin, or "
+        "cache_aware: the node that served the conversation's last turn and still holds its "
+        "KV, which then receives only the new tokens' KV (unless --disable-decode-reuse)",
+    )
+    parser.add_argument(
+        "--disable-decode-reuse",
+        action="store_true",
+        help="decode nodes keep no finished request's KV: every transfer carries the whole "
+        "prompt's KV (by default a decode node receives only the positions past the prefix "
+        "it holds)",
+    )
     parser.add_argument(
         "--cache-aware-load-threshold",
         type=int,

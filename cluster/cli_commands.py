@@ -108,6 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
             prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy,
             cache_aware_load_threshold=args.cache_aware_load_threshold,
+            decode_reuse=not args.disable_decode_reuse,
             ray_address=args.ray_address,
             # Nothing of a local cluster behind a loopback-only API needs to be reachable
             # from elsewhere.

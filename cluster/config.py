@@ -33,6 +33,10 @@ class ClusterConfig:
     # cache_aware (cluster.cache_aware) sends a prompt to the prefill node holding its longest
     # cached prefix unless that node holds this many more requests than the least-loaded one.
     cache_aware_load_threshold: int = DEFAULT_LOAD_THRESHOLD
+    # Decode nodes keep finished requests' KV (a prefix cache, with the engine's) and take only
+    # the KV of a prompt's positions past what they hold (decode_node.reuse); the decode policy
+    # cache_aware sends a conversation's next turn back to the node that holds it.
+    decode_reuse: bool = True
     ray_address: str | None = None
     # A local cluster (no ray_address) whose every socket, Ray's included, listens on loopback
     # only: for an HTTP API served on loopback (cluster.ray_start). Hosts of a joined cluster

@@ -217,6 +217,17 @@ class _NodeFamilies:
             "Bytes of successful KV transfers (KV and metadata row).",
             labels=transfer,
         )
+        self.transfer_kv_tokens = CounterMetricFamily(
+            "pdcluster_node_transfer_kv_tokens",
+            "Prompt positions whose KV successful transfers carried.",
+            labels=transfer,
+        )
+        self.transfer_reused_tokens = CounterMetricFamily(
+            "pdcluster_node_transfer_reused_tokens",
+            "Prompt positions successful transfers left out because the decode node held their "
+            "KV already (a conversation's earlier turns).",
+            labels=transfer,
+        )
         self.transfer_seconds = CounterMetricFamily(
             "pdcluster_node_transfer_seconds",
             "Time successful KV transfers took on the node's clock: a send from its start (right "
@@ -294,6 +305,8 @@ class _NodeFamilies:
         self.transfer_failures.add_metric(labels, totals["failed"])
         self.transfer_bytes.add_metric(labels, totals["bytes"])
         self.transfer_seconds.add_metric(labels, totals["seconds"])
+        self.transfer_kv_tokens.add_metric(labels, totals.get("kv_tokens", 0))
+        self.transfer_reused_tokens.add_metric(labels, totals.get("reused_tokens", 0))
         seconds = totals["seconds"]
         self.transfer_throughput.add_metric(
             labels, totals["bytes"] / seconds / 1e9 if seconds > 0 else 0.0

@@ -56,6 +56,7 @@ class NodeFactory:
             transfer_through_host=shares_gpu,
             kv_audit_interval_s=config.kv_audit_interval_s,
             stream_interval=config.stream_interval,
+            decode_reuse=config.decode_reuse,
             stream_worker=on_gpu if config.stream_worker is None else config.stream_worker,
             control_key=self.control_key,
         )

@@ -66,9 +66,9 @@ POLICIES: dict[str, Callable[[PolicyOptions], Policy]] = {
     "least_load": lambda _: LeastLoad(),
     "cache_aware": lambda options: CacheAware(options.tokens_per_node, options.load_threshold),
 }
-# A decode node reuses no prefix of its own (prefill nodes send it every prompt's KV), so
-# routing decodes by cached prefix would only pile conversations onto one node.
-DECODE_POLICIES = ("least_load", "round_robin")
+# A decode node keeps its finished requests' KV (decode_node.reuse): cache_aware sends a
+# conversation's next turn back to it, which then receives only the new tokens' KV.
+DECODE_POLICIES = ("cache_aware", "least_load", "round_robin")
 
 
 def create_policy(name: str, options: PolicyOptions) -> Policy:

@@ -42,10 +42,11 @@ def admitted_requests(
 
 
 def prefill_request(
-    msg: GenerateRequest, samples: list[Tracked], node_index: int, rank: int
+    msg: GenerateRequest, samples: list[Tracked], node_index: int, rank: int, reused: int = 0
 ) -> PrefillRequest:
     """The request for the prefill of `msg`'s request and of the parallel `samples` that share
-    its prompt, whose transfers come to this node (`node_index`, data-plane `rank`)."""
+    its prompt, whose transfers come to this node (`node_index`, data-plane `rank`), leaving
+    out the KV of the first `reused` positions, which this node holds (decode_node.reuse)."""
     return PrefillRequest(
         msg.room,
         msg.request_id,
@@ -55,4 +56,5 @@ def prefill_request(
         rank,
         msg.prompt_embeds,
         parallel_samples(samples),
+        reused,
     )

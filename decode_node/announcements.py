@@ -13,13 +13,20 @@ def unreceivable(
     """Why no receive at all may be posted for `announce`, if none may, and whether the channel
     from its rank is then out of order for good: a rank that is not one of this node's prefill
     peers sends it nothing, and a token count no prompt has (outside 1..max_len) is no transfer
-    of this cluster's, whose scratch would be unbounded."""
+    of this cluster's, whose scratch would be unbounded, and so is a reused count outside
+    0..num_tokens-1."""
     rank, room = announce.prefill_rank, announce.room
     if rank not in prefill_ranks.values():
         return f"room {room} was announced by rank {rank}, which is no prefill node's", False
     if not 1 <= announce.num_tokens <= max_len:
         return (
             f"room {room} was announced with {announce.num_tokens} tokens, not 1..{max_len}",
+            True,
+        )
+    if not 0 <= announce.reused_tokens < announce.num_tokens:
+        return (
+            f"room {room} was announced with {announce.reused_tokens} of its "
+            f"{announce.num_tokens} tokens reused",
             True,
         )
     return None, False
@@ -30,8 +37,9 @@ def refusal(
 ) -> str | None:
     """Why `announce` is not the transfer `tracked`'s request expects, if it is not: from
     another rank than its prefill node's, a second one, another token count than its
-    prompt's, draft depths it does not receive (0 or all of this node's), or a prompt KV
-    carried by another transfer than the one it shares (parallel samples)."""
+    prompt's, another count of reused positions than it asked for (decode_node.reuse), draft
+    depths it does not receive (0 or all of this node's), or a prompt KV carried by another
+    transfer than the one it shares (parallel samples)."""
     room, rank = announce.room, announce.prefill_rank
     prefill = tracked.message.prefill_node
     expected_rank = prefill_ranks.get(prefill)
@@ -45,6 +53,11 @@ def refusal(
     prompt_len = len(tracked.req.prompt_token_ids)
     if announce.num_tokens != prompt_len:
         return f"prefill announced {announce.num_tokens} tokens, expected {prompt_len}"
+    if announce.reused_tokens != tracked.reused_tokens:
+        return (
+            f"prefill-{prefill} announced {announce.reused_tokens} reused tokens, this node "
+            f"holds {tracked.reused_tokens}"
+        )
     shared = tracked.group.prompt_room(tracked) if tracked.group is not None else 0
     if announce.prompt_room != shared:
         return (

@@ -31,6 +31,7 @@ from decode_node.admission import admitted_requests, prefill_request
 from decode_node.announcements import refusal, unreceivable
 from decode_node.prealloc import fits, preallocate
 from decode_node.receives import adopt_landed, landing_error, receive_pools, scratch_sizes
+from decode_node.reuse import hold_prefix, let_go_prefix, received_tokens
 from decode_node.samples import (
     SampleGroup,
     sample_messages,
@@ -80,8 +81,8 @@ class DecodeNode(ServingNode):
             node_name=options.name,
             transfers_kv=True,
             tracing=options.enable_tracing,
-            # Its requests' KV arrives by transfer: reusing what it holds is not done yet.
-            prefix_cache=False,
+            # Finished requests' KV stays, for the next turns of their conversations.
+            prefix_cache=options.decode_reuse,
         )
         self.spec, self.engine = built.spec, built.core
         self.speculator, self.num_draft_steps = built.speculator, built.num_draft_steps
@@ -147,10 +148,11 @@ class DecodeNode(ServingNode):
             "queued": self._num_waiting_for_kv(),
             "retractions": self.engine.scheduler.num_retractions,
             "receiving": len(self.receiving),
-            "kv_used": allocator.num_used,
+            "kv_used": self.kv_cache.num_used_slots,
             "kv_capacity": allocator.capacity,
             "tokens_out": self.streams.tokens_out,
             "prefill_tokens": self.engine.prefill_tokens,
+            **self.kv_cache.prefix_cache_stats(),
             **self.spec_totals.stats(),
             "spec_plans": self.engine.plan_counts(),
             "transfers_in_flight": self._transfers_in_flight(),
@@ -193,8 +195,8 @@ class DecodeNode(ServingNode):
             self.frontends.close()
 
     def _report_load(self) -> None:
-        allocator = self.engine.runner.kv_pool.allocator
-        self.load_reports.tick(len(self.rooms), allocator.num_used, allocator.capacity)
+        capacity = self.engine.runner.kv_pool.allocator.capacity
+        self.load_reports.tick(len(self.rooms), self.kv_cache.num_used_slots, capacity)
 
     def _activity(self) -> Activity:
         allocator = self.engine.runner.kv_pool.allocator
@@ -203,7 +205,7 @@ class DecodeNode(ServingNode):
             len(running),
             self._num_waiting_for_kv(),
             self._transfers_in_flight(),
-            allocator.num_used,
+            self.kv_cache.num_used_slots,
             allocator.capacity,
             self.streams.tokens_out,
             *self.spec_totals.with_running(running),
@@ -265,7 +267,9 @@ class DecodeNode(ServingNode):
             tracked = self.prealloc[0]
             members = tracked.group.members if tracked.group is not None else [tracked]
             requests = [member.req for member in members]
+            tracked.reused_tokens = hold_prefix(requests, self.engine)
             if not fits(requests, self.engine, self.metadata):
+                let_go_prefix(requests, self.engine)
                 return
             self.prealloc.popleft()
             rows = preallocate(requests, self.engine, self.metadata)
@@ -273,9 +277,10 @@ class DecodeNode(ServingNode):
                 member.meta_row = row
             if tracked.group is not None:
                 tracked.group.carrier = tracked
-            self.prefill_outboxes[tracked.message.prefill_node].send(
-                prefill_request(tracked.message, members[1:], self.options.index, self.rank)
+            message = prefill_request(
+                tracked.message, members[1:], self.options.index, self.rank, tracked.reused_tokens
             )
+            self.prefill_outboxes[tracked.message.prefill_node].send(message)
             for member in members:
                 set_time(member.req, "prefill_requested")  # the prefill node may run it
                 self.receiving.append(member)
@@ -369,7 +374,7 @@ class DecodeNode(ServingNode):
             if group is not None and not tracked.aborted and group.waits_for_prompt(tracked):
                 still.append(tracked)
                 continue
-            self.transfer_totals.record(handle)
+            self.transfer_totals.record(handle, *received_tokens(tracked.announce))
             error = None if tracked.aborted else landing_error(tracked, self.faults)
             if group is not None:
                 error = group.landed(tracked, error)
@@ -384,7 +389,11 @@ class DecodeNode(ServingNode):
     def _join_running(self, tracked: Tracked) -> None:
         req = tracked.req
         if req.trace is not None:
-            landed = {"bytes": tracked.handle.nbytes, "wire_ms": tracked.wire_seconds() * 1e3}
+            landed = {
+                "bytes": tracked.handle.nbytes,
+                "wire_ms": tracked.wire_seconds() * 1e3,
+                "reused_tokens": tracked.reused_tokens,
+            }
             set_time(req, "transfer_end", landed)
         adopt_landed(tracked, self.metadata, self.speculator)
         req.finish_reason = self.engine.stop_checker.check(req)
@@ -523,6 +532,7 @@ class DecodeNode(ServingNode):
             requests,
             self.speculator,
             (rows_used, rows_held),
+            cached=self.kv_cache.cached_slots(),
         )
 
     def _send_error(self, tracked: Tracked, reason: str) -> None:

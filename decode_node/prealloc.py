@@ -1,7 +1,8 @@
 """What a decode node takes for a request before asking a prefill node to run it: target slots
 for its prompt and first decode step, each draft depth's as many, and a metadata row. Parallel
 samples of one prompt preallocate together, the others sharing the first one's prompt slots,
-in the target and in every draft depth (decode_node.samples)."""
+in the target and in every draft depth (decode_node.samples). A request that starts at a prefix
+this node holds (decode_node.reuse) takes slots only for the positions after it."""
 
 from __future__ import annotations
 
@@ -33,13 +34,15 @@ def group_needs(requests: list[Request], engine: EngineCore) -> list[tuple[KVPoo
     In depth d the samples share the prompt only up to `shared_prompt_len`, one position less
     at each depth than in the target."""
     first, forks = requests[0], requests[1:]
-    target = first_step_slots(first) + sum(fork_step_slots(req) for req in forks)
+    # Positions held already, in the target and in every depth (spec/prefix_drafts.py).
+    first_own = first_step_slots(first) - first.cached_len
+    target = first_own + sum(fork_step_slots(req) for req in forks)
     needs = [(engine.kv_cache.kv_pool, target)]
     if first.num_draft_tokens:
         n = len(first.prompt_token_ids)
         for d, depth in enumerate(engine.speculator.depths):  # type: ignore[union-attr]
             own = sum(first_step_slots(req) - shared_prompt_len(n, d) for req in forks)
-            needs.append((depth.kv_pool, first_step_slots(first) + own))
+            needs.append((depth.kv_pool, first_own + own))
     return needs
 
 
@@ -78,7 +81,7 @@ def preallocate(
     """Take what `fits` checked; returns each request's metadata row."""
     kv_cache = engine.kv_cache
     first, forks = requests[0], requests[1:]
-    kv_cache.grow(first, first_step_slots(first))
+    kv_cache.grow(first, first_step_slots(first) - first.cached_len)
     if forks:
         kv_cache.fork(first, forks, len(first.prompt_token_ids))
         kv_cache.grow_many([(req, fork_step_slots(req)) for req in forks])

@@ -23,14 +23,17 @@ def receive_pools(
     kv_pool: KVPool,
     speculator: MultiLayerEagleWorker | None,
 ) -> list[tuple[KVPool, list[int]]]:
-    """The pools and slots the announced transfer of `req` lands in. When the prefill node
-    drafted nothing, the request decodes plainly and its reserved draft slots go back now."""
-    prompt_len = len(req.prompt_token_ids)
+    """The pools and slots the announced transfer of `req` lands in: after the positions this
+    node holds already (`reused_tokens`, decode_node.reuse), in the target and in each draft
+    depth. When the prefill node drafted nothing, the request decodes plainly and its reserved
+    draft slots go back now."""
+    prompt_len, reused = len(req.prompt_token_ids), announce.reused_tokens
     pools = []
     if announce.prompt_room == 0:  # not a parallel sample's (the carrier's brings its KV)
-        pools.append((kv_pool, req.slots[:prompt_len]))
+        pools.append((kv_pool, req.slots[reused:prompt_len]))
     if announce.num_draft_tokens:
-        pools += speculator.depth_kv(req, prompt_len, announce.prompt_room != 0)
+        depths = speculator.depth_kv(req, prompt_len, announce.prompt_room != 0)
+        pools += [(pool, slots[reused:]) for pool, slots in depths]
     elif req.num_draft_tokens:
         # The prefill node drafted nothing (one token left to emit after the first): this
         # request decodes plainly, and its reserved draft slots go back now.
@@ -49,7 +52,8 @@ def scratch_sizes(
     into scratch (`KVReceiver.discard`); or why this node cannot receive it at all (draft
     depths it does not have), which leaves the channel from its rank out of order."""
     n, carries_prompt = announce.num_tokens, announce.prompt_room == 0
-    sizes = [kv_nbytes(kv_pool, n)] if carries_prompt else []
+    sent = n - announce.reused_tokens
+    sizes = [kv_nbytes(kv_pool, sent)] if carries_prompt else []
     if announce.num_draft_tokens:
         depths = speculator.depths if speculator is not None else []
         if len(depths) != announce.num_draft_tokens:
@@ -60,7 +64,7 @@ def scratch_sizes(
             return [], reason
         for d, depth in enumerate(depths):
             first = 0 if carries_prompt else shared_prompt_len(n, d)
-            sizes.append(kv_nbytes(depth.kv_pool, n - first))
+            sizes.append(kv_nbytes(depth.kv_pool, sent - first))
     return sizes + [row_nbytes], None
 
 

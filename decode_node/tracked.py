@@ -35,6 +35,9 @@ class Tracked:
     ended_at: float | None = None  # when its transfer was first seen ended, without a result
     # The parallel samples of its prompt that share its prefill (decode_node.samples), if any.
     group: SampleGroup | None = None
+    # Leading prompt positions whose KV this node holds already (decode_node.reuse), which
+    # its transfer leaves out.
+    reused_tokens: int = 0
 
     def free_row(self, metadata: MetadataBuffers) -> None:
         """Give back its metadata row, if it holds one."""

@@ -106,6 +106,9 @@ class PrefillRequest:
     # The prompt's other samples: one prefill for all; this room's transfer carries the
     # prompt's target KV, each sample's its own first token, chain and draft KV.
     samples: list[ParallelSample] = field(default_factory=list)
+    # Leading prompt positions whose KV (the target's and every draft depth's) the decode node
+    # holds already, in its prefix cache (decode_node.reuse): the transfer carries the rest.
+    reused_tokens: int = 0
 
 
 @message
@@ -124,6 +127,9 @@ class TransferAnnounce:
     # depth's positions from spec.sample_extend.shared_prompt_len on, and its row). 0: this
     # transfer carries its own prompt's.
     prompt_room: int = 0
+    # The PrefillRequest's reused_tokens, said back: the KV sent (the target's and each draft
+    # depth's) is that of positions [reused_tokens, num_tokens) only.
+    reused_tokens: int = 0
 
 
 @message

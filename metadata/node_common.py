@@ -47,6 +47,9 @@ class NodeOptions:
     # Detokenize and frame the token streams in a worker process beside the node
     # (decode_node.stream_worker) rather than on the thread that drives its engine.
     stream_worker: bool = False
+    # A decode node keeps finished requests' KV in a prefix cache and takes from its prefill
+    # node only the KV of a prompt's positions past what it holds (decode_node.reuse).
+    decode_reuse: bool = True
     # The cluster's control-plane key (metadata.control_auth): every message a node sends is
     # signed with it, and every message it receives must be.
     control_key: bytes = field(repr=False, kw_only=True)

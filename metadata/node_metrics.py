@@ -32,14 +32,21 @@ class TransferTotals:
         self.failed = 0
         self.nbytes = 0
         self.seconds = 0.0
+        # Prompt positions whose target KV crossed, and those left out because the decode node
+        # held them already (decode_node.reuse).
+        self.kv_tokens = 0
+        self.reused_tokens = 0
         self._bucket_counts = [0] * (len(TRANSFER_LATENCY_BUCKETS) + 1)
 
-    def record(self, handle: TransferHandle) -> None:
-        """Count a terminal transfer: a success adds its bytes and time, a failure its count."""
+    def record(self, handle: TransferHandle, kv_tokens: int = 0, reused_tokens: int = 0) -> None:
+        """Count a terminal transfer: a success adds its bytes, time and prompt positions (those
+        sent, `kv_tokens`, and those reused), a failure its count."""
         if handle.state == TransferState.FAILED:
             self.failed += 1
             return
         self.count += 1
+        self.kv_tokens += kv_tokens
+        self.reused_tokens += reused_tokens
         self.nbytes += handle.nbytes
         self.seconds += handle.elapsed_s
         self._bucket_counts[bisect.bisect_left(TRANSFER_LATENCY_BUCKETS, handle.elapsed_s)] += 1
@@ -57,6 +64,8 @@ class TransferTotals:
             "failed": self.failed,
             "bytes": self.nbytes,
             "seconds": self.seconds,
+            "kv_tokens": self.kv_tokens,
+            "reused_tokens": self.reused_tokens,
             "latency_buckets": buckets,
         }
 

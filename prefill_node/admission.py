@@ -24,7 +24,7 @@ def pending_group(msg: PrefillRequest, tracing: bool, num_draft_steps: int | Non
         set_time(req, "prefill_queued")
     if num_draft_steps is not None:
         req.num_draft_tokens = num_draft_steps
-    pending = Pending(req, msg.decode_node, msg.decode_rank)
+    pending = Pending(req, msg.decode_node, msg.decode_rank, reused_tokens=msg.reused_tokens)
     return [pending] + [sample_pending(pending, s) for s in msg.samples]
 
 
@@ -34,6 +34,13 @@ def admit_group(
     """Give the group the prompt's embeddings and start its grammar; raises
     RequestRejectedError when this node refuses it."""
     req = group[0].req
+    if msg.reused_tokens and (msg.samples or not 0 < msg.reused_tokens < req.num_tokens):
+        # A transfer leaves out what the decode node holds, never the whole prompt (the decode
+        # node matches all but its last token), and parallel samples reuse nothing.
+        raise RequestRejectedError(
+            f"{msg.reused_tokens} reused tokens of a {req.num_tokens}-token prompt"
+            + (" with parallel samples" if msg.samples else "")
+        )
     if msg.prompt_embeds is not None:
         given = msg.prompt_embeds
         embeds = PromptEmbeds.from_bytes(given.positions, given.width, given.data)

@@ -61,7 +61,12 @@ from metadata.serving_node import ServingNode
 from metadata.transfer import KVSender, TransferState
 from prefill_node.admission import admit_group, pending_group
 from prefill_node.pending import Pending, drafts_after_first_token
-from prefill_node.transfer_contents import prepare_early_kv, void_pools, write_transfer
+from prefill_node.transfer_contents import (
+    prepare_early_kv,
+    sent_and_reused,
+    void_pools,
+    write_transfer,
+)
 from spec.compose import speculation_of
 
 log = logging.getLogger(__name__)
@@ -290,6 +295,7 @@ class PrefillNode(ServingNode):
                 len(req.prompt_token_ids),
                 self.num_draft_steps if pending.drafted else 0,
                 pending.prompt_room,
+                pending.reused_tokens,
             )
         )
         set_time(req, "transfer_announced")
@@ -328,7 +334,8 @@ class PrefillNode(ServingNode):
         top = [[t, lp] for t, lp in logprob.top_logprobs] if logprob else []
         # The result goes first, so that the decode node has it when the KV lands; it carries
         # this node's timeline, which the decode node reports to the router with its own.
-        set_time(req, "transfer_start", {"kv_tokens": req.kv_len})
+        reused = pending.reused_tokens
+        set_time(req, "transfer_start", {"kv_tokens": req.kv_len - reused, "reused_tokens": reused})
         trace = req.trace.events if req.trace is not None else []
         cached = req.cached_tokens if self.kv_cache.prefix_cache is not None else None
         self.outboxes[pending.decode_node].send(
@@ -350,6 +357,7 @@ class PrefillNode(ServingNode):
             len(req.prompt_token_ids),
             pending.drafted,
             pending.carries_prompt,
+            pending.reused_tokens,
         )
         self._post_send(pending, pools)
 
@@ -376,7 +384,7 @@ class PrefillNode(ServingNode):
         for pending in self.sending:
             state = pending.handle.state
             if state in (TransferState.SUCCESS, TransferState.FAILED):
-                self.transfer_totals.record(pending.handle)
+                self.transfer_totals.record(pending.handle, *sent_and_reused(pending))
                 if state == TransferState.FAILED:
                     log.warning(
                         "transfer of room %s failed: %s",

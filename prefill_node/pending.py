@@ -28,6 +28,9 @@ class Pending:
     target_kv: PoolMessages | None = None
     # A parallel sample: the room whose transfer carries its prompt's target KV (0: its own).
     prompt_room: int = 0
+    # Leading prompt positions whose KV the decode node holds (PrefillRequest.reused_tokens):
+    # the transfer leaves them out.
+    reused_tokens: int = 0
 
     @property
     def carries_prompt(self) -> bool:

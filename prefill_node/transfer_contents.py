@@ -1,6 +1,8 @@
 """What a prefill node's transfer of a request carries: the pools and slots its KV is read from,
 the metadata row it writes (first token, hidden state, draft state), the leading target KV
-posted as soon as the forward is enqueued, and the stand-in pools of a void transfer."""
+posted as soon as the forward is enqueued, and the stand-in pools of a void transfer. The KV of
+the positions the decode node holds already (`Pending.reused_tokens`) is left out, in the
+target and in every draft depth."""
 
 from __future__ import annotations
 
@@ -30,9 +32,8 @@ def prepare_early_kv(batch: list[Pending], kv_pool: KVPool) -> None:
     for pending in prompts:
         if per_peer[pending.decode_rank] == 1:
             req = pending.req
-            pending.target_kv = PoolMessages.build(
-                [(kv_pool, req.slots[: len(req.prompt_token_ids)])]
-            )
+            prompt = req.slots[pending.reused_tokens : len(req.prompt_token_ids)]
+            pending.target_kv = PoolMessages.build([(kv_pool, prompt)])
 
 
 def write_transfer(
@@ -46,14 +47,15 @@ def write_transfer(
     """Write the metadata row of `pending`'s transfer and return the pools and slots its KV is
     read from: the prompt's target KV (a carrier's), and each draft depth's when it drafted."""
     req = pending.req
-    prompt_len = req.kv_len
+    prompt_len, reused = req.kv_len, pending.reused_tokens
     pools = []
     if pending.carries_prompt:
-        pools.append((kv_pool, req.slots[:prompt_len]))
+        pools.append((kv_pool, req.slots[reused:prompt_len]))
     draft_fields = {}
     if pending.drafted:
         state = speculator.export_state(req)
-        pools += speculator.depth_kv(req, prompt_len, not pending.carries_prompt)
+        depths = speculator.depth_kv(req, prompt_len, not pending.carries_prompt)
+        pools += [(pool, slots[reused:]) for pool, slots in depths]
         last_hidden = state.target_hidden
         draft_fields = {
             "topk_index": torch.tensor(state.draft_token_ids),
@@ -77,14 +79,25 @@ def void_pools(
     num_tokens: int,
     drafted: bool,
     carries_prompt: bool = True,
+    reused_tokens: int = 0,
 ) -> list[tuple[KVPool, list[int]]]:
     """The announced pools, each with slots [1, count]: as many as a transfer that ran
-    (num_tokens, and a parallel sample's depths from `shared_prompt_len` on). They exist
-    whatever state the failure left (the target's pool holds the request's num_tokens slots,
-    and each depth's pool is as large), and are only read."""
-    pools = [(kv_pool, num_tokens)] if carries_prompt else []
+    (num_tokens less the reused ones, and a parallel sample's depths from `shared_prompt_len`
+    on). They exist whatever state the failure left (the target's pool holds the request's
+    num_tokens slots, and each depth's pool is as large), and are only read."""
+    sent = num_tokens - reused_tokens
+    pools = [(kv_pool, sent)] if carries_prompt else []
     if drafted:
         for d, runner in enumerate(speculator.depths):
             first = 0 if carries_prompt else shared_prompt_len(num_tokens, d)
-            pools.append((runner.kv_pool, num_tokens - first))
+            pools.append((runner.kv_pool, sent - first))
     return [(pool, list(range(1, count + 1))) for pool, count in pools]
+
+
+def sent_and_reused(pending: Pending) -> tuple[int, int]:
+    """The prompt positions whose target KV `pending`'s transfer carries, and those it leaves
+    to the decode node's own (none sent for a parallel sample: its carrier's brings them)."""
+    if not pending.carries_prompt:
+        return 0, 0
+    reused = pending.reused_tokens
+    return len(pending.req.prompt_token_ids) - reused, reused

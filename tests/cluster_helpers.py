@@ -19,7 +19,13 @@ def ensure_ray() -> None:
 
 
 def launch(
-    model: str, prefill: int, decode: int, prefill_policy: str = "round_robin", **engine: object
+    model: str,
+    prefill: int,
+    decode: int,
+    prefill_policy: str = "round_robin",
+    decode_policy: str = "least_load",
+    decode_reuse: bool = True,
+    **engine: object,
 ) -> Cluster:
     ensure_ray()
     engine_args = EngineArgs(model=model, device="cpu", **engine)
@@ -29,6 +35,8 @@ def launch(
             prefill_nodes=prefill,
             decode_nodes=decode,
             prefill_policy=prefill_policy,
+            decode_policy=decode_policy,
+            decode_reuse=decode_reuse,
             transfer_timeout_s=30.0,
         )
     )

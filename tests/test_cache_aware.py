@@ -172,11 +172,13 @@ def test_the_router_drops_a_dead_or_replaced_nodes_entries():
     assert first.index not in policy.trees
 
 
-def test_cache_aware_is_a_prefill_policy_only():
+def test_cache_aware_is_a_prefill_and_a_decode_policy():
     assert isinstance(create_policy("cache_aware", PolicyOptions(128, 4)), CacheAware)
     ClusterConfig(prefill_policy="cache_aware", cache_aware_load_threshold=0)
-    with pytest.raises(ValueError, match="decode policy 'cache_aware'"):
-        ClusterConfig(decode_policy="cache_aware")
+    # Decode nodes hold finished conversations' KV (decode_node.reuse).
+    ClusterConfig(decode_policy="cache_aware")
+    with pytest.raises(ValueError, match="decode policy 'random'.*supported: cache_aware, least"):
+        ClusterConfig(decode_policy="random")
     with pytest.raises(ValueError, match="supported: cache_aware, least_load, round_robin"):
         ClusterConfig(prefill_policy="random")
     with pytest.raises(ValueError, match="cache_aware_load_threshold"):

@@ -108,11 +108,12 @@ def test_the_cluster_reuses_prefixes_without_changing_output(tiny_model, layout,
         assert wait_for(cluster.kv_pools_empty, 30), cluster.node_stats()
         for actor in cluster.prefill_actors + cluster.decode_actors:
             assert ray.get(actor.audit_kv.remote()) == []
-        stats = cluster.node_stats()
-        caching = [s for s in stats if "prefix_cache_hit_tokens" in s]
-        assert len(caching) == 1  # the prefill node or the replica; decode nodes have none
-        assert caching[0]["prefix_cache_hit_tokens"] == sum(cached)
-        assert caching[0]["prefix_cache_tokens"] > 0
+        stats = {s["node"]: s for s in cluster.node_stats()}
+        # The prefill node or the replica computes prompts; a decode node's cache (its
+        # conversations' KV, decode_node.reuse) is tested in tests/test_decode_reuse.py.
+        caching = stats["replica-0" if layout == "aggregated" else "prefill-0"]
+        assert caching["prefix_cache_hit_tokens"] == sum(cached)
+        assert caching["prefix_cache_tokens"] > 0
     finally:
         server.stop()
         cluster.shutdown()
