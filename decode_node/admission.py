@@ -1,17 +1,49 @@
 """What a decode node makes of a GenerateRequest: its engine requests (one per parallel sample,
-sharing the prompt's embeddings), and, once they are preallocated, the PrefillRequest that asks
-their prefill node to run them."""
+sharing the prompt's embeddings) with their token streams, and, once they are preallocated, the
+PrefillRequest that asks their prefill node to run them."""
 
 from __future__ import annotations
 
 from decode_node.prealloc import never_fits
-from decode_node.samples import check_shareable, parallel_samples
+from decode_node.samples import SampleGroup, check_shareable, parallel_samples, sample_messages
+from decode_node.token_streams import TokenStreams
 from decode_node.tracked import Tracked
 from engine.engine_core import EngineCore
+from engine.errors import RequestRejectedError
 from engine.prompt_embeds import PromptEmbeds
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.tracing import set_time
+from metadata.buffers import MetadataBuffers
 from metadata.messages import GenerateRequest, PrefillRequest
+
+
+def accepted(
+    msg: GenerateRequest,
+    engine: EngineCore,
+    metadata: MetadataBuffers,
+    streams: TokenStreams,
+    node_name: str,
+) -> list[Tracked]:
+    """What this node tracks of `msg`: its request, then its parallel samples (a SampleGroup),
+    each with its open token stream; none where it cannot serve them, each stream failed with
+    the reason."""
+    messages = sample_messages(msg) if msg.samples else [msg]
+    max_shared = min(metadata.num_rows, engine.kv_cache.max_requests)
+    try:
+        requests = admitted_requests(msg, messages, engine, max_shared)
+    except (RequestRejectedError, ValueError) as err:
+        for m in messages:
+            streams.fail(msg.frontend, m.room, f"{node_name}: {err}")
+        return []
+    members = []
+    for req, m in zip(requests, messages):
+        set_time(req, "decode_received")
+        stream = streams.open(msg.frontend, m.room, req.params.stop_strings)
+        members.append(Tracked(req, m, stream))
+    if len(members) > 1:
+        SampleGroup(members)
+    return members
 
 
 def admitted_requests(

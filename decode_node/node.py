@@ -27,25 +27,19 @@ import logging
 import time
 from collections import deque
 
-from decode_node.admission import admitted_requests, prefill_request
-from decode_node.announcements import refusal, unreceivable
-from decode_node.prealloc import fits, preallocate
-from decode_node.receives import adopt_landed, landing_error, receive_pools, scratch_sizes
-from decode_node.reuse import hold_prefix, let_go_prefix, received_tokens
-from decode_node.samples import (
-    SampleGroup,
-    sample_messages,
-)
+from decode_node.admission import accepted, prefill_request
+from decode_node.incoming import IncomingTransfers
+from decode_node.prealloc import preallocate_ready
+from decode_node.prefill_peers import PrefillPeers
+from decode_node.receives import adopt_landed
 from decode_node.token_streams import TokenStreams, decode_final_stats, stream_sink
-from decode_node.tracked import Tracked
+from decode_node.tracked import Tracked, held_pools
 from engine.build import build_engine
-from engine.errors import RequestRejectedError
 from engine.loader import EngineArgs
 from engine.tracing import set_time, set_time_batch
-from metadata.control import Inbox, Outbox
+from metadata.control import Inbox
 from metadata.frontend_links import FrontendLinks, LoadReports
-from metadata.handshake import PairingError, TransferSpec, check_compatible
-from metadata.kv_audit import PoolCount, request_pools
+from metadata.kv_audit import PoolCount
 from metadata.messages import (
     AbortRequest,
     FrontendHello,
@@ -60,15 +54,13 @@ from metadata.node_common import (
     start_node_process,
     transfer_spec,
 )
-from metadata.node_metrics import Activity, ActivityLog, SpeculationTotals, TransferTotals
+from metadata.node_metrics import Activity, ActivityLog, SpeculationTotals
 from metadata.pair_group import PairLink
-from metadata.serving_node import ServingNode
+from metadata.serving_node import ServingNode, poll_timeout_ms
 from metadata.transfer import KVReceiver, TransferState
 from spec.compose import speculation_of
 
 log = logging.getLogger(__name__)
-IDLE_POLL_MS = 5
-WAITING_POLL_MS = 1
 
 
 class DecodeNode(ServingNode):
@@ -90,18 +82,19 @@ class DecodeNode(ServingNode):
         self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
         self.spec_totals = SpeculationTotals()
         self.inbox = Inbox(options.host, options.control_key)
-        self.prefill_outboxes: dict[int, Outbox] = {}
-        self.prefill_ranks: dict[int, int] = {}  # prefill node index -> its data-plane rank
+        mine = transfer_spec(self.spec, self.num_draft_steps)
+        self.prefill_peers = PrefillPeers(options.name, mine, options.control_key)
         self.frontends = FrontendLinks(options.control_key)
         self.streams = TokenStreams(
             stream_sink(self.spec, options, self.frontends), options.name, options.stream_interval
         )
         self.load_reports = LoadReports(self.frontends, "decode", options.index)
-        self.receiver: KVReceiver | None = None
         self.rooms: dict[int, Tracked] = {}
         self.prealloc: deque[Tracked] = deque()
-        self.receiving: list[Tracked] = []
-        self.transfer_totals = TransferTotals("receive")
+        max_len = self.spec.engine_config.max_model_len
+        self.incoming = IncomingTransfers(
+            self.engine.runner.kv_pool, self.speculator, self.metadata, max_len, self.faults
+        )
         self.activity_log = ActivityLog(options.stats_log_interval_s, log)
 
     # --- setup and health (Ray calls) ---
@@ -114,49 +107,35 @@ class DecodeNode(ServingNode):
         """Pair with every prefill node, refusing (PairingError) any whose KV layout, dtype,
         model or spec_hidden_size differs from this node's. `prefill_ranks`: each prefill
         node's rank in the data-plane group, the only rank its transfers may come from."""
-        mine = transfer_spec(self.spec, self.num_draft_steps)
-        for index in sorted(prefill_specs):
-            try:
-                check_compatible(TransferSpec.from_dict(prefill_specs[index]), mine)
-            except PairingError as err:
-                raise PairingError(f"prefill-{index} and {self.options.name}: {err}") from None
-        key = self.options.control_key
-        self.prefill_outboxes = {i: Outbox(e, key) for i, e in prefill_endpoints.items()}
-        self.prefill_ranks = dict(prefill_ranks)
+        self.prefill_peers.connect(prefill_endpoints, prefill_specs)
+        self.incoming.prefill_ranks = dict(prefill_ranks)
 
     def peer_replaced(self, index: int, endpoint: str, spec: dict, link: PairLink) -> None:
         """(Ray call) prefill-`index` was replaced by a node at `endpoint`: check that it can
         pair, send its requests there, and open the new channel with it."""
-        mine = transfer_spec(self.spec, self.num_draft_steps)
-        try:
-            check_compatible(TransferSpec.from_dict(spec), mine)
-        except PairingError as err:
-            raise PairingError(f"prefill-{index} and {self.options.name}: {err}") from None
-        old = self.prefill_outboxes.get(index)
         # Swapped here, before the router routes to the new node; the serving thread, which
         # owns the sockets, closes the old one.
-        self.prefill_outboxes[index] = Outbox(endpoint, self.options.control_key)
+        old = self.prefill_peers.replace(index, endpoint, spec)
         if old is not None:
             self._events.put(old.close)
         self.repair(link)
 
     def stats(self) -> dict:
-        allocator = self.engine.runner.kv_pool.allocator
         return {
             "node": self.options.name,
             "running": len(self.engine.scheduler.running),
             "queued": self._num_waiting_for_kv(),
             "retractions": self.engine.scheduler.num_retractions,
-            "receiving": len(self.receiving),
+            "receiving": len(self.incoming.requests),
             "kv_used": self.kv_cache.num_used_slots,
-            "kv_capacity": allocator.capacity,
+            "kv_capacity": self.kv_cache.capacity,
             "tokens_out": self.streams.tokens_out,
             "prefill_tokens": self.engine.prefill_tokens,
             **self.kv_cache.prefix_cache_stats(),
             **self.spec_totals.stats(),
             "spec_plans": self.engine.plan_counts(),
-            "transfers_in_flight": self._transfers_in_flight(),
-            "transfers": self.transfer_totals.as_dict(),
+            "transfers_in_flight": self.incoming.in_flight(),
+            "transfers": self.incoming.totals.as_dict(),
             "control_rejected": self.inbox.rejected,
             **self._health_stats(),
         }
@@ -165,17 +144,8 @@ class DecodeNode(ServingNode):
         """New requests waiting to preallocate, and retracted ones waiting to run again."""
         return len(self.prealloc) + len(self.engine.scheduler.waiting)
 
-    def _transfers_in_flight(self) -> int:
-        return sum(1 for tracked in list(self.receiving) if tracked.handle is not None)
-
     def _open_channel(self) -> KVReceiver:
-        self.receiver = KVReceiver(
-            self.spec.engine_config.device,
-            timeout_s=self.options.transfer_timeout_s,
-            host_staged=self.options.transfer_through_host,
-            rank=self.rank,
-        )
-        return self.receiver
+        return self.incoming.open_channel(self.spec.engine_config.device, self.options, self.rank)
 
     # --- the serving loop ---
     def _serve(self) -> None:
@@ -189,35 +159,27 @@ class DecodeNode(ServingNode):
                 if self.engine.has_work():
                     self._step()
                 self.streams.flush()
-                self._report_load()
+                kv_cache = self.kv_cache
+                self.load_reports.tick(len(self.rooms), kv_cache.num_used_slots, kv_cache.capacity)
                 self.activity_log.tick(self._activity)
         finally:
             self.frontends.close()
 
-    def _report_load(self) -> None:
-        capacity = self.engine.runner.kv_pool.allocator.capacity
-        self.load_reports.tick(len(self.rooms), self.kv_cache.num_used_slots, capacity)
-
     def _activity(self) -> Activity:
-        allocator = self.engine.runner.kv_pool.allocator
         running = self.engine.scheduler.running
         return Activity(
             len(running),
             self._num_waiting_for_kv(),
-            self._transfers_in_flight(),
+            self.incoming.in_flight(),
             self.kv_cache.num_used_slots,
-            allocator.capacity,
+            self.kv_cache.capacity,
             self.streams.tokens_out,
             *self.spec_totals.with_running(running),
         )
 
     def _poll_timeout_ms(self) -> int:
-        if self.engine.scheduler.running:
-            return 0
-        # Waiting on transfers only: block briefly rather than spin, so the receiver threads
-        # get the interpreter.
-        waiting = self.receiving or self.prealloc or self.engine.scheduler.waiting
-        return WAITING_POLL_MS if waiting else IDLE_POLL_MS
+        waiting = self.incoming.requests or self.prealloc or self.engine.scheduler.waiting
+        return poll_timeout_ms(bool(self.engine.scheduler.running), bool(waiting))
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, FrontendHello):
@@ -240,104 +202,29 @@ class DecodeNode(ServingNode):
             log.warning("unexpected message %s", type(msg).__name__)
 
     def _accept(self, msg: GenerateRequest) -> None:
-        messages = sample_messages(msg) if msg.samples else [msg]
-        max_shared = min(self.metadata.num_rows, self.engine.kv_cache.max_requests)
-        try:
-            requests = admitted_requests(msg, messages, self.engine, max_shared)
-        except (RequestRejectedError, ValueError) as err:
-            for m in messages:
-                self.streams.fail(msg.frontend, m.room, f"{self.options.name}: {err}")
-            return
-        members = []
-        for req, m in zip(requests, messages):
-            set_time(req, "decode_received")
-            stream = self.streams.open(msg.frontend, m.room, req.params.stop_strings)
-            members.append(Tracked(req, m, stream))
-            self.rooms[m.room] = members[-1]
-        if len(members) > 1:
-            SampleGroup(members)
-        self.prealloc.append(members[0])
+        members = accepted(msg, self.engine, self.metadata, self.streams, self.options.name)
+        for member in members:
+            self.rooms[member.message.room] = member
+        if members:
+            self.prealloc.append(members[0])
 
     def _preallocate(self) -> None:
-        scheduler = self.engine.scheduler
-        while self.prealloc:
-            if scheduler.waiting:
-                # Retracted requests run again first: new ones must not keep them out.
-                return
-            tracked = self.prealloc[0]
-            members = tracked.group.members if tracked.group is not None else [tracked]
-            requests = [member.req for member in members]
-            tracked.reused_tokens = hold_prefix(requests, self.engine)
-            if not fits(requests, self.engine, self.metadata):
-                let_go_prefix(requests, self.engine)
-                return
-            self.prealloc.popleft()
-            rows = preallocate(requests, self.engine, self.metadata)
-            for member, row in zip(members, rows):
-                member.meta_row = row
-            if tracked.group is not None:
-                tracked.group.carrier = tracked
+        for tracked, members in preallocate_ready(self.prealloc, self.engine, self.metadata):
             message = prefill_request(
                 tracked.message, members[1:], self.options.index, self.rank, tracked.reused_tokens
             )
-            self.prefill_outboxes[tracked.message.prefill_node].send(message)
+            self.prefill_peers.send(tracked.message.prefill_node, message)
             for member in members:
                 set_time(member.req, "prefill_requested")  # the prefill node may run it
-                self.receiving.append(member)
+                self.incoming.requests.append(member)
 
     def _post_receive(self, announce: TransferAnnounce) -> None:
         tracked = self.rooms.get(announce.room)
         if tracked is not None and tracked.meta_row is None:
             tracked = None  # not asked of a prefill node yet, or already running
-        unreceivable = self._unreceivable(announce)
-        if unreceivable is not None:
-            if tracked is not None:
-                self._fail(tracked, unreceivable)
-            return
-        if tracked is None:
-            log.warning(
-                "announcement for room %s, which expects none: its transfer is discarded",
-                announce.room,
-            )
-            self._discard(announce)
-            return
-        refused = refusal(announce, tracked, self.prefill_ranks)
-        if refused is not None:
-            self._discard(announce)
-            self._fail(tracked, refused)
-            return
-        tracked.announce = announce
-        req = tracked.req
-        pools = receive_pools(announce, req, self.engine.runner.kv_pool, self.speculator)
-        tracked.handle = self.receiver.expect(
-            announce.prefill_rank, announce.room, pools, self.metadata, tracked.meta_row
-        )
-        set_time(req, "receive_posted")
-
-    def _unreceivable(self, announce: TransferAnnounce) -> str | None:
-        reason, breaks_channel = unreceivable(
-            announce, self.prefill_ranks, self.spec.engine_config.max_model_len
-        )
-        if breaks_channel:
-            rank = announce.prefill_rank
-            log.error("%s: the channel from rank %d is out of order", reason, rank)
-            self.receiver.break_channel(rank, reason)
-        elif reason is not None:
-            log.error("%s: the announcement is dropped", reason)
-        return reason
-
-    def _discard(self, announce: TransferAnnounce) -> None:
-        """Receive an announced transfer that no request takes into scratch (see
-        `KVReceiver.discard`): the prefill node sends it whatever this node decides."""
-        sizes, reason = scratch_sizes(
-            announce, self.engine.runner.kv_pool, self.speculator, self.metadata.row_nbytes
-        )
-        if reason is not None:
-            log.error("%s: the channel from rank %d is out of order", reason, announce.prefill_rank)
-            # Later transfers from that rank fail at once rather than take this one's data.
-            self.receiver.break_channel(announce.prefill_rank, reason)
-            return
-        self.receiver.discard(announce.prefill_rank, announce.room, sizes)
+        failure = self.incoming.post(announce, tracked)
+        if failure is not None and tracked is not None:
+            self._fail(tracked, failure)
 
     def _take_result(self, result: PrefillResult) -> None:
         tracked = self.rooms.get(result.room)
@@ -349,61 +236,30 @@ class DecodeNode(ServingNode):
             self._fail(tracked, result.error)
 
     def _unsettled_peers(self) -> set[int]:
-        # Called from the health probe's thread: a copy of the list the serving loop replaces.
-        return {
-            tracked.handle.peer
-            for tracked in list(self.receiving)
-            if tracked.handle is not None and tracked.handle.left_posted
-        }
+        return self.incoming.unsettled_peers()
 
     def _land_transfers(self) -> None:
-        still = []
-        # Carriers first: a parallel sample whose transfer ended waits for its prompt's.
-        ordered = sorted(
-            self.receiving, key=lambda t: t.group is not None and t.group.carrier is t, reverse=True
-        )
-        for tracked in ordered:
-            handle = tracked.handle
-            if handle is None or handle.state not in (TransferState.SUCCESS, TransferState.FAILED):
-                still.append(tracked)
-                continue
-            if not tracked.settled():
-                still.append(tracked)
-                continue
-            group = tracked.group
-            if group is not None and not tracked.aborted and group.waits_for_prompt(tracked):
-                still.append(tracked)
-                continue
-            self.transfer_totals.record(handle, *received_tokens(tracked.announce))
-            error = None if tracked.aborted else landing_error(tracked, self.faults)
-            if group is not None:
-                error = group.landed(tracked, error)
-            if tracked.aborted:
-                self._forget(tracked)
-            elif error is not None:
-                self._fail(tracked, error, remove_from_receiving=False)
-            else:
-                self._join_running(tracked)
-        self.receiving = still
+        self.incoming.land(self._landed)
+
+    def _landed(self, tracked: Tracked, error: str | None) -> None:
+        if tracked.aborted:
+            self._forget(tracked)
+        elif error is not None:
+            self._fail(tracked, error, remove_from_receiving=False)
+        else:
+            self._join_running(tracked)
 
     def _join_running(self, tracked: Tracked) -> None:
         req = tracked.req
-        if req.trace is not None:
-            landed = {
-                "bytes": tracked.handle.nbytes,
-                "wire_ms": tracked.wire_seconds() * 1e3,
-                "reused_tokens": tracked.reused_tokens,
-            }
-            set_time(req, "transfer_end", landed)
         adopt_landed(tracked, self.metadata, self.speculator)
         req.finish_reason = self.engine.stop_checker.check(req)
         set_time_batch([req], "decode_admitted", "first_token")
         if req.finished:
             set_time(req, "finish")
-            self._report(tracked)
+        self._report(tracked)
+        if req.finished:
             self._forget(tracked)
         else:
-            self._report(tracked)
             self.engine.scheduler.add_running(req)
 
     def _step(self) -> None:
@@ -443,7 +299,7 @@ class DecodeNode(ServingNode):
         elif tracked in self.prealloc:
             self.prealloc.remove(tracked)
             self._forget(tracked)
-        elif tracked in self.receiving:
+        elif tracked in self.incoming.requests:
             # The KV may be on its way: keep the slots until the transfer ends, then free them.
             tracked.aborted = True
             self._abort_prefill(tracked)
@@ -457,12 +313,12 @@ class DecodeNode(ServingNode):
         group = tracked.group
         rooms = [tracked.message.room] if group is None else group.prefill_aborts(tracked)
         for room in rooms:
-            self.prefill_outboxes[tracked.message.prefill_node].send(AbortRequest(room))
+            self.prefill_peers.send(tracked.message.prefill_node, AbortRequest(room))
 
     def _fail(self, tracked: Tracked, reason: str, remove_from_receiving: bool = True) -> None:
         if tracked.group is not None:
             tracked.group.failed(tracked, reason)
-        if remove_from_receiving and tracked in self.receiving:
+        if remove_from_receiving and tracked in self.incoming.requests:
             if tracked.handle is not None and tracked.handle.state not in (
                 TransferState.SUCCESS,
                 TransferState.FAILED,
@@ -471,7 +327,7 @@ class DecodeNode(ServingNode):
                 tracked.aborted = True
                 self._send_error(tracked, reason)
                 return
-            self.receiving.remove(tracked)
+            self.incoming.requests.remove(tracked)
         self._send_error(tracked, reason)
         self._forget(tracked)
 
@@ -510,30 +366,19 @@ class DecodeNode(ServingNode):
                 continue
             if tracked in self.prealloc:
                 self.prealloc.remove(tracked)
-            if tracked in self.receiving:
-                self.receiving.remove(tracked)
+            if tracked in self.incoming.requests:
+                self.incoming.requests.remove(tracked)
             if not tracked.aborted:
                 self._send_error(tracked, reason)
-            self.streams.drop(tracked.stream)
-            self.rooms.pop(tracked.message.room, None)
-            self._release(tracked.req)
-            tracked.free_row(self.metadata)
+            # A receive still posted quarantines its slots for `rank`: let go just below.
+            self._forget(tracked)
         for held in self.quarantine.release_peer(rank):
             self._release(held.req)
         log.warning("%s: requests and slots held for prefill-%d let go", reason, index)
 
     def _pool_counts(self) -> list[PoolCount]:
-        requests = [t.req for t in self.rooms.values()]
-        requests += [h.req for h in self.quarantine.requests()]
-        rows_held = sum(1 for t in self.rooms.values() if t.meta_row is not None)
-        rows_used = self.metadata.num_rows - self.metadata.num_free
-        return request_pools(
-            self.engine.runner.kv_pool.allocator.num_used,
-            requests,
-            self.speculator,
-            (rows_used, rows_held),
-            cached=self.kv_cache.cached_slots(),
-        )
+        quarantined = [held.req for held in self.quarantine.requests()]
+        return held_pools(self.engine, self.speculator, self.metadata, self.rooms, quarantined)
 
     def _send_error(self, tracked: Tracked, reason: str) -> None:
         self.streams.fail(tracked.stream.frontend, tracked.stream.room, reason)

@@ -6,6 +6,11 @@ this node holds (decode_node.reuse) takes slots only for the positions after it.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
+
+from decode_node.reuse import hold_prefix, let_go_prefix
+from decode_node.tracked import Tracked
 from engine.engine_core import EngineCore
 from engine.kv_pool import KVPool
 from engine.request import Request
@@ -92,3 +97,27 @@ def preallocate(
                 req, first_step_slots(req), prompt_of
             )
     return [metadata.allocate() for _ in requests]
+
+
+def preallocate_ready(
+    queue: deque[Tracked], engine: EngineCore, metadata: MetadataBuffers
+) -> Iterator[tuple[Tracked, list[Tracked]]]:
+    """Preallocate the requests at the head of `queue` while they fit, in order, each at the
+    longest prefix of its prompt this node holds (decode_node.reuse): yields each one taken
+    off the queue with its members (it, then the parallel samples of its prompt), their rows
+    and slots taken. Retracted requests run again first: none is taken while one waits."""
+    while queue and not engine.scheduler.waiting:
+        tracked = queue[0]
+        members = tracked.group.members if tracked.group is not None else [tracked]
+        requests = [member.req for member in members]
+        tracked.reused_tokens = hold_prefix(requests, engine)
+        if not fits(requests, engine, metadata):
+            let_go_prefix(requests, engine)
+            return
+        queue.popleft()
+        rows = preallocate(requests, engine, metadata)
+        for member, row in zip(members, rows):
+            member.meta_row = row
+        if tracked.group is not None:
+            tracked.group.carrier = tracked
+        yield tracked, members

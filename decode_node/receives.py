@@ -8,6 +8,7 @@ from decode_node.tracked import RESULT_WAIT_S, Tracked
 from engine.kv_pool import KVPool
 from engine.request import Request
 from engine.sampler import TokenLogprob
+from engine.tracing import set_time
 from metadata.buffers import MetadataBuffers
 from metadata.faults import DECODE_FAULT_PHASES, PREFILL_FAULT_PHASES, FaultInjector
 from metadata.messages import TransferAnnounce
@@ -93,6 +94,13 @@ def adopt_landed(
     """Make the landed transfer the request's: its first token (with its top logprobs), the
     prompt's KV, and its draft state when it came with one; its metadata row is freed."""
     req = tracked.req
+    if req.trace is not None:
+        landed = {
+            "bytes": tracked.handle.nbytes,
+            "wire_ms": tracked.wire_seconds() * 1e3,
+            "reused_tokens": tracked.reused_tokens,
+        }
+        set_time(req, "transfer_end", landed)
     row = tracked.meta_row
     first = int(metadata.output_ids[row])
     if req.params.logprobs is not None:

@@ -7,7 +7,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.engine_core import EngineCore
 from engine.request import Request
+from metadata.kv_audit import PoolCount, request_pools
 from metadata.messages import GenerateRequest, PrefillResult, TransferAnnounce
 from metadata.transfer import TransferHandle
 
@@ -68,3 +70,23 @@ class Tracked:
             return handle.elapsed_s
         start = max(posted, min(self.result_at or posted, landed))
         return landed - start
+
+
+def held_pools(
+    engine: EngineCore,
+    speculator,
+    metadata: MetadataBuffers,
+    rooms: dict[int, Tracked],
+    quarantined: list[Request],
+) -> list[PoolCount]:
+    """A decode node's pools as its KV audit counts them: everything is held by a request it
+    tracks (`rooms`), one quarantined, or its prefix cache; rows by the requests holding one."""
+    requests = [tracked.req for tracked in rooms.values()] + quarantined
+    rows_held = sum(1 for tracked in rooms.values() if tracked.meta_row is not None)
+    return request_pools(
+        engine.runner.kv_pool.allocator.num_used,
+        requests,
+        speculator,
+        (metadata.num_rows - metadata.num_free, rows_held),
+        cached=engine.kv_cache.cached_slots(),
+    )

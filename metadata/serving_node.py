@@ -29,6 +29,19 @@ log = logging.getLogger(__name__)
 PEER_LOST_WAIT_S = 60.0
 
 
+# How long a serving loop blocks on its inbox: not at all while it has compute to run, briefly
+# while it only waits on transfers (rather than spin, so that the transfer threads get the
+# interpreter), longer when idle.
+IDLE_POLL_MS = 5
+WAITING_POLL_MS = 1
+
+
+def poll_timeout_ms(busy: bool, waiting: bool) -> int:
+    if busy:
+        return 0
+    return WAITING_POLL_MS if waiting else IDLE_POLL_MS
+
+
 @dataclass(frozen=True)
 class NodeHealth:
     """A node's answer to the router's health probe (a Ray call). `degraded`: why the node

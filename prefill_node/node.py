@@ -8,7 +8,9 @@ A request arrives only after its decode node has preallocated (decode-driven han
 prefill node announces each transfer on the control plane as soon as the request's batch is
 admitted, before the forward: the decode node posts its receives while the prompt runs, and the
 send finds them posted. After the forward it sends a PrefillResult (what the row does not carry,
-or the error), then hands the transfer to the per-peer sender; slots are freed when it ends.
+or the error), then hands the transfer to the per-peer sender; slots are freed when it ends
+(prefill_node.outgoing). A decode node that holds a prompt's first positions already
+(PrefillRequest.reused_tokens, decode_node.reuse) gets the KV of the rest only.
 
 An announced transfer is always sent: the decode node's receives are posted and cannot be
 cancelled. When the prefill fails after the announcement, the same messages go out under a void
@@ -33,45 +35,35 @@ import torch
 
 from engine.build import build_engine
 from engine.errors import RequestRejectedError
-from engine.kv_pool import KVPool
 from engine.loader import EngineArgs
 from engine.request import Request
 from engine.sampler import TokenLogprob
-from engine.tracing import set_time
 from metadata.control import Inbox, Outbox
-from metadata.faults import PREFILL_FAULT_PHASES
 from metadata.frontend_links import FrontendLinks, LoadReports
 from metadata.kv_audit import PoolCount, request_pools
 from metadata.messages import (
     AbortRequest,
     FrontendHello,
     PrefillRequest,
-    PrefillResult,
-    TransferAbandoned,
-    TransferAnnounce,
 )
 from metadata.node_common import (
     NodeOptions,
     metadata_buffers,
     start_node_process,
 )
-from metadata.node_metrics import Activity, ActivityLog, TransferTotals
+from metadata.node_metrics import Activity, ActivityLog
 from metadata.pair_group import PairLink
-from metadata.serving_node import ServingNode
-from metadata.transfer import KVSender, TransferState
+from metadata.serving_node import ServingNode, poll_timeout_ms
+from metadata.transfer import KVSender
 from prefill_node.admission import admit_group, pending_group
-from prefill_node.pending import Pending, drafts_after_first_token
+from prefill_node.outgoing import OutgoingTransfers
+from prefill_node.pending import Pending
 from prefill_node.transfer_contents import (
     prepare_early_kv,
-    sent_and_reused,
-    void_pools,
-    write_transfer,
 )
 from spec.compose import speculation_of
 
 log = logging.getLogger(__name__)
-IDLE_POLL_MS = 5
-WAITING_POLL_MS = 1
 
 
 class PrefillNode(ServingNode):
@@ -99,34 +91,38 @@ class PrefillNode(ServingNode):
         self.kv_cache = self.engine.kv_cache
         self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
         self.inbox = Inbox(options.host, options.control_key)
-        self.outboxes: dict[int, Outbox] = {}
+        self.outgoing = OutgoingTransfers(
+            options.name,
+            self.kv_cache,
+            self.speculator,
+            self.num_draft_steps,
+            self.metadata,
+            self.faults,
+            self.quarantine,
+        )
         # Front ends hear this node's load (the prefill policies weigh it).
         self.frontends = FrontendLinks(options.control_key)
         self.load_reports = LoadReports(self.frontends, "prefill", options.index)
-        self.sender: KVSender | None = None
         # Requests waiting for a metadata row (each with its parallel samples, which enter the
         # engine together), then those in the engine (rows held), by room.
         self.waiting: deque[list[Pending]] = deque()
         self.prefilling: dict[str, Pending] = {}
-        self.sending: list[Pending] = []
-        # Transfers an injected "stall" fault keeps from ever being sent (engine.env).
-        self.stalled: list[Pending] = []
         self.prompts_done = 0
         self.prompt_tokens = 0
-        self.transfer_totals = TransferTotals("send")
         self.activity_log = ActivityLog(options.stats_log_interval_s, log)
 
     # --- setup and health (Ray calls) ---
     def connect(self, decode_endpoints: dict[int, str]) -> None:
         key = self.options.control_key
-        self.outboxes = {i: Outbox(e, key) for i, e in decode_endpoints.items()}
+        self.outgoing.outboxes = {i: Outbox(e, key) for i, e in decode_endpoints.items()}
 
     def peer_replaced(self, index: int, endpoint: str, link: PairLink) -> None:
         """(Ray call) decode-`index` was replaced by a node at `endpoint`: send there, and open
         the new channel with it."""
-        old = self.outboxes.get(index)
+        outboxes = self.outgoing.outboxes
+        old = outboxes.get(index)
         # The serving thread owns the sockets: it closes the old one.
-        self.outboxes[index] = Outbox(endpoint, self.options.control_key)
+        outboxes[index] = Outbox(endpoint, self.options.control_key)
         if old is not None:
             self._events.put(old.close)
         self.repair(link)
@@ -136,44 +132,35 @@ class PrefillNode(ServingNode):
         return {
             "node": self.options.name,
             "queued": self._num_waiting() + len(self.prefilling),
-            "sending": len(self.sending),
+            "sending": len(self.outgoing.sending),
             "kv_used": self.kv_cache.num_used_slots,
             "kv_capacity": allocator.capacity,
             "prompts_done": self.prompts_done,
             "prompt_tokens": self.prompt_tokens,
             "prefill_tokens": self.engine.prefill_tokens,
-            "transfers_in_flight": len(self.sending) + len(self.stalled),
-            "transfers": self.transfer_totals.as_dict(),
+            "transfers_in_flight": len(self.outgoing.pendings()),
+            "transfers": self.outgoing.totals.as_dict(),
             "control_rejected": self.inbox.rejected,
             **self._health_stats(),
         }
 
     def _open_channel(self) -> KVSender:
-        self.sender = KVSender(
-            self.spec.engine_config.device,
-            timeout_s=self.options.transfer_timeout_s,
-            host_staged=self.options.transfer_through_host,
-            rank=self.rank,
-        )
-        return self.sender
+        return self.outgoing.open_channel(self.spec.engine_config.device, self.options, self.rank)
 
     # --- the serving loop (one thread owns the engine and the sockets) ---
     def _serve(self) -> None:
         try:
             while not self._stop.is_set():
                 self._housekeeping()
-                # Only transfers in flight: block briefly rather than spin, so the sender
-                # threads get the interpreter.
-                busy = self.waiting or self.prefilling
-                timeout = 0 if busy else (WAITING_POLL_MS if self.sending else IDLE_POLL_MS)
-                for msg in self.inbox.receive(timeout):
+                busy = bool(self.waiting or self.prefilling)
+                for msg in self.inbox.receive(poll_timeout_ms(busy, bool(self.outgoing.sending))):
                     self._handle(msg)
-                self._finish_transfers()
+                self.outgoing.finish()
                 self._feed()
                 if self.engine.has_work():
                     self.engine.step()
                 allocator = self.runner.kv_pool.allocator
-                requests = self._num_waiting() + len(self.prefilling) + len(self.sending)
+                requests = self._num_waiting() + len(self.prefilling) + len(self.outgoing.sending)
                 self.load_reports.tick(requests, self.kv_cache.num_used_slots, allocator.capacity)
                 self.activity_log.tick(self._activity)
         finally:
@@ -184,7 +171,7 @@ class PrefillNode(ServingNode):
         return Activity(
             None,
             self._num_waiting() + len(self.prefilling),
-            len(self.sending),
+            len(self.outgoing.sending),
             self.kv_cache.num_used_slots,
             allocator.capacity,
             self.prompt_tokens,
@@ -210,7 +197,7 @@ class PrefillNode(ServingNode):
             admit_group(msg, group, self.engine, self.spec.model_config.hidden_size)
         except RequestRejectedError as err:
             for member in group:
-                self._abandon(member, str(err))
+                self.outgoing.abandon(member, str(err))
             return
         self.waiting.append(group)
 
@@ -224,13 +211,13 @@ class PrefillNode(ServingNode):
         for group in list(self.waiting):
             for pending in [p for p in group if p.req.request_id == room]:
                 group.remove(pending)
-                self._abandon(pending, "aborted before prefill")
+                self.outgoing.abandon(pending, "aborted before prefill")
             if not group:
                 self.waiting.remove(group)
         pending = self.prefilling.pop(room, None)
         if pending is not None:
             self.engine.abort(room)
-            self._abandon(pending, "aborted before prefill")
+            self.outgoing.abandon(pending, "aborted before prefill")
 
     def _feed(self) -> None:
         """Hand the engine the requests that can take a metadata row (their transfer's)."""
@@ -251,11 +238,11 @@ class PrefillNode(ServingNode):
         announcements to a decode node is the order of its sends, which NCCL matches by."""
         batch = [self.prefilling[req.request_id] for req in completing]
         for pending in batch:
-            self._announce(pending)
+            self.outgoing.announce(pending, self.rank)
         prepare_early_kv(batch, self.runner.kv_pool)
 
     def forward_enqueued(self, completing: list[Request]) -> None:
-        self._begin_transfers([self.prefilling[req.request_id] for req in completing])
+        self.outgoing.begin([self.prefilling[req.request_id] for req in completing])
 
     def prefilled(
         self,
@@ -271,163 +258,19 @@ class PrefillNode(ServingNode):
         self.prompts_done += len(prefilled)
         self.prompt_tokens += sum(len(r.prompt_token_ids) for r in prefilled)
         for i, pending in enumerate(batch):
-            self._send(pending, logprobs[i], last_hidden[i])
+            self.outgoing.send(pending, logprobs[i], last_hidden[i])
 
     def failed(self, requests: list[Request], error: str) -> None:
         log.error("prefill of rooms %s failed: %s", [r.request_id for r in requests], error)
         for req in requests:
             pending = self.prefilling.pop(req.request_id)
             if pending.announced:
-                self._send_void(pending, error)
+                self.outgoing.send_void(pending, error)
             else:
-                self._abandon(pending, error)
-
-    def _announce(self, pending: Pending) -> None:
-        """Tell the decode node what to receive, before the forward: whether the request drafts
-        is known now (it depends on max_tokens alone), so the number of pools never changes."""
-        req = pending.req
-        pending.announced = True
-        pending.drafted = self.speculator is not None and drafts_after_first_token(req)
-        self.outboxes[pending.decode_node].send(
-            TransferAnnounce(
-                int(req.request_id),
-                self.rank,
-                len(req.prompt_token_ids),
-                self.num_draft_steps if pending.drafted else 0,
-                pending.prompt_room,
-                pending.reused_tokens,
-            )
-        )
-        set_time(req, "transfer_announced")
-
-    def _begin_transfers(self, batch: list[Pending]) -> None:
-        """Post the target KV of the transfers `prepare_early_kv` chose (`KVSender.begin`):
-        the KV moves as soon as it exists, and posting overlaps the end of the forward."""
-        for pending in batch:
-            if pending.target_kv is not None:
-                room = int(pending.req.request_id)
-                pending.handle = self.sender.begin(pending.decode_rank, room, pending.target_kv)
-
-    def _send(self, pending: Pending, logprob, last_hidden: torch.Tensor) -> None:
-        req = pending.req
-        room = int(req.request_id)
-        fault = self.faults.transfer_fault(PREFILL_FAULT_PHASES)
-        if fault == "before":
-            self._send_void(pending, "transfer failed: injected fault before the KV send")
-            return
-        if fault == "stall":
-            log.warning("room %s: injected fault: its transfer is never sent", room)
-            self.stalled.append(pending)
-            return
-        try:
-            pools = write_transfer(
-                pending, self.runner.kv_pool, self.speculator, self.metadata, logprob, last_hidden
-            )
-            if fault == "during":
-                # The KV goes out, but the row's room tag does not match: the decode node
-                # fails the transfer when it lands.
-                self.metadata.void(pending.meta_row)
-        except Exception as err:  # noqa: BLE001 - fails this request only
-            log.exception("room %s: preparing its transfer failed", room)
-            self._send_void(pending, f"preparing the transfer failed: {type(err).__name__}: {err}")
-            return
-        top = [[t, lp] for t, lp in logprob.top_logprobs] if logprob else []
-        # The result goes first, so that the decode node has it when the KV lands; it carries
-        # this node's timeline, which the decode node reports to the router with its own.
-        reused = pending.reused_tokens
-        set_time(req, "transfer_start", {"kv_tokens": req.kv_len - reused, "reused_tokens": reused})
-        trace = req.trace.events if req.trace is not None else []
-        cached = req.cached_tokens if self.kv_cache.prefix_cache is not None else None
-        self.outboxes[pending.decode_node].send(
-            PrefillResult(room, top, trace, cached_tokens=cached)
-        )
-        self._post_send(pending, pools)
-
-    def _send_void(self, pending: Pending, reason: str) -> None:
-        """Complete an announced transfer whose request failed: the same messages, read from
-        slots whose content means nothing, under a void row; the result says why."""
-        req = pending.req
-        room = int(req.request_id)
-        error = f"{self.options.name}: {reason}"
-        self.outboxes[pending.decode_node].send(PrefillResult(room, error=error))
-        self.metadata.void(pending.meta_row)
-        pools = void_pools(
-            self.runner.kv_pool,
-            self.speculator,
-            len(req.prompt_token_ids),
-            pending.drafted,
-            pending.carries_prompt,
-            pending.reused_tokens,
-        )
-        self._post_send(pending, pools)
-
-    def _post_send(self, pending: Pending, pools: list[tuple[KVPool, list[int]]]) -> None:
-        room = int(pending.req.request_id)
-        try:
-            pending.handle = self.sender.send(
-                pending.decode_rank,
-                room,
-                pools,
-                self.metadata,
-                pending.meta_row,
-                begun=pending.handle,
-            )
-        except Exception:  # noqa: BLE001 - the channel or the sender is gone, not the node
-            # The decode node's receive stays posted until its deadline breaks the channel.
-            log.exception("room %s: its announced transfer could not be sent", room)
-            self._release(pending)
-            return
-        self.sending.append(pending)
+                self.outgoing.abandon(pending, error)
 
     def _finish_transfers(self) -> None:
-        still = []
-        for pending in self.sending:
-            state = pending.handle.state
-            if state in (TransferState.SUCCESS, TransferState.FAILED):
-                self.transfer_totals.record(pending.handle, *sent_and_reused(pending))
-                if state == TransferState.FAILED:
-                    log.warning(
-                        "transfer of room %s failed: %s",
-                        pending.req.request_id,
-                        pending.handle.error,
-                    )
-                self._release(pending)
-            else:
-                still.append(pending)
-        self.sending = still
-
-    def _abandon(self, pending: Pending, reason: str) -> None:
-        """Drop a request that was not announced: the decode node posts nothing for it."""
-        room = int(pending.req.request_id)
-        outbox = self.outboxes.get(pending.decode_node)
-        if outbox is not None:
-            outbox.send(TransferAbandoned(room, f"{self.options.name}: {reason}"))
-        self._release(pending)
-
-    def _release(self, pending: Pending) -> None:
-        if pending.handle is not None and pending.handle.may_still_read:
-            # Its sends stay posted (a timeout cannot cancel them) and read the slots and the
-            # row in place whenever the peer receives: reused, they would send another
-            # request's KV under this room's tag. Held until the decode node is replaced (or
-            # this node is: a broken channel replaces its prefill end).
-            self.quarantine.hold(
-                pending.req,
-                int(pending.req.request_id),
-                pending.decode_rank,
-                f"a send of its transfer is still posted: {pending.handle.error}",
-                meta_row=pending.meta_row,
-            )
-            pending.meta_row = None
-            return
-        self._free(pending.req, pending.meta_row)
-        pending.meta_row = None
-
-    def _free(self, req: Request, meta_row: int | None) -> None:
-        self.kv_cache.release(req)
-        if self.speculator is not None:
-            self.speculator.release(req)
-        if meta_row is not None:
-            self.metadata.free(meta_row)
+        self.outgoing.finish()
 
     def _drop_frontend(self, frontend: int) -> None:
         # Its requests are aborted by their decode nodes, which tell this node.
@@ -440,24 +283,20 @@ class PrefillNode(ServingNode):
             if group[0].decode_node == index:
                 self.waiting.remove(group)
                 for pending in group:
-                    self._free(pending.req, pending.meta_row)
+                    self.outgoing.free(pending.req, pending.meta_row)
         for room, pending in list(self.prefilling.items()):
             if pending.decode_node == index:
                 del self.prefilling[room]
                 self.engine.abort(room)
-                self._free(pending.req, pending.meta_row)
-        for group in (self.sending, self.stalled):
-            for pending in [p for p in group if p.decode_node == index]:
-                group.remove(pending)
-                self._free(pending.req, pending.meta_row)
-                pending.meta_row = None
+                self.outgoing.free(pending.req, pending.meta_row)
+        self.outgoing.drop_peer(index)
         for held in self.quarantine.release_peer(rank):
-            self._free(held.req, held.meta_row)
+            self.outgoing.free(held.req, held.meta_row)
         log.warning("%s: requests and slots bound for decode-%d let go", reason, index)
 
     def _pool_counts(self) -> list[PoolCount]:
         waiting = [pending for group in self.waiting for pending in group]
-        pendings = [*waiting, *self.prefilling.values(), *self.sending, *self.stalled]
+        pendings = [*waiting, *self.prefilling.values(), *self.outgoing.pendings()]
         held = self.quarantine.requests()
         requests = [p.req for p in pendings] + [h.req for h in held]
         rows_held = sum(1 for p in pendings if p.meta_row is not None)

@@ -55,11 +55,14 @@ def failing_prefill_class():
                     return draft_extend(requests, *rest)
 
                 self.speculator.draft_extend_prefill = failing_draft_extend
+            send = self.outgoing.send
 
-        def _send(self, pending, logprob, last_hidden) -> None:
-            if marked(pending.req, SEND_FAILS):
-                last_hidden = torch.zeros(3)  # no row takes a hidden state this narrow
-            super()._send(pending, logprob, last_hidden)
+            def failing_send(pending, logprob, last_hidden) -> None:
+                if marked(pending.req, SEND_FAILS):
+                    last_hidden = torch.zeros(3)  # no row takes a hidden state this narrow
+                send(pending, logprob, last_hidden)
+
+            self.outgoing.send = failing_send
 
     return FailingPrefillNode
 

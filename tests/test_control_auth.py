@@ -165,8 +165,8 @@ def announced_node(tiny_model_path: Path) -> Iterator[Callable[[], tuple]]:
         def make():
             node, cache = announced_decode_node(nodes, tiny_model_path, TransferState.BOOTSTRAPPING)
             node.rooms[ROOM].handle = None
-            node.prefill_ranks = {0: PREFILL_RANK, 1: PREFILL_RANK + 1}
-            receiver = node.receiver = ScratchReceiver()
+            node.incoming.prefill_ranks = {0: PREFILL_RANK, 1: PREFILL_RANK + 1}
+            receiver = node.incoming.receiver = ScratchReceiver()
             receiver.expected = []
 
             def expect(src_rank, room, pools, metadata, row):
@@ -188,7 +188,8 @@ def test_an_announcement_from_another_prefill_rank_is_discarded_and_fails_the_re
 ):
     node, cache = announced_node()
     node._handle(TransferAnnounce(ROOM, PREFILL_RANK + 1, len(PROMPT)))
-    assert node.receiver.discarded == [scratch(node, cache, PREFILL_RANK + 1, ROOM, len(PROMPT))]
+    discarded = [scratch(node, cache, PREFILL_RANK + 1, ROOM, len(PROMPT))]
+    assert node.incoming.receiver.discarded == discarded
     (update,) = node.router.updates
     assert update.error == (
         f"room {ROOM} was announced by rank {PREFILL_RANK + 1}, but its prefill went to "
@@ -197,18 +198,18 @@ def test_an_announcement_from_another_prefill_rank_is_discarded_and_fails_the_re
     assert cache.is_empty() and node.metadata.num_free == 2 and not node.rooms
     # Its own prefill node's announcement, later, is received into scratch too.
     node._handle(TransferAnnounce(ROOM, PREFILL_RANK, len(PROMPT)))
-    assert len(node.receiver.discarded) == 2 and not node.receiver.expected
+    assert len(node.incoming.receiver.discarded) == 2 and not node.incoming.receiver.expected
 
 
 def test_an_announcement_from_no_prefill_rank_posts_nothing_and_fails_the_request(announced_node):
     node, cache = announced_node()
     node._handle(TransferAnnounce(ROOM, 42, len(PROMPT)))
-    assert not node.receiver.discarded and not node.receiver.expected
+    assert not node.incoming.receiver.discarded and not node.incoming.receiver.expected
     (update,) = node.router.updates
     assert update.error == f"room {ROOM} was announced by rank 42, which is no prefill node's"
     assert cache.is_empty() and not node.rooms
     node._handle(TransferAnnounce(ROOM + 1, 42, 4))  # an unknown room: nothing either
-    assert not node.receiver.discarded and len(node.router.updates) == 1
+    assert not node.incoming.receiver.discarded and len(node.router.updates) == 1
 
 
 @pytest.mark.parametrize("num_tokens", [0, -3, 65, 10**12])
@@ -217,17 +218,18 @@ def test_a_token_count_no_prompt_has_posts_nothing_and_breaks_that_channel(
 ):
     node, cache = announced_node()
     node._handle(TransferAnnounce(ROOM + 1, PREFILL_RANK, num_tokens))
-    assert not node.receiver.discarded and not node.receiver.expected
-    assert f"with {num_tokens} tokens, not 1..64" in node.receiver.broken[PREFILL_RANK]
+    assert not node.incoming.receiver.discarded and not node.incoming.receiver.expected
+    assert f"with {num_tokens} tokens, not 1..64" in node.incoming.receiver.broken[PREFILL_RANK]
     assert ROOM in node.rooms and not node.router.updates  # the room announced was unknown
 
 
 def test_a_second_announcement_fails_the_request_and_frees_it_once_the_first_ends(announced_node):
     node, cache = announced_node()
     node._handle(TransferAnnounce(ROOM, PREFILL_RANK, len(PROMPT)))
-    assert node.receiver.expected == [(PREFILL_RANK, ROOM)]
+    assert node.incoming.receiver.expected == [(PREFILL_RANK, ROOM)]
     node._handle(TransferAnnounce(ROOM, PREFILL_RANK, len(PROMPT)))
-    assert node.receiver.discarded == [scratch(node, cache, PREFILL_RANK, ROOM, len(PROMPT))]
+    discarded = [scratch(node, cache, PREFILL_RANK, ROOM, len(PROMPT))]
+    assert node.incoming.receiver.discarded == discarded
     (update,) = node.router.updates
     assert update.error == f"room {ROOM} was announced twice by prefill-0"
     assert not cache.is_empty(), "the first transfer's receive is posted into the slots"
@@ -241,7 +243,7 @@ def test_draft_depths_the_request_does_not_receive_fail_it(announced_node):
     node._handle(TransferAnnounce(ROOM, PREFILL_RANK, len(PROMPT), num_draft_tokens=2))
     (update,) = node.router.updates
     assert update.error == "prefill-0 announced 2 draft depths, this node receives 0"
-    assert "came with 2 draft depths" in node.receiver.broken[PREFILL_RANK]
+    assert "came with 2 draft depths" in node.incoming.receiver.broken[PREFILL_RANK]
     assert cache.is_empty() and not node.rooms
 
 

@@ -69,9 +69,9 @@ def node(tiny_model_path: Path) -> Iterator[tuple[DecodeNode, Recorder]]:
         recorder = Recorder()
         decode.rank = 1
         decode.streams = recorder.streams("decode-0")
-        decode.receiver = recorder
-        decode.prefill_outboxes = {0: recorder}
-        decode.prefill_ranks = {0: PREFILL_RANK}
+        decode.incoming.receiver = recorder
+        decode.prefill_peers.outboxes = {0: recorder}
+        decode.incoming.prefill_ranks = {0: PREFILL_RANK}
         yield decode, recorder
 
 

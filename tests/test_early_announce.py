@@ -102,8 +102,8 @@ def recorded_prefill_node(
     engine = dict(max_num_seqs=8, max_prefill_tokens=512, **spec, **engine)
     node = nodes.enter_context(built(new_prefill_node(model, CAPACITY, 4, **engine)))
     node.rank = 0
-    node.outboxes = {0: recorder}
-    node.sender = SimpleNamespace(send=recorder.send_kv, begin=recorder.begin_kv)
+    node.outgoing.outboxes = {0: recorder}
+    node.outgoing.sender = SimpleNamespace(send=recorder.send_kv, begin=recorder.begin_kv)
     forward = node.runner.forward
 
     def logged_forward(batch, keep_hidden: bool = False):
@@ -196,7 +196,7 @@ def test_a_forward_that_fails_after_the_announcement_still_sends_each_transfer_v
     ]
     assert node.prompts_done == 0
     finish_sends(node, recorder)
-    assert node.kv_cache.is_empty() and node.metadata.num_free == 4 and not node.sending
+    assert node.kv_cache.is_empty() and node.metadata.num_free == 4 and not node.outgoing.sending
 
 
 def test_a_request_whose_transfer_cannot_be_prepared_is_void_in_its_place(make_prefill) -> None:
@@ -310,7 +310,7 @@ def announced_decode_node(
     cache = node.kv_cache
     node.router = StreamRecorder()
     node.streams = node.router.streams("decode-0")
-    node.prefill_ranks = {0: PREFILL_RANK}
+    node.incoming.prefill_ranks = {0: PREFILL_RANK}
     req = Request(str(ROOM), PROMPT, SamplingParams(max_tokens=4))
     cache.grow(req, len(PROMPT) + 4)
     message = SimpleNamespace(room=ROOM, prefill_node=0)
@@ -322,7 +322,7 @@ def announced_decode_node(
     else:
         tracked.handle.advance(state)
     node.rooms = {ROOM: tracked}
-    node.receiving = [tracked]
+    node.incoming.requests = [tracked]
     return node, cache
 
 
@@ -360,7 +360,7 @@ def test_a_prefill_error_fails_the_request_at_once_and_frees_its_slots_once_the_
 def test_a_void_transfer_that_ends_before_its_result_reports_the_prefill_error(make_decode):
     node, cache = make_decode(TransferState.FAILED, error=MISMATCH)
     node._land_transfers()
-    assert node.receiving and not node.router.updates  # waits for the result
+    assert node.incoming.requests and not node.router.updates  # waits for the result
     node._handle(PrefillResult(ROOM, error=PREFILL_ERROR))
     node._land_transfers()
     assert [u.error for u in node.router.updates] == [PREFILL_ERROR]
@@ -372,7 +372,7 @@ def test_a_transfer_whose_result_never_comes_fails_naming_the_prefill_node(
 ):
     node, cache = make_decode(TransferState.SUCCESS)
     node._land_transfers()
-    assert node.receiving and not node.router.updates
+    assert node.incoming.requests and not node.router.updates
     monkeypatch.setattr(tracked_module, "RESULT_WAIT_S", 0.0)
     node._land_transfers()
     (update,) = node.router.updates
@@ -400,10 +400,10 @@ def test_a_refused_announcement_is_still_received_into_scratch(make_decode, room
     NCCL order."""
     node, cache = make_decode(TransferState.BOOTSTRAPPING)
     node.rooms[ROOM].handle = None
-    node.receiver = ScratchReceiver()
+    node.incoming.receiver = ScratchReceiver()
     node._handle(TransferAnnounce(room, 3, num_tokens, 0))
     sizes = [kv_nbytes(cache.kv_pool, num_tokens), node.metadata.row_nbytes]
-    assert node.receiver.discarded == [(3, room, sizes)]
+    assert node.incoming.receiver.discarded == [(3, room, sizes)]
     if room == ROOM:
         (update,) = node.router.updates
         assert update.error == f"prefill announced {num_tokens} tokens, expected {len(PROMPT)}"
@@ -416,7 +416,7 @@ def test_draft_depths_the_node_cannot_receive_break_the_channel_from_that_rank(m
     """With no draft depths of its own the node cannot size the depth messages: later
     transfers from that rank then fail at once instead of taking this one's data."""
     node, cache = make_decode(TransferState.BOOTSTRAPPING)
-    node.receiver = ScratchReceiver()
+    node.incoming.receiver = ScratchReceiver()
     node._handle(TransferAnnounce(ROOM + 1, 3, 4, 2))
-    assert not node.receiver.discarded
-    assert "came with 2 draft depths" in node.receiver.broken[3]
+    assert not node.incoming.receiver.discarded
+    assert "came with 2 draft depths" in node.incoming.receiver.broken[3]

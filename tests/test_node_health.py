@@ -46,7 +46,7 @@ def test_a_broken_channel_is_reported_once_its_stuck_receive_is_held(node: Decod
     req = Request("stuck", [1] * 5, SamplingParams(max_tokens=4))
     req.slots = list(range(1, 7))
     stuck = SimpleNamespace(handle=SimpleNamespace(peer=3, left_posted=True), req=req)
-    node.receiving = [stuck]
+    node.incoming.requests = [stuck]
     assert node.health().broken_peers == ()  # nothing broken yet
 
     # The receive timed out on the transfer's thread: its handle, then the channel.
@@ -57,7 +57,7 @@ def test_a_broken_channel_is_reported_once_its_stuck_receive_is_held(node: Decod
 
     # The serving loop holds its slots, then forgets it.
     node.quarantine.hold(req, 9, 3, "a receive of its transfer is still posted")
-    node.receiving = []
+    node.incoming.requests = []
     health = node.health()
     assert health.broken_peers == (3,)
     assert "hold 6 KV slots" in health.degraded
@@ -65,6 +65,6 @@ def test_a_broken_channel_is_reported_once_its_stuck_receive_is_held(node: Decod
 
 def test_a_receive_that_did_not_time_out_holds_nothing_back(node: DecodeNode):
     waiting = SimpleNamespace(handle=SimpleNamespace(peer=3, left_posted=False))
-    node.receiving = [waiting, SimpleNamespace(handle=None)]
+    node.incoming.requests = [waiting, SimpleNamespace(handle=None)]
     node._channel.broken[3] = "room 2 timed out"
     assert node.health().broken_peers == (3,)

@@ -62,7 +62,7 @@ def decode_node(nodes, model: Path, left_posted: bool, state: TransferState):
     tracked.result = PrefillResult(ROOM)  # the prefill's result came with the KV
     tracked.aborted = state == TransferState.SUCCESS  # the client left: freed either way
     node.rooms = {ROOM: tracked}
-    node.receiving = [tracked]
+    node.incoming.requests = [tracked]
     return node, cache
 
 
@@ -86,7 +86,7 @@ def test_decode_node_holds_the_slots_a_posted_receive_may_still_write(
     assert allocator.num_used == len(slots) and not allocator.can_allocate(64 - len(slots) + 1)
     allocator.check_integrity()
     # The request is gone, its req_to_token row and its staged metadata row are free again.
-    assert not node.rooms and not node.receiving
+    assert not node.rooms and not node.incoming.requests
     assert cache.req_to_token_pool.num_free_rows == 3 and node.metadata.num_free == 2
     assert f"room {ROOM}: {len(slots)} KV slots held until rank 1 is replaced" in caplog.text
     assert "hold 14 KV slots" in node.quarantine.degraded()
@@ -103,7 +103,7 @@ def prefill_node(nodes, model: Path, left_posted: bool):
     node.kv_cache.grow(req, len(PROMPT))
     pending = Pending(req, decode_node=0, decode_rank=1, meta_row=node.metadata.allocate())
     pending.handle = handle(TransferState.FAILED, left_posted)
-    node.sending = [pending]
+    node.outgoing.sending = [pending]
     return node
 
 
@@ -112,7 +112,7 @@ def test_prefill_node_frees_after_a_failure_that_left_nothing_posted(
 ) -> None:
     node = prefill_node(nodes, tiny_model_path, left_posted=False)
     node._finish_transfers()
-    assert node.kv_cache.is_empty() and node.metadata.num_free == 2 and not node.sending
+    assert node.kv_cache.is_empty() and node.metadata.num_free == 2 and not node.outgoing.sending
 
 
 def test_prefill_node_holds_the_slots_and_row_a_posted_send_may_still_read(
@@ -123,7 +123,7 @@ def test_prefill_node_holds_the_slots_and_row_a_posted_send_may_still_read(
         node._finish_transfers()
     assert node.kv_cache.kv_pool.allocator.num_used == len(PROMPT)
     assert node.metadata.num_free == 1  # the row the send reads in place
-    assert node.kv_cache.req_to_token_pool.num_free_rows == 3 and not node.sending
+    assert node.kv_cache.req_to_token_pool.num_free_rows == 3 and not node.outgoing.sending
     assert f"room {ROOM}: {len(PROMPT)} KV slots held until rank 1 is replaced" in caplog.text
     node._drop_peer(0, 1, "decode-0 died")
     assert node.kv_cache.is_empty() and node.metadata.num_free == 2

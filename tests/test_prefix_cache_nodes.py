@@ -51,8 +51,8 @@ def _real_prefill_node(model: Path, recorder: Recorder, cache: bool, chunk: int 
     engine = dict(chunked_prefill_size=chunk, enable_prefix_cache=cache)
     with built(new_prefill_node(model, 512, 4, **engine)) as node:
         node.rank = 0
-        node.outboxes = {0: recorder}
-        node.sender = SimpleNamespace(send=recorder.send_kv, begin=recorder.begin_kv)
+        node.outgoing.outboxes = {0: recorder}
+        node.outgoing.sender = SimpleNamespace(send=recorder.send_kv, begin=recorder.begin_kv)
         yield node
 
 
@@ -61,7 +61,7 @@ def _serve(node, prompts: dict[int, list[int]]) -> None:
         run_batch(node, {room: (prompt, 4)})
         while node.prefilling:  # a prompt in chunks takes several steps
             node.engine.step()
-        finish_sends(node, node.outboxes[0])
+        finish_sends(node, node.outgoing.outboxes[0])
 
 
 @pytest.mark.parametrize("chunk", [None, 16])
