@@ -247,6 +247,31 @@ def test_draft_depths_the_request_does_not_receive_fail_it(announced_node):
     assert cache.is_empty() and not node.rooms
 
 
+def test_another_reused_count_than_asked_for_fails_the_request(announced_node):
+    """The decode node asked for the whole prompt (it holds none of it): an announcement that
+    leaves out 2 positions is refused, and received into scratch of its announced sizes."""
+    node, cache = announced_node()
+    node._handle(TransferAnnounce(ROOM, PREFILL_RANK, len(PROMPT), reused_tokens=2))
+    (update,) = node.router.updates
+    assert update.error == "prefill-0 announced 2 reused tokens, this node holds 0"
+    discarded = [scratch(node, cache, PREFILL_RANK, ROOM, len(PROMPT) - 2)]
+    assert node.incoming.receiver.discarded == discarded
+    assert cache.is_empty() and not node.rooms
+
+
+@pytest.mark.parametrize("reused", [-1, len(PROMPT)])
+def test_a_reused_count_outside_the_prompt_posts_nothing_and_breaks_that_channel(
+    announced_node, reused
+):
+    node, _ = announced_node()
+    node._handle(TransferAnnounce(ROOM, PREFILL_RANK, len(PROMPT), reused_tokens=reused))
+    assert not node.incoming.receiver.discarded and not node.incoming.receiver.expected
+    broken = node.incoming.receiver.broken[PREFILL_RANK]
+    assert f"with {reused} of its {len(PROMPT)} tokens reused" in broken
+    (update,) = node.router.updates
+    assert "reused" in update.error
+
+
 def rejected(exposition: str) -> dict[tuple[str, str], float]:
     """The rejected-messages counter of each (node, role) in a /metrics exposition, the front
     ends' own under ("router", "router")."""

@@ -17,10 +17,13 @@ import httpx
 import pytest
 import torch
 from cluster_helpers import launch, serve, wait_for
+from test_early_announce import finish_sends
+from test_prefix_cache_nodes import KVRecorder, _real_prefill_node
 from tiny_drafts import make_good_draft
 from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
+from metadata.messages import PrefillRequest, SamplingSpec, TransferAbandoned, TransferAnnounce
 
 ray = pytest.importorskip("ray")
 
@@ -42,6 +45,44 @@ def offline(tiny_model):
     llm = LLM(tiny_model, device="cpu", enable_prefix_cache=False, **ENGINE)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     return lambda prompt: llm.generate([prompt], params)[0].token_ids
+
+
+def _prefill_request(room: int, prompt: list[int], reused: int) -> PrefillRequest:
+    sampling = SamplingSpec(4, 0.0, 0, 1.0, None, [], [], True, None)
+    return PrefillRequest(room, str(room), prompt, sampling, 0, 1, reused_tokens=reused)
+
+
+def test_a_prefill_node_sends_only_the_positions_the_decode_node_lacks(tiny_model_path):
+    """Asked to leave out the 25 positions the decode node holds, the prefill node still
+    computes the whole prompt, announces the count back and sends the KV of the rest: the
+    same as the last positions of a full transfer."""
+    prompt = list(range(30, 70))
+    sent = {}
+    for reused in (0, 25):
+        recorder = KVRecorder()
+        with _real_prefill_node(tiny_model_path, recorder, cache=False) as node:
+            node._handle(_prefill_request(7, prompt, reused))
+            node._feed()
+            while node.prefilling:
+                node.engine.step()
+            finish_sends(node, recorder)
+            (announce,) = recorder.messages(TransferAnnounce)
+            assert (announce.num_tokens, announce.reused_tokens) == (len(prompt), reused)
+            totals = node.outgoing.totals
+            assert (totals.kv_tokens, totals.reused_tokens) == (len(prompt) - reused, reused)
+            assert node.kv_cache.is_empty()
+        [sent[reused]] = recorder.kv[7]
+    assert sent[25].shape[0] == len(prompt) - 25
+    torch.testing.assert_close(sent[25], sent[0][25:])
+
+
+def test_a_prefill_node_refuses_to_leave_out_the_whole_prompt(tiny_model_path):
+    recorder = KVRecorder()
+    with _real_prefill_node(tiny_model_path, recorder, cache=False) as node:
+        node._handle(_prefill_request(8, [5, 6, 7], reused=3))
+        (abandoned,) = recorder.messages(TransferAbandoned)
+        assert "3 reused tokens of a 3-token prompt" in abandoned.reason
+        assert not node.waiting and node.kv_cache.is_empty()
 
 
 def _tokens(rng: random.Random, n: int, first: int | None = None) -> list[int]:
