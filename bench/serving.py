@@ -3,6 +3,7 @@ same hardware, each loaded by `pdcluster bench serving` over HTTP.
 
     python bench/serving.py --setups aggregated 1p1d 2p1d [--gpus-per-node 0.5]
         [--speculative off on] [--prefix-cache on off] [--prefill-policies cache_aware round_robin]
+        [--decode-reuse on off]
         [--datasets random chat shared-prefix multiturn] [--input-len 1024] [--output-len 128]
         [--num-prompts 200] [--prefix-groups 8 --prompts-per-group 16 --system-prompt-len 1500
         --question-len 128] [--num-conversations N --concurrent-conversations 16]
@@ -11,7 +12,9 @@ same hardware, each loaded by `pdcluster bench serving` over HTTP.
 
 Each setup (and speculation on or off) is launched in this process (Ray, the router behind the
 HTTP API on a free port), loaded with every dataset and rate, then checked: every node's KV pools
-must be empty once the load is over (read from the nodes). Prints one table and rewrites the
+must be empty once the load is over (read from the nodes); the KV the decode nodes received per
+transfer, and the share of prompt positions they reused instead (decode_node.reuse), come from
+their counters. Prints one table and rewrites the
 section TITLE of docs/BENCHMARKS.md (raw figures in docs/bench/<slug>.json). A soak is the same
 script with one setup, one rate and many short requests."""
 
@@ -55,23 +58,29 @@ class Setup:
     speculative: bool
     prefix_cache: bool = True
     prefill_policy: str = "round_robin"  # named in the label where it chooses (2 prefill nodes)
+    decode_reuse: bool = True  # decode nodes reuse the KV they hold (named in the label off)
 
     @property
     def label(self) -> str:
         spec = " + spec" if self.speculative else ""
         policy = f", {self.prefill_policy}" if SETUPS[self.name] > 1 else ""
-        return f"{self.name}{spec}{policy}{'' if self.prefix_cache else ', no prefix cache'}"
+        cache = "" if self.prefix_cache else ", no prefix cache"
+        reuse = "" if self.decode_reuse or not SETUPS[self.name] else ", no decode reuse"
+        return f"{self.name}{spec}{policy}{cache}{reuse}"
 
 
 def setups_of(args: argparse.Namespace) -> list[Setup]:
-    """One setup per (prefix cache, speculation, setup name, prefill policy) asked for; the
-    policies only for setups of more than one prefill node, where there is a choice."""
+    """One setup per (prefix cache, decode reuse, speculation, setup name, prefill policy) asked
+    for; the policies only for setups of more than one prefill node, where there is a choice,
+    and decode reuse only for disaggregated ones."""
     return [
-        Setup(name, spec == "on", cache == "on", policy)
+        Setup(name, spec == "on", cache == "on", policy, reuse == "on")
         for cache in args.prefix_cache
+        for reuse in args.decode_reuse
         for spec in args.speculative
         for name in args.setups
         for policy in (args.prefill_policies if SETUPS[name] > 1 else ["round_robin"])
+        if SETUPS[name] or reuse == args.decode_reuse[0]
     ]
 
 
@@ -101,6 +110,7 @@ def cluster_config(setup: Setup, args: argparse.Namespace) -> ClusterConfig:
         gpus_per_node=args.gpus_per_node,
         prefill_policy=setup.prefill_policy,
         cache_aware_load_threshold=args.cache_aware_load_threshold,
+        decode_reuse=setup.decode_reuse,
         **common,
     )
 
@@ -142,12 +152,15 @@ def run_setup(setup: Setup, args: argparse.Namespace, workdir: Path) -> list[dic
             # The load generator runs in a process of its own, as a user's would: sharing this
             # process's interpreter with the router would delay both and bunch the tokens.
             command = [sys.executable, "-m", "cluster.cli", "bench", "serving"]
+            before = received(cluster)
             code = subprocess.run(command + bench_flags(args, server.url, dataset, out)).returncode
             if code != 0:
                 raise SystemExit(f"the load generator stopped with code {code} on {setup.label}")
             runs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-            # The run's own "dataset" (name, lengths, path) gives way to the name.
-            rows += [{**run, "setup": setup.label, "dataset": dataset} for run in runs]
+            # The run's own "dataset" (name, lengths, path) gives way to the name; the transfer
+            # figures cover all the dataset's runs (one per rate).
+            transfers = transfer_figures(before, received(cluster))
+            rows += [{**run, "setup": setup.label, "dataset": dataset, **transfers} for run in runs]
         pools_empty = _pools_drain(cluster)
         for row in rows:
             row["pools_empty"] = pools_empty
@@ -156,6 +169,33 @@ def run_setup(setup: Setup, args: argparse.Namespace, workdir: Path) -> list[dic
         server.stop()
         cluster.shutdown()
     return rows
+
+
+RECEIVED = ("count", "bytes", "kv_tokens", "reused_tokens")
+
+
+def received(cluster: Cluster) -> dict[str, int] | None:
+    """The decode nodes' receive totals, summed (None for an aggregated setup)."""
+    totals = [s["transfers"] for s in cluster.node_stats() if "transfers" in s]
+    totals = [t for t in totals if t["direction"] == "receive"]
+    if not totals:
+        return None
+    return {key: sum(t.get(key, 0) for t in totals) for key in RECEIVED}
+
+
+def transfer_figures(before: dict | None, after: dict | None) -> dict:
+    """KV bytes received per transfer, and the share of prompt positions that the decode
+    nodes reused instead of receiving, between two `received` readings."""
+    if before is None or after is None or after["count"] == before["count"]:
+        return {}
+    delta = {key: after[key] - before[key] for key in RECEIVED}
+    positions = delta["kv_tokens"] + delta["reused_tokens"]
+    return {
+        "transfers": delta["count"],
+        "kv_bytes_per_transfer": delta["bytes"] / delta["count"],
+        "kv_tokens_per_transfer": delta["kv_tokens"] / delta["count"],
+        "reused_share": delta["reused_tokens"] / positions if positions else 0.0,
+    }
 
 
 def _pools_drain(cluster: Cluster) -> bool:
@@ -173,8 +213,8 @@ def table(rows: list[dict]) -> str:
         "| setup | dataset | rate/s | done/failed/lost | req/s | out tok/s | TTFT p50 / p99 ms "
     )
     header += "| ITL p50 / p99 ms | TPOT p50 ms | goodput/s | accept len | cached % "
-    header += "| pools empty |"
-    lines = [header, "| " + " | ".join(["---"] * 13) + " |"]
+    header += "| KV KB / transfer | reused % | pools empty |"
+    lines = [header, "| " + " | ".join(["---"] * 15) + " |"]
     for row in rows:
         ttft, itl, tpot = row["ttft_ms"], row["itl_ms"], row["tpot_ms"]
         accept = row.get("spec_accept_length")
@@ -191,10 +231,16 @@ def table(rows: list[dict]) -> str:
             _fmt(row.get("goodput"), 2),
             _fmt(accept, 2),
             _fmt(None if row.get("cached_share") is None else 100 * row["cached_share"], 1),
+            _fmt(_scaled(row.get("kv_bytes_per_transfer"), 1e-3), 0),
+            _fmt(_scaled(row.get("reused_share"), 100), 1),
             "yes" if row["pools_empty"] else "**no**",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _scaled(value: float | None, scale: float) -> float | None:
+    return None if value is None else value * scale
 
 
 def _fmt(value: float | None, digits: int) -> str:
@@ -212,6 +258,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--prefill-policies", nargs="+", choices=sorted(POLICIES), default=["round_robin"],
         help="setups of several prefill nodes (2p1d) once per policy named",
+    )  # fmt: skip
+    parser.add_argument(
+        "--decode-reuse", nargs="+", choices=["on", "off"], default=["on"],
+        help="disaggregated setups with decode nodes reusing the KV they hold (the default) "
+        "and/or receiving every prompt whole (--disable-decode-reuse)",
     )  # fmt: skip
     parser.add_argument(
         "--cache-aware-load-threshold", type=int, default=DEFAULT_LOAD_THRESHOLD,

@@ -467,3 +467,30 @@ def test_bench_serving_script_compares_prefill_policies_over_two_prefill_nodes(t
     assert [(c.prefill_nodes, c.decode_nodes) for c in configs] == [(1, 1), (2, 1), (2, 1)]
     assert [c.prefill_policy for c in configs] == ["round_robin", "cache_aware", "round_robin"]
     assert {c.cache_aware_load_threshold for c in configs} == {3}
+
+
+def test_bench_serving_script_compares_decode_reuse_on_and_off(tiny_model_path):
+    """--decode-reuse on off: each disaggregated setup twice, the second's decode nodes
+    receiving every prompt whole; an aggregated setup has no transfer and runs once. The KV
+    received per transfer and the share of positions reused come from the decode nodes'
+    counters, read before and after a dataset's runs."""
+    pytest.importorskip("ray")
+    from bench import serving
+
+    args = serving.parse_args(
+        ["--model", str(tiny_model_path), "--setups", "aggregated", "1p1d",
+         "--decode-reuse", "on", "off"]
+    )  # fmt: skip
+    setups = serving.setups_of(args)
+    assert [s.label for s in setups] == ["aggregated", "1p1d", "1p1d, no decode reuse"]
+    assert [serving.cluster_config(s, args).decode_reuse for s in setups] == [True, True, False]
+    before = {"count": 2, "bytes": 1000, "kv_tokens": 20, "reused_tokens": 0}
+    after = {"count": 4, "bytes": 1600, "kv_tokens": 30, "reused_tokens": 50}
+    figures = serving.transfer_figures(before, after)
+    assert figures == {
+        "transfers": 2,
+        "kv_bytes_per_transfer": 300.0,
+        "kv_tokens_per_transfer": 5.0,
+        "reused_share": 50 / 60,
+    }
+    assert serving.transfer_figures(None, None) == {} == serving.transfer_figures(after, after)
