@@ -80,6 +80,21 @@ def fits(requests: list[Request], engine: EngineCore, metadata: MetadataBuffers)
     return all(pool.allocator.can_allocate(need) for pool, need in depths)
 
 
+def make_draft_room(requests: list[Request], engine: EngineCore) -> None:
+    """Where the target's pool has room for the request but a draft depth's has not, evict
+    from the prefix cache until it has (or nothing is left to evict): the cache holds each
+    depth's KV beside the target's and frees it only with the target's (spec/prefix_drafts.py),
+    which a target allocation evicts when it needs room, but `fits` checks the depths before
+    anything is taken, so their cached KV would keep the request waiting for good."""
+    kv_cache = engine.kv_cache
+    (_, target), *depths = group_needs(requests, engine)
+    if not depths or not kv_cache.can_grow(target + engine.scheduler.step_reserve()):
+        return
+    for pool, need in depths:
+        while not pool.allocator.can_allocate(need) and kv_cache.reclaimable():
+            kv_cache.reclaim(need - pool.allocator.num_free)
+
+
 def preallocate(
     requests: list[Request], engine: EngineCore, metadata: MetadataBuffers
 ) -> list[int]:
@@ -111,6 +126,7 @@ def preallocate_ready(
         members = tracked.group.members if tracked.group is not None else [tracked]
         requests = [member.req for member in members]
         tracked.reused_tokens = hold_prefix(requests, engine)
+        make_draft_room(requests, engine)
         if not fits(requests, engine, metadata):
             let_go_prefix(requests, engine)
             return

@@ -205,8 +205,9 @@ def test_two_decode_nodes_each_keep_their_conversations(tiny_model, offline):
 
 
 def _speculating_conversation(cluster, url: str, llm: LLM) -> tuple[list[int], list[int]]:
-    """Three turns of one conversation, each answer checked against `llm`'s; returns each
-    turn's reused positions and the decode node's accepted drafts per position."""
+    """Three turns of one conversation, then a prompt that fills the pool, each answer checked
+    against `llm`'s; returns each turn's reused positions and the decode node's accepted drafts
+    per position."""
     params = SamplingParams(max_tokens=SPEC_MAX_TOKENS, temperature=0, ignore_eos=True)
     rng = random.Random(4)
     prompt = _tokens(rng, 40, first=306)
@@ -219,6 +220,10 @@ def _speculating_conversation(cluster, url: str, llm: LLM) -> tuple[list[int], l
         assert sent + reused == len(prompt)
         reuses.append(reused)
         prompt = prompt + answer + _tokens(rng, 5)
+    # A prompt that needs nearly the whole pool: the cache gives way, the draft depths' KV with
+    # the target's, before the request can preallocate.
+    filler = _tokens(rng, POOL - 40, first=309)
+    assert _complete(url, filler, SPEC_MAX_TOKENS) == llm.generate([filler], params)[0].token_ids
     stats = next(s for s in cluster.node_stats() if s["node"] == "decode-0")
     assert stats["spec_verify_steps"] > 0
     _assert_pools_clean(cluster)
