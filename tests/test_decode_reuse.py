@@ -17,13 +17,25 @@ import httpx
 import pytest
 import torch
 from cluster_helpers import launch, serve, wait_for
+from node_builders import built, new_decode_node
+from stream_recorder import FRONTEND
+from test_decode_samples import PREFILL_RANK, Recorder
 from test_early_announce import finish_sends
 from test_prefix_cache_nodes import KVRecorder, _real_prefill_node
 from tiny_drafts import make_good_draft
 from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
-from metadata.messages import PrefillRequest, SamplingSpec, TransferAbandoned, TransferAnnounce
+from metadata.messages import (
+    AbortRequest,
+    GenerateRequest,
+    PrefillRequest,
+    PrefillResult,
+    SamplingSpec,
+    TransferAbandoned,
+    TransferAnnounce,
+)
+from metadata.transfer import TransferState
 
 ray = pytest.importorskip("ray")
 
@@ -83,6 +95,57 @@ def test_a_prefill_node_refuses_to_leave_out_the_whole_prompt(tiny_model_path):
         (abandoned,) = recorder.messages(TransferAbandoned)
         assert "3 reused tokens of a 3-token prompt" in abandoned.reason
         assert not node.waiting and node.kv_cache.is_empty()
+
+
+def test_a_decode_node_holds_a_conversations_prefix_until_the_request_lets_go(tiny_model_path):
+    """Node level (no Ray): a finished request's prompt and answer stay in the decode node's
+    cache; the next turn asks the prefill node for the rest only, lands it after the held
+    positions, and lets go of its hold whether its prefill node dies or it is aborted."""
+    with built(new_decode_node(tiny_model_path, 64, 4, max_num_seqs=8)) as decode:
+        recorder = Recorder()
+        decode.rank = 1
+        decode.streams = recorder.streams("decode-0")
+        decode.incoming.receiver = recorder
+        decode.prefill_peers.outboxes = {0: recorder}
+        decode.incoming.prefill_ranks = {0: PREFILL_RANK}
+        sampling = SamplingSpec(3, 0.0, 0, 1.0, None, [], [], True, None)
+
+        def ask(room: int, prompt: list[int]) -> PrefillRequest:
+            decode._handle(GenerateRequest(room, str(room), prompt, sampling, 0, FRONTEND))
+            decode._preallocate()
+            return recorder.of(PrefillRequest)[-1]
+
+        def announce(room: int, prompt: list[int], reused: int) -> None:
+            decode._handle(TransferAnnounce(room, PREFILL_RANK, len(prompt), reused_tokens=reused))
+
+        first = list(range(3, 13))
+        assert ask(1, first).reused_tokens == 0
+        announce(1, first, 0)
+        decode.metadata.output_ids[decode.rooms[1].meta_row] = 40
+        decode._handle(PrefillResult(1))
+        recorder.receives[1][1].advance(TransferState.SUCCESS)
+        decode._land_transfers()
+        while decode.engine.has_work():
+            decode._step()
+        assert not decode.rooms and decode.kv_cache.is_empty()
+        answer = list(decode.kv_cache.prefix_cache.root.children[3].key[len(first) :])
+        assert len(answer) == 2  # the third token's KV was never computed
+
+        second = first + answer + [77, 78]
+        held = len(first) + len(answer)
+        assert ask(2, second).reused_tokens == held
+        announce(2, second, held)
+        assert recorder.receives[2][0] == [len(second) - held]  # lands after the held ones
+        decode._drop_peer(0, PREFILL_RANK, "prefill-0 died")
+        assert not decode.rooms and decode.kv_cache.is_empty()
+        assert all(p.used == p.held for p in decode._pool_counts())
+
+        assert ask(3, second).reused_tokens == held  # still held, and held again
+        decode._handle(AbortRequest(3))
+        assert recorder.of(AbortRequest)[-1].room == 3  # told to the prefill node, which
+        decode._handle(TransferAbandoned(3, "prefill-0: aborted before prefill"))
+        assert decode.kv_cache.is_empty() and decode.metadata.num_free == 4
+        assert all(p.used == p.held for p in decode._pool_counts())
 
 
 def _tokens(rng: random.Random, n: int, first: int | None = None) -> list[int]:

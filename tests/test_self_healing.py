@@ -133,8 +133,10 @@ def test_a_killed_decode_node_is_replaced_and_the_prefill_node_let_go(model):
 
 def test_a_prefill_node_killed_mid_prefill_leaves_no_slot_held_on_the_decode_node(model):
     """The reported bug: decode slots preallocated for prompts being prefilled stayed held,
-    with transfers in flight, after their prefill node died."""
-    cluster = launch(model)
+    with transfers in flight, after their prefill node died. The stream repeats one prompt:
+    without decode reuse every transfer carries all of it, so the kill finds some in flight (a
+    decode node that holds the prompt would take one position's KV, over before the kill)."""
+    cluster = launch(model, decode_reuse=False)
     try:
         decode = cluster.decode_actors[0]
 
