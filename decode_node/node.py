@@ -2,12 +2,14 @@
 prompt's KV and metadata row, then generates and streams tokens to the router.
 
 Life of a request here: GenerateRequest -> prealloc queue (waits while KV or metadata rows are
-short: backpressure) -> slots for the prompt and the first decode step taken (`first_step_slots`)
+short: backpressure) -> slots for the prompt and the first decode step taken (`first_step_slots`;
+past the prefix its prefix cache holds, a conversation's earlier turns: decode_node.reuse)
 -> PrefillRequest sent -> TransferAnnounce (sent when the prefill batch is admitted) -> receive
 posted in announcement order, while the prefill runs -> PrefillResult (the first token's top
 logprobs and the prefill timeline, or the prefill's error) -> landed (room tag checked) -> first
 token streamed, request joins the running batch -> decode steps, its KV (the target's and each
-draft depth's) growing step by step -> finished, slots freed. A transfer is settled once it
+draft depth's) growing step by step -> finished, slots freed (their KV kept in the cache until
+the pool needs room). A transfer is settled once it
 ended and its PrefillResult came (both normally come together: the result is sent before the
 KV); a result that reports an error fails the request at once, and its slots are freed when the
 (void) transfer ends.
