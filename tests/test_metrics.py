@@ -134,6 +134,10 @@ def test_cluster_metrics_cover_latency_nodes_and_transfers(plain):
         assert grew("pdcluster_node_transfers_total", **labels) == n
         assert grew("pdcluster_node_transfer_failures_total", **labels) == 0
         assert grew("pdcluster_node_transfer_bytes_total", **labels) == expected_bytes
+        # Prompts with no prefix in common: each transfer carries all of its prompt.
+        prompt_tokens = sum(u["prompt_tokens"] for u in usages)
+        assert grew("pdcluster_node_transfer_kv_tokens_total", **labels) == prompt_tokens
+        assert grew("pdcluster_node_transfer_reused_tokens_total", **labels) == 0
         assert grew("pdcluster_node_transfer_seconds_total", **labels) > 0
         assert grew("pdcluster_node_transfer_latency_seconds_count", **labels) == n
         assert value(after, "pdcluster_node_transfer_gigabytes_per_second", **labels) > 0
@@ -372,16 +376,17 @@ def test_decode_steps_are_counted_by_plan_and_kind():
 
 def test_transfer_totals_count_successes_bytes_and_latency_buckets():
     totals = TransferTotals("send")
-    for nbytes, seconds in ((1000, 0.002), (3000, 0.2)):
+    for nbytes, seconds, reused in ((1000, 0.002, 0), (3000, 0.2, 7)):
         handle = TransferHandle(room=1, peer=1)
         handle.nbytes, handle.elapsed_s = nbytes, seconds
         handle.advance(TransferState.SUCCESS)
-        totals.record(handle)
+        totals.record(handle, kv_tokens=10, reused_tokens=reused)
     failed = TransferHandle(room=2, peer=1)
     failed.fail("broken")
-    totals.record(failed)
+    totals.record(failed, kv_tokens=5, reused_tokens=5)  # a failure counts no positions
     report = totals.as_dict()
     assert (report["count"], report["failed"], report["bytes"]) == (2, 1, 4000)
+    assert (report["kv_tokens"], report["reused_tokens"]) == (20, 7)
     assert report["seconds"] == pytest.approx(0.202)
     buckets = dict((bound, count) for bound, count in report["latency_buckets"])
     assert (buckets[0.001], buckets[0.0025], buckets[0.1], buckets[0.25]) == (0, 1, 1, 2)

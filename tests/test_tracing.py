@@ -182,8 +182,10 @@ def _end(trace: dict, pid: int, name: str) -> float:
 
 def test_cluster_writes_and_serves_a_chrome_trace_per_request(traced_cluster):
     server, trace_dir = traced_cluster
+    reused = []
     with httpx.Client(base_url=server.url, timeout=120) as http:
-        for prompt in PROMPTS[:2]:
+        # The first prompt again last: its decode node holds it, and reuses its KV.
+        for prompt in [*PROMPTS[:2], PROMPTS[0]]:
             body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
             answer = http.post("/v1/completions", json=body)
             assert answer.status_code == 200, answer.text
@@ -192,11 +194,14 @@ def test_cluster_writes_and_serves_a_chrome_trace_per_request(traced_cluster):
             trace = json.loads((trace_dir / f"{request_id}.json").read_text())
             served = http.get(f"/v1/traces/{request_id}")
             assert served.status_code == 200 and served.json() == trace
-            _check_trace(trace, request_id, usage)
+            reused.append(_check_trace(trace, request_id, usage))
         assert http.get("/v1/traces/cmpl-unknown").status_code == 404
+    assert reused[:2] == [0, 0] and reused[2] > 0, reused
 
 
-def _check_trace(trace: dict, request_id: str, usage: dict) -> None:
+def _check_trace(trace: dict, request_id: str, usage: dict) -> int:
+    """Check a request's trace; returns the prompt positions its transfer left out, which its
+    decode node held already."""
     pids = _pids(trace)
     assert {"router", "prefill-0", "decode-0"} <= set(pids)
     router, prefill, decode = pids["router"], pids["prefill-0"], pids["decode-0"]
@@ -244,8 +249,12 @@ def _check_trace(trace: dict, request_id: str, usage: dict) -> None:
     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     assert prefill_span["args"]["cached_tokens"] == cached
     [transfer] = _spans(trace, prefill, "transfer")
-    assert transfer["args"]["kv_tokens"] == usage["prompt_tokens"]
+    reused = transfer["args"]["reused_tokens"]
+    assert transfer["args"]["kv_tokens"] + reused == usage["prompt_tokens"]
+    [landed] = [e for e in trace["traceEvents"] if e["name"] == "transfer_end"]
+    assert landed["pid"] == decode and landed["args"]["reused_tokens"] == reused
     assert summary["accept_length"] == usage["spec_accept_length"]
+    return reused
 
 
 def test_tracing_flags_and_a_trace_dir_without_tracing():
