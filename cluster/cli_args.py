@@ -136,7 +136,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--disable-prefix-cache",
         action="store_true",
         help="compute every prompt from its first token (by default an engine reuses the KV of "
-        "the longest prefix it has cached; engines that speculate never do)",
+        "the longest prefix it has cached, each draft depth's with the target's where it "
+        "speculates; a decode node, what it holds of a conversation's earlier turns)",
     )
     parser.add_argument(
         "--speculative-algorithm",
