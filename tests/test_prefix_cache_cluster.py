@@ -3,12 +3,14 @@ node reuses cached prefixes and still sends the whole prompt's KV, and an aggreg
 give the greedy output of an offline engine without the cache over shared prefixes and
 multi-turn histories; usage's prompt_tokens_details.cached_tokens and the nodes' stats count
 the reuse; every node's KV audit finds the cached slots accounted for; a speculating 1P1D
-cluster's prefill node caches its draft KV with the target's and sends both; with
+cluster's prefill node caches its draft KV with the target's and sends both, and so do the
+prefill nodes of a 2P2D cluster drafting trees, routed by cache_aware; with
 --disable-prefix-cache nothing is cached; with two prefill nodes and --prefill-policy
 cache_aware, a conversation's turns go to the prefill node that holds it."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from tiny_drafts import make_good_draft
 from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
+from engine.grammar import grammar_library_available, json_schema_grammar
 
 ray = pytest.importorskip("ray")
 
@@ -84,7 +87,9 @@ def _offline(tiny_model: str):
     return complete
 
 
-@pytest.mark.parametrize("layout", ["1P1D", "aggregated", "1P1D-speculative"])
+@pytest.mark.parametrize(
+    "layout", ["1P1D", "aggregated", "1P1D-speculative", "2P2D-speculative-tree"]
+)
 def test_the_cluster_reuses_prefixes_without_changing_output(tiny_model, layout, tmp_path):
     expected, _ = _converse(_offline(tiny_model), seed=1)
     given = 40  # the system prompt
@@ -95,6 +100,21 @@ def test_the_cluster_reuses_prefixes_without_changing_output(tiny_model, layout,
         )
         cluster = launch(tiny_model, prefill=1, decode=1, **speculation, **ENGINE)
         given -= 2  # a match's last K positions are computed again (spec/prefix_drafts.py)
+    elif layout == "2P2D-speculative-tree":
+        draft = make_good_draft(tmp_path / "draft", Path(tiny_model), 2, noise=0.01)
+        speculation = dict(
+            speculative_algorithm="multi-layer-eagle",
+            draft_model=str(draft),
+            num_draft_steps=2,
+            speculative_topk=2,
+            num_draft_tokens=4,
+        )
+        # cache_aware: a conversation's turns go to the prefill node that holds its prefix.
+        cluster = launch(
+            tiny_model, prefill=2, decode=2, prefill_policy="cache_aware", **speculation,
+            **ENGINE,
+        )  # fmt: skip
+        given -= 2
     elif layout == "1P1D":
         cluster = launch(tiny_model, prefill=1, decode=1, **ENGINE)
     else:
@@ -111,9 +131,10 @@ def test_the_cluster_reuses_prefixes_without_changing_output(tiny_model, layout,
         stats = {s["node"]: s for s in cluster.node_stats()}
         # The prefill node or the replica computes prompts; a decode node's cache (its
         # conversations' KV, decode_node.reuse) is tested in tests/test_decode_reuse.py.
-        caching = stats["replica-0" if layout == "aggregated" else "prefill-0"]
-        assert caching["prefix_cache_hit_tokens"] == sum(cached)
-        assert caching["prefix_cache_tokens"] > 0
+        caching = [s for name, s in stats.items() if name in ("replica-0", "prefill-0")]
+        caching += [s for name, s in stats.items() if name == "prefill-1"]
+        assert sum(s["prefix_cache_hit_tokens"] for s in caching) == sum(cached)
+        assert caching[0]["prefix_cache_tokens"] > 0
     finally:
         server.stop()
         cluster.shutdown()
@@ -181,6 +202,58 @@ def test_disable_prefix_cache_through_the_cluster(tiny_model):
         _, cached = _converse(_http_complete(server.url), seed=2)
         assert cached == [None] * len(cached)  # no prompt_tokens_details at all
         assert all("prefix_cache_hit_tokens" not in s for s in cluster.node_stats())
+    finally:
+        server.stop()
+        cluster.shutdown()
+
+
+DIGIT_OBJECT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["x"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.skipif(not grammar_library_available(), reason="needs llguidance")
+def test_grammar_and_parallel_samples_over_cached_prefixes_match_offline(tiny_model):
+    """Requests over a cached system prompt through a 1P1D cluster, with a JSON grammar and with
+    n = 2 (each sample decodes from the cached prefix the carrier matched), give the offline
+    engine's output without the cache."""
+    rng = random.Random(7)
+    system = [rng.randrange(3, 300) for _ in range(40)]
+    prompts = [system + [rng.randrange(3, 300) for _ in range(5)] for _ in range(3)]
+    grammar = json_schema_grammar(DIGIT_OBJECT, "response_format")
+    llm = LLM(tiny_model, device="cpu", enable_prefix_cache=False, **ENGINE)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    expected_json = [
+        llm.generate([p], SamplingParams(max_tokens=24, temperature=0, grammar=grammar))[0]
+        for p in prompts
+    ]
+    expected_greedy = [llm.generate([p], greedy)[0].token_ids for p in prompts]
+    cluster = launch(tiny_model, prefill=1, decode=1, **ENGINE)
+    server = serve(cluster)
+    try:
+        url = f"{server.url}/v1/completions"
+        response_format = {
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": DIGIT_OBJECT, "strict": True},
+        }
+        for prompt, expected in zip(prompts, expected_json, strict=True):
+            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+            body["response_format"] = response_format
+            answer = httpx.post(url, json=body, timeout=60).json()
+            assert answer["choices"][0]["text"] == expected.text
+            assert json.loads(expected.text).keys() == {"x"}
+        for prompt, expected in zip(prompts, expected_greedy, strict=True):
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "n": 2}
+            body["ignore_eos"] = True
+            answer = httpx.post(url, json=body, timeout=60).json()
+            assert [c["token_ids"] for c in answer["choices"]] == [expected, expected]
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(system)
+        assert wait_for(cluster.kv_pools_empty, 30), cluster.node_stats()
+        for actor in cluster.prefill_actors + cluster.decode_actors:
+            assert ray.get(actor.audit_kv.remote()) == []
     finally:
         server.stop()
         cluster.shutdown()
