@@ -179,7 +179,7 @@ def test_a_multi_turn_soak_with_aborts_keeps_every_slot_accounted_for(tiny_model
     histories = {c: system + [rng.randrange(3, 320) for _ in range(4)] for c in range(12)}
     live: dict[int, object] = {}
     served = aborted = steps = 0
-    while served < 240:
+    while served < 500:
         for conversation, history in histories.items():
             if conversation not in live:
                 name = f"c{conversation}-{served}"
@@ -208,7 +208,7 @@ def test_a_multi_turn_soak_with_aborts_keeps_every_slot_accounted_for(tiny_model
     while engine.has_work():
         engine.step()
     stats = engine.kv_cache.prefix_cache_stats()
-    assert aborted > 20 and stats["prefix_cache_hit_tokens"] > 0
+    assert aborted > 40 and stats["prefix_cache_hit_tokens"] > 0
     assert stats["prefix_cache_evicted_tokens"] > 0 and engine.kv_cache.is_empty()
 
 
