@@ -1,6 +1,6 @@
 """The round plan: what one decode step of a speculating engine runs, decided once per step by
-`plan_round` from stated inputs, then carried out as it says (spec.worker for the rounds,
-engine.speculative_steps for plain steps).
+`plan_round` from stated inputs, then carried out as it says (spec.worker, spec.round_verify and
+spec.round_extend for the rounds, engine.speculative_steps for plain steps).
 
 A plan is one of:
 - plain: every request decodes one token, as without speculation. A request's draft then

@@ -74,7 +74,7 @@ def count_rounds(llm: LLM, monkeypatch, module, queue: str) -> dict[str, int]:
 
     def counted_verify(requests, *args):
         counts["rounds"] += 1
-        pending = worker._launched
+        pending = worker.verifier.launched
         taken = pending is not None and pending.runs(requests)
         counts["taken"] += taken
         if taken and pending.inputs is None:

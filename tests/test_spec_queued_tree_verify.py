@@ -157,9 +157,9 @@ def _counted(llm: LLM, monkeypatch) -> dict[str, int]:
     """Counts of rounds, of verifies taken from the round before and of those queued from the
     device; each taken verify's buffer checked against the spans the host gathers for it."""
     worker = llm.engine.speculator
-    run_tree_round = worker._tree_round
+    run_tree_round = worker.verifier.tree_round
 
-    def checked_tree_round(inputs, launch_next=False, launched=None):
+    def checked_tree_round(inputs, queue_next="none", launched=None):
         if launched is not None and launched.inputs is None:  # written by the device
             # The host gathered none of the trees: they are still on their way from the
             # device (reading them now, for the check, waits for them).
@@ -174,9 +174,9 @@ def _counted(llm: LLM, monkeypatch) -> dict[str, int]:
             expected = padded_columns(size, gathered.spans(), table.padding_row, trees=True)
             assert graphs.inputs[:, :size].tolist() == expected
             counts["checked"] += 1
-        return run_tree_round(inputs, launch_next, launched)
+        return run_tree_round(inputs, queue_next, launched)
 
-    monkeypatch.setattr(worker, "_tree_round", checked_tree_round)
+    monkeypatch.setattr(worker.verifier, "tree_round", checked_tree_round)
     counts = count_rounds(llm, monkeypatch, tree_round, "queue_next_tree_verify")
     counts["checked"] = 0
     return counts
