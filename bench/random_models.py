@@ -153,7 +153,7 @@ def weight_bytes(c: Any) -> int:
 
 def moe_shape(c: Any) -> tuple[int, int, int, int]:
     """(sparse layers, experts, experts per token, expert width) of a config; zeros if dense.
-    Qwen3-MoE's sparse layers as engine.config reads them: those `mlp_only_layers` leaves out,
+    Qwen3-MoE's sparse layers as engine.model_config reads them: those `mlp_only_layers` leaves out,
     every `decoder_sparse_step`-th."""
     if c.model_type == "qwen3_moe":
         dense = set(c.mlp_only_layers or ())

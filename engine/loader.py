@@ -10,21 +10,19 @@ from typing import Any
 import torch
 
 from engine.attention import resolve_attention_backend
-from engine.config import (
-    EngineConfig,
-    ModelConfig,
-    check_draft_tree,
-    check_draft_vocab_choice,
-    check_speculative_plan,
-    default_device,
-    resolve_dtype,
-)
+from engine.config import EngineConfig, default_device, resolve_dtype
 from engine.debug_dump import OFFLINE_NODE, tensor_dump_config
 from engine.env import speculative_plan_default
 from engine.errors import TensorParallelError
 from engine.kv_pool import KVPool
+from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.speculation import Speculation, chosen_speculation
+from engine.speculative_options import (
+    check_draft_tree,
+    check_draft_vocab_choice,
+    check_speculative_plan,
+)
 from engine.tensor_parallel.layers import ModelShard
 from engine.tensor_parallel.layout import check_tensor_parallel, check_tensor_parallel_options
 from engine.tensor_parallel.leader import start_tensor_parallel

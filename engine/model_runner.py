@@ -13,12 +13,13 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, create_attention_backend
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.cuda_graph import CudaGraphs
 from engine.debug_dump import TARGET_ROLE, dump_pass, tensor_dumper
 from engine.forward_batch import ForwardBatch, Span, extend_batch
 from engine.graph_inputs import batch_size_buckets, token_buckets
 from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.model_config import ModelConfig
 from engine.models import model_class
 from engine.models.cpu_linear import pack_linears, packed_linear_available
 from engine.models.llama import LlamaForCausalLM

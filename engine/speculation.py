@@ -17,9 +17,9 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.config import ModelConfig
     from engine.engine_hooks import Speculator
     from engine.loader import EngineArgs
+    from engine.model_config import ModelConfig
     from engine.model_runner import ModelRunner
 
 ENTRY_POINT_GROUP = "pdcluster.speculation"

@@ -41,7 +41,7 @@ SUPPORTED_MODEL_TYPES = (
 REFUSAL_REASONS = {
     "Qwen2MoeForCausalLM": "shared experts are not supported, routed experts are",
 }
-# The architectures whose sliding-window layers the engine runs (engine.config.ModelConfig's
+# The architectures whose sliding-window layers the engine runs (engine.model_config.ModelConfig's
 # sliding_layers); any other with such layers is refused.
 SLIDING_WINDOW_ARCHITECTURES = ("Gemma3ForCausalLM",)
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.model_config import ModelConfig
 
 DRAFT_ARCHITECTURE = "pdcluster-multi-layer-eagle"
 # The target's shapes a draft is built for: each must equal the target's own value.

@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.attention import AttentionBackend
-from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
 from engine.kernels import triton_usable
+from engine.model_config import ModelConfig
 from engine.models.linear import Linear
 from engine.models.llama import DecoderLayer, RMSNorm, observed
 from spec.config import DraftConfig

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import MAX_DRAFT_TREE_TOKENS, EngineConfig
+from engine.config import EngineConfig
+from engine.speculative_options import MAX_DRAFT_TREE_TOKENS
 
 
 @dataclass(frozen=True)

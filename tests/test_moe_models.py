@@ -20,8 +20,8 @@ from tiny_families import make_tiny_family, write_tiny_gguf
 from tiny_models import save_chat_template
 
 from engine import LLM, SamplingParams, UnsupportedModelError
-from engine.config import MoeConfig
 from engine.errors import ModelLoadError
+from engine.model_config import MoeConfig
 from engine.models.llama import MLP
 from engine.models.moe import Experts, SparseMoeBlock, grouped_mm_runs, linear_per_group
 from engine.request import spec_totals

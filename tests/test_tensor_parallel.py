@@ -28,10 +28,10 @@ from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.build import build_engine
-from engine.config import ModelConfig
 from engine.errors import PdclusterError, TensorParallelError
 from engine.grammar import grammar_library_available, json_schema_grammar
 from engine.loader import EngineArgs
+from engine.model_config import ModelConfig
 from engine.tensor_parallel.layout import (
     TensorParallelLayout,
     check_tensor_parallel,

@@ -18,7 +18,7 @@ pytestmark = [
 
 
 def _config(vocab_size: int):
-    from engine.config import ModelConfig, RopeConfig
+    from engine.model_config import ModelConfig, RopeConfig
 
     return ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=vocab_size, hidden_size=64,
@@ -208,7 +208,7 @@ def test_hooked_draft_norms_run_as_modules() -> None:
 
 
 def test_rotary_lookup_in_the_model_dtype() -> None:
-    from engine.config import RopeConfig
+    from engine.model_config import RopeConfig
     from engine.models.rope import RotaryEmbedding
 
     rotary = RotaryEmbedding(RopeConfig(theta=10000.0), 64, 512, "cuda")

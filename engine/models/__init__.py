@@ -1,12 +1,12 @@
 """Model definitions, chosen by the HF architecture name of a checkpoint: the Llama decoder
 (engine.models.llama) runs Llama, Mistral, Qwen2, Qwen3 (dense) and Gemma 3 (text) checkpoints,
-each family's layer options read into ModelConfig (engine.config.FAMILY_LAYER_OPTIONS), and the
-mixtures of experts Mixtral and Qwen3-MoE (ModelConfig.moe, engine.models.moe)."""
+each family's layer options read into ModelConfig (engine.model_config.FAMILY_LAYER_OPTIONS),
+and the mixtures of experts Mixtral and Qwen3-MoE (ModelConfig.moe, engine.models.moe)."""
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
 from engine.errors import UnsupportedModelError
+from engine.model_config import ModelConfig
 from engine.models.hyper_llama import HyperLlamaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 

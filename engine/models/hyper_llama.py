@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend
-from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
+from engine.model_config import ModelConfig
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 

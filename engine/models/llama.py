@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend
-from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.forward_batch import ForwardBatch
 from engine.kernels import triton_usable
+from engine.model_config import ModelConfig
 from engine.models.linear import Linear
 from engine.models.moe import SparseMoeBlock, expert_weight_keys, moe_weight_slot, weight_key
 from engine.models.rope import RotaryEmbedding

@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP of Mixtral and Qwen3-MoE (engine.config.MoeConfig): a router
+"""The mixture-of-experts MLP of Mixtral and Qwen3-MoE (engine.model_config.MoeConfig): a router
 (`gate`) picks each token's top-k experts, and the token's output is the weighted sum of their
 gated MLPs.
 
@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.kernels import triton_usable
+from engine.model_config import ModelConfig
 from engine.models.linear import Linear
 
 

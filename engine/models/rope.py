@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from engine.config import RopeConfig
+from engine.model_config import RopeConfig
 
 
 def inverse_frequencies(

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.cpu_tuning import keep_large_allocations_in_heap
+from engine.model_config import ModelConfig
 from engine.tensor_parallel.forward_plan import Order, receive, run_announced
 from engine.tensor_parallel.group import RankGroup, dial_store, joined_key
 from engine.tensor_parallel.layers import ModelShard

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.tensor_parallel.group import RankGroup
 from engine.tensor_parallel.layout import TensorParallelLayout
 

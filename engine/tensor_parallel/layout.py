@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
 from engine.errors import TensorParallelError
+from engine.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

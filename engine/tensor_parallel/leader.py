@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.errors import RankFailedError
 from engine.forward_batch import ForwardBatch
+from engine.model_config import ModelConfig
 from engine.model_runner import ForwardOutput, ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.tensor_parallel.follower import RankStart, follow

@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.loader import EngineArgs, resolve
+from engine.model_config import ModelConfig
 from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.request import spec_totals
