@@ -9,13 +9,9 @@ import torch
 import torch.nn.functional as F
 from devices import DEVICES
 
-import engine.attention.torch_backend as torch_backend
-from engine.attention.torch_backend import (
-    SHORT_EXTEND_MAX_TOKENS,
-    BatchedGroups,
-    PerRequestMetadata,
-    TorchAttentionBackend,
-)
+import engine.attention.torch_metadata as torch_metadata
+from engine.attention.torch_backend import SHORT_EXTEND_MAX_TOKENS, TorchAttentionBackend
+from engine.attention.torch_metadata import BatchedGroups, PerRequestMetadata
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool, ReqToTokenPool
 
@@ -348,7 +344,7 @@ def test_a_large_batch_runs_in_groups_with_the_same_output(monkeypatch, extend_l
     whole, one = run()
     # Room for about two requests of the longest context per group.
     per_request = 40 * (2 * num_kv_heads * HEAD_DIM * 4 + num_heads * max(extend_lens) * 4)
-    monkeypatch.setattr(torch_backend, "BATCHED_GROUP_BYTES", 2 * per_request)
+    monkeypatch.setattr(torch_metadata, "BATCHED_GROUP_BYTES", 2 * per_request)
     grouped, several = run()
     assert one == 1 and several >= 3
     torch.testing.assert_close(grouped, whole, rtol=1e-6, atol=1e-6)

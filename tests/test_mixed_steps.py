@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention.torch_backend import PerRequestMetadata, _prepare_per_request
+from engine.attention.torch_metadata import PerRequestMetadata, prepare_per_request
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, mixed_step_tokens
 from engine.grammar import json_schema_grammar
@@ -545,7 +545,7 @@ def test_the_torch_backend_batches_a_mixed_steps_decodes_as_it_attends_each(
     assert len(meta.batched) == 1 and [start for start, *_ in meta.spans] == [4]
     logits = runner.forward(forward).logits
     starts = [0, 1, 2, 3, 4]
-    forward.attn_metadata = PerRequestMetadata(_prepare_per_request(forward, range(5), starts))
+    forward.attn_metadata = PerRequestMetadata(prepare_per_request(forward, range(5), starts))
     assert torch.allclose(runner.forward(forward).logits, logits, atol=1e-5)
 
 

@@ -15,7 +15,8 @@ import torch
 from devices import DEVICES
 from test_attention_backend import CAPACITY, HEAD_DIM, NUM_LAYERS, _assign_rows, _new_tokens
 
-from engine.attention.torch_backend import BatchedGroups, PerRequestMetadata, TorchAttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.torch_metadata import BatchedGroups, PerRequestMetadata
 from engine.forward_batch import TREE_MAX_TOKENS, ForwardBatch, Span, extend_batch, tree_bits
 from engine.kernels import triton_runs_on
 from engine.kv_pool import KVPool, ReqToTokenPool
