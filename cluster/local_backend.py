@@ -1,63 +1,21 @@
-"""`LocalBackend`: one in-process engine behind the GenerationBackend interface.
-
-EngineCore is not thread-safe, so one background thread owns it: requests and aborts reach the
-thread through a queue, the thread steps the engine while there is work, and after each step it
-hands each request's new tokens, and the text they complete (detokenized on that thread), to
-that request's asyncio.Queue on the event loop, where they are formatted.
+"""`LocalBackend`: one in-process engine behind the GenerationBackend interface. The engine is
+stepped by a thread of its own (cluster.local_engine_thread); this side, on the event loop, hands
+it requests and turns what it sends back into each request's stream of deltas.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import queue
-import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from cluster.backend import BackendError, TokenDelta, cached_prompt_usage, make_usage
+from cluster.local_engine_thread import NODE_NAME, EngineThread, RequestStream, StepTokens, joined
 from cluster.metrics import ClusterMetrics, RequestTimer
-from engine import LLM, RequestRejectedError, SamplingParams, TokenLogprob
+from engine import LLM, RequestRejectedError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.prompt_embeds import PromptEmbeds
 from engine.request import Request
-
-log = logging.getLogger(__name__)
-
-NODE_NAME = "local"
-
-
-@dataclass(frozen=True)
-class _Tokens:
-    """What the engine thread sends a request's stream after a step."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    # Prompt tokens the prefix cache held; None where the engine runs none.
-    num_cached_tokens: int | None = None
-
-
-@dataclass
-class _Stream:
-    request: Request
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    detokenizer: IncrementalDetokenizer  # used by the engine thread only
-    sent: int = 0  # output tokens already handed over
-
-    def put(self, item: _Tokens | BackendError) -> bool:
-        """False when the event loop is gone (nobody will ever read)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            return False
-        return True
 
 
 class LocalBackend:
@@ -74,14 +32,8 @@ class LocalBackend:
         # The engine refuses anything longer than either limit; report the tighter one.
         self.max_model_len = min(llm.config.max_model_len, llm.config.kv_cache_tokens)
         self.max_tokens_cap = llm.config.max_tokens_cap
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
-        self._closed = False
-        self._close_lock = threading.Lock()  # orders "submit" against "close + drain"
-        self._stats = {"running": 0, "waiting": 0, "finished": 0, "aborted": 0, "failed": 0}
-        self.metrics = ClusterMetrics([_LocalNode(self)])
-        self._thread = threading.Thread(target=self._run, name="local-engine", daemon=True)
-        self._thread.start()
+        self._thread = EngineThread(self.engine, stream_interval)
+        self.metrics = ClusterMetrics([_LocalNode(self._thread)])
 
     # ---- GenerationBackend ----------------------------------------------------------------
 
@@ -114,7 +66,7 @@ class LocalBackend:
             request_id, prompt_token_ids, params, prompt_embeds=prompt_embeds
         )
         stream = self._stream(request)
-        self._submit("add", stream)
+        self._thread.submit("add", stream)
         async for delta in self._deltas(stream, self.metrics.request()):
             yield delta
 
@@ -133,35 +85,37 @@ class LocalBackend:
             self.engine.make_request(rid, prompt_token_ids, p, prompt_embeds=prompt_embeds)
             for rid, p in zip(request_ids, params, strict=True)
         ]
-        group: list[_Stream] = []
+        group: list[RequestStream] = []
         timers = self.metrics.samples(len(requests))
 
         async def sample(index: int) -> AsyncIterator[TokenDelta]:
             if not group:
                 group.extend(self._stream(req) for req in requests)
-                self._submit("add_samples", group)
+                self._thread.submit("add_samples", group)
             async for delta in self._deltas(group[index], timers[index]):
                 yield delta
 
         return [sample(i) for i in range(len(requests))]
 
-    def _stream(self, request: Request) -> _Stream:
+    def _stream(self, request: Request) -> RequestStream:
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop_strings)
-        return _Stream(request, asyncio.get_running_loop(), asyncio.Queue(), detokenizer)
+        return RequestStream(request, asyncio.get_running_loop(), asyncio.Queue(), detokenizer)
 
-    async def _deltas(self, stream: _Stream, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
+    async def _deltas(
+        self, stream: RequestStream, timer: RequestTimer
+    ) -> AsyncIterator[TokenDelta]:
         """The deltas of a request handed to the engine thread, until its last; closed early,
         the request is aborted."""
         request = stream.request
         finished = False
         try:
-            waiting: list[_Tokens | BackendError] = []
+            waiting: list[StepTokens | BackendError] = []
             while not finished:
                 if not waiting:
                     waiting.append(await stream.queue.get())
                 while not stream.queue.empty():
                     waiting.append(stream.queue.get_nowait())
-                item = _joined(waiting)
+                item = joined(waiting)
                 if isinstance(item, BackendError):
                     finished = True  # the engine thread already dropped the request
                     timer.failed("error")
@@ -183,12 +137,12 @@ class LocalBackend:
             if not finished:
                 timer.failed("aborted")
                 # Closed early (client gone): free the request's KV. Never raises.
-                self._submit("abort", request.request_id, quiet=True)
+                self._thread.submit("abort", request.request_id, quiet=True)
 
     async def health(self) -> dict[str, Any]:
-        alive = self._thread.is_alive() and not self._closed
+        alive = self._thread.alive
         node = {"name": NODE_NAME, "role": "aggregated", "status": "ok" if alive else "down"}
-        node.update(self._stats)
+        node.update(self._thread.stats)
         node["kv_free_slots"] = self.engine.kv_cache.num_free_slots
         return {"status": node["status"], "nodes": [node]}
 
@@ -200,196 +154,13 @@ class LocalBackend:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; running requests end with finish_reason "abort"."""
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._inbox.put(("stop", None))
-        self._thread.join(timeout)
+        self._thread.close(timeout)
 
     def __enter__(self) -> LocalBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _submit(self, command: str, payload: Any, quiet: bool = False) -> None:
-        with self._close_lock:
-            if not self._closed:
-                self._inbox.put((command, payload))
-                return
-        if not quiet:
-            raise BackendError(
-                "the local engine is shut down", stage="admission", node=NODE_NAME, status=503
-            )
-
-    # ---- the engine thread ----------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while self._handle_commands(block=not self.engine.has_work()):
-                if self.engine.has_work():
-                    self._step()
-        except BaseException:
-            log.exception("the local engine thread crashed")
-            self._fail_all("the engine thread crashed")
-        finally:
-            with self._close_lock:
-                self._closed = True
-            self._end_all()
-
-    def _handle_commands(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one if the engine is idle); False on "stop"."""
-        while True:
-            try:
-                command, payload = self._inbox.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if command == "stop":
-                return False
-            if command == "add":
-                self._add(payload)
-            elif command == "add_samples":
-                self._add_samples(payload)
-            elif command == "abort":
-                self._abort(payload)
-
-    def _add(self, stream: _Stream) -> None:
-        request_id = stream.request.request_id
-        if request_id in self._streams:
-            stream.put(
-                BackendError(
-                    f"request id {request_id!r} is already running",
-                    stage="admission",
-                    node=NODE_NAME,
-                )
-            )
-            return
-        self._streams[request_id] = stream
-        self.engine.add_request(stream.request)
-
-    def _add_samples(self, streams: list[_Stream]) -> None:
-        taken = [s for s in streams if s.request.request_id in self._streams]
-        if taken:
-            for stream in streams:
-                stream.put(
-                    BackendError(
-                        f"request id {taken[0].request.request_id!r} is already running",
-                        stage="admission",
-                        node=NODE_NAME,
-                    )
-                )
-            return
-        for stream in streams:
-            self._streams[stream.request.request_id] = stream
-        self.engine.add_samples([stream.request for stream in streams])
-
-    def _abort(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
-            self.engine.abort(request_id)
-            self._stats["aborted"] += 1
-
-    def _step(self) -> None:
-        try:
-            self.engine.step()
-        except Exception as err:
-            log.exception("engine step failed")
-            self._fail_all(f"engine step failed: {err!r}")
-            return
-        for request_id, stream in list(self._streams.items()):
-            request = stream.request
-            new = len(request.output_token_ids) - stream.sent
-            held = stream.sent and new < self.stream_interval
-            if not request.finished and (not new or held):
-                continue
-            if not self._publish(stream) or request.finished:
-                del self._streams[request_id]
-                if not request.finished:  # the loop that would read it is gone
-                    self.engine.abort(request_id)
-                self._stats["finished" if request.finished else "aborted"] += 1
-        self._stats["running"] = len(self.engine.scheduler.running)
-        self._stats["waiting"] = len(self.engine.scheduler.waiting)
-
-    def _publish(self, stream: _Stream, finish_reason: str | None = None) -> bool:
-        request = stream.request
-        end = len(request.output_token_ids)
-        logprobs = (
-            request.logprobs[stream.sent : end] if request.params.logprobs is not None else []
-        )
-        token_ids = request.output_token_ids[stream.sent : end]
-        finish_reason = finish_reason or request.finish_reason
-        text = stream.detokenizer.push(token_ids)
-        if finish_reason is not None:
-            text += stream.detokenizer.finish()
-        item = _Tokens(
-            token_ids=token_ids,
-            text=text,
-            logprobs=list(logprobs),
-            finish_reason=finish_reason,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_output_tokens=end,
-            num_cached_tokens=(
-                request.cached_tokens if self.engine.kv_cache.prefix_cache is not None else None
-            ),
-        )
-        stream.sent = end
-        return stream.put(item)
-
-    def _fail_all(self, message: str) -> None:
-        # After a failed step the engine's state is suspect: drop every request, each with a
-        # terminal error, rather than let any wait forever.
-        for request_id, stream in list(self._streams.items()):
-            with contextlib.suppress(Exception):
-                self.engine.abort(request_id)
-            stream.put(BackendError(message, stage="engine step", node=NODE_NAME))
-            self._stats["failed"] += 1
-        self._streams.clear()
-
-    def _end_all(self) -> None:
-        """On shutdown: abort what runs, and answer anything still queued."""
-        for request_id, stream in list(self._streams.items()):
-            self.engine.abort(request_id)
-            self._publish(stream, finish_reason="abort")
-            self._stats["aborted"] += 1
-        self._streams.clear()
-        while True:
-            try:
-                command, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if command not in ("add", "add_samples"):
-                continue
-            for stream in payload if command == "add_samples" else [payload]:
-                stream.put(
-                    BackendError(
-                        "the local engine is shut down",
-                        stage="admission",
-                        node=NODE_NAME,
-                        status=503,
-                    )
-                )
-
-
-def _joined(items: list[_Tokens | BackendError]) -> _Tokens | BackendError:
-    """The first of `items` and the tokens behind it, taken off the list as one: a reader that
-    fell behind takes what waited for it at once. An error stays until the tokens before it
-    are taken."""
-    item = items.pop(0)
-    while isinstance(item, _Tokens) and item.finish_reason is None and items:
-        if isinstance(items[0], BackendError):
-            break
-        following = items.pop(0)
-        item = _Tokens(
-            item.token_ids + following.token_ids,
-            item.text + following.text,
-            item.logprobs + following.logprobs,
-            following.finish_reason,
-            following.num_prompt_tokens,
-            following.num_output_tokens,
-            following.num_cached_tokens,
-        )
-    return item
 
 
 class _LocalNode:
@@ -398,20 +169,20 @@ class _LocalNode:
     name = NODE_NAME
     role = "aggregated"
 
-    def __init__(self, backend: LocalBackend) -> None:
-        self._backend = backend
+    def __init__(self, thread: EngineThread) -> None:
+        self._thread = thread
 
     @property
     def alive(self) -> bool:
-        return self._backend._thread.is_alive() and not self._backend._closed
+        return self._thread.alive
 
     @property
     def in_flight(self) -> int:
-        return len(self._backend._streams)
+        return self._thread.in_flight
 
     async def stats(self) -> dict[str, Any]:
         # Sizes read off the engine thread: each is one atomic read, together a close snapshot.
-        engine = self._backend.engine
+        engine = self._thread.engine
         kv_cache = engine.kv_cache
         return {
             "running": len(engine.scheduler.running),
