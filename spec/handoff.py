@@ -5,6 +5,8 @@ methods of the same names call these with its depths."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.kv_pool import KVPool
@@ -51,7 +53,7 @@ def reserve(
     depths: list[DraftRunner],
     req: Request,
     num_positions: int,
-    new_state,
+    new_state: Callable[[], SpecRequestState],
     prompt_of: Request | None,
 ) -> None:
     """Take slots for positions [0, num_positions) in every depth: a decode node reserves the

@@ -7,6 +7,8 @@ speculation, is not."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.host_copy import int_tensor
 from engine.request import Request
 from spec.decode_extend import FixedDecodeExtend
@@ -30,7 +32,7 @@ class RoundExtend:
         extender: TreeExtender,
         verifier: RoundVerifier,
         shape: TreeShape,
-        shape_of,
+        shape_of: Callable[[Request], TreeShape],
     ) -> None:
         """`shape`: the engine's draft shape; `shape_of(req)`: the shape `req` drafts (a
         grammar's request drafts chains)."""
