@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM
 from engine.weights import iter_safetensors
