@@ -57,13 +57,14 @@ def build_engine(
     args.speculative_algorithm). `node_name` names the tensor dump folder. `decodes=False` (a
     prefill node) captures no decode graphs, which would cost start-up time and memory for
     nothing. `transfers_kv`: its requests' KV crosses to or from another node (a prefill or
-    decode node), which a tensor parallel engine does not do yet. `tracing`, `handoff`, `seed`
+    decode node); with ranks, such a node does not speculate yet. `tracing`, `handoff`, `seed`
     and `prefix_cache` (False: none whatever the args) are EngineCore's."""
-    if args.tensor_parallel_size > 1 and transfers_kv:
+    if args.tensor_parallel_size > 1 and transfers_kv and args.speculative_algorithm:
         raise TensorParallelError(
-            f"{node_name}: tensor_parallel_size={args.tensor_parallel_size} runs in the offline "
-            "LLM and aggregated replicas only so far: KV transfer between tensor parallel "
-            "prefill and decode nodes is not built"
+            f"{node_name}: a prefill or decode node of tensor_parallel_size="
+            f"{args.tensor_parallel_size} does not speculate yet "
+            f"(speculative_algorithm={args.speculative_algorithm!r}): only the offline LLM and "
+            "aggregated replicas speculate with ranks"
         )
     speculation = chosen_speculation(args.speculative_algorithm, speculation)
     spec = resolve(args, node_name, speculation)

@@ -117,6 +117,21 @@ class ModelRunner:
         (this runner's own model; a tensor parallel rank 0's whole copy of those three)."""
         return self.model
 
+    @property
+    def splits_kv(self) -> bool:
+        """Whether `kv_pool` holds only some of the model's KV heads (a tensor parallel rank's):
+        KV that crosses between nodes then goes through `whole_kv` and `write_whole_kv`."""
+        return self.shard is not None
+
+    def whole_kv(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every KV head of the model at `slots` ([n, layers, 2, num_kv_heads, head_dim], into
+        `out` when given): a one-rank pool's rows as they are."""
+        return torch.index_select(self.kv_pool.kv_buffer, 0, slots.to(self.device), out=out)
+
+    def write_whole_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write `kv` (every KV head of the model, as `whole_kv` gives it) at `slots`."""
+        self.kv_pool.kv_buffer.index_copy_(0, slots.to(self.device), kv)
+
     def lost_rank(self) -> str | None:
         """Why this runner can run no forward (a tensor parallel rank that has exited), or
         None; cheap enough for a health probe (a runner on one device loses none)."""

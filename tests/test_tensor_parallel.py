@@ -211,9 +211,34 @@ def test_refused_options_name_them() -> None:
     check_tensor_parallel_options(1, "cuda:0")  # one rank: anything goes
 
 
-def test_nodes_that_transfer_kv_refuse_ranks(model_path: Path) -> None:
-    args = EngineArgs(model=str(model_path), device="cpu", tensor_parallel_size=2)
-    with pytest.raises(TensorParallelError, match="decode-0: .*KV transfer"):
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_whole_kv_round_trips_through_the_ranks(engines, ranks: int) -> None:
+    """What a decode node writes whole into its ranks (write_whole_kv) a prefill node reads back
+    whole (whole_kv), each rank holding its heads of it: split at 2 ranks, replicated at 4."""
+    runner = engines[ranks].engine.runner
+    pool = runner.kv_pool
+    slots = pool.allocator.allocate(5)
+    try:
+        index = torch.tensor(slots[::-1])  # any order, not a run
+        whole = torch.randn(5, pool.num_layers, 2, 2, pool.head_dim)
+        runner.write_whole_kv(index, whole)
+        assert torch.equal(runner.whole_kv(index), whole)
+        # Rank 0 holds KV head 0 (alone at 2 ranks, with rank 1 at 4), one rank both.
+        assert torch.equal(pool.kv_buffer[index], whole[:, :, :, : pool.num_kv_heads])
+        out = torch.empty_like(whole)
+        assert runner.whole_kv(index, out=out) is out and torch.equal(out, whole)
+    finally:
+        pool.allocator.free(slots)
+
+
+def test_nodes_that_transfer_kv_refuse_ranks_with_speculation(model_path: Path) -> None:
+    args = EngineArgs(
+        model=str(model_path),
+        device="cpu",
+        tensor_parallel_size=2,
+        speculative_algorithm="multi-layer-eagle",
+    )
+    with pytest.raises(TensorParallelError, match="decode-0: .*does not speculate yet"):
         build_engine(args, node_name="decode-0", transfers_kv=True)
 
 
