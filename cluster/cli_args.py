@@ -51,8 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         metavar="N",
-        help="split the model over N ranks (processes) per engine; on CPU (gloo) only so far, "
-        "and in a cluster only with --aggregated (default 1)",
+        help="split the model over N ranks (processes) per engine, in every node; on CPU "
+        "(gloo) only so far (default 1)",
     )
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
@@ -235,6 +235,14 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
         help="no disaggregation: --replicas engines, each prefilling and decoding its own "
         "requests, behind the same router and API (the baseline to compare with)",
     )
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-tp",
+            type=positive_int,
+            default=None,
+            metavar="N",
+            help=f"tensor parallel ranks of each {role} node (default: --tp)",
+        )
     parser.add_argument(
         "--replicas",
         type=int,

@@ -104,6 +104,8 @@ def run_serve(args: argparse.Namespace) -> int:
             decode_nodes=args.decode_nodes,
             aggregated=args.aggregated,
             replicas=args.replicas,
+            prefill_tp=args.prefill_tp,
+            decode_tp=args.decode_tp,
             gpus_per_node=args.gpus_per_node,
             prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy,

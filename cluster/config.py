@@ -24,6 +24,11 @@ class ClusterConfig:
     # nodes, no KV transfer), behind the same router; prefill_nodes and decode_nodes are unused.
     aggregated: bool = False
     replicas: int = 1
+    # Tensor parallel ranks of the prefill and of the decode nodes, where they differ from
+    # engine.tensor_parallel_size (--tp, every node's); the KV crosses as whole heads between
+    # nodes of any sizes (metadata.whole_kv).
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
     # The share of a GPU each node takes: 1, or a fraction so that nodes share a GPU (0.5: a
     # prefill and a decode node on one GPU), each sizing its KV pool from its share and
     # transferring through host memory (NCCL will not pair a GPU with itself). Unused on CPU.
@@ -82,6 +87,11 @@ class ClusterConfig:
     # the worker would take the engine's cores.
     stream_worker: bool | None = None
 
+    def tensor_parallel_size(self, role: str) -> int:
+        """The ranks of a node of `role` (prefill, decode or replica)."""
+        size = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
+        return self.engine.tensor_parallel_size if size is None else size
+
     def __post_init__(self) -> None:
         if self.aggregated and self.replicas < 1:
             raise ValueError(
@@ -89,12 +99,13 @@ class ClusterConfig:
             )
         if not self.aggregated and (self.prefill_nodes < 1 or self.decode_nodes < 1):
             raise ValueError("a cluster needs at least one prefill node and one decode node")
-        if not self.aggregated and self.engine.tensor_parallel_size > 1:
-            raise ValueError(
-                f"--tp {self.engine.tensor_parallel_size} runs in aggregated replicas "
-                "(--aggregated) only so far: KV transfer between tensor parallel prefill and "
-                "decode nodes is not built"
-            )
+        for flag, size in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
+            if size is not None and self.aggregated:
+                raise ValueError(
+                    f"{flag} sets a disaggregated node's ranks: use --tp with --aggregated"
+                )
+            if size is not None and size < 1:
+                raise ValueError(f"{flag} must be at least 1, got {size}")
         if self.prefill_policy not in POLICIES:
             raise ValueError(
                 f"unknown prefill policy {self.prefill_policy!r}; supported: "

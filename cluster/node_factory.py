@@ -40,7 +40,11 @@ class NodeFactory:
         """A new actor for node `role`-`index`, in its bundle."""
         config, on_gpu = self.config, self.on_gpu
         # Each actor sees only its own GPU, as cuda:0.
-        engine_args = replace(config.engine, device="cuda:0" if on_gpu else "cpu")
+        engine_args = replace(
+            config.engine,
+            device="cuda:0" if on_gpu else "cpu",
+            tensor_parallel_size=config.tensor_parallel_size(role),
+        )
         shares_gpu = on_gpu and config.shares_gpus
         if shares_gpu and engine_args.gpu_memory_utilization is None:
             engine_args = replace(engine_args, gpu_memory_utilization=config.gpus_per_node)

@@ -16,7 +16,7 @@ from decode_node.announcements import refusal, unreceivable
 from decode_node.receives import landing_error, receive_pools, scratch_sizes
 from decode_node.reuse import received_tokens
 from decode_node.tracked import Tracked
-from engine.kv_pool import KVPool
+from engine.model_runner import ModelRunner
 from engine.tracing import set_time
 from metadata.buffers import MetadataBuffers
 from metadata.faults import FaultInjector
@@ -24,6 +24,7 @@ from metadata.messages import TransferAnnounce
 from metadata.node_common import NodeOptions
 from metadata.node_metrics import TransferTotals
 from metadata.transfer import KVReceiver, TransferState
+from metadata.whole_kv import incoming_pools, wire_pool
 from spec import MultiLayerEagleWorker
 
 log = logging.getLogger(__name__)
@@ -32,13 +33,18 @@ log = logging.getLogger(__name__)
 class IncomingTransfers:
     def __init__(
         self,
-        kv_pool: KVPool,
+        runner: ModelRunner,
         speculator: MultiLayerEagleWorker | None,
         metadata: MetadataBuffers,
         max_len: int,
         faults: FaultInjector,
     ) -> None:
-        self.kv_pool = kv_pool
+        # Its KV pool is the target's; with ranks, the KV lands whole in a staging pool and
+        # the runner writes each rank's heads from it (metadata.whole_kv).
+        self.runner = runner
+        self.kv_pool = runner.kv_pool
+        # The target KV's messages' shape (whole heads, whatever this node's ranks).
+        self.wire_pool = wire_pool(runner)
         self.speculator = speculator
         self.metadata = metadata
         self.max_len = max_len
@@ -81,6 +87,7 @@ class IncomingTransfers:
         tracked.announce = announce
         req = tracked.req
         pools = receive_pools(announce, req, self.kv_pool, self.speculator)
+        pools, tracked.landing = incoming_pools(self.runner, pools)
         tracked.handle = self.receiver.expect(
             announce.prefill_rank, announce.room, pools, self.metadata, tracked.meta_row
         )
@@ -101,7 +108,7 @@ class IncomingTransfers:
         """Receive an announced transfer that no request takes into scratch (see
         `KVReceiver.discard`): the prefill node sends it whatever this node decides."""
         sizes, reason = scratch_sizes(
-            announce, self.kv_pool, self.speculator, self.metadata.row_nbytes
+            announce, self.wire_pool, self.speculator, self.metadata.row_nbytes
         )
         if reason is not None:
             log.error("%s: the channel from rank %d is out of order", reason, announce.prefill_rank)
@@ -132,10 +139,27 @@ class IncomingTransfers:
                 continue
             self.totals.record(handle, *received_tokens(tracked.announce))
             error = None if tracked.aborted else landing_error(tracked, self.faults)
+            if error is None and not tracked.aborted:
+                error = self._write_landed(tracked)
             if group is not None:
                 error = group.landed(tracked, error)
             act(tracked, error)
         self.requests = still
+
+    def _write_landed(self, tracked: Tracked) -> str | None:
+        """Write a staged landing into the ranks' pools, before the request is admitted; on
+        the serving thread, which runs the forwards (the ranks order the two alike)."""
+        landing, tracked.landing = tracked.landing, None
+        if landing is None:
+            return None
+        try:
+            landing.write(self.runner)
+        except RuntimeError as err:
+            log.exception(
+                "room %s: writing its landed KV to the ranks failed", tracked.req.request_id
+            )
+            return f"writing the landed KV to the tensor parallel ranks failed: {err}"
+        return None
 
     def in_flight(self) -> int:
         """Transfers announced and not acted on yet."""

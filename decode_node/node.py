@@ -95,7 +95,7 @@ class DecodeNode(ServingNode):
         self.prealloc: deque[Tracked] = deque()
         max_len = self.spec.engine_config.max_model_len
         self.incoming = IncomingTransfers(
-            self.engine.runner.kv_pool, self.speculator, self.metadata, max_len, self.faults
+            self.engine.runner, self.speculator, self.metadata, max_len, self.faults
         )
         self.activity_log = ActivityLog(options.stats_log_interval_s, log)
 

@@ -92,7 +92,9 @@ def start_node_process(args: EngineArgs, options: NodeOptions) -> None:
 
 def transfer_spec(spec: ModelSpec, num_draft_steps: int = 0) -> TransferSpec:
     """What a prefill and a decode node must agree on; `num_draft_steps`: the draft depths
-    whose KV crosses too (each a one-layer pool shaped like the target's layers)."""
+    whose KV crosses too (each a one-layer pool shaped like the target's layers). The KV is
+    described as it crosses, whole (metadata.whole_kv): the model's KV heads, whatever ranks
+    either node splits them over, so nodes of different tensor parallel sizes pair."""
     config = spec.model_config
     fingerprint = hashlib.sha256(repr(config).encode()).hexdigest()[:16]
     return TransferSpec(

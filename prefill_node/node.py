@@ -93,6 +93,7 @@ class PrefillNode(ServingNode):
         self.inbox = Inbox(options.host, options.control_key)
         self.outgoing = OutgoingTransfers(
             options.name,
+            self.runner,
             self.kv_cache,
             self.speculator,
             self.num_draft_steps,
@@ -239,7 +240,10 @@ class PrefillNode(ServingNode):
         batch = [self.prefilling[req.request_id] for req in completing]
         for pending in batch:
             self.outgoing.announce(pending, self.rank)
-        prepare_early_kv(batch, self.runner.kv_pool)
+        if not self.runner.splits_kv:
+            # With ranks, the target KV is gathered whole after the forward (metadata.whole_kv):
+            # it goes with the rest of the transfer.
+            prepare_early_kv(batch, self.runner.kv_pool)
 
     def forward_enqueued(self, completing: list[Request]) -> None:
         self.outgoing.begin([self.prefilling[req.request_id] for req in completing])

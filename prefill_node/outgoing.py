@@ -14,6 +14,7 @@ import torch
 
 from engine.kv_cache import KVCacheManager
 from engine.kv_pool import KVPool
+from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampler import TokenLogprob
 from engine.tracing import set_time
@@ -25,6 +26,7 @@ from metadata.messages import PrefillResult, TransferAbandoned, TransferAnnounce
 from metadata.node_common import NodeOptions
 from metadata.node_metrics import TransferTotals
 from metadata.transfer import KVSender, TransferState
+from metadata.whole_kv import outgoing_pools
 from prefill_node.pending import Pending, drafts_after_first_token
 from prefill_node.transfer_contents import sent_and_reused, void_pools, write_transfer
 from spec import MultiLayerEagleWorker
@@ -36,6 +38,7 @@ class OutgoingTransfers:
     def __init__(
         self,
         node_name: str,
+        runner: ModelRunner,
         kv_cache: KVCacheManager,
         speculator: MultiLayerEagleWorker | None,
         num_draft_steps: int,
@@ -44,6 +47,8 @@ class OutgoingTransfers:
         quarantine: Quarantine,
     ) -> None:
         self.node_name = node_name
+        # Its KV pool is kv_cache's; with ranks, it gathers their heads (metadata.whole_kv).
+        self.runner = runner
         self.kv_cache = kv_cache
         self.speculator = speculator
         self.num_draft_steps = num_draft_steps
@@ -111,6 +116,7 @@ class OutgoingTransfers:
             pools = write_transfer(
                 pending, self.kv_cache.kv_pool, self.speculator, self.metadata, logprob, last_hidden
             )
+            pools = outgoing_pools(self.runner, pools)
             if fault == "during":
                 # The KV goes out, but the row's room tag does not match: the decode node
                 # fails the transfer when it lands.
@@ -147,7 +153,7 @@ class OutgoingTransfers:
             pending.carries_prompt,
             pending.reused_tokens,
         )
-        self._post(pending, pools)
+        self._post(pending, outgoing_pools(self.runner, pools, read=False))
 
     def _post(self, pending: Pending, pools: list[tuple[KVPool, list[int]]]) -> None:
         room = int(pending.req.request_id)

@@ -1,8 +1,9 @@
 """Aggregated replicas of 2 tensor parallel ranks in a CPU cluster (`--tp 2 --aggregated`): greedy
 output through the router equals the offline engine's, and a rank killed outright fails its
 node, whose requests end with an error naming the node, and the supervisor replaces the whole
-node (its new ranks serving the same output). Prefill and decode nodes refuse ranks, naming the
-transfer they lack."""
+node (its new ranks serving the same output). `--tp` reaches every node kind, and
+`--prefill-tp` / `--decode-tp` override it per role (tests/test_tensor_parallel_transfer.py
+runs such clusters)."""
 
 from __future__ import annotations
 
@@ -118,9 +119,15 @@ def test_a_replica_of_two_ranks_serves_the_offline_output_and_is_replaced_whole(
         cluster.shutdown()
 
 
-def test_the_cli_passes_tp_and_disaggregated_nodes_refuse_it() -> None:
+def test_the_cli_passes_tp_to_every_node_and_per_role_overrides() -> None:
     args = build_parser().parse_args(["serve", "--aggregated", "--tp", "2", "--device", "cpu"])
     assert args.tensor_parallel_size == 2
-    with pytest.raises(ValueError, match="--tp 2 runs in aggregated replicas.*KV transfer"):
-        ClusterConfig(engine=EngineArgs(device="cpu", tensor_parallel_size=2))
-    ClusterConfig(engine=EngineArgs(device="cpu", tensor_parallel_size=2), aggregated=True)
+    args = build_parser().parse_args(["serve", "--tp", "2", "--decode-tp", "1", "--device", "cpu"])
+    assert (args.tensor_parallel_size, args.prefill_tp, args.decode_tp) == (2, None, 1)
+    engine = EngineArgs(device="cpu", tensor_parallel_size=2)
+    config = ClusterConfig(engine=engine, decode_tp=1)
+    assert [config.tensor_parallel_size(r) for r in ("prefill", "decode")] == [2, 1]
+    config = ClusterConfig(engine=engine, aggregated=True)
+    assert config.tensor_parallel_size("replica") == 2
+    with pytest.raises(ValueError, match="--prefill-tp sets a disaggregated node's ranks"):
+        ClusterConfig(engine=engine, aggregated=True, prefill_tp=4)
