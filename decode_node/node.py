@@ -73,7 +73,6 @@ class DecodeNode(ServingNode):
             args,
             speculation_of(args),
             node_name=options.name,
-            transfers_kv=True,
             tracing=options.enable_tracing,
             # Finished requests' KV stays, for the next turns of their conversations.
             prefix_cache=options.decode_reuse,

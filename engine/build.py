@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from engine.debug_dump import OFFLINE_NODE
 from engine.engine_core import EngineCore
 from engine.engine_hooks import PrefillHandoff, Speculator
-from engine.errors import TensorParallelError
 from engine.loader import EngineArgs, ModelSpec, load_runner, resolve
 from engine.model_runner import ModelRunner
 from engine.speculation import Speculation, chosen_speculation
@@ -47,7 +46,6 @@ def build_engine(
     *,
     node_name: str = OFFLINE_NODE,
     decodes: bool = True,
-    transfers_kv: bool = False,
     tracing: bool = False,
     handoff: PrefillHandoff | None = None,
     seed: int | None = None,
@@ -56,16 +54,8 @@ def build_engine(
     """`speculation`: for args that speculate (by default the one registered under
     args.speculative_algorithm). `node_name` names the tensor dump folder. `decodes=False` (a
     prefill node) captures no decode graphs, which would cost start-up time and memory for
-    nothing. `transfers_kv`: its requests' KV crosses to or from another node (a prefill or
-    decode node); with ranks, such a node does not speculate yet. `tracing`, `handoff`, `seed`
-    and `prefix_cache` (False: none whatever the args) are EngineCore's."""
-    if args.tensor_parallel_size > 1 and transfers_kv and args.speculative_algorithm:
-        raise TensorParallelError(
-            f"{node_name}: a prefill or decode node of tensor_parallel_size="
-            f"{args.tensor_parallel_size} does not speculate yet "
-            f"(speculative_algorithm={args.speculative_algorithm!r}): only the offline LLM and "
-            "aggregated replicas speculate with ranks"
-        )
+    nothing. `tracing`, `handoff`, `seed` and `prefix_cache` (False: none whatever the args)
+    are EngineCore's."""
     speculation = chosen_speculation(args.speculative_algorithm, speculation)
     spec = resolve(args, node_name, speculation)
     if not decodes:

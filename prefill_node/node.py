@@ -81,7 +81,6 @@ class PrefillNode(ServingNode):
             speculation_of(args),
             node_name=options.name,
             decodes=False,  # this node never decodes: it captures prefill graphs only
-            transfers_kv=True,
             handoff=self,
             # Unseeded sampling differs per node on purpose; seeded requests use step_seed.
             seed=args.seed + 7919 * options.index,

@@ -27,10 +27,8 @@ from tiny_models import make_tiny_llama
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.build import build_engine
 from engine.errors import PdclusterError, TensorParallelError
 from engine.grammar import grammar_library_available, json_schema_grammar
-from engine.loader import EngineArgs
 from engine.model_config import ModelConfig
 from engine.tensor_parallel.layout import (
     TensorParallelLayout,
@@ -229,17 +227,6 @@ def test_whole_kv_round_trips_through_the_ranks(engines, ranks: int) -> None:
         assert runner.whole_kv(index, out=out) is out and torch.equal(out, whole)
     finally:
         pool.allocator.free(slots)
-
-
-def test_nodes_that_transfer_kv_refuse_ranks_with_speculation(model_path: Path) -> None:
-    args = EngineArgs(
-        model=str(model_path),
-        device="cpu",
-        tensor_parallel_size=2,
-        speculative_algorithm="multi-layer-eagle",
-    )
-    with pytest.raises(TensorParallelError, match="decode-0: .*does not speculate yet"):
-        build_engine(args, node_name="decode-0", transfers_kv=True)
 
 
 def _running(pid: int) -> bool:

@@ -3,9 +3,10 @@ gloo (metadata.whole_kv, engine/tensor_parallel/kv_exchange.py): clusters P(TP 2
 P(TP 1) -> D(TP 2), P(TP 2) -> D(TP 2) and P(TP 4) -> D(TP 2) serve the offline one-rank
 engine's greedy output through the router (a prompt longer than the prefill chunk among them,
 and a conversation's second turn whose transfer leaves out what the decode node holds
-already), with every pool empty afterwards and clean KV audits. The pairing check speaks of the
-whole model's KV heads, so nodes of different sizes pair, and a model of other KV heads is
-refused by name."""
+already), with every pool empty afterwards and clean KV audits; speculating pairs P(TP 2) ->
+D(TP 1) and P(TP 1) -> D(TP 2) are lossless (the draft is rank 0's alone). The pairing check
+speaks of the whole model's KV heads, so nodes of different sizes pair, and a model of other
+KV heads is refused by name."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import dataclasses
 
 import pytest
 from cluster_helpers import ensure_ray, wait_for
+from tiny_drafts import make_good_draft, make_predictable_llama
 from tiny_models import make_tiny_llama
 
 from cluster.config import ClusterConfig
@@ -122,3 +124,55 @@ def test_the_pairing_check_speaks_of_the_whole_models_kv_heads(model) -> None:
     other = dataclasses.replace(one, num_kv_heads=4)
     with pytest.raises(PairingError, match="num_kv_heads 2 != 4"):
         check_compatible(two, other)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_a_speculating_pair_with_ranks_is_lossless(tmp_path, prefill_tp, decode_tp):
+    """The draft runs on rank 0 alone, whole: its depths' KV and the metadata row cross as with
+    one rank, beside the target's whole heads."""
+    make_predictable_llama(tmp_path / "target", seed=0)
+    make_good_draft(tmp_path / "good", tmp_path / "target", 4, noise=0.01)
+    target = str(tmp_path / "target")
+    spec = dict(
+        speculative_algorithm="multi-layer-eagle",
+        draft_model=str(tmp_path / "good"),
+        num_draft_steps=3,
+    )
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    with LLM(target, device="cpu", **ENGINE) as llm:
+        expected = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    ensure_ray()
+    config = ClusterConfig(
+        engine=EngineArgs(model=target, device="cpu", **ENGINE, **spec),
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        transfer_timeout_s=30.0,
+    )
+    cluster = Cluster.launch(config)
+    try:
+        router = cluster.router
+
+        async def main():
+            outputs = []
+            try:
+                for i, prompt in enumerate(PROMPTS):
+                    tokens, usage = [], None
+                    async for delta in router.generate(f"spec{i}", prompt, params):
+                        tokens += delta.token_ids
+                        usage = delta.usage or usage
+                    outputs.append((tokens, usage))
+            finally:
+                await router.close()
+            return outputs
+
+        outputs = asyncio.run(main())
+        assert [tokens for tokens, _ in outputs] == expected
+        accepted = sum(
+            u["completion_tokens_details"]["accepted_prediction_tokens"] for _, u in outputs
+        )
+        assert accepted > 0
+        assert wait_for(cluster.kv_pools_empty, 30), cluster.node_stats()
+        for actor in cluster.prefill_actors + cluster.decode_actors:
+            assert ray.get(actor.audit_kv.remote()) == []
+    finally:
+        cluster.shutdown()
