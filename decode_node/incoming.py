@@ -16,6 +16,7 @@ from decode_node.announcements import refusal, unreceivable
 from decode_node.receives import landing_error, receive_pools, scratch_sizes
 from decode_node.reuse import received_tokens
 from decode_node.tracked import Tracked
+from engine.errors import RankFailedError
 from engine.model_runner import ModelRunner
 from engine.tracing import set_time
 from metadata.buffers import MetadataBuffers
@@ -154,7 +155,7 @@ class IncomingTransfers:
             return None
         try:
             landing.write(self.runner)
-        except RuntimeError as err:
+        except (RuntimeError, RankFailedError) as err:
             log.exception(
                 "room %s: writing its landed KV to the ranks failed", tracked.req.request_id
             )

@@ -385,7 +385,8 @@ class DecodeNode(ServingNode):
         self.streams.fail(tracked.stream.frontend, tracked.stream.room, reason)
 
     def _serving_error(self) -> str | None:
-        return self.streams.error()
+        # A lost tensor parallel rank fails the whole node, which the supervisor replaces.
+        return self.streams.error() or self.engine.runner.lost_rank()
 
     def shutdown(self) -> None:
         super().shutdown()

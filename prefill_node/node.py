@@ -127,6 +127,10 @@ class PrefillNode(ServingNode):
             self._events.put(old.close)
         self.repair(link)
 
+    def _serving_error(self) -> str | None:
+        # A lost tensor parallel rank fails the whole node, which the supervisor replaces.
+        return self.runner.lost_rank()
+
     def stats(self) -> dict:
         allocator = self.runner.kv_pool.allocator
         return {

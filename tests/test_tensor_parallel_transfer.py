@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
+from pathlib import Path
 
 import pytest
 from cluster_helpers import ensure_ray, wait_for
+from healing_helpers import launch_healing_cluster, wait_for_node
+from test_tensor_parallel_cluster import _children
 from tiny_drafts import make_good_draft, make_predictable_llama
 from tiny_models import make_tiny_llama
 
@@ -38,6 +43,7 @@ PROMPTS = [
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 # A second turn: the first prompt, its answer and a new message, on the same decode node.
 NEXT = [61, 62, 63]
+RESTART_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -174,5 +180,58 @@ def test_a_speculating_pair_with_ranks_is_lossless(tmp_path, prefill_tp, decode_
         assert wait_for(cluster.kv_pools_empty, 30), cluster.node_stats()
         for actor in cluster.prefill_actors + cluster.decode_actors:
             assert ray.get(actor.audit_kv.remote()) == []
+    finally:
+        cluster.shutdown()
+
+
+def _follower_ranks(actor_class: bytes) -> list[int]:
+    """The follower ranks' pids: the spawned children of this host's `actor_class` actors."""
+    ranks = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if not (entry / "cmdline").read_bytes().startswith(b"ray::" + actor_class):
+                continue
+        except OSError:
+            continue
+        for child in _children(int(entry.name)):
+            try:
+                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    ranks.append(child)
+            except OSError:
+                continue
+    return ranks
+
+
+@pytest.mark.parametrize("role, prefill_tp, decode_tp", [("prefill", 2, 1), ("decode", 1, 2)])
+def test_a_rank_killed_while_idle_fails_its_node_which_is_replaced_whole(
+    model, offline, role, prefill_tp, decode_tp
+):
+    first, _, _ = offline
+    node_name = f"{role}-0"
+    cluster = launch_healing_cluster(model, ENGINE, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    actor_class = b"PrefillNode" if role == "prefill" else b"DecodeNode"
+    try:
+        router = cluster.router
+        [rank] = _follower_ranks(actor_class)
+
+        async def main():
+            try:
+                served = await _generate(router, "before", PROMPTS[:1])
+                # Killed while the node is idle: its health probe alone reports the lost rank.
+                os.kill(rank, signal.SIGKILL)
+                node = await wait_for_node(router, node_name, "ok", RESTART_S, restarts=1)
+                again = await _generate(router, "replaced", PROMPTS)
+                return served, node, again
+            finally:
+                await router.close()
+
+        served, node, again = asyncio.run(main())
+        assert served == first[:1]
+        assert node["restarts"] == 1
+        assert again == first
+        [new_rank] = _follower_ranks(actor_class)
+        assert new_rank != rank
     finally:
         cluster.shutdown()
