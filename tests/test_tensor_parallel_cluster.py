@@ -11,10 +11,10 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 from healing_helpers import launch_healing_cluster, one_request, wait_for_node
+from rank_processes import follower_ranks, router_tokens
 from tiny_models import make_tiny_llama
 
 from cluster.cli import build_parser
@@ -42,65 +42,20 @@ def expected(model: str) -> list[list[int]]:
         return [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry.name))
-    return found
-
-
-def _replica_ranks() -> list[int]:
-    """The follower ranks' pids: the spawned children of this host's replica actors."""
-    ranks = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if cmdline.startswith(b"ray::AggregatedNode"):
-            for child in _children(int(entry.name)):
-                try:
-                    if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                        ranks.append(child)
-                except OSError:
-                    continue
-    return ranks
-
-
-async def _tokens(router, tag: str) -> list[list[int]]:
-    """Each prompt's greedy tokens through the router, one request at a time."""
-    outputs = []
-    for i, prompt in enumerate(PROMPTS):
-        tokens: list[int] = []
-        async for delta in router.generate(f"{tag}{i}", prompt, GREEDY):
-            tokens += delta.token_ids
-        outputs.append(tokens)
-    return outputs
-
-
 def test_a_replica_of_two_ranks_serves_the_offline_output_and_is_replaced_whole(model, expected):
     cluster = launch_healing_cluster(model, ENGINE, aggregated=True, replicas=1)
     try:
         router = cluster.router
-        [rank] = _replica_ranks()
+        [rank] = follower_ranks(b"AggregatedNode")
 
         async def main():
             try:
-                served = await _tokens(router, "before")
+                served = await router_tokens(router, "before", PROMPTS, GREEDY)
                 os.kill(rank, signal.SIGKILL)
                 failed_at = time.monotonic()
                 failed = await one_request(router, "after-kill", PROMPTS[0], GREEDY)
                 node = await wait_for_node(router, "replica-0", "ok", RESTART_S, restarts=1)
-                again = await _tokens(router, "replaced")
+                again = await router_tokens(router, "replaced", PROMPTS, GREEDY)
                 return served, failed, failed_at, node, again
             finally:
                 await router.close()
@@ -113,7 +68,7 @@ def test_a_replica_of_two_ranks_serves_the_offline_output_and_is_replaced_whole(
         assert failed.ended - failed_at < 30.0
         assert node["restarts"] == 1
         assert again == expected
-        [new_rank] = _replica_ranks()
+        [new_rank] = follower_ranks(b"AggregatedNode")
         assert new_rank != rank
     finally:
         cluster.shutdown()

@@ -14,12 +14,11 @@ import asyncio
 import dataclasses
 import os
 import signal
-from pathlib import Path
 
 import pytest
 from cluster_helpers import ensure_ray, wait_for
 from healing_helpers import launch_healing_cluster, wait_for_node
-from test_tensor_parallel_cluster import _children
+from rank_processes import follower_ranks, router_tokens
 from tiny_drafts import make_good_draft, make_predictable_llama
 from tiny_models import make_tiny_llama
 
@@ -61,16 +60,6 @@ def offline(model: str):
         return first, second, llm.generate([second], GREEDY)[0].token_ids
 
 
-async def _generate(router, tag: str, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = []
-    for i, prompt in enumerate(prompts):
-        tokens: list[int] = []
-        async for delta in router.generate(f"{tag}{i}", prompt, GREEDY):
-            tokens += delta.token_ids
-        outputs.append(tokens)
-    return outputs
-
-
 def _decode_transfers(cluster: Cluster) -> dict:
     [stats] = [s for s in cluster.node_stats() if s["node"].startswith("d")]
     return stats["transfers"]
@@ -93,9 +82,9 @@ def test_nodes_of_any_sizes_serve_the_offline_output(model, offline, prefill_tp,
 
         async def main():
             try:
-                served = await _generate(router, "first", PROMPTS)
+                served = await router_tokens(router, "first", PROMPTS, GREEDY)
                 before = _decode_transfers(cluster)
-                [again] = await _generate(router, "second", [second])
+                [again] = await router_tokens(router, "second", [second], GREEDY)
                 return served, before, again
             finally:
                 await router.close()
@@ -184,26 +173,6 @@ def test_a_speculating_pair_with_ranks_is_lossless(tmp_path, prefill_tp, decode_
         cluster.shutdown()
 
 
-def _follower_ranks(actor_class: bytes) -> list[int]:
-    """The follower ranks' pids: the spawned children of this host's `actor_class` actors."""
-    ranks = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if not (entry / "cmdline").read_bytes().startswith(b"ray::" + actor_class):
-                continue
-        except OSError:
-            continue
-        for child in _children(int(entry.name)):
-            try:
-                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    ranks.append(child)
-            except OSError:
-                continue
-    return ranks
-
-
 @pytest.mark.parametrize("role, prefill_tp, decode_tp", [("prefill", 2, 1), ("decode", 1, 2)])
 def test_a_rank_killed_while_idle_fails_its_node_which_is_replaced_whole(
     model, offline, role, prefill_tp, decode_tp
@@ -214,15 +183,15 @@ def test_a_rank_killed_while_idle_fails_its_node_which_is_replaced_whole(
     actor_class = b"PrefillNode" if role == "prefill" else b"DecodeNode"
     try:
         router = cluster.router
-        [rank] = _follower_ranks(actor_class)
+        [rank] = follower_ranks(actor_class)
 
         async def main():
             try:
-                served = await _generate(router, "before", PROMPTS[:1])
+                served = await router_tokens(router, "before", PROMPTS[:1], GREEDY)
                 # Killed while the node is idle: its health probe alone reports the lost rank.
                 os.kill(rank, signal.SIGKILL)
                 node = await wait_for_node(router, node_name, "ok", RESTART_S, restarts=1)
-                again = await _generate(router, "replaced", PROMPTS)
+                again = await router_tokens(router, "replaced", PROMPTS, GREEDY)
                 return served, node, again
             finally:
                 await router.close()
@@ -231,7 +200,7 @@ def test_a_rank_killed_while_idle_fails_its_node_which_is_replaced_whole(
         assert served == first[:1]
         assert node["restarts"] == 1
         assert again == first
-        [new_rank] = _follower_ranks(actor_class)
+        [new_rank] = follower_ranks(actor_class)
         assert new_rank != rank
     finally:
         cluster.shutdown()
