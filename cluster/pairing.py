@@ -26,6 +26,11 @@ class NodeSlot:
     def name(self) -> str:
         return f"{self.role}-{self.index}"
 
+    @property
+    def tp_size(self) -> int:
+        """Its tensor parallel size, as its transfer spec says."""
+        return self.info.get("spec", {}).get("tp_size", 1)
+
 
 @dataclass
 class PairEpochs:
@@ -35,12 +40,13 @@ class PairEpochs:
     store_port: int
     _epochs: dict[tuple[int, int], int] = field(default_factory=dict)
 
-    def link(self, own_rank: int, peer_rank: int) -> PairLink:
+    def link(self, own: NodeSlot, peer: NodeSlot) -> PairLink:
         return PairLink(
             self.store_host,
             self.store_port,
-            peer_rank,
-            self._epochs.get(_pair(own_rank, peer_rank), 0),
+            peer.rank,
+            self._epochs.get(_pair(own.rank, peer.rank), 0),
+            peer.tp_size,
         )
 
     def renew(self, rank: int, peer_rank: int) -> None:
@@ -66,7 +72,7 @@ def pair_cluster(
     connect_decode(decode, prefill, get)
     connect_prefill(prefill, decode, get)
     refs = [
-        slot.actor.pair_with.remote(slot.rank, [epochs.link(slot.rank, p.rank) for p in peers])
+        slot.actor.pair_with.remote(slot.rank, [epochs.link(slot, p) for p in peers])
         for slot, peers in [(s, decode) for s in prefill] + [(s, prefill) for s in decode]
     ]
     get(refs, "node")
@@ -101,9 +107,9 @@ def pair_replacement(
     for peer in peers:
         epochs.renew(slot.rank, peer.rank)
     endpoint = slot.info["endpoint"]
-    refs = [slot.actor.pair_with.remote(slot.rank, [epochs.link(slot.rank, p.rank) for p in peers])]
+    refs = [slot.actor.pair_with.remote(slot.rank, [epochs.link(slot, p) for p in peers])]
     for peer in peers:
-        link = epochs.link(peer.rank, slot.rank)
+        link = epochs.link(peer, slot)
         if slot.role == "decode":
             refs.append(peer.actor.peer_replaced.remote(slot.index, endpoint, link))
         else:

@@ -17,15 +17,14 @@ from decode_node.receives import landing_error, receive_pools, scratch_sizes
 from decode_node.reuse import received_tokens
 from decode_node.tracked import Tracked
 from engine.errors import RankFailedError
-from engine.model_runner import ModelRunner
 from engine.tracing import set_time
 from metadata.buffers import MetadataBuffers
 from metadata.faults import FaultInjector
 from metadata.messages import TransferAnnounce
 from metadata.node_common import NodeOptions
 from metadata.node_metrics import TransferTotals
+from metadata.rank_kv import RankKV, incoming_pools
 from metadata.transfer import KVReceiver, TransferState
-from metadata.whole_kv import incoming_pools, wire_pool
 from spec import MultiLayerEagleWorker
 
 log = logging.getLogger(__name__)
@@ -34,21 +33,18 @@ log = logging.getLogger(__name__)
 class IncomingTransfers:
     def __init__(
         self,
-        runner: ModelRunner,
+        rank_kv: RankKV,
         speculator: MultiLayerEagleWorker | None,
         metadata: MetadataBuffers,
-        max_len: int,
         faults: FaultInjector,
     ) -> None:
-        # Its KV pool is the target's; with ranks, the KV lands whole in a staging pool and
-        # the runner writes each rank's heads from it (metadata.whole_kv).
-        self.runner = runner
-        self.kv_pool = runner.kv_pool
-        # The target KV's messages' shape (whole heads, whatever this node's ranks).
-        self.wire_pool = wire_pool(runner)
+        # Which of this node's ranks take which KV heads from each prefill node's ranks
+        # (metadata.rank_kv): rank 0's first ones come with the transfer, in its pool.
+        self.rank_kv = rank_kv
+        self.kv_pool = rank_kv.runner.kv_pool
         self.speculator = speculator
         self.metadata = metadata
-        self.max_len = max_len
+        self.max_len = rank_kv.runner.config.max_model_len
         self.faults = faults
         self.receiver: KVReceiver | None = None  # the data-plane channel, once opened
         # Each prefill node's rank in the data-plane group, the only rank its transfers may
@@ -88,7 +84,9 @@ class IncomingTransfers:
         tracked.announce = announce
         req = tracked.req
         pools = receive_pools(announce, req, self.kv_pool, self.speculator)
-        pools, tracked.landing = incoming_pools(self.runner, pools)
+        pools, tracked.landing = incoming_pools(
+            self.rank_kv, announce.prefill_rank, announce.room, pools
+        )
         tracked.handle = self.receiver.expect(
             announce.prefill_rank, announce.room, pools, self.metadata, tracked.meta_row
         )
@@ -108,15 +106,23 @@ class IncomingTransfers:
     def _discard(self, announce: TransferAnnounce) -> None:
         """Receive an announced transfer that no request takes into scratch (see
         `KVReceiver.discard`): the prefill node sends it whatever this node decides."""
+        peer = announce.prefill_rank
+        # The target KV's message holds the heads the node channel carries (metadata.rank_kv).
+        wire_pool = self.rank_kv.node_pool(peer, 1)
         sizes, reason = scratch_sizes(
-            announce, self.wire_pool, self.speculator, self.metadata.row_nbytes
+            announce, wire_pool, self.speculator, self.metadata.row_nbytes
         )
         if reason is not None:
-            log.error("%s: the channel from rank %d is out of order", reason, announce.prefill_rank)
+            log.error("%s: the channel from rank %d is out of order", reason, peer)
             # Later transfers from that rank fail at once rather than take this one's data.
-            self.receiver.break_channel(announce.prefill_rank, reason)
+            self.receiver.break_channel(peer, reason)
             return
-        self.receiver.discard(announce.prefill_rank, announce.room, sizes)
+        self.receiver.discard(peer, announce.room, sizes)
+        if announce.prompt_room == 0:
+            # The other ranks' heads come too: received, and dropped as they land.
+            num_tokens = announce.num_tokens - announce.reused_tokens
+            self.rank_kv.expect(peer, announce.room, num_tokens)
+            self.rank_kv.land(peer, announce.room, None)
 
     def land(self, act: Callable[[Tracked, str | None], None]) -> None:
         """Hand `act` each request whose transfer ended and can be acted on, with why it cannot
@@ -142,25 +148,49 @@ class IncomingTransfers:
             error = None if tracked.aborted else landing_error(tracked, self.faults)
             if error is None and not tracked.aborted:
                 error = self._write_landed(tracked)
+            else:
+                self.drop(tracked)
             if group is not None:
                 error = group.landed(tracked, error)
             act(tracked, error)
         self.requests = still
 
     def _write_landed(self, tracked: Tracked) -> str | None:
-        """Write a staged landing into the ranks' pools, before the request is admitted; on
-        the serving thread, which runs the forwards (the ranks order the two alike)."""
+        """Write what landed beyond rank 0's pool into the ranks' pools, before the request
+        is admitted; on the serving thread, which runs the forwards (the ranks order the two
+        alike). KV heads that did not land leave their links out of order: the channel with
+        their prefill node is reported broken, so that the node is replaced (and the links
+        re-made)."""
         landing, tracked.landing = tracked.landing, None
         if landing is None:
             return None
         try:
-            landing.write(self.runner)
+            error = landing.write(self.rank_kv)
         except (RuntimeError, RankFailedError) as err:
             log.exception(
                 "room %s: writing its landed KV to the ranks failed", tracked.req.request_id
             )
             return f"writing the landed KV to the tensor parallel ranks failed: {err}"
-        return None
+        if error is None:
+            return None
+        log.error("room %s: %s", tracked.req.request_id, error)
+        self.receiver.break_channel(landing.peer, f"KV heads through the ranks' links: {error}")
+        return f"KV transfer from prefill-{tracked.message.prefill_node} failed: {error}"
+
+    def remove(self, tracked: Tracked) -> None:
+        """Stop tracking `tracked`, whose transfer ended, without acting on it."""
+        self.requests.remove(tracked)
+        self.drop(tracked)
+
+    def drop(self, tracked: Tracked) -> None:
+        """`tracked` will not run: its ranks drop the KV heads of its transfer as they land."""
+        landing, tracked.landing = tracked.landing, None
+        if landing is None:
+            return
+        try:
+            landing.drop(self.rank_kv)
+        except (RuntimeError, RankFailedError):
+            log.exception("room %s: dropping its KV heads failed", tracked.req.request_id)
 
     def in_flight(self) -> int:
         """Transfers announced and not acted on yet."""

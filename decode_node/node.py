@@ -58,6 +58,7 @@ from metadata.node_common import (
 )
 from metadata.node_metrics import Activity, ActivityLog, SpeculationTotals
 from metadata.pair_group import PairLink
+from metadata.rank_kv import RankKV
 from metadata.serving_node import ServingNode, poll_timeout_ms
 from metadata.transfer import KVReceiver, TransferState
 from spec.compose import speculation_of
@@ -92,10 +93,8 @@ class DecodeNode(ServingNode):
         self.load_reports = LoadReports(self.frontends, "decode", options.index)
         self.rooms: dict[int, Tracked] = {}
         self.prealloc: deque[Tracked] = deque()
-        max_len = self.spec.engine_config.max_model_len
-        self.incoming = IncomingTransfers(
-            self.engine.runner, self.speculator, self.metadata, max_len, self.faults
-        )
+        self.rank_kv = RankKV.of(self.engine.runner, self.spec, False, options.transfer_timeout_s)
+        self.incoming = IncomingTransfers(self.rank_kv, self.speculator, self.metadata, self.faults)
         self.activity_log = ActivityLog(options.stats_log_interval_s, log)
 
     # --- setup and health (Ray calls) ---
@@ -113,7 +112,7 @@ class DecodeNode(ServingNode):
 
     def peer_replaced(self, index: int, endpoint: str, spec: dict, link: PairLink) -> None:
         """(Ray call) prefill-`index` was replaced by a node at `endpoint`: check that it can
-        pair, send its requests there, and open the new channel with it."""
+        pair, send its requests there, and open the new channel (and ranks' KV links)."""
         # Swapped here, before the router routes to the new node; the serving thread, which
         # owns the sockets, closes the old one.
         old = self.prefill_peers.replace(index, endpoint, spec)
@@ -124,6 +123,7 @@ class DecodeNode(ServingNode):
     def stats(self) -> dict:
         return {
             "node": self.options.name,
+            "rank_kv": self.rank_kv.stats(),
             "running": len(self.engine.scheduler.running),
             "queued": self._num_waiting_for_kv(),
             "retractions": self.engine.scheduler.num_retractions,
@@ -328,7 +328,7 @@ class DecodeNode(ServingNode):
                 tracked.aborted = True
                 self._send_error(tracked, reason)
                 return
-            self.incoming.requests.remove(tracked)
+            self.incoming.remove(tracked)
         self._send_error(tracked, reason)
         self._forget(tracked)
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from decode_node.samples import SampleGroup
     from decode_node.token_streams import RequestStream
     from metadata.buffers import MetadataBuffers
-    from metadata.whole_kv import WholeLanding
+    from metadata.rank_kv import RankLanding
 
 # How long a transfer that ended waits for its PrefillResult, which the prefill node sends before
 # the KV: only a lost message or a dead prefill node makes it wait this long.
@@ -41,9 +41,9 @@ class Tracked:
     # Leading prompt positions whose KV this node holds already (decode_node.reuse), which
     # its transfer leaves out.
     reused_tokens: int = 0
-    # Where its target KV lands whole when this node's ranks split the KV heads
-    # (metadata.whole_kv), written into the ranks' pools once it has landed.
-    landing: WholeLanding | None = None
+    # Its target KV beyond what lands in rank 0's pool (metadata.rank_kv): the other ranks'
+    # heads, and rank 0's when staged, written into the pools once the transfer has landed.
+    landing: RankLanding | None = None
 
     def free_row(self, metadata: MetadataBuffers) -> None:
         """Give back its metadata row, if it holds one."""

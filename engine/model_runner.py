@@ -26,7 +26,9 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
+from engine.tensor_parallel.kv_links import KVLinks
 from engine.tensor_parallel.layers import ModelShard
+from engine.tensor_parallel.link_orders import LinkOrder, RankStatus, run_link_order
 from engine.verify_outputs import ChainVerdicts, VerifyOutputs
 
 
@@ -117,20 +119,10 @@ class ModelRunner:
         (this runner's own model; a tensor parallel rank 0's whole copy of those three)."""
         return self.model
 
-    @property
-    def splits_kv(self) -> bool:
-        """Whether `kv_pool` holds only some of the model's KV heads (a tensor parallel rank's):
-        KV that crosses between nodes then goes through `whole_kv` and `write_whole_kv`."""
-        return self.shard is not None
-
-    def whole_kv(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Every KV head of the model at `slots` ([n, layers, 2, num_kv_heads, head_dim], into
-        `out` when given): a one-rank pool's rows as they are."""
-        return torch.index_select(self.kv_pool.kv_buffer, 0, slots.to(self.device), out=out)
-
-    def write_whole_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """Write `kv` (every KV head of the model, as `whole_kv` gives it) at `slots`."""
-        self.kv_pool.kv_buffer.index_copy_(0, slots.to(self.device), kv)
+    def run_link_order(self, order: LinkOrder, links: KVLinks) -> list[RankStatus]:
+        """Do `order` on this process's KV links (`links`, over this runner's pool; a tensor
+        parallel rank 0 has every rank do it on its own): each rank's status, by rank."""
+        return [run_link_order(links, order, 0)]
 
     def lost_rank(self) -> str | None:
         """Why this runner can run no forward (a tensor parallel rank that has exited), or

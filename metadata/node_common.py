@@ -93,8 +93,9 @@ def start_node_process(args: EngineArgs, options: NodeOptions) -> None:
 def transfer_spec(spec: ModelSpec, num_draft_steps: int = 0) -> TransferSpec:
     """What a prefill and a decode node must agree on; `num_draft_steps`: the draft depths
     whose KV crosses too (each a one-layer pool shaped like the target's layers). The KV is
-    described as it crosses, whole (metadata.whole_kv): the model's KV heads, whatever ranks
-    either node splits them over, so nodes of different tensor parallel sizes pair."""
+    described in the model's terms (its KV heads, whatever ranks either node splits them
+    over), with this node's tensor parallel size, from which each side derives which of its
+    ranks sends or receives which heads (metadata.rank_kv)."""
     config = spec.model_config
     fingerprint = hashlib.sha256(repr(config).encode()).hexdigest()[:16]
     return TransferSpec(
@@ -109,6 +110,7 @@ def transfer_spec(spec: ModelSpec, num_draft_steps: int = 0) -> TransferSpec:
         num_draft_steps=num_draft_steps,
         topk=1,
         draft_kv=tuple((1, config.num_kv_heads, config.head_dim) for _ in range(num_draft_steps)),
+        tp_size=spec.engine_config.tensor_parallel_size,
     )
 
 

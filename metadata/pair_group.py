@@ -25,12 +25,15 @@ from metadata.process_group import backend_for, keep_group_sockets_on_loopback
 @dataclass(frozen=True)
 class PairLink:
     """Where and under which key two nodes make their pair's group. `epoch` counts the pair's
-    groups: a replacement of either node pairs under a new one."""
+    groups: a replacement of either node pairs under a new one. `peer_tp`: the peer's tensor
+    parallel size, from which the two nodes' ranks derive their KV links (metadata.rank_kv),
+    made under the pair's key too."""
 
     store_host: str
     store_port: int
     peer_rank: int
     epoch: int
+    peer_tp: int = 1
 
     def key(self, own_rank: int) -> str:
         low, high = sorted((own_rank, self.peer_rank))

@@ -23,6 +23,7 @@ from metadata.faults import FaultInjector
 from metadata.kv_audit import KVAudit, PoolCount, Quarantine
 from metadata.node_common import NodeOptions, open_channels, transfer_spec
 from metadata.pair_group import PairLink, open_pair_channel
+from metadata.rank_kv import RankKV, repair_rank_kv
 from metadata.transfer import KVReceiver, KVSender
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,8 @@ class NodeHealth:
 
 
 class ServingNode:
-    """Subclasses set `spec`, `kv_cache`, `metadata`, `inbox`, `speculator` and
-    `num_draft_steps` in their constructor and implement `_serve`, `_open_channel`,
+    """Subclasses set `spec`, `kv_cache`, `metadata`, `inbox`, `speculator`, `num_draft_steps`
+    and `rank_kv` in their constructor and implement `_serve`, `_open_channel`,
     `_drop_peer`, `_drop_frontend` and `_pool_counts`; `_serve` calls `_housekeeping` once per
     iteration."""
 
@@ -65,6 +66,7 @@ class ServingNode:
     inbox: Inbox
     speculator: Any  # spec.MultiLayerEagleWorker or None (metadata does not import spec)
     num_draft_steps: int
+    rank_kv: RankKV
 
     def __init__(self, options: NodeOptions) -> None:
         self.options = options
@@ -84,7 +86,8 @@ class ServingNode:
 
     def pair_with(self, rank: int, links: list[PairLink]) -> None:
         """Take data-plane rank `rank` and open a channel with each peer of `links` (a pair
-        group each, made together with the peer, which calls `pair_with` or `repair`)."""
+        group each, made together with the peer, which calls `pair_with` or `repair`), then
+        every rank's KV links with them (metadata.rank_kv). Before the node starts."""
         self.rank = rank
         self._channel = self._open_channel()
         if not links:
@@ -95,13 +98,16 @@ class ServingNode:
         for link, channel in zip(links, channels):
             self._channel.attach(link.peer_rank, channel)
         open_channels(self._channel, [link.peer_rank for link in links], self._timeout_s)
+        self.rank_kv.pair(links, rank)
 
     def repair(self, link: PairLink) -> None:
-        """The peer at `link.peer_rank` was replaced: open a new channel with it. Whatever was
-        in flight with its predecessor was dropped by `peer_lost`."""
+        """The peer at `link.peer_rank` was replaced: open a new channel with it, and the
+        ranks' KV links (on the serving thread, which drives the ranks). Whatever was in
+        flight with its predecessor was dropped by `peer_lost`."""
         channel = self._open_pair(link)
         self._channel.attach(link.peer_rank, channel)
         open_channels(self._channel, [link.peer_rank], self._timeout_s)
+        self._on_serving_thread(lambda: repair_rank_kv(self.rank_kv, link, self.rank))
 
     def peer_lost(self, index: int, rank: int, reason: str) -> None:
         """(Ray call) The peer node `index` (data-plane rank `rank`) is dead: every request
@@ -111,7 +117,11 @@ class ServingNode:
         while a long step runs)."""
         if self._channel is not None:
             self._channel.forget_peer(rank, reason)
-        self._on_serving_thread(lambda: self._drop_peer(index, rank, reason))
+        self._on_serving_thread(lambda: self._peer_gone(index, rank, reason))
+
+    def _peer_gone(self, index: int, rank: int, reason: str) -> None:
+        self._drop_peer(index, rank, reason)
+        self.rank_kv.forget(rank)
 
     def frontend_gone(self, frontend: int) -> None:
         """(Ray call) The front end `frontend` (an API process) died, and its clients'

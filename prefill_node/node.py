@@ -53,6 +53,7 @@ from metadata.node_common import (
 )
 from metadata.node_metrics import Activity, ActivityLog
 from metadata.pair_group import PairLink
+from metadata.rank_kv import RankKV
 from metadata.serving_node import ServingNode, poll_timeout_ms
 from metadata.transfer import KVSender
 from prefill_node.admission import admit_group, pending_group
@@ -90,9 +91,10 @@ class PrefillNode(ServingNode):
         self.kv_cache = self.engine.kv_cache
         self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
         self.inbox = Inbox(options.host, options.control_key)
+        self.rank_kv = RankKV.of(self.runner, self.spec, True, options.transfer_timeout_s)
         self.outgoing = OutgoingTransfers(
             options.name,
-            self.runner,
+            self.rank_kv,
             self.kv_cache,
             self.speculator,
             self.num_draft_steps,
@@ -118,7 +120,7 @@ class PrefillNode(ServingNode):
 
     def peer_replaced(self, index: int, endpoint: str, link: PairLink) -> None:
         """(Ray call) decode-`index` was replaced by a node at `endpoint`: send there, and open
-        the new channel with it."""
+        the new channel with it (and its ranks' KV links)."""
         outboxes = self.outgoing.outboxes
         old = outboxes.get(index)
         # The serving thread owns the sockets: it closes the old one.
@@ -134,6 +136,7 @@ class PrefillNode(ServingNode):
     def stats(self) -> dict:
         allocator = self.runner.kv_pool.allocator
         return {
+            "rank_kv": self.rank_kv.stats(),
             "node": self.options.name,
             "queued": self._num_waiting() + len(self.prefilling),
             "sending": len(self.outgoing.sending),
@@ -243,10 +246,11 @@ class PrefillNode(ServingNode):
         batch = [self.prefilling[req.request_id] for req in completing]
         for pending in batch:
             self.outgoing.announce(pending, self.rank)
-        if not self.runner.splits_kv:
-            # With ranks, the target KV is gathered whole after the forward (metadata.whole_kv):
-            # it goes with the rest of the transfer.
-            prepare_early_kv(batch, self.runner.kv_pool)
+        pool = self.runner.kv_pool
+        # Where the node channel carries only some of rank 0's KV heads (metadata.rank_kv),
+        # they are staged after the forward, with the rest of the transfer.
+        whole = [p for p in batch if self.rank_kv.node_heads(p.decode_rank) == pool.num_kv_heads]
+        prepare_early_kv(whole, pool)
 
     def forward_enqueued(self, completing: list[Request]) -> None:
         self.outgoing.begin([self.prefilling[req.request_id] for req in completing])

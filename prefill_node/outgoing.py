@@ -12,9 +12,9 @@ import logging
 
 import torch
 
+from engine.errors import RankFailedError
 from engine.kv_cache import KVCacheManager
 from engine.kv_pool import KVPool
-from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampler import TokenLogprob
 from engine.tracing import set_time
@@ -25,8 +25,8 @@ from metadata.kv_audit import Quarantine
 from metadata.messages import PrefillResult, TransferAbandoned, TransferAnnounce
 from metadata.node_common import NodeOptions
 from metadata.node_metrics import TransferTotals
+from metadata.rank_kv import RankKV, outgoing_pools
 from metadata.transfer import KVSender, TransferState
-from metadata.whole_kv import outgoing_pools
 from prefill_node.pending import Pending, drafts_after_first_token
 from prefill_node.transfer_contents import sent_and_reused, void_pools, write_transfer
 from spec import MultiLayerEagleWorker
@@ -38,7 +38,7 @@ class OutgoingTransfers:
     def __init__(
         self,
         node_name: str,
-        runner: ModelRunner,
+        rank_kv: RankKV,
         kv_cache: KVCacheManager,
         speculator: MultiLayerEagleWorker | None,
         num_draft_steps: int,
@@ -47,8 +47,8 @@ class OutgoingTransfers:
         quarantine: Quarantine,
     ) -> None:
         self.node_name = node_name
-        # Its KV pool is kv_cache's; with ranks, it gathers their heads (metadata.whole_kv).
-        self.runner = runner
+        # Which ranks send which KV heads to each decode node (metadata.rank_kv).
+        self.rank_kv = rank_kv
         self.kv_cache = kv_cache
         self.speculator = speculator
         self.num_draft_steps = num_draft_steps
@@ -116,7 +116,7 @@ class OutgoingTransfers:
             pools = write_transfer(
                 pending, self.kv_cache.kv_pool, self.speculator, self.metadata, logprob, last_hidden
             )
-            pools = outgoing_pools(self.runner, pools)
+            pools, target = outgoing_pools(self.rank_kv, pending.decode_rank, pools)
             if fault == "during":
                 # The KV goes out, but the row's room tag does not match: the decode node
                 # fails the transfer when it lands.
@@ -135,6 +135,7 @@ class OutgoingTransfers:
         self.outboxes[pending.decode_node].send(
             PrefillResult(room, top, trace, cached_tokens=cached)
         )
+        self._send_rank_kv(pending, target, read=True)
         self._post(pending, pools)
 
     def send_void(self, pending: Pending, reason: str) -> None:
@@ -153,7 +154,23 @@ class OutgoingTransfers:
             pending.carries_prompt,
             pending.reused_tokens,
         )
-        self._post(pending, outgoing_pools(self.runner, pools, read=False))
+        pools, target = outgoing_pools(self.rank_kv, pending.decode_rank, pools, read=False)
+        self._send_rank_kv(pending, target, read=False)
+        self._post(pending, pools)
+
+    def _send_rank_kv(self, pending: Pending, target: list[int] | None, read: bool) -> None:
+        """Have every rank send its KV heads at the target's slots to the decode ranks that
+        take them from it (`read=False`: zeros of their size, for a void transfer)."""
+        if target is None:
+            return
+        room = int(pending.req.request_id)
+        try:
+            slots = target if read else None
+            self.rank_kv.send(pending.decode_rank, room, slots, len(target))
+        except (RuntimeError, RankFailedError):
+            # A rank is gone, which fails this node; the decode node's wait for those heads
+            # fails the request.
+            log.exception("room %s: its ranks could not send their KV heads", room)
 
     def _post(self, pending: Pending, pools: list[tuple[KVPool, list[int]]]) -> None:
         room = int(pending.req.request_id)

@@ -1,5 +1,6 @@
 """TransferSpec pairing: identical specs pair; any difference is refused with every differing
-field named with both values; the spec survives a msgpack round trip."""
+field named with both values, but each side's tensor parallel size, which may differ and is
+refused only where it cannot hold the KV heads; the spec survives a msgpack round trip."""
 
 from __future__ import annotations
 
@@ -43,8 +44,32 @@ def test_identical_specs_pair() -> None:
     check_compatible(SPEC, dataclasses.replace(SPEC))
 
 
+# Each side's own: the two may differ.
+PER_SIDE = {"tp_size"}
+
+
 def test_every_field_is_covered() -> None:
-    assert set(CHANGED) == {f.name for f in dataclasses.fields(TransferSpec)}
+    assert set(CHANGED) | PER_SIDE == {f.name for f in dataclasses.fields(TransferSpec)}
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 3), (3, 1), (3, 6), (6, 3)])
+def test_sides_of_different_tensor_parallel_sizes_pair(prefill_tp: int, decode_tp: int) -> None:
+    check_compatible(
+        dataclasses.replace(SPEC, tp_size=prefill_tp), dataclasses.replace(SPEC, tp_size=decode_tp)
+    )
+
+
+def test_a_size_that_cannot_hold_the_kv_heads_is_refused_naming_the_side() -> None:
+    """3 KV heads over 2 ranks: no rank would hold a whole set of heads, so no route between
+    the two sides' ranks can be drawn."""
+    with pytest.raises(PairingError) as err:
+        check_compatible(SPEC, dataclasses.replace(SPEC, tp_size=2))
+    assert str(err.value) == (
+        "prefill node and decode node cannot pair: decode tp_size 2 neither divides "
+        "num_kv_heads 3 nor is a multiple of it"
+    )
+    with pytest.raises(PairingError, match="prefill tp_size 4 neither divides num_kv_heads 3"):
+        check_compatible(dataclasses.replace(SPEC, tp_size=4), SPEC)
 
 
 @pytest.mark.parametrize("field", sorted(CHANGED))

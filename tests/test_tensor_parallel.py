@@ -2,9 +2,10 @@
 greedy output of 2 and 4 ranks token-exact against one rank and against transformers (with KV
 heads split at 2 ranks and replicated at 4, biases on every projection, a vocabulary that 4 ranks
 split with padding, chunked prefill, penalties, a grammar); each rank's KV pool holds only its
-KV heads; a model or option the ranks cannot split is refused naming the mismatch; and no rank
-outlives its engine (closed, collected, or its process killed). Gemma 3 at 2 ranks covers tied
-embeddings, q/k norms, sandwich norms, sliding windows and soft-capped logits."""
+KV heads, and a request's KV crosses between engines of any sizes rank by rank; a model or
+option the ranks cannot split is refused naming the mismatch; and no rank outlives its engine
+(closed, collected, or its process killed). Gemma 3 at 2 ranks covers tied embeddings, q/k
+norms, sandwich norms, sliding windows and soft-capped logits."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,9 @@ from engine.tensor_parallel.layout import (
     check_tensor_parallel_options,
 )
 from engine.weights import load_hf_config
+from metadata.pair_group import PairLink
+from metadata.process_group import create_store_server
+from metadata.rank_kv import RankKV, incoming_pools, outgoing_pools
 
 # Heads 4, KV heads 2 (TINY_DEFAULTS): split at 2 ranks, each replicated on 2 ranks at 4. A
 # vocabulary of 322 rows leaves 4 ranks 80.5 each: the last rank's shard is padded.
@@ -209,24 +214,70 @@ def test_refused_options_name_them() -> None:
     check_tensor_parallel_options(1, "cuda:0")  # one rank: anything goes
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4])
-def test_whole_kv_round_trips_through_the_ranks(engines, ranks: int) -> None:
-    """What a decode node writes whole into its ranks (write_whole_kv) a prefill node reads back
-    whole (whole_kv), each rank holding its heads of it: split at 2 ranks, replicated at 4."""
-    runner = engines[ranks].engine.runner
-    pool = runner.kv_pool
-    slots = pool.allocator.allocate(5)
+# Hops of a request's KV between the module's engines, each the prefill end of one and the
+# decode end of the next, with the routes other than (0, 0) and their KV heads (tiny model: two).
+HOPS = [
+    (1, 2, {"prefill 0 -> decode 1": 1}),
+    (2, 4, {"prefill 0 -> decode 1": 1, "prefill 1 -> decode 2": 1, "prefill 1 -> decode 3": 1}),
+    (4, 1, {"prefill 2 -> decode 0": 1}),
+]
+
+
+def _hop(store_port: int, hop: int, source: LLM, target: LLM, slots: tuple) -> dict:
+    """Move the target KV at `slots[0]` of `source` to `slots[1]` of `target` as a prefill
+    node and a decode node do (metadata.rank_kv), the node channel's part copied here; the
+    bytes landed through the links, by route."""
+    room, prefill_id, decode_id = 100 + hop, 2 * hop, 2 * hop + 1
+    a, b = (llm.engine.runner for llm in (source, target))
+    sender = RankKV(a, True, 2, source.engine.runner.config.tensor_parallel_size, 30.0)
+    receiver = RankKV(b, False, 2, target.engine.runner.config.tensor_parallel_size, 30.0)
+    links = [
+        (sender, PairLink("127.0.0.1", store_port, decode_id, 0, receiver.heads.size), prefill_id),
+        (receiver, PairLink("127.0.0.1", store_port, prefill_id, 0, sender.heads.size), decode_id),
+    ]
+    with ThreadPoolExecutor(2) as pool:  # each side's links wait for the other's
+        list(pool.map(lambda side: side[0].pair([side[1]], side[2]), links))
+    incoming, landing = incoming_pools(receiver, prefill_id, room, [(b.kv_pool, slots[1])])
+    outgoing, target_slots = outgoing_pools(sender, decode_id, [(a.kv_pool, slots[0])])
+    assert target_slots == slots[0]
+    sender.send(decode_id, room, target_slots, len(target_slots))
+    (out_pool, out_slots), (in_pool, in_slots) = outgoing[0], incoming[0]
+    in_pool.kv_buffer[torch.tensor(in_slots)] = out_pool.kv_buffer[torch.tensor(out_slots)]
+    assert landing is not None and landing.write(receiver) is None
+    for side in (sender, receiver):
+        side.forget(decode_id if side is sender else prefill_id)
+    return dict(receiver.landed), dict(sender.links.sent)
+
+
+def test_kv_heads_cross_per_rank_between_engines_of_any_sizes(engines) -> None:
+    """A request's KV from 1 rank to 2, 2 to 4 and 4 back to 1: each decode rank takes
+    exactly its heads through its own link from the prefill rank the routes name (rank 0's
+    first ones through the node channel), each replicated head sent once; what comes back is
+    what left, and rank 0's pool of 2 ranks holds head 0 of it."""
+    store, port = create_store_server("127.0.0.1")
+    pools = {n: engines[n].engine.runner.kv_pool for n in (1, 2, 4)}
+    n = 5
+    slots = {size: pool.allocator.allocate(n) for size, pool in pools.items()}
+    back = pools[1].allocator.allocate(n)
+    taken = [(pool, slots[size]) for size, pool in pools.items()] + [(pools[1], back)]
     try:
-        index = torch.tensor(slots[::-1])  # any order, not a run
-        whole = torch.randn(5, pool.num_layers, 2, 2, pool.head_dim)
-        runner.write_whole_kv(index, whole)
-        assert torch.equal(runner.whole_kv(index), whole)
-        # Rank 0 holds KV head 0 (alone at 2 ranks, with rank 1 at 4), one rank both.
-        assert torch.equal(pool.kv_buffer[index], whole[:, :, :, : pool.num_kv_heads])
-        out = torch.empty_like(whole)
-        assert runner.whole_kv(index, out=out) is out and torch.equal(out, whole)
+        whole = torch.randn(n, pools[1].num_layers, 2, 2, pools[1].head_dim)
+        pools[1].kv_buffer[torch.tensor(slots[1])] = whole
+        head_bytes = whole[:, :, :, :1].numel() * whole.element_size()
+        for hop, (a, b, routes) in enumerate(HOPS):
+            into = back if b == 1 else list(reversed(slots[b]))  # any order, not a run
+            landed, rank0_sent = _hop(port, hop, engines[a], engines[b], (slots[a], into))
+            assert landed == {route: heads * head_bytes for route, heads in routes.items()}
+            # Prefill rank 0 sends through its links only what it alone holds for a decode rank.
+            own = {int(r.split()[-1]): h for r, h in routes.items() if r.startswith("prefill 0")}
+            assert rank0_sent == {d: heads * head_bytes for d, heads in own.items()}
+            slots[b] = into
+        assert torch.equal(pools[1].kv_buffer[torch.tensor(back)], whole)
+        assert torch.equal(pools[2].kv_buffer[torch.tensor(slots[2])], whole[:, :, :, :1])
     finally:
-        pool.allocator.free(slots)
+        for pool, held in taken:
+            pool.allocator.free(held)
+        del store
 
 
 def _running(pid: int) -> bool:

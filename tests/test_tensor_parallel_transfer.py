@@ -1,12 +1,15 @@
 """KV transfer between prefill and decode nodes of different tensor parallel sizes, on CPU with
-gloo (metadata.whole_kv, engine/tensor_parallel/kv_exchange.py): clusters P(TP 2) -> D(TP 1),
-P(TP 1) -> D(TP 2), P(TP 2) -> D(TP 2) and P(TP 4) -> D(TP 2) serve the offline one-rank
-engine's greedy output through the router (a prompt longer than the prefill chunk among them,
-and a conversation's second turn whose transfer leaves out what the decode node holds
-already), with every pool empty afterwards and clean KV audits; speculating pairs P(TP 2) ->
-D(TP 1) and P(TP 1) -> D(TP 2) are lossless (the draft is rank 0's alone). The pairing check
-speaks of the whole model's KV heads, so nodes of different sizes pair, and a model of other
-KV heads is refused by name."""
+gloo, per rank (metadata.rank_kv, engine/tensor_parallel/kv_links.py): clusters P(TP 2) ->
+D(TP 1), P(TP 1) -> D(TP 2), P(TP 2) -> D(TP 2) and P(TP 4) -> D(TP 2) serve the offline
+one-rank engine's greedy output through the router (a prompt longer than the prefill chunk
+among them, and a conversation's second turn whose transfer leaves out what the decode node
+holds already), with every pool empty afterwards and clean KV audits; the node channel carries
+only the KV heads prefill rank 0 sends decode rank 0, and every other decode rank's heads land
+through its own link from the prefill rank the routes name, exactly its heads' bytes;
+speculating pairs P(TP 2) -> D(TP 1) and P(TP 1) -> D(TP 2) are lossless (the draft is rank
+0's alone). The pairing check speaks of the whole model's KV heads with each side's size, so
+nodes of different sizes pair, and a size that cannot hold the KV heads, or a model of other
+KV heads, is refused by name."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import os
 import signal
 
 import pytest
+import torch
 from cluster_helpers import ensure_ray, wait_for
 from healing_helpers import launch_healing_cluster, wait_for_node
 from rank_processes import follower_ranks, router_tokens
@@ -26,6 +30,7 @@ from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 from engine import LLM, SamplingParams
 from engine.loader import EngineArgs, resolve
+from metadata.buffers import MetadataBuffers
 from metadata.handshake import PairingError, check_compatible
 from metadata.node_common import transfer_spec
 
@@ -60,9 +65,46 @@ def offline(model: str):
         return first, second, llm.generate([second], GREEDY)[0].token_ids
 
 
+# One KV head of one token of the tiny model: 2 layers, K and V, head_dim 16, float32.
+HEAD_BYTES = 2 * 2 * 16 * 4
+# The metadata row of a transfer that does not draft (hidden size 64, float32).
+ROW_BYTES = MetadataBuffers(1, 64, 0, 1, torch.float32, "cpu", boundary_width=64).row_nbytes
+# Per pairing: the KV heads the node channel carries (prefill rank 0 to decode rank 0), the
+# bytes per token each other route lands (one head each), and what prefill rank 0 sends
+# through its own links, by decode rank.
+ROUTES = {
+    # Decode rank 0 holds both heads: head 1 comes from prefill rank 1.
+    (2, 1): (1, {"prefill 1 -> decode 0": HEAD_BYTES}, {}),
+    # Prefill rank 0 holds both heads: it sends head 1 to decode rank 1 itself.
+    (1, 2): (1, {"prefill 0 -> decode 1": HEAD_BYTES}, {1: HEAD_BYTES}),
+    (2, 2): (1, {"prefill 1 -> decode 1": HEAD_BYTES}, {}),
+    # Prefill ranks 2 and 3 both hold head 1: rank 3 alone sends it; ranks 1 and 2 send none.
+    (4, 2): (1, {"prefill 3 -> decode 1": HEAD_BYTES}, {}),
+}
+
+
+def _stats(cluster: Cluster, role: str) -> dict:
+    [stats] = [s for s in cluster.node_stats() if s["node"].startswith(role)]
+    return stats
+
+
 def _decode_transfers(cluster: Cluster) -> dict:
-    [stats] = [s for s in cluster.node_stats() if s["node"].startswith("d")]
-    return stats["transfers"]
+    return _stats(cluster, "d")["transfers"]
+
+
+def _check_each_rank_got_its_own_heads(cluster: Cluster, prefill_tp: int, decode_tp: int):
+    """The bytes of every transfer so far, by the way they crossed."""
+    node_heads, per_route, rank0_sent = ROUTES[(prefill_tp, decode_tp)]
+    decode, prefill = _stats(cluster, "d"), _stats(cluster, "p")
+    tokens, count = decode["transfers"]["kv_tokens"], decode["transfers"]["count"]
+    # The node channel: route (0, 0)'s heads and the metadata row, never every head.
+    node_bytes = tokens * node_heads * HEAD_BYTES + count * ROW_BYTES
+    assert decode["transfers"]["bytes"] == node_bytes
+    assert prefill["transfers"]["bytes"] == node_bytes
+    # Every other decode rank's heads, through its own link from the prefill rank that the
+    # routes name (a follower, but where prefill rank 0 holds them).
+    assert decode["rank_kv"]["landed"] == {r: tokens * n for r, n in per_route.items()}
+    assert prefill["rank_kv"]["sent"] == {d: tokens * n for d, n in rank0_sent.items()}
 
 
 # (4, 2): the prefill node's 4 ranks replicate each KV head; each is sent once.
@@ -98,6 +140,7 @@ def test_nodes_of_any_sizes_serve_the_offline_output(model, offline, prefill_tp,
         reused = after["reused_tokens"] - before["reused_tokens"]
         assert reused == len(PROMPTS[0]) + len(first[0]) - 1
         assert after["kv_tokens"] - before["kv_tokens"] == len(second) - reused
+        _check_each_rank_got_its_own_heads(cluster, prefill_tp, decode_tp)
         assert wait_for(cluster.kv_pools_empty, 30), cluster.node_stats()
         for actor in cluster.prefill_actors + cluster.decode_actors:
             assert ray.get(actor.audit_kv.remote()) == []
@@ -106,16 +149,28 @@ def test_nodes_of_any_sizes_serve_the_offline_output(model, offline, prefill_tp,
 
 
 def test_the_pairing_check_speaks_of_the_whole_models_kv_heads(model) -> None:
-    """Nodes of 1 and 2 ranks describe the same KV on the wire; another count of KV heads is
-    refused by name (whole heads cross, so no head count can be made to fit another)."""
+    """Nodes of 1, 2 and 4 ranks describe the same KV in the model's terms, each with its own
+    size, and pair in any direction; a size that cannot hold the model's KV heads, or another
+    count of KV heads, is refused by name."""
 
     def spec_of(ranks: int):
         args = EngineArgs(model=model, device="cpu", tensor_parallel_size=ranks, **ENGINE)
         return transfer_spec(resolve(args, f"node-tp{ranks}", None))
 
     one, two, four = spec_of(1), spec_of(2), spec_of(4)
-    assert one == two == four and two.num_kv_heads == 2
-    check_compatible(two, one)
+    assert [spec.tp_size for spec in (one, two, four)] == [1, 2, 4]
+    assert dataclasses.replace(two, tp_size=1) == dataclasses.replace(four, tp_size=1) == one
+    assert two.num_kv_heads == 2
+    for prefill, decode in [(two, one), (one, two), (four, two), (two, four)]:
+        check_compatible(prefill, decode)
+    # 3 ranks would hold 2 KV heads neither split nor replicated whole: no route serves it.
+    three = dataclasses.replace(one, tp_size=3)
+    with pytest.raises(PairingError) as err:
+        check_compatible(two, three)
+    assert str(err.value) == (
+        "prefill node and decode node cannot pair: decode tp_size 3 neither divides "
+        "num_kv_heads 2 nor is a multiple of it"
+    )
     other = dataclasses.replace(one, num_kv_heads=4)
     with pytest.raises(PairingError, match="num_kv_heads 2 != 4"):
         check_compatible(two, other)

@@ -18,6 +18,7 @@ from engine.cpu_tuning import keep_large_allocations_in_heap
 from engine.model_config import ModelConfig
 from engine.tensor_parallel.forward_plan import Order, receive, run_announced
 from engine.tensor_parallel.group import RankGroup, dial_store, joined_key
+from engine.tensor_parallel.kv_links import KVLinks
 from engine.tensor_parallel.layers import ModelShard
 from engine.tensor_parallel.layout import TensorParallelLayout
 
@@ -53,11 +54,13 @@ def follow(start: RankStart) -> None:
     runner = load_rank_runner(
         start.model_path, start.model_config, start.engine_config, ModelShard(layout, group)
     )
+    # This rank's channels to other nodes' ranks, for its KV heads of their transfers.
+    links = KVLinks(runner.kv_pool)
     # Loaded: rank 0 waits for this before its first forward.
     group.all_reduce(torch.zeros(1))
     with torch.inference_mode():
         while (announced := receive(group, runner)).order != Order.STOP:
-            run_announced(runner, announced)
+            run_announced(runner, announced, links)
     # Nothing here outlives the engine: skip the interpreter's teardown, which would keep
     # rank 0's close() waiting for seconds on a busy host.
     sys.stdout.flush()

@@ -8,13 +8,12 @@ slots or reuses a cached prefix, outside any forward), and the input embeddings 
 has some. A follower writes those table rows into its own table and builds the batch over its
 own pools, so its attention reads its own KV heads at the same slots.
 
-Between forwards, rank 0 may announce a KV order instead (its header and one block of slots):
-the ranks then gather their KV heads at those slots onto rank 0, or take theirs from the whole
-heads rank 0 broadcasts (engine/tensor_parallel/kv_exchange.py), for a transfer between nodes."""
+Between forwards, rank 0 may announce an order on the ranks' KV links instead
+(engine/tensor_parallel/link_orders.py): each rank then sends or receives its own KV heads of a
+transfer between nodes straight to or from the other node's ranks."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
@@ -22,42 +21,28 @@ import torch
 from engine.forward_batch import ForwardBatch, device_batch
 from engine.model_runner import ModelRunner
 from engine.tensor_parallel.group import RankGroup
-from engine.tensor_parallel.kv_exchange import gather_heads, scatter_heads
-
-
-class Order(enum.IntEnum):
-    STOP = 0
-    FORWARD = 1  # ModelRunner.forward
-    EVERY_TOKEN = 2  # ModelRunner.forward_every_token
-    GATHER_KV = 3  # ModelRunner.whole_kv: every KV head at some slots, onto rank 0
-    SCATTER_KV = 4  # ModelRunner.write_whole_kv: rank 0's whole heads into each rank's
-
-
-# order, keep_hidden, tokens, requests, table width, has embeddings, has tree masks (a KV
-# order: its number of slots in place of the tokens, the rest 0)
-HEADER_SIZE = 7
-KV_ORDERS = (Order.GATHER_KV, Order.SCATTER_KV)
+from engine.tensor_parallel.kv_links import KVLinks
+from engine.tensor_parallel.link_orders import (
+    LinkOrder,
+    gather_status,
+    gathers_status,
+    run_link_order,
+)
+from engine.tensor_parallel.orders import HEADER_SIZE, LINK_ORDERS, Order
 
 
 @dataclass
 class Announced:
-    """A forward (or a KV order, with its slots) as a follower receives it."""
+    """A forward (or a link order) as a follower receives it."""
 
     order: Order
     batch: ForwardBatch | None = None
     keep_hidden: bool = False
-    slots: torch.Tensor | None = None
+    link_order: LinkOrder | None = None
 
 
 def announce_stop(group: RankGroup) -> None:
     group.broadcast(torch.tensor([Order.STOP] + [0] * (HEADER_SIZE - 1), dtype=torch.int64))
-
-
-def announce_slots(group: RankGroup, order: Order, slots: torch.Tensor) -> None:
-    """Rank 0: send a KV order (`KV_ORDERS`) and its slots, before taking part in it."""
-    header = [order, 0, len(slots)] + [0] * (HEADER_SIZE - 3)
-    group.broadcast(torch.tensor(header, dtype=torch.int64))
-    group.broadcast(slots.to(torch.int64).contiguous())
 
 
 def announce(
@@ -97,10 +82,8 @@ def receive(group: RankGroup, runner: ModelRunner) -> Announced:
     order, keep_hidden, tokens, requests, width, has_embeds, has_tree = header.tolist()
     if order == Order.STOP:
         return Announced(Order.STOP)
-    if order in KV_ORDERS:
-        slots = torch.empty(tokens, dtype=torch.int64)
-        group.broadcast(slots)
-        return Announced(Order(order), slots=slots)
+    if order in LINK_ORDERS:
+        return Announced(Order(order), link_order=LinkOrder.receive(group, header.tolist()))
     size = 3 * tokens + 3 * requests + tokens * (has_tree + has_embeds) + requests * width
     block = torch.empty(size, dtype=torch.int64)
     group.broadcast(block)
@@ -130,15 +113,14 @@ def receive(group: RankGroup, runner: ModelRunner) -> Announced:
     return Announced(Order(order), batch, bool(keep_hidden))
 
 
-def run_announced(runner: ModelRunner, announced: Announced) -> None:
-    """Run the forward (or take the part in the KV order) rank 0 runs, for its collectives;
-    its outputs stay unread here."""
-    if announced.order in KV_ORDERS:
-        shard = runner.shard
-        if announced.order == Order.GATHER_KV:
-            gather_heads(shard.group, shard.layout, runner.kv_pool, announced.slots)
-        else:
-            scatter_heads(shard.group, shard.layout, runner.kv_pool, announced.slots)
+def run_announced(runner: ModelRunner, announced: Announced, links: KVLinks) -> None:
+    """Run the forward (or do the link order on `links`, this rank's) rank 0 runs, for its
+    collectives; its outputs stay unread here."""
+    if announced.link_order is not None:
+        group = runner.shard.group
+        status = run_link_order(links, announced.link_order, group.rank)
+        if gathers_status(announced.link_order):
+            gather_status(group, status)
         return
     assert announced.batch is not None
     if announced.order == Order.FORWARD:

@@ -18,6 +18,7 @@ import torch
 
 from engine.errors import TensorParallelError
 from engine.model_config import ModelConfig
+from engine.tensor_parallel.kv_routes import KVHeads
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,17 @@ class TensorParallelLayout:
         return self.num_heads // self.size
 
     @property
+    def kv_heads(self) -> KVHeads:
+        return KVHeads(self.size, self.num_kv_heads)
+
+    @property
     def local_kv_heads(self) -> int:
-        return max(1, self.num_kv_heads // self.size)
+        return self.kv_heads.local
 
     @property
     def kv_replicas(self) -> int:
         """How many ranks hold each KV head (1: split, not replicated)."""
-        return max(1, self.size // self.num_kv_heads)
+        return self.kv_heads.replicas
 
     @property
     def local_intermediate(self) -> int:
@@ -65,7 +70,7 @@ class TensorParallelLayout:
         return -(-self.vocab_size // self.size)
 
     def first_kv_head(self, rank: int) -> int:
-        return rank // self.kv_replicas * self.local_kv_heads
+        return self.kv_heads.first(rank)
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """What one rank's model is built from: its heads, MLP features and vocabulary rows."""

@@ -24,11 +24,18 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ForwardOutput, ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.tensor_parallel.follower import RankStart, follow
-from engine.tensor_parallel.forward_plan import Order, announce, announce_slots, announce_stop
+from engine.tensor_parallel.forward_plan import Order, announce, announce_stop
 from engine.tensor_parallel.group import RankGroup, host_store, joined_key
-from engine.tensor_parallel.kv_exchange import gather_heads, scatter_heads
+from engine.tensor_parallel.kv_links import KVLinks
 from engine.tensor_parallel.layers import ModelShard
 from engine.tensor_parallel.layout import TensorParallelLayout
+from engine.tensor_parallel.link_orders import (
+    LinkOrder,
+    RankStatus,
+    gather_status,
+    gathers_status,
+    run_link_order,
+)
 from engine.tensor_parallel.whole_vocabulary import load_vocabulary_model
 from engine.verify_outputs import VerifyOutputs
 from engine.weights import iter_safetensors
@@ -132,26 +139,17 @@ class TensorParallelRunner(ModelRunner):
             self._raise_rank_failure(err)
             raise
 
-    def whole_kv(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Every KV head at `slots`, gathered from the ranks that hold them (kv_exchange)."""
+    def run_link_order(self, order: LinkOrder, links: KVLinks) -> list[RankStatus]:
+        """Every rank does `order` on its own links (engine/tensor_parallel/link_orders.py),
+        this one on `links`; their statuses where the order gathers them, else rank 0's."""
         self._refuse_closed()
-        group, layout = self.followers.group, self.shard.layout
+        group = self.followers.group
         try:
-            announce_slots(group, Order.GATHER_KV, slots)
-            whole = gather_heads(group, layout, self.kv_pool, slots, out)
-        except RuntimeError as err:
-            self._raise_rank_failure(err)
-            raise
-        assert whole is not None
-        return whole
-
-    def write_whole_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """Write each rank's KV heads of `kv` (every head) at `slots` (kv_exchange)."""
-        self._refuse_closed()
-        group, layout = self.followers.group, self.shard.layout
-        try:
-            announce_slots(group, Order.SCATTER_KV, slots)
-            scatter_heads(group, layout, self.kv_pool, slots, kv)
+            order.announce(group)
+            status = run_link_order(links, order, 0)
+            if gathers_status(order):
+                return gather_status(group, status)
+            return [status]
         except RuntimeError as err:
             self._raise_rank_failure(err)
             raise
