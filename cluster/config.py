@@ -25,8 +25,8 @@ class ClusterConfig:
     aggregated: bool = False
     replicas: int = 1
     # Tensor parallel ranks of the prefill and of the decode nodes, where they differ from
-    # engine.tensor_parallel_size (--tp, every node's); the KV crosses as whole heads between
-    # nodes of any sizes (metadata.whole_kv).
+    # engine.tensor_parallel_size (--tp, every node's); nodes of any sizes pair, each decode
+    # rank taking its own KV heads from a prefill rank that holds them (metadata.rank_kv).
     prefill_tp: int | None = None
     decode_tp: int | None = None
     # The share of a GPU each node takes: 1, or a fraction so that nodes share a GPU (0.5: a

@@ -84,13 +84,18 @@ class IncomingTransfers:
         tracked.announce = announce
         req = tracked.req
         pools = receive_pools(announce, req, self.kv_pool, self.speculator)
-        pools, tracked.landing = incoming_pools(
-            self.rank_kv, announce.prefill_rank, announce.room, pools
-        )
-        tracked.handle = self.receiver.expect(
-            announce.prefill_rank, announce.room, pools, self.metadata, tracked.meta_row
-        )
+        peer, room = announce.prefill_rank, announce.room
+        pools, landing = incoming_pools(self.rank_kv, peer, room, pools)
+        tracked.handle = self.receiver.expect(peer, room, pools, self.metadata, tracked.meta_row)
         set_time(req, "receive_posted")
+        if landing is None:
+            return None
+        try:
+            landing.expect(self.rank_kv)
+        except (RuntimeError, RankFailedError) as err:  # a rank is gone: the node fails
+            log.exception("room %s: posting its ranks' receives failed", room)
+            return f"posting the tensor parallel ranks' receives failed: {err}"
+        tracked.landing = landing
         return None
 
     def _unreceivable(self, announce: TransferAnnounce) -> str | None:
@@ -118,11 +123,14 @@ class IncomingTransfers:
             self.receiver.break_channel(peer, reason)
             return
         self.receiver.discard(peer, announce.room, sizes)
-        if announce.prompt_room == 0:
-            # The other ranks' heads come too: received, and dropped as they land.
-            num_tokens = announce.num_tokens - announce.reused_tokens
-            self.rank_kv.expect(peer, announce.room, num_tokens)
+        if announce.prompt_room != 0:
+            return
+        # The other ranks' heads come too: received, and dropped as they land.
+        try:
+            self.rank_kv.expect(peer, announce.room, announce.num_tokens - announce.reused_tokens)
             self.rank_kv.land(peer, announce.room, None)
+        except (RuntimeError, RankFailedError):  # a rank is gone: the node fails
+            log.exception("room %s: posting its ranks' receives failed", announce.room)
 
     def land(self, act: Callable[[Tracked, str | None], None]) -> None:
         """Hand `act` each request whose transfer ended and can be acted on, with why it cannot

@@ -145,10 +145,15 @@ class RankKV:
         return "; ".join(errors) or None
 
     def forget(self, peer: int) -> None:
-        """`peer` is gone: every rank drops its links with it (re-made when it is replaced)."""
+        """`peer` is gone: every rank drops its links with it (re-made when it is replaced).
+        On the serving thread: a failure (a rank gone, which fails the node) is logged."""
         self._open.discard(peer)
-        if self.uses_links(peer):
+        if not self.uses_links(peer):
+            return
+        try:
             self.runner.run_link_order(LinkOrder(Order.FORGET_PEER, peer), self.links)
+        except Exception:  # noqa: BLE001 - see above
+            log.exception("dropping the KV links with rank %d failed", peer)
 
     def stats(self) -> dict:
         """Bytes rank 0 sent through its links (by decode rank), and the bytes every rank
@@ -217,6 +222,11 @@ class RankLanding:
     staging: KVPool | None
     links: bool
 
+    def expect(self, rank_kv: RankKV) -> None:
+        """Have the ranks post the receives of their heads (after rank 0's own)."""
+        if self.links:
+            rank_kv.expect(self.peer, self.room, len(self.slots))
+
     def write(self, rank_kv: RankKV) -> str | None:
         """Write what landed into the ranks' pools; why it cannot, or None."""
         if self.staging is not None:
@@ -235,7 +245,8 @@ def incoming_pools(
     rank_kv: RankKV, peer: int, room: int, pools: PoolsAndSlots
 ) -> tuple[PoolsAndSlots, RankLanding | None]:
     """A decode node's pools for `KVReceiver.expect` from `peer`, the target pool's holding
-    route (0, 0)'s heads, and what else lands and where (None: nothing else)."""
+    route (0, 0)'s heads, and what else lands and where (None: nothing else), whose receives
+    `RankLanding.expect` posts."""
     runner = rank_kv.runner
     i = _target(runner, pools)
     if i is None:
@@ -249,6 +260,4 @@ def incoming_pools(
         pools[i] = (staging, list(range(1, len(slots) + 1)))
     if staging is None and not links:
         return pools, None
-    if links:
-        rank_kv.expect(peer, room, len(slots))
     return pools, RankLanding(peer, room, list(slots), staging, links)

@@ -238,6 +238,7 @@ def _hop(store_port: int, hop: int, source: LLM, target: LLM, slots: tuple) -> d
     with ThreadPoolExecutor(2) as pool:  # each side's links wait for the other's
         list(pool.map(lambda side: side[0].pair([side[1]], side[2]), links))
     incoming, landing = incoming_pools(receiver, prefill_id, room, [(b.kv_pool, slots[1])])
+    landing.expect(receiver)
     outgoing, target_slots = outgoing_pools(sender, decode_id, [(a.kv_pool, slots[0])])
     assert target_slots == slots[0]
     sender.send(decode_id, room, target_slots, len(target_slots))
@@ -277,6 +278,35 @@ def test_kv_heads_cross_per_rank_between_engines_of_any_sizes(engines) -> None:
     finally:
         for pool, held in taken:
             pool.allocator.free(held)
+        del store
+
+
+def test_kv_heads_that_do_not_land_fail_naming_the_ranks(engines) -> None:
+    """A prefill end that never sends the heads of a transfer: the decode rank's wait for them
+    ends at the deadline, and the landing fails naming the decode rank, the heads and the
+    prefill rank."""
+    store, port = create_store_server("127.0.0.1")
+    a, b = engines[1].engine.runner, engines[2].engine.runner
+    sender, receiver = RankKV(a, True, 2, 1, 30.0), RankKV(b, False, 2, 2, 30.0)
+    links = [
+        (sender, PairLink("127.0.0.1", port, 21, 0, 2), 20),
+        (receiver, PairLink("127.0.0.1", port, 20, 0, 1), 21),
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda side: side[0].pair([side[1]], side[2]), links))
+    receiver.timeout_s = 1.0
+    slots = b.kv_pool.allocator.allocate(3)
+    try:
+        _, landing = incoming_pools(receiver, 20, 7, [(b.kv_pool, slots)])
+        landing.expect(receiver)
+        error = landing.write(receiver)
+        assert error is not None
+        assert error.startswith("decode rank 1: KV heads 1..1 from prefill rank 0 did not land")
+        assert receiver.landed == {"prefill 0 -> decode 1": 0}
+    finally:
+        b.kv_pool.allocator.free(slots)
+        sender.forget(21)
+        receiver.forget(20)
         del store
 
 

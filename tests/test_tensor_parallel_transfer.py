@@ -179,7 +179,7 @@ def test_the_pairing_check_speaks_of_the_whole_models_kv_heads(model) -> None:
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
 def test_a_speculating_pair_with_ranks_is_lossless(tmp_path, prefill_tp, decode_tp):
     """The draft runs on rank 0 alone, whole: its depths' KV and the metadata row cross as with
-    one rank, beside the target's whole heads."""
+    one rank, on the node channel beside route (0, 0)'s heads of the target."""
     make_predictable_llama(tmp_path / "target", seed=0)
     make_good_draft(tmp_path / "good", tmp_path / "target", 4, noise=0.01)
     target = str(tmp_path / "target")
