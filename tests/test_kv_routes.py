@@ -22,7 +22,7 @@ def _held(heads: KVHeads, rank: int) -> set[int]:
     return set(range(heads.first(rank), heads.first(rank) + heads.local))
 
 
-@pytest.mark.parametrize("kv, a, b", itertools.product(HEADS, SIZES, SIZES))
+@pytest.mark.parametrize("kv, a, b", list(itertools.product(HEADS, SIZES, SIZES)))
 def test_each_decode_rank_gets_exactly_its_heads_from_holders(kv: int, a: int, b: int) -> None:
     prefill, decode = KVHeads(a, kv), KVHeads(b, kv)
     routes = kv_routes(kv, a, b)
@@ -36,7 +36,7 @@ def test_each_decode_rank_gets_exactly_its_heads_from_holders(kv: int, a: int, b
         assert got[d] == Counter(_held(decode, d)), d
 
 
-@pytest.mark.parametrize("kv, size", itertools.product(HEADS, SIZES))
+@pytest.mark.parametrize("kv, size", list(itertools.product(HEADS, SIZES)))
 def test_one_layout_pairs_rank_i_with_rank_i(kv: int, size: int) -> None:
     routes = kv_routes(kv, size, size)
     assert [(r.prefill_rank, r.decode_rank) for r in routes] == [(i, i) for i in range(size)]
@@ -57,7 +57,7 @@ def test_replicated_heads_are_sent_once_per_decode_rank() -> None:
     assert kv_routes(2, 2, 1) == (KVRoute(0, 0, 0, 1), KVRoute(1, 0, 1, 1))
 
 
-@pytest.mark.parametrize("kv, size", itertools.product(HEADS, SIZES))
+@pytest.mark.parametrize("kv, size", list(itertools.product(HEADS, SIZES)))
 def test_placement_is_the_engines(kv: int, size: int) -> None:
     layout = TensorParallelLayout(size, 8 * size, kv, 16, 64 * size, 100)
     heads = KVHeads(size, kv)
