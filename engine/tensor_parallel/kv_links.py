@@ -212,38 +212,35 @@ class KVLinks:
         """Wait (up to `timeout_s`) for this rank's heads of `room` from `peer` and write them
         at `slots` of its pool; `slots` None: drop them (the request does not run). Returns
         why they did not land, or None."""
-        deadline = time.monotonic() + timeout_s
+        deadline, failure = time.monotonic() + timeout_s, None
         for link in self.links.get(peer, []):
             receive = link.receives.pop(room, None)
             if link.spec.sends or receive is None:
                 continue
-            if slots is None:
-                if receive.work is not None:
-                    link.keep_until_done(receive.work, receive.staging)
-                continue
             route = link.spec.route
             error = receive.error
-            if error is None:
+            if error is None and slots is not None and failure is None:
                 try:
                     left = max(0.0, deadline - time.monotonic())
                     receive.work.wait(timeout=timedelta(seconds=left))
                 except Exception as err:  # noqa: BLE001 - the link is out of order for good
-                    error = f"{type(err).__name__}: {err}"
-                    link.broken = error
+                    error = link.broken = f"{type(err).__name__}: {err}"
+            elif receive.work is not None:
+                # Dropped, or after another link failed: held until it ends.
+                link.keep_until_done(receive.work, receive.staging)
+                continue
             if error is not None:
-                return (
+                failure = failure or (
                     f"KV heads {route.first_head}..{route.first_head + route.num_heads - 1} "
                     f"from prefill rank {route.prefill_rank} did not land: {error}"
                 )
+                continue
             lo = link.spec.local_first
             heads = self.pool.kv_buffer[:, :, :, lo : lo + route.num_heads]
             heads.index_copy_(0, slots, receive.staging)
             staged = receive.staging
             self.landed[route.prefill_rank] += staged.numel() * staged.element_size()
-        return None
-
-    def counts(self) -> dict[str, dict[int, int]]:
-        return {"sent": dict(self.sent), "landed": dict(self.landed)}
+        return failure
 
     def _shape(self, route: KVRoute, num_tokens: int) -> tuple[int, ...]:
         pool = self.pool
