@@ -72,7 +72,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def api_process_pids(serve_pid: int) -> list[int]:
-    """The serve process's API processes (cluster.api_process), by their command line."""
+    """The serve process's API processes (cluster.frontend.api_process), by their command line."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -83,7 +83,7 @@ def api_process_pids(serve_pid: int) -> list[int]:
         except OSError:
             continue
         parent = int(stat.rpartition(")")[2].split()[1])
-        if parent == serve_pid and b"cluster.api_process" in cmdline:
+        if parent == serve_pid and b"cluster.frontend.api_process" in cmdline:
             pids.append(int(entry.name))
     return sorted(pids)
 
@@ -96,7 +96,7 @@ class Serve:
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(self.port)]
+        command = [sys.executable, "-m", "cluster.commands.cli", "serve", "--port", str(self.port)]
         command += ["--device", args.device, "--max-num-seqs", str(max(args.concurrency))]
         # Given only where they differ from the default, so that a checkout from before these
         # flags (--serve-root) serves too.
@@ -159,7 +159,7 @@ def load(args: argparse.Namespace, url: str, concurrency: int, prompts: int, out
     for client in range(clients):
         share = concurrency // clients + (client < concurrency % clients)
         directory = out / f"client-{client}"
-        command = [sys.executable, "-m", "cluster.cli", "bench", "serving", "--url", url]
+        command = [sys.executable, "-m", "cluster.commands.cli", "bench", "serving", "--url", url]
         command += ["--endpoint", args.endpoint, "--dataset", "random", "--ignore-eos"]
         command += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
         command += ["--num-prompts", str(max(1, prompts * share // concurrency))]

@@ -93,8 +93,8 @@ def _recording_classes():
 
 
 def run_cluster(model: str | None, device: str, tokens_list: list[int], reps: int) -> dict:
-    import cluster.launcher as launcher
-    from cluster.config import ClusterConfig
+    import cluster.deploy.launcher as launcher
+    from cluster.deploy.config import ClusterConfig
     from engine import SamplingParams
     from engine.loader import EngineArgs
 

@@ -38,9 +38,9 @@ sys.path.insert(1, str(ROOT / "tests"))  # the request stream the tests use
 import ray  # noqa: E402
 from healing_helpers import RequestStream, one_request, wait_for_node  # noqa: E402
 
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.launcher import Cluster, init_ray  # noqa: E402
-from cluster.openai_api import BackgroundServer, create_app  # noqa: E402
+from cluster.deploy.config import ClusterConfig  # noqa: E402
+from cluster.deploy.launcher import Cluster, init_ray  # noqa: E402
+from cluster.frontend.openai_api import BackgroundServer, create_app  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 from engine.loader import EngineArgs  # noqa: E402
 
@@ -194,7 +194,7 @@ def run_soak(args: argparse.Namespace) -> dict:
     try:
         threading.Thread(target=kill_later, daemon=True).start()
         started = time.monotonic()
-        bench = [sys.executable, "-m", "cluster.cli", "bench", "serving", "--url", server.url]
+        bench = [sys.executable, "-m", "cluster.commands.cli", "bench", "serving", "--url", server.url]
         bench += ["--dataset", "random", "--input-len", str(args.input_len)]
         bench += ["--output-len", str(args.output_len), "--range-ratio", "0.5"]
         bench += ["--num-prompts", str(args.num_prompts), "--seed", "0"]

@@ -37,11 +37,11 @@ import ray  # noqa: E402
 
 from bench.report import write_section  # noqa: E402
 from cluster.bench_serving.dataset_args import FLAG_DATASETS  # noqa: E402
-from cluster.cache_aware import DEFAULT_LOAD_THRESHOLD  # noqa: E402
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.launcher import Cluster, describe_nodes, init_ray  # noqa: E402
-from cluster.openai_api import BackgroundServer, create_app  # noqa: E402
-from cluster.policies import POLICIES  # noqa: E402
+from cluster.control.cache_aware import DEFAULT_LOAD_THRESHOLD  # noqa: E402
+from cluster.deploy.config import ClusterConfig  # noqa: E402
+from cluster.deploy.launcher import Cluster, describe_nodes, init_ray  # noqa: E402
+from cluster.frontend.openai_api import BackgroundServer, create_app  # noqa: E402
+from cluster.control.policies import POLICIES  # noqa: E402
 from engine.loader import EngineArgs  # noqa: E402
 from engine.weights import resolve_model  # noqa: E402
 from spec.default_draft import resolve_draft_model  # noqa: E402
@@ -151,7 +151,7 @@ def run_setup(setup: Setup, args: argparse.Namespace, workdir: Path) -> list[dic
             out = workdir / re.sub(r"\W+", "-", f"{setup.label}-{dataset}")
             # The load generator runs in a process of its own, as a user's would: sharing this
             # process's interpreter with the router would delay both and bunch the tokens.
-            command = [sys.executable, "-m", "cluster.cli", "bench", "serving"]
+            command = [sys.executable, "-m", "cluster.commands.cli", "bench", "serving"]
             before = received(cluster)
             code = subprocess.run(command + bench_flags(args, server.url, dataset, out)).returncode
             if code != 0:

@@ -7,7 +7,7 @@ The node starts it (`StreamWorker`), hands it its config as one JSON line on std
 the endpoint of its inbox back from its stdout; every message between them is signed with the
 cluster's key, as on the rest of the control plane. The worker exits when its stdin closes
 (the node shut it down, or died). A worker that died makes the node fail its health probe,
-and the cluster replaces the node (cluster.supervisor)."""
+and the cluster replaces the node (cluster.control.supervisor)."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ class NodeLoad:
 
 @message
 class NodeStatus:
-    """One node as the cluster's controller sees it (cluster.node_state.NodeState)."""
+    """One node as the cluster's controller sees it (cluster.control.node_state.NodeState)."""
 
     role: str
     index: int
@@ -150,7 +150,7 @@ class NodeStatus:
 
 @message
 class ApiServerStatus:
-    """One of several API processes as the controller sees it (cluster.api_servers)."""
+    """One of several API processes as the controller sees it (cluster.frontend.api_servers)."""
 
     index: int
     pid: int  # 0 while it is being replaced

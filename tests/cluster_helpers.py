@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import ray
 
-from cluster.config import ClusterConfig
-from cluster.launcher import Cluster, init_ray
-from cluster.openai_api import BackgroundServer, create_app
+from cluster.deploy.config import ClusterConfig
+from cluster.deploy.launcher import Cluster, init_ray
+from cluster.frontend.openai_api import BackgroundServer, create_app
 from engine.loader import EngineArgs
 
 

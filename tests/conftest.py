@@ -16,7 +16,7 @@ from engine import LLM
 
 # A speculating engine verifies drafts at every step unless a test asks for the adaptive plan
 # (engine.env.speculative_plan_default): the rounds' tests see a round at every step, whatever
-# this host's timings (Ray's nodes get it too: cluster.ray_start.forwarded_env).
+# this host's timings (Ray's nodes get it too: cluster.deploy.ray_start.forwarded_env).
 os.environ.setdefault("PDCLUSTER_SPECULATIVE_PLAN", "always")
 
 
@@ -48,7 +48,7 @@ TINY_BACKEND_MODEL = "tiny"
 def backend(tiny_model_path: Path):
     """A single-process LocalBackend over the tiny model, with a chat template, served as the
     model named TINY_BACKEND_MODEL (HTTP API and client tests)."""
-    from cluster.local_backend import LocalBackend
+    from cluster.control.local_backend import LocalBackend
 
     llm = LLM(str(tiny_model_path), device="cpu", max_model_len=256, kv_cache_tokens=2048)
     llm.tokenizer.chat_template = CHAT_TEMPLATE

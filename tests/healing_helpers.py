@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 from cluster_helpers import ensure_ray
 
-from cluster.backend import BackendError
-from cluster.config import ClusterConfig
-from cluster.launcher import Cluster
-from cluster.router import Router
+from cluster.frontend.backend import BackendError
+from cluster.deploy.config import ClusterConfig
+from cluster.deploy.launcher import Cluster
+from cluster.control.router import Router
 from engine import SamplingParams
 from engine.loader import EngineArgs
 

@@ -1,4 +1,4 @@
-"""Queue bounds of the HTTP API (cluster.admission): past --max-queued-requests a request gets a
+"""Queue bounds of the HTTP API (cluster.frontend.admission): past --max-queued-requests a request gets a
 429 with Retry-After at once and the others complete; a request with no first token within
 --queue-timeout ends with an error naming it, and its resources are freed on the engine."""
 
@@ -13,13 +13,13 @@ import httpx
 import pytest
 from conftest import TINY_BACKEND_MODEL as MODEL
 
-from cluster.admission import Admission
-from cluster.api_errors import OpenAIError
-from cluster.backend import BackendError, TokenDelta, make_usage
-from cluster.cli import main
-from cluster.config import ServeConfig
-from cluster.local_backend import LocalBackend
-from cluster.openai_api import BackgroundServer, create_app
+from cluster.frontend.admission import Admission
+from cluster.frontend.api_errors import OpenAIError
+from cluster.frontend.backend import BackendError, TokenDelta, make_usage
+from cluster.commands.cli import main
+from cluster.deploy.config import ServeConfig
+from cluster.control.local_backend import LocalBackend
+from cluster.frontend.openai_api import BackgroundServer, create_app
 from engine import LLM
 
 LONG_STREAM = {"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True}
@@ -254,10 +254,10 @@ def test_the_queue_timeout_spares_a_request_that_has_its_first_token():
 
 
 def test_queue_flags_reach_the_config_and_bad_values_are_refused(monkeypatch, capsys):
-    import cluster.serve
+    import cluster.commands.serve
 
     served = []
-    monkeypatch.setattr(cluster.serve, "serve", served.append)
+    monkeypatch.setattr(cluster.commands.serve, "serve", served.append)
     flags = ["--max-queued-requests", "8", "--queue-timeout", "2.5", "--drain-timeout", "12"]
     assert main(["serve", *flags]) == 0
     [config] = served

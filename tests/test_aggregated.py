@@ -14,7 +14,7 @@ from cluster_helpers import launch_aggregated, serve, wait_for
 from tiny_models import CHAT_TEMPLATE, make_tiny_llama
 
 from cluster.client import AsyncClient, Client
-from cluster.config import ClusterConfig
+from cluster.deploy.config import ClusterConfig
 from engine import LLM, SamplingParams
 
 ray = pytest.importorskip("ray")
@@ -194,7 +194,7 @@ def test_a_dead_replica_ends_its_requests_with_an_error_naming_it(tiny_model):
         with Client(server.url) as client:
             out = client.generate("after", max_tokens=4, temperature=0)
             assert out.usage.completion_tokens == 4
-            # Down until its replacement serves (cluster.supervisor), then back.
+            # Down until its replacement serves (cluster.control.supervisor), then back.
             health = client.health()
             node = next(n for n in health["nodes"] if n["name"] == "replica-0")
             replaced = node["status"] == "ok" and node["restarts"] == 1

@@ -17,10 +17,10 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import byte_tokenizer
 
-from cluster.cli import build_parser, main
-from cluster.cli_commands import serve_api_key
-from cluster.config import DEFAULT_MAX_REQUEST_BYTES
-from cluster.openai_api import BackgroundServer, create_app
+from cluster.commands.cli import build_parser, main
+from cluster.commands.cli_commands import serve_api_key
+from cluster.deploy.config import DEFAULT_MAX_REQUEST_BYTES
+from cluster.frontend.openai_api import BackgroundServer, create_app
 
 CHAT = [{"role": "user", "content": "Hello there"}]
 MiB = 1024 * 1024
@@ -358,7 +358,7 @@ def test_tools_are_refused_by_name_on_completions(client, field, value):
 def test_neutral_values_and_harmless_fields_are_accepted_quietly(client, path, caplog):
     body = {"max_tokens": 2, "model": MODEL} | NEUTRAL
     body |= {"prompt": "Hi"} if path == "completions" else {"messages": CHAT}
-    with caplog.at_level(logging.WARNING, logger="cluster.openai_api"):
+    with caplog.at_level(logging.WARNING, logger="cluster.frontend.openai_api"):
         assert client.post(f"/v1/{path}", json=body).status_code == 200
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
@@ -389,7 +389,7 @@ def test_prompt_embeds_in_chat_points_to_completions(client):
 
 def test_an_unknown_field_is_ignored_with_a_warning(client, caplog):
     body = {"prompt": "Hi", "max_tokens": 2, "frobnicate": 1}
-    with caplog.at_level(logging.WARNING, logger="cluster.openai_api"):
+    with caplog.at_level(logging.WARNING, logger="cluster.frontend.openai_api"):
         assert client.post("/v1/completions", json=body).status_code == 200
     assert any("frobnicate" in r.getMessage() for r in caplog.records)
 
@@ -472,10 +472,10 @@ def test_the_key_comes_from_one_of_flag_file_or_environment(tmp_path):
 
 
 def test_serve_flags_reach_the_config_and_bad_ones_are_cli_errors(tmp_path, monkeypatch, capsys):
-    import cluster.serve
+    import cluster.commands.serve
 
     served = []
-    monkeypatch.setattr(cluster.serve, "serve", served.append)
+    monkeypatch.setattr(cluster.commands.serve, "serve", served.append)
     monkeypatch.delenv("PDCLUSTER_API_KEY", raising=False)
     key_file = tmp_path / "key"
     key_file.write_text("secret\n")

@@ -1,4 +1,4 @@
-"""Several API processes on one port (`pdcluster serve --api-servers 2`, cluster.api_servers):
+"""Several API processes on one port (`pdcluster serve --api-servers 2`, cluster.frontend.api_servers):
 both serve, each request's tokens reach the process that holds its connection, aborts from
 either free the KV on every node, /metrics from either counts every request, and an API
 process killed under load takes only its own streams down, leaves nothing on the nodes, and is
@@ -20,7 +20,7 @@ import httpx
 import pytest
 from tiny_models import make_tiny_llama, save_chat_template
 
-from cluster.http_guards import API_SERVER_HEADER
+from cluster.frontend.http_guards import API_SERVER_HEADER
 from engine import LLM, SamplingParams
 
 pytest.importorskip("ray")
@@ -52,7 +52,7 @@ def server(tiny_model, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     command = [
-        sys.executable, "-m", "cluster.cli", "serve",
+        sys.executable, "-m", "cluster.commands.cli", "serve",
         "--device", "cpu", "--model", tiny_model, "--port", str(port), "--api-servers", "2",
         "--max-model-len", str(ENGINE["max_model_len"]),
         "--kv-cache-tokens", str(ENGINE["kv_cache_tokens"]),

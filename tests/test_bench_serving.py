@@ -36,7 +36,7 @@ from cluster.bench_serving.report import format_summaries, plot_latency_vs_rate
 from cluster.bench_serving.results import Outcome, RequestResult, RunResult
 from cluster.bench_serving.runner import arrival_offsets, run_at_rate
 from cluster.bench_serving.stream_events import parse_stream_line
-from cluster.openai_api import BackgroundServer, create_app
+from cluster.frontend.openai_api import BackgroundServer, create_app
 
 REPO = Path(__file__).resolve().parent.parent
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None

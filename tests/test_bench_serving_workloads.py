@@ -30,7 +30,7 @@ from cluster.bench_serving.metrics import Slo, summarize
 from cluster.bench_serving.report import format_summaries
 from cluster.bench_serving.results import Outcome, RequestResult, RunResult
 from cluster.bench_serving.stream_events import parse_stream_line
-from cluster.openai_api import BackgroundServer, create_app
+from cluster.frontend.openai_api import BackgroundServer, create_app
 from engine import LLM
 
 
@@ -293,7 +293,7 @@ def long_context_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(long_context_model):
-    from cluster.local_backend import LocalBackend
+    from cluster.control.local_backend import LocalBackend
 
     llm = LLM(str(long_context_model), device="cpu", max_model_len=16384, kv_cache_tokens=65536)
     llm.tokenizer.chat_template = CHAT_TEMPLATE

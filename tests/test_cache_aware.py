@@ -1,5 +1,5 @@
-"""The cache_aware prefill policy (cluster.cache_aware) and the router's tree of what it sent
-each node (cluster.routed_prefixes): the longest cached prefix wins, a node too busy beyond
+"""The cache_aware prefill policy (cluster.control.cache_aware) and the router's tree of what it sent
+each node (cluster.control.routed_prefixes): the longest cached prefix wins, a node too busy beyond
 the threshold or a match too short gives way to the least-loaded node, a node's death or
 replacement drops what the router believed it held, and each tree stays within its bound.
 tests/test_prefix_cache_cluster.py runs the policy through a cluster of two prefill nodes."""
@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.cache_aware import CacheAware
-from cluster.config import ClusterConfig
-from cluster.node_state import NodeState
-from cluster.policies import PolicyOptions, create_policy
-from cluster.routed_prefixes import RoutedPrefixes
-from cluster.router import Router
+from cluster.control.cache_aware import CacheAware
+from cluster.deploy.config import ClusterConfig
+from cluster.control.node_state import NodeState
+from cluster.control.policies import PolicyOptions, create_policy
+from cluster.control.routed_prefixes import RoutedPrefixes
+from cluster.control.router import Router
 from metadata.control_auth import new_control_key
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cluster.cli import build_parser, main
-from cluster.cli_commands import engine_args
+from cluster.commands.cli import build_parser, main
+from cluster.commands.cli_commands import engine_args
 
 
 def test_speculation_flags_reach_the_engine_options():

@@ -20,7 +20,7 @@ from cluster.client import (
     Completion,
     CompletionUsage,
 )
-from cluster.openai_api import BackgroundServer, create_app
+from cluster.frontend.openai_api import BackgroundServer, create_app
 from engine import SamplingParams
 
 CHAT = [{"role": "user", "content": "Tell me a story"}]

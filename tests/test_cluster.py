@@ -221,7 +221,7 @@ def test_a_dead_decode_node_ends_its_requests_with_an_error_naming_it(tiny_model
         with Client(server.url) as client:
             out = client.generate("after", max_tokens=4, temperature=0)
             assert out.usage.completion_tokens == 4
-            # Down until its replacement serves (cluster.supervisor), then back.
+            # Down until its replacement serves (cluster.control.supervisor), then back.
             health = client.health()
             node = next(n for n in health["nodes"] if n["name"] == "decode-0")
             replaced = node["status"] == "ok" and node["restarts"] == 1

@@ -13,8 +13,8 @@ from cluster_helpers import launch, wait_for
 from tiny_drafts import make_good_draft, make_predictable_llama
 from tiny_models import make_tiny_llama
 
-import cluster.launcher as launcher
-from cluster.backend import BackendError
+import cluster.deploy.launcher as launcher
+from cluster.frontend.backend import BackendError
 from engine import LLM, SamplingParams
 
 ray = pytest.importorskip("ray")

@@ -26,7 +26,7 @@ from test_early_announce import PREFILL_RANK, PROMPT, ROOM, ScratchReceiver, ann
 from tiny_models import make_tiny_llama
 
 from cluster.client import Client
-from cluster.metrics import ClusterMetrics
+from cluster.control.metrics import ClusterMetrics
 from engine import LLM, SamplingParams
 from metadata.control import Inbox, Outbox
 from metadata.control_auth import KEY_BYTES, FrameSigner, FrameVerifier, new_control_key

@@ -135,8 +135,8 @@ def test_the_padding_row_is_never_handed_out() -> None:
 def test_cli_takes_the_graph_and_backend_flags() -> None:
     import argparse
 
-    from cluster.cli_args import add_engine_args
-    from cluster.cli_commands import engine_args
+    from cluster.commands.cli_args import add_engine_args
+    from cluster.commands.cli_commands import engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import build_parser
+from cluster.commands.cli import build_parser
 
 jsonschema = pytest.importorskip("jsonschema")
 yaml = pytest.importorskip("yaml")

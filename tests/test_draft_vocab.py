@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from tiny_drafts import make_good_draft, make_predictable_llama, target_config
 from tiny_models import make_tiny_llama
 
-from cluster.cli import build_parser
-from cluster.cli_commands import engine_args
+from cluster.commands.cli import build_parser
+from cluster.commands.cli_commands import engine_args
 from engine import LLM, ModelLoadError, SamplingParams
 from engine.loader import EngineArgs, resolve
 from engine.model_runner import build_model

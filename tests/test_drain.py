@@ -1,4 +1,4 @@
-"""Graceful drain (cluster.admission, cluster.serve): once draining, new requests get a 503 with
+"""Graceful drain (cluster.frontend.admission, cluster.commands.serve): once draining, new requests get a 503 with
 Retry-After and /health answers 503 "draining", the requests in flight finish, those left at the
 drain timeout end with an error naming it; `pdcluster serve` drains on SIGTERM and exits 0."""
 
@@ -26,11 +26,11 @@ from test_admission import (
     wait_until,
 )
 
-from cluster.admission import Admission
-from cluster.api_errors import OpenAIError
-from cluster.api_server import DrainingServer
-from cluster.backend import BackendError
-from cluster.openai_api import BackgroundServer, create_app
+from cluster.frontend.admission import Admission
+from cluster.frontend.api_errors import OpenAIError
+from cluster.frontend.api_server import DrainingServer
+from cluster.frontend.backend import BackendError
+from cluster.frontend.openai_api import BackgroundServer, create_app
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,7 +150,7 @@ def test_serve_drains_on_sigterm_and_exits_zero(tiny_model_path, tmp_path):
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     command = [
-        sys.executable, "-m", "cluster.cli", "serve",
+        sys.executable, "-m", "cluster.commands.cli", "serve",
         "--device", "cpu", "--model", str(tiny_model_path), "--port", str(port),
         "--max-model-len", "512", "--kv-cache-tokens", "2048", "--drain-timeout", "30",
     ]  # fmt: skip

@@ -15,8 +15,8 @@ import torch
 from fastapi.testclient import TestClient
 from tiny_drafts import make_good_draft, make_predictable_llama
 
-from cluster.local_backend import LocalBackend
-from cluster.openai_api import create_app
+from cluster.control.local_backend import LocalBackend
+from cluster.frontend.openai_api import create_app
 from engine import LLM, RequestRejectedError, SamplingParams
 from engine.prompt_embeds import InputEmbeds, PromptEmbeds
 

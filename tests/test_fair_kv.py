@@ -23,8 +23,8 @@ from tiny_drafts import make_good_draft, make_predictable_llama
 from tiny_models import CHAT_TEMPLATE, make_tiny_llama
 
 from cluster.client import AsyncClient
-from cluster.local_backend import LocalBackend
-from cluster.openai_api import create_app
+from cluster.control.local_backend import LocalBackend
+from cluster.frontend.openai_api import create_app
 from engine import LLM, RequestRejectedError, SamplingParams
 from engine.request import Request
 from engine.scheduler import retraction_victim

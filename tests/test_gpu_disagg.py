@@ -27,8 +27,8 @@ pytestmark = [
 ]
 ray = pytest.importorskip("ray")
 
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.launcher import Cluster  # noqa: E402
+from cluster.deploy.config import ClusterConfig  # noqa: E402
+from cluster.deploy.launcher import Cluster  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.loader import EngineArgs  # noqa: E402
 from engine.weights import resolve_model  # noqa: E402

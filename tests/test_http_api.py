@@ -16,9 +16,9 @@ from conftest import TINY_BACKEND_MODEL as MODEL
 from fastapi.testclient import TestClient
 from tiny_models import byte_tokenizer
 
-from cluster.backend import BackendError, GenerationBackend, TokenDelta, make_usage
-from cluster.local_backend import LocalBackend
-from cluster.openai_api import BackgroundServer, create_app
+from cluster.frontend.backend import BackendError, GenerationBackend, TokenDelta, make_usage
+from cluster.control.local_backend import LocalBackend
+from cluster.frontend.openai_api import BackgroundServer, create_app
 from engine import LLM, SamplingParams
 
 CHAT = [{"role": "user", "content": "Hello there"}]
@@ -237,10 +237,10 @@ def test_models_and_health(client, backend):
 
 
 def test_one_log_line_per_request(client, caplog):
-    with caplog.at_level(logging.INFO, logger="cluster.openai_api"):
+    with caplog.at_level(logging.INFO, logger="cluster.frontend.openai_api"):
         post(client, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
         client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 0})
-    lines = [r.getMessage() for r in caplog.records if r.name == "cluster.openai_api"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "cluster.frontend.openai_api"]
     assert len(lines) == 2 and "finish=length" in lines[0] and "400" in lines[1]
 
 

@@ -17,8 +17,8 @@ import pytest
 from listening_sockets import descendants, listening_sockets
 
 import cluster
-from cluster.cli import main
-from cluster.config import ClusterConfig
+from cluster.commands.cli import main
+from cluster.deploy.config import ClusterConfig
 from metadata.loopback import is_loopback
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -47,7 +47,7 @@ def wait_until_healthy(server: subprocess.Popen, url: str, timeout_s: float = 30
 def served(tiny_model_path):
     """`pdcluster serve` on loopback, as a user starts it: its own process, its own Ray."""
     port = free_port()
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--host", "127.0.0.1"]
+    command = [sys.executable, "-m", "cluster.commands.cli", "serve", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--model", str(tiny_model_path), "--device", "cpu"]
     # The code under test, whatever the environment's installed copy of pdcluster is.
     repo = str(Path(cluster.__file__).resolve().parents[1])
@@ -115,10 +115,10 @@ def test_loopback_hosts(host, expected):
     ],
 )
 def test_serve_asks_for_loopback_only_when_the_api_is_local(monkeypatch, flags, loopback_only):
-    import cluster.serve
+    import cluster.commands.serve
 
     served = []
-    monkeypatch.setattr(cluster.serve, "serve", served.append)
+    monkeypatch.setattr(cluster.commands.serve, "serve", served.append)
     monkeypatch.delenv("PDCLUSTER_API_KEY", raising=False)
     assert main(["serve", *flags]) == 0
     [config] = served

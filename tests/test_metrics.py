@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tiny_drafts import make_good_draft, make_predictable_llama
 from tiny_models import make_tiny_llama
 
-from cluster.cli import build_parser
-from cluster.local_backend import LocalBackend
-from cluster.metrics import ClusterMetrics, RequestTimer
-from cluster.openai_api import create_app
+from cluster.commands.cli import build_parser
+from cluster.control.local_backend import LocalBackend
+from cluster.control.metrics import ClusterMetrics, RequestTimer
+from cluster.frontend.openai_api import create_app
 from engine import LLM
 from metadata.control_auth import new_control_key
 from metadata.node_common import NodeOptions, metadata_buffers

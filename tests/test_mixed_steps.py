@@ -486,8 +486,8 @@ def test_a_speculating_engine_keeps_its_steps_apart(tiny_model_path: Path):
 
 
 def test_the_switch_reaches_the_engine_from_the_command_line(tiny_model_path: Path):
-    from cluster.cli_args import add_engine_args
-    from cluster.cli_commands import engine_args
+    from cluster.commands.cli_args import add_engine_args
+    from cluster.commands.cli_commands import engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

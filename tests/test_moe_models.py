@@ -185,7 +185,7 @@ def trained_draft(models, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 3-depth draft for the Qwen3-MoE target (a dense layer among its sparse ones), trained
     by `pdcluster train-draft` for a few hundred steps on the target's answers to 200 prompts
     (about 15 s): enough to accept some drafts."""
-    from cluster.cli import main
+    from cluster.commands.cli import main
 
     root = tmp_path_factory.mktemp("moe-draft")
     target = root / "target"

@@ -20,10 +20,10 @@ from cluster_helpers import wait_for
 from tiny_models import make_tiny_llama
 
 from cluster.client import Client
-from cluster.config import ClusterConfig
-from cluster.launcher import Cluster, ClusterStartError, init_ray
-from cluster.openai_api import BackgroundServer, create_app
-from cluster.placement import role_demands, shortfall
+from cluster.deploy.config import ClusterConfig
+from cluster.deploy.launcher import Cluster, ClusterStartError, init_ray
+from cluster.frontend.openai_api import BackgroundServer, create_app
+from cluster.deploy.placement import role_demands, shortfall
 from engine import LLM, SamplingParams
 from engine.loader import EngineArgs
 
@@ -131,7 +131,7 @@ def test_too_few_role_hosts_fail_at_once_naming_the_resource(ray_cluster, tiny_m
 
 def test_launch_waits_for_a_role_host_that_joins_late(ray_cluster, tiny_model, caplog):
     cluster_, node_ids = ray_cluster
-    caplog.set_level(logging.INFO, logger="cluster.placement")
+    caplog.set_level(logging.INFO, logger="cluster.deploy.placement")
     config = config_for(tiny_model, cluster_.address, decode_nodes=2, node_wait_s=60)
     launched: dict = {}
 
@@ -205,7 +205,7 @@ def test_pdcluster_serve_joins_the_cluster_and_stops_on_sigint(ray_cluster, tiny
     port = _free_port()
     log_path = tmp_path / "serve.log"
     command = [
-        sys.executable, "-m", "cluster.cli", "serve",
+        sys.executable, "-m", "cluster.commands.cli", "serve",
         "--ray-address", cluster_.address,
         "--model", tiny_model,
         "--device", "cpu",

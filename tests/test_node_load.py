@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.node_state import NodeState
-from cluster.policies import LeastLoad
-from cluster.router import Router
+from cluster.control.node_state import NodeState
+from cluster.control.policies import LeastLoad
+from cluster.control.router import Router
 from engine.sampling_params import SamplingParams
 from metadata.control import Inbox, Outbox
 from metadata.control_auth import new_control_key

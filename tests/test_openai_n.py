@@ -13,7 +13,7 @@ from cluster_helpers import launch, serve
 from conftest import TINY_BACKEND_MODEL
 from tiny_models import make_tiny_llama
 
-from cluster.openai_api import BackgroundServer, create_app
+from cluster.frontend.openai_api import BackgroundServer, create_app
 from engine import LLM, SamplingParams
 
 PROMPTS = ["hello there", "a", "the quick brown fox", "1 2 3 4"]

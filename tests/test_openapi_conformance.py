@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from cluster.openai_api import BackgroundServer, create_app
+from cluster.frontend.openai_api import BackgroundServer, create_app
 
 # Per operation and phase; about 40 s for the whole run on two shared cores.
 MAX_EXAMPLES = 50

@@ -81,8 +81,8 @@ def test_on_by_default_on_a_gpu_only_and_off_by_flag(tiny_model_path: Path, tmp_
     import argparse
     import dataclasses
 
-    from cluster.cli_args import add_engine_args
-    from cluster.cli_commands import engine_args
+    from cluster.commands.cli_args import add_engine_args
+    from cluster.commands.cli_commands import engine_args
     from engine.loader import EngineArgs, resolve
 
     args = EngineArgs(model=str(tiny_model_path), device="cpu", kv_cache_tokens=256)

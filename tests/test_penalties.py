@@ -222,7 +222,7 @@ def test_logit_bias_outside_the_vocabulary_is_refused(models):
 def test_the_fields_cross_the_wire_and_older_senders_still_decode():
     import msgpack
 
-    from cluster.router_messages import sampling_spec
+    from cluster.control.router_messages import sampling_spec
     from metadata.messages import PROTOCOL_VERSION, SamplingSpec, decode, encode
 
     params = SamplingParams(

@@ -32,8 +32,8 @@ def test_prefill_graphs_follow_the_graph_flags(tiny_model_path: Path, tmp_path) 
         EngineArgs(model=str(tiny_model_path), cuda_graph_max_prefill_tokens=-1)
     import argparse
 
-    from cluster.cli_args import add_engine_args
-    from cluster.cli_commands import engine_args
+    from cluster.commands.cli_args import add_engine_args
+    from cluster.commands.cli_commands import engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -1,10 +1,10 @@
-"""Ray's own observability is off in the processes a cluster starts (cluster.ray_start): the
+"""Ray's own observability is off in the processes a cluster starts (cluster.deploy.ray_start): the
 serving process pays for no task-event reports nor Ray metrics it never reads, unless the
 environment asks for them."""
 
 from __future__ import annotations
 
-from cluster.ray_start import RAY_OBSERVABILITY_OFF, without_ray_observability
+from cluster.deploy.ray_start import RAY_OBSERVABILITY_OFF, without_ray_observability
 
 
 def test_task_events_and_ray_metrics_are_off_unless_the_environment_sets_them():

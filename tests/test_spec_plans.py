@@ -16,7 +16,7 @@ import torch
 from queued_rounds import with_emulated_graphs
 from tiny_drafts import make_good_draft, make_predictable_llama, target_config
 
-from cluster.tracing import NodeTimeline, RequestTimeline, chrome_trace
+from cluster.control.tracing import NodeTimeline, RequestTimeline, chrome_trace
 from engine import LLM, SamplingParams
 from engine.grammar import json_schema_grammar
 from spec.draft_model import MultiLayerEagleDraft, save_draft

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.cli_commands import engine_args
+from cluster.commands.cli import build_parser
+from cluster.commands.cli_commands import engine_args
 from engine.env import speculative_plan_default
 from engine.loader import EngineArgs
 from spec.round_costs import (

@@ -15,8 +15,8 @@ import torch
 from tiny_drafts import make_good_draft, make_predictable_llama, make_random_draft
 from tiny_models import make_tiny_llama
 
-from cluster.cli import build_parser, main
-from cluster.cli_commands import engine_args
+from cluster.commands.cli import build_parser, main
+from cluster.commands.cli_commands import engine_args
 from engine import LLM, SamplingParams
 from engine.errors import PdclusterError
 from engine.loader import DEFAULT_DRAFT_CHAINS, EngineArgs, resolve

@@ -16,7 +16,7 @@ from cluster_helpers import wait_for
 from healing_helpers import launch_healing_cluster, metric, one_request, wait_for_node
 from tiny_models import make_tiny_llama
 
-from cluster.launcher import Cluster
+from cluster.deploy.launcher import Cluster
 from engine import SamplingParams
 from engine.env import FaultSettings, fault_settings
 from metadata.faults import DECODE_FAULT_PHASES, PREFILL_FAULT_PHASES, FaultInjector
@@ -184,7 +184,7 @@ def test_a_node_launched_without_faults_clears_those_its_ray_instance_started_wi
     """Ray merges an actor's environment into the one its job started with: the launcher
     sets every fault variable, empty where the driver has none, so a cluster launched after a
     faulty one in the same process (and Ray instance) injects nothing."""
-    from cluster.ray_start import forwarded_env
+    from cluster.deploy.ray_start import forwarded_env
     from engine.env import FAULT_ENV_VARS
 
     for name in FAULT_ENV_VARS:

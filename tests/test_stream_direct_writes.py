@@ -12,13 +12,13 @@ from types import SimpleNamespace
 
 from stream_recorder import CharTokenizer
 
-from cluster.admission import Admission
-from cluster.backend import BackendError
-from cluster.flights import Flight, FlightTable, next_delta, take_tokens
-from cluster.node_state import NodeState
-from cluster.protocol import ResponseFormatter
-from cluster.sample_streams import SharedPrefill
-from cluster.streaming import RAW_SEND, EventStreamResponse
+from cluster.frontend.admission import Admission
+from cluster.frontend.backend import BackendError
+from cluster.frontend.flights import Flight, FlightTable, next_delta, take_tokens
+from cluster.control.node_state import NodeState
+from cluster.frontend.protocol import ResponseFormatter
+from cluster.frontend.sample_streams import SharedPrefill
+from cluster.frontend.streaming import RAW_SEND, EventStreamResponse
 from metadata.messages import StreamEnd, TokenFrame
 
 ROOM = 5

@@ -21,13 +21,13 @@ import zmq
 from stream_recorder import CharTokenizer
 from tiny_models import byte_tokenizer
 
-from cluster.backend import BackendError, TokenDelta, make_usage
-from cluster.choices import ChoiceDelta
-from cluster.flights import Flight, FlightTable, NodeDied, next_delta
-from cluster.node_state import NodeState
-from cluster.protocol import ResponseFormatter
-from cluster.router import Router
-from cluster.streaming import EventStreamResponse
+from cluster.frontend.backend import BackendError, TokenDelta, make_usage
+from cluster.frontend.choices import ChoiceDelta
+from cluster.frontend.flights import Flight, FlightTable, NodeDied, next_delta
+from cluster.control.node_state import NodeState
+from cluster.frontend.protocol import ResponseFormatter
+from cluster.control.router import Router
+from cluster.frontend.streaming import EventStreamResponse
 from decode_node.frames import FrameMaker
 from decode_node.token_streams import TokenStreams
 from engine import SamplingParams, TokenLogprob

@@ -24,8 +24,8 @@ from cluster_helpers import launch_aggregated, serve, wait_for
 from tiny_models import make_tiny_llama, save_chat_template
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from cluster.local_backend import LocalBackend
-from cluster.openai_api import BackgroundServer, create_app
+from cluster.control.local_backend import LocalBackend
+from cluster.frontend.openai_api import BackgroundServer, create_app
 from engine import LLM
 
 ray = pytest.importorskip("ray")

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from cluster.openai_api import BackgroundServer, create_app
+from cluster.frontend.openai_api import BackgroundServer, create_app
 from engine import LLM
 
 pytest.importorskip("llguidance")
@@ -77,7 +77,7 @@ def _check_call(call, tool: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    from cluster.local_backend import LocalBackend
+    from cluster.control.local_backend import LocalBackend
 
     backend = LocalBackend(LLM(device="cpu", max_model_len=512), model_name=MODEL)
     with BackgroundServer(create_app(backend)) as server:

@@ -13,10 +13,10 @@ import torch
 from fastapi.testclient import TestClient
 from tiny_models import byte_tokenizer
 
-from cluster.backend import TokenDelta, make_usage
-from cluster.openai_api import create_app
-from cluster.request_schema import ChatMessage
-from cluster.structured_output import Tool, ToolUse
+from cluster.frontend.backend import TokenDelta, make_usage
+from cluster.frontend.openai_api import create_app
+from cluster.frontend.request_schema import ChatMessage
+from cluster.frontend.structured_output import Tool, ToolUse
 from engine.grammar_mask import apply_bitmask, new_bitmask
 
 pytest.importorskip("llguidance")
@@ -103,7 +103,7 @@ def test_an_answer_that_did_not_end_on_its_own_is_never_calls(finish_reason):
 def test_forced_calls_one_or_more_when_parallel_exactly_one_when_not(
     choice, parallel, accepted, refused
 ):
-    from cluster.structured_output import NamedToolChoice
+    from cluster.frontend.structured_output import NamedToolChoice
 
     if isinstance(choice, dict):
         choice = NamedToolChoice.model_validate(choice)
@@ -237,7 +237,7 @@ def test_with_parallel_tool_calls_false_several_calls_are_text():
 
 def test_the_python_client_takes_parallel_tool_calls_and_returns_every_call():
     from cluster.client import Client
-    from cluster.openai_api import BackgroundServer
+    from cluster.frontend.openai_api import BackgroundServer
 
     ask = dict(tools=[WEATHER, TIME], tool_choice="required")
     with BackgroundServer(create_app(AnsweringBackend(TWO_CALLS))) as server:

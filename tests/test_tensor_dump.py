@@ -18,8 +18,8 @@ from tiny_drafts import (
     target_config,
 )
 
-from cluster.cli import build_parser
-from cluster.cli_commands import engine_args
+from cluster.commands.cli import build_parser
+from cluster.commands.cli_commands import engine_args
 from engine import LLM, SamplingParams
 from engine.debug_dump import refuse_cuda_graphs
 from engine.loader import EngineArgs

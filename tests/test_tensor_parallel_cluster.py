@@ -17,8 +17,8 @@ from healing_helpers import launch_healing_cluster, one_request, wait_for_node
 from rank_processes import follower_ranks, router_tokens
 from tiny_models import make_tiny_llama
 
-from cluster.cli import build_parser
-from cluster.config import ClusterConfig
+from cluster.commands.cli import build_parser
+from cluster.deploy.config import ClusterConfig
 from engine import LLM, SamplingParams
 from engine.loader import EngineArgs
 

@@ -26,8 +26,8 @@ from rank_processes import follower_ranks, router_tokens
 from tiny_drafts import make_good_draft, make_predictable_llama
 from tiny_models import make_tiny_llama
 
-from cluster.config import ClusterConfig
-from cluster.launcher import Cluster
+from cluster.deploy.config import ClusterConfig
+from cluster.deploy.launcher import Cluster
 from engine import LLM, SamplingParams
 from engine.loader import EngineArgs, resolve
 from metadata.buffers import MetadataBuffers

@@ -13,8 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 from tiny_drafts import make_good_draft, make_predictable_llama
 
-from cluster.openai_api import BackgroundServer, create_app
-from cluster.tracing import ROUTER_PID, NodeTimeline, RequestTimeline, chrome_trace, clock_offset_ns
+from cluster.frontend.openai_api import BackgroundServer, create_app
+from cluster.control.tracing import ROUTER_PID, NodeTimeline, RequestTimeline, chrome_trace, clock_offset_ns
 from engine import LLM, SamplingParams
 from engine.tracing import clock_ns
 
@@ -144,8 +144,8 @@ def traced_cluster(folders, tmp_path_factory):
     ray = pytest.importorskip("ray")  # noqa: F841 - the cluster needs it
     from cluster_helpers import ensure_ray
 
-    from cluster.config import ClusterConfig
-    from cluster.launcher import Cluster
+    from cluster.deploy.config import ClusterConfig
+    from cluster.deploy.launcher import Cluster
     from engine.loader import EngineArgs
 
     ensure_ray()
@@ -258,9 +258,9 @@ def _check_trace(trace: dict, request_id: str, usage: dict) -> int:
 
 
 def test_tracing_flags_and_a_trace_dir_without_tracing():
-    from cluster.cli import build_parser
-    from cluster.config import ClusterConfig
-    from cluster.demo import _forwarded_flags
+    from cluster.commands.cli import build_parser
+    from cluster.deploy.config import ClusterConfig
+    from cluster.commands.demo import _forwarded_flags
 
     args = build_parser().parse_args(["demo", "--enable-tracing", "--trace-dir", "traces"])
     assert args.enable_tracing and Path(args.trace_dir).is_absolute()

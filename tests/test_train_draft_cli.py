@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from train_helpers import read_log
 
-from cluster.cli import main
+from cluster.commands.cli import main
 from spec.train.pipeline import TrainDraftConfig
 
 # One CPU thread, and the predictable target: conftest.py.

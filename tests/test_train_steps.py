@@ -14,7 +14,7 @@ import torch
 from tiny_drafts import target_config
 from tiny_models import make_tiny_llama
 
-from cluster.cli import main
+from cluster.commands.cli import main
 from engine import LLM, ModelLoadError, SamplingParams
 from engine.loader import EngineArgs, resolve
 from engine.model_runner import build_model

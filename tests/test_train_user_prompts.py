@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.cli import main
+from cluster.commands.cli import main
 from spec.train.corpus_report import (
     CorpusPart,
     corpus_report,

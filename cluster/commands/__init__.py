@@ -1,0 +1,1 @@
+"""The `pdcluster` command line and what each command does."""

@@ -1,0 +1,1 @@
+"""Starting a cluster: its configuration, Ray, placement and the node actors."""
