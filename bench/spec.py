@@ -8,7 +8,7 @@ side by side in one run.
         [--requests N] [--continuous]
 
 Plain decoding and one speculative engine per --num-draft-chains value and per --trees
-TOPK:NODES draft tree (spec/tree.py) answer the held-out chat prompts
+TOPK:NODES draft tree (spec/runtime/tree.py) answer the held-out chat prompts
 (spec.train.prompts.heldout_prompts, never used to train the shipped draft), stopping at EOS or
 --max-tokens; greedy ones must produce identical tokens (with --temperature, every request is
 sampled with a seed of its own, and the output is not compared). With N chains, each step
@@ -22,7 +22,7 @@ run, each with its own number of depths unless --num-draft-steps sets one for al
 --num-draft-steps values (steps beyond a draft's depths run its last depth again) and several
 --draft-vocab values: a draft proposing from its folder's vocabulary, then from the whole one;
 and several --speculative-plan values: a round at every step ("always", the default here), or
-rounds only where they are measured to pay (spec/round_plan.py; the `rounds` column gives the
+rounds only where they are measured to pay (spec/runtime/round_plan.py; the `rounds` column gives the
 share of decode steps that speculated).
 Each engine runs --repeats passes, alternating with the others; the table shows median tokens/s
 and the range of pass-against-pass speedups. A pass runs its requests (`--requests`, the held-out

@@ -15,7 +15,7 @@ from engine.engine_core import EngineCore
 from engine.kv_pool import KVPool
 from engine.request import Request
 from metadata.buffers import MetadataBuffers
-from spec.sample_extend import shared_prompt_len
+from spec.runtime.sample_extend import shared_prompt_len
 
 
 def first_step_slots(req: Request) -> int:
@@ -39,7 +39,7 @@ def group_needs(requests: list[Request], engine: EngineCore) -> list[tuple[KVPoo
     In depth d the samples share the prompt only up to `shared_prompt_len`, one position less
     at each depth than in the target."""
     first, forks = requests[0], requests[1:]
-    # Positions held already, in the target and in every depth (spec/prefix_drafts.py).
+    # Positions held already, in the target and in every depth (spec/runtime/prefix_drafts.py).
     first_own = first_step_slots(first) - first.cached_len
     target = first_own + sum(fork_step_slots(req) for req in forks)
     needs = [(engine.kv_cache.kv_pool, target)]
@@ -83,7 +83,7 @@ def fits(requests: list[Request], engine: EngineCore, metadata: MetadataBuffers)
 def make_draft_room(requests: list[Request], engine: EngineCore) -> None:
     """Where the target's pool has room for the request but a draft depth's has not, evict
     from the prefix cache until it has (or nothing is left to evict): the cache holds each
-    depth's KV beside the target's and frees it only with the target's (spec/prefix_drafts.py),
+    depth's KV beside the target's and frees it only with the target's (spec/runtime/prefix_drafts.py),
     which a target allocation evicts when it needs room, but `fits` checks the depths before
     anything is taken, so their cached KV would keep the request waiting for good."""
     kv_cache = engine.kv_cache

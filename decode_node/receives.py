@@ -15,7 +15,7 @@ from metadata.messages import TransferAnnounce
 from metadata.transfer import TransferState
 from metadata.wire import kv_nbytes
 from spec import DraftState, MultiLayerEagleWorker
-from spec.sample_extend import shared_prompt_len
+from spec.runtime.sample_extend import shared_prompt_len
 
 
 def receive_pools(

@@ -69,9 +69,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     seed: int = 0
     # Draft chains per request when speculating: the draft tree that branches at the first
-    # draft only (spec/tree.py).
+    # draft only (spec/runtime/tree.py).
     num_draft_chains: int = 1
-    # A draft token tree instead (spec/tree.py): each expanded node's `speculative_topk`
+    # A draft token tree instead (spec/runtime/tree.py): each expanded node's `speculative_topk`
     # likeliest children, `num_draft_tokens` nodes verified (0: topk x depths, at most
     # MAX_DRAFT_TREE_TOKENS); 1: chains.
     speculative_topk: int = 1
@@ -79,7 +79,7 @@ class EngineConfig:
     # A draft that ships a vocabulary proposes from it ("draft") or from the target's whole
     # vocabulary ("full"); a draft without one always uses the whole vocabulary.
     draft_vocab: str = "draft"
-    # How each decode step's round plan is chosen (spec/round_plan.py): "adaptive" speculates
+    # How each decode step's round plan is chosen (spec/runtime/round_plan.py): "adaptive" speculates
     # where a round is measured to pay, "always" wherever a request has drafts to verify; at
     # `speculative_disable_batch_size` requests or more (None: no such size) every step is plain.
     speculative_plan: str = "adaptive"
@@ -122,5 +122,5 @@ class EngineConfig:
     @property
     def draft_request_rows(self) -> int:
         """Rows of each draft depth's request table: max_num_seqs for requests, the rest for
-        the forks of draft trees (spec/tree_extender.py), as many as a level expands."""
+        the forks of draft trees (spec/runtime/tree_extender.py), as many as a level expands."""
         return self.max_num_seqs * max(self.num_draft_chains, self.speculative_topk)

@@ -139,7 +139,7 @@ class EngineCore:
         return req
 
     def plan_counts(self) -> dict[str, int]:
-        """Decode steps by the label of their round plan (spec.round_plan) since the engine
+        """Decode steps by the label of their round plan (spec.runtime.round_plan) since the engine
         started: "plain", "chain/device", ...; empty for an engine that does not speculate."""
         return dict(self.speculative.plans) if self.speculative is not None else {}
 

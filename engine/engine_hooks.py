@@ -23,7 +23,7 @@ class QueuedWork(Protocol):
 
 
 class StepPlan(Protocol):
-    """A decode step's plan as the engine reads it (spec.round_plan.RoundPlan)."""
+    """A decode step's plan as the engine reads it (spec.runtime.round_plan.RoundPlan)."""
 
     @property
     def speculates(self) -> bool:

@@ -18,7 +18,7 @@ def cache_dir() -> Path:
 
 
 def speculative_plan_default(environ: Mapping[str, str] | None = None) -> str:
-    """How a speculating engine chooses each step's round plan (spec/round_plan.py) when its
+    """How a speculating engine chooses each step's round plan (spec/runtime/round_plan.py) when its
     arguments do not say: $PDCLUSTER_SPECULATIVE_PLAN ("adaptive" or "always"), else
     "adaptive". The test suite sets "always", so that tests of the rounds' mechanics see a
     round at every step; the adaptive plan's tests ask for it."""

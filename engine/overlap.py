@@ -15,7 +15,7 @@ left out of step N+1.
 
 Only steps whose every request samples from its logits alone overlap: penalties and min_tokens
 read the token history, a grammar's mask needs the newest token, logprobs are read on the host.
-A speculating engine's plain steps (the ones its round plan chooses, spec.round_plan) overlap
+A speculating engine's plain steps (the ones its round plan chooses, spec.runtime.round_plan) overlap
 the same way (`PlainStepPlans`): the step launched ahead must be planned a plain step, and keeps
 the target's hidden states for the drafts to catch up over later; a step that verifies drafts
 or catches them up first waits for the step in flight, as a plain engine's prefill does. A

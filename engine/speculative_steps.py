@@ -1,6 +1,6 @@
 """The speculator's part of the engine's steps: the draft extend over freshly prefilled
 prompts (with each parallel sample pointed at the prompt it shares), and the decode step of
-speculating requests, which runs the plan the speculator chose for it (spec/round_plan.py):
+speculating requests, which runs the plan the speculator chose for it (spec/runtime/round_plan.py):
 a speculative round (verify each request's draft, commit the accepted tokens, extend the draft
 over them), or a plain step (the forward and sampling of a plain engine's decode step, keeping
 the target's hidden states for the drafts to catch up over). Where the engine overlaps its
@@ -129,7 +129,7 @@ class SpeculativeSteps:
         ]
         for req, _, _, _ in prompts:
             if not req.finished and not req.lookahead and req.spec_state is not None:
-                # A cached prefix's draft state (spec/prefix_drafts.py) that no chain follows.
+                # A cached prefix's draft state (spec/runtime/prefix_drafts.py) that no chain follows.
                 self.speculator.release(req)
         if not items:
             return []

@@ -1,6 +1,6 @@
 """What a speculative verify forward hands back. A graph of chain verifies also decides
 acceptance in its replay, with the function the speculator gives it (`ChainVerdicts`,
-spec.acceptance.chain_verdicts), where eagerly it costs the host a handful of calls into
+spec.runtime.acceptance.chain_verdicts), where eagerly it costs the host a handful of calls into
 torch a round."""
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class TransferAnnounce:
     num_draft_tokens: int = 0
     # A parallel sample that shares its prompt's KV: the room whose transfer carries the
     # prompt's target KV and each draft depth's (this one then carries no target KV, only each
-    # depth's positions from spec.sample_extend.shared_prompt_len on, and its row). 0: this
+    # depth's positions from spec.runtime.sample_extend.shared_prompt_len on, and its row). 0: this
     # transfer carries its own prompt's.
     prompt_room: int = 0
     # The PrefillRequest's reused_tokens, said back: the KV sent (the target's and each draft

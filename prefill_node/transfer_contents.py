@@ -16,7 +16,7 @@ from metadata.buffers import MetadataBuffers
 from metadata.wire import PoolMessages
 from prefill_node.pending import Pending
 from spec import MultiLayerEagleWorker
-from spec.sample_extend import shared_prompt_len
+from spec.runtime.sample_extend import shared_prompt_len
 
 
 def prepare_early_kv(batch: list[Pending], kv_pool: KVPool) -> None:

@@ -20,7 +20,7 @@ from engine.speculation import Speculation, chosen_speculation, register_specula
 from spec.config import draft_target_config
 from spec.default_draft import resolve_draft_model
 from spec.draft_model import load_draft
-from spec.worker import MultiLayerEagleWorker
+from spec.runtime.worker import MultiLayerEagleWorker
 
 ALGORITHMS = ("multi-layer-eagle",)
 
@@ -56,7 +56,7 @@ def check_algorithm(algorithm: str) -> None:
 
 
 class MultiLayerEagle:
-    """Multi-layer EAGLE (spec/worker.py) as an engine builds it: the target widened to the
+    """Multi-layer EAGLE (spec/runtime/worker.py) as an engine builds it: the target widened to the
     hidden states the draft reads, and a worker over the draft's depths."""
 
     def target_config(self, args: EngineArgs, target: ModelConfig) -> ModelConfig:

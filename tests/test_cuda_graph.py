@@ -245,7 +245,7 @@ def test_speculation_on_the_triton_backend_is_lossless(tmp_path_factory) -> None
         assert verify is not None and verify.num_replays > 0
         assert verify.trees == (shape != {"num_draft_chains": 1})
         # Every shape's decode steps extend through the fixed shape's graph (chains and trees
-        # alike: spec.device_round, spec.tree_round).
+        # alike: spec.runtime.device_round, spec.runtime.tree_round).
         fixed = spec.engine.speculator.fixed_extend
         assert fixed.num_replays > 0
         # The decode step's extend was captured without autograd, as every other forward: with

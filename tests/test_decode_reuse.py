@@ -295,7 +295,7 @@ def _speculating_conversation(cluster, url: str, llm: LLM) -> tuple[list[int], l
 
 def test_a_speculating_pair_sends_only_the_new_positions_draft_kv(tiny_model, tmp_path):
     """A speculating decode node's cache holds its draft depths' KV with the target's; a match
-    of L tokens gives both for L - K positions (spec/prefix_drafts.py), and the transfer
+    of L tokens gives both for L - K positions (spec/runtime/prefix_drafts.py), and the transfer
     brings the target's and every depth's KV from there on. The output is the offline
     engine's without speculation nor cache, and the drafts accept exactly as many tokens at
     each position as with full transfers: the depths read the same KV."""

@@ -99,7 +99,7 @@ def test_the_cluster_reuses_prefixes_without_changing_output(tiny_model, layout,
             speculative_algorithm="multi-layer-eagle", draft_model=str(draft), num_draft_steps=2
         )
         cluster = launch(tiny_model, prefill=1, decode=1, **speculation, **ENGINE)
-        given -= 2  # a match's last K positions are computed again (spec/prefix_drafts.py)
+        given -= 2  # a match's last K positions are computed again (spec/runtime/prefix_drafts.py)
     elif layout == "2P2D-speculative-tree":
         draft = make_good_draft(tmp_path / "draft", Path(tiny_model), 2, noise=0.01)
         speculation = dict(

@@ -19,7 +19,7 @@ from metadata.buffers import MetadataBuffers
 from metadata.messages import TransferAnnounce
 from metadata.wire import kv_nbytes
 from prefill_node.transfer_contents import void_pools
-from spec.sample_extend import shared_prompt_len
+from spec.runtime.sample_extend import shared_prompt_len
 
 K = 3
 PROMPT = [3 + (7 * j) % 250 for j in range(40)]

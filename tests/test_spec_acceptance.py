@@ -1,4 +1,4 @@
-"""The acceptance rule (spec.acceptance.accept) against a brute-force definition of it, on
+"""The acceptance rule (spec.runtime.acceptance.accept) against a brute-force definition of it, on
 random trees and chains: of all paths from the root, the longest whose every node carries the
 target's choice at its parent's row and is the first of its siblings (in node order) to carry
 it; the committed tokens are the path's, then the target's choice at its last row. The trees
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from spec.acceptance import accept, accept_on_host, chain_verdicts
-from spec.tree import DraftTree
+from spec.runtime.acceptance import accept, accept_on_host, chain_verdicts
+from spec.runtime.tree import DraftTree
 
 VOCAB = 3  # few tokens: siblings repeat one another and many nodes match
 

@@ -1,4 +1,4 @@
-"""A speculative round decided on the device (spec/device_round.py): verify, acceptance and the
+"""A speculative round decided on the device (spec/runtime/device_round.py): verify, acceptance and the
 fixed draft extend queued back to back and read once. It must commit what the host's round
 commits, with the same statistics, and leave nothing behind; requests whose round needs the
 host (sampling, penalties, logprobs) make their steps take the host's round."""
@@ -17,9 +17,9 @@ from engine import LLM, SamplingParams
 from engine.allocator import PADDING_SLOT
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
-from spec.device_round import GROW_AHEAD, grow_for_next_round
-from spec.extend_items import GatheredItems
-from spec.round_plan import PlanPolicy
+from spec.runtime.device_round import GROW_AHEAD, grow_for_next_round
+from spec.runtime.extend_items import GatheredItems
+from spec.runtime.round_plan import PlanPolicy
 
 SPEC = "multi-layer-eagle"
 

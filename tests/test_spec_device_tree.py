@@ -1,6 +1,6 @@
-"""A decode step's draft tree grown on the device (spec/device_tree.py): the fixed-shape
+"""A decode step's draft tree grown on the device (spec/runtime/device_tree.py): the fixed-shape
 extend's forks beside each depth's main rows. The trees are the ones the general extender
-grows (spec/tree_extender.py; the two grow by one rule, spec.tree.TreeGrowth, and run their
+grows (spec/runtime/tree_extender.py; the two grow by one rule, spec.runtime.tree.TreeGrowth, and run their
 forks each their own way), the output stays the target's, and no fork's slots are left
 behind."""
 
@@ -17,10 +17,10 @@ from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
 from engine.kv_pool import KVPool
-from spec.device_tree import ForkColumns, TreeLayout
-from spec.round_plan import PlanPolicy
-from spec.tree import TreeShape
-from spec.tree_round import keep_accepted_kv
+from spec.runtime.device_tree import ForkColumns, TreeLayout
+from spec.runtime.round_plan import PlanPolicy
+from spec.runtime.tree import TreeShape
+from spec.runtime.tree_round import keep_accepted_kv
 
 SPEC = "multi-layer-eagle"
 

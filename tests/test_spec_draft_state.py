@@ -161,7 +161,7 @@ def test_decode_goes_on_from_a_transferred_draft_state(models, kind: str) -> Non
 def test_boundary_rows_of_one_batch_are_read_back_whole_only_in_that_batchs_order() -> None:
     """A decode step's extend leaves each request the index of its row in one batch tensor;
     the next extend copies that tensor whole only when its requests are the same, in order."""
-    from spec.state import BatchRows, whole_batch
+    from spec.runtime.state import BatchRows, whole_batch
 
     batch = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)  # [K-1, n, hidden]
     rows = [BatchRows(batch, i) for i in range(3)]

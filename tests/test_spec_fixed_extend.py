@@ -1,5 +1,5 @@
-"""The decode step's fixed-shape draft extend (spec/decode_extend.py) is the general draft
-extend of spec/draft_extend.py padded: same chains, same boundary states, same acceptance,
+"""The decode step's fixed-shape draft extend (spec/runtime/decode_extend.py) is the general draft
+extend of spec/runtime/draft_extend.py padded: same chains, same boundary states, same acceptance,
 whatever the draft depth count, batch and prompt lengths, for chains and trees alike; it leaves
 nothing behind, and it steps aside where it cannot run (short prompts, tensor dumps)."""
 
@@ -15,9 +15,9 @@ from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
 from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
-from spec.draft_runner import DraftSeq
-from spec.extend_items import GatheredItems, grow_depths
-from spec.round_plan import PlanPolicy
+from spec.runtime.draft_runner import DraftSeq
+from spec.runtime.extend_items import GatheredItems, grow_depths
+from spec.runtime.round_plan import PlanPolicy
 
 SPEC = "multi-layer-eagle"
 
@@ -106,7 +106,7 @@ def test_a_batch_mixes_requests_at_every_stage(models):
 
 @pytest.mark.parametrize("tree", [{"num_draft_chains": 3}, {"speculative_topk": 3}])
 def test_alternative_chains_and_trees_take_it_too(models, tree):
-    """Their other nodes are forks beside its main rows (spec/device_tree.py): the same
+    """Their other nodes are forks beside its main rows (spec/runtime/device_tree.py): the same
     verify steps and accepted drafts as the general path's."""
     prompts, params = _workload(seed=5)
     fixed, runs = _run(_llm(models, "good", 3, **tree), prompts, params, fixed=True)

@@ -1,5 +1,5 @@
 """A speculating engine's decode steps, each running the round plan chosen for it
-(spec/round_plan.py), chosen here through the worker's public `set_plan_policy`: every plan
+(spec/runtime/round_plan.py), chosen here through the worker's public `set_plan_policy`: every plan
 kind decodes what plain decoding does, with the acceptance of the host's general round; the
 adaptive plan switches speculation off for a draft that never accepts and keeps it on for one
 that always does; switching on and off mid-request loses nothing and leaks no slot, with the
@@ -20,8 +20,8 @@ from cluster.control.tracing import NodeTimeline, RequestTimeline, chrome_trace
 from engine import LLM, SamplingParams
 from engine.grammar import json_schema_grammar
 from spec.draft_model import MultiLayerEagleDraft, save_draft
-from spec.round_costs import MIN_ACCEPT_SAMPLES, StepCosts
-from spec.round_plan import PlanPolicy
+from spec.runtime.round_costs import MIN_ACCEPT_SAMPLES, StepCosts
+from spec.runtime.round_plan import PlanPolicy
 
 SPEC = "multi-layer-eagle"
 K = 3
@@ -150,7 +150,7 @@ def test_a_draft_that_never_accepts_switches_speculation_off(models, plain, over
     """From the rounds that measure the accept length on, every step is plain: a step
     commits one token a request either way, so the rounds are all it costs over plain
     decoding; and the output is plain decoding's. With overlap scheduling those plain steps
-    are launched ahead as a plain engine's are, and measured so (spec/round_costs.py)."""
+    are launched ahead as a plain engine's are, and measured so (spec/runtime/round_costs.py)."""
     llm = _llm(models, "never", speculative_plan="adaptive", overlap_schedule=overlap)
     prompts, params = _workload()
     outputs = llm.generate(prompts, params)

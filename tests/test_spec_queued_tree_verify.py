@@ -1,4 +1,4 @@
-"""The next round's tree verify queued from the device (spec.tree_round.queue_next_tree_verify):
+"""The next round's tree verify queued from the device (spec.runtime.tree_round.queue_next_tree_verify):
 behind a round's extend, before the host has read that round's outcome, each request's span
 moved past its accepted path and given its next tree's nodes, positions, slots and ancestor
 masks on the device (CudaGraphs.advance_trees)."""
@@ -23,13 +23,13 @@ from queued_rounds import (
 )
 from tiny_drafts import make_good_draft, make_predictable_llama
 
-import spec.tree_round as tree_round
+import spec.runtime.tree_round as tree_round
 from engine import LLM, SamplingParams
 from engine.cuda_graph import CudaGraphs
 from engine.forward_batch import Span, ancestor_bits
 from engine.graph_inputs import padded_columns
 from engine.kv_pool import KVPool, ReqToTokenPool
-from spec.tree import DraftTree
+from spec.runtime.tree import DraftTree
 
 SPEC = "multi-layer-eagle"
 

@@ -1,4 +1,4 @@
-"""The next round's verify queued from the device (spec.device_round.queue_next_verify): behind
+"""The next round's verify queued from the device (spec.runtime.device_round.queue_next_verify): behind
 a round's extend, before the host has read that round's outcome, each request's verify span
 moved on by its accepted count on the device (CudaGraphs.advance_uniform). Requests that the
 round ends keep their slots until that verify has run (SpeculativeSteps.release_held)."""
@@ -23,11 +23,11 @@ from queued_rounds import (
 )
 from tiny_drafts import make_good_draft, make_predictable_llama
 
-import spec.device_round as device_round
+import spec.runtime.device_round as device_round
 from engine import LLM, SamplingParams
 from engine.cuda_graph import CudaGraphs
 from engine.kv_pool import KVPool, ReqToTokenPool
-from spec.device_round import holds_next_round
+from spec.runtime.device_round import holds_next_round
 
 SPEC = "multi-layer-eagle"
 

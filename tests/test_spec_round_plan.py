@@ -1,5 +1,5 @@
-"""The round plan (spec/round_plan.py) as a function of its stated inputs, and the costs it
-reads (spec/round_costs.py) as the engine's steps measure them: which verify path a round
+"""The round plan (spec/runtime/round_plan.py) as a function of its stated inputs, and the costs it
+reads (spec/runtime/round_costs.py) as the engine's steps measure them: which verify path a round
 takes, when a step is plain, when drafts catch up, and when adaptive speculation pays."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from cluster.commands.cli import build_parser
 from cluster.commands.cli_commands import engine_args
 from engine.env import speculative_plan_default
 from engine.loader import EngineArgs
-from spec.round_costs import (
+from spec.runtime.round_costs import (
     COST_WINDOW,
     MIN_ACCEPT_SAMPLES,
     MIN_SAMPLES,
     StepCosts,
     batch_bucket,
 )
-from spec.round_plan import (
+from spec.runtime.round_plan import (
     PROBE_EVERY,
     CostFacts,
     PlanInputs,

@@ -15,8 +15,8 @@ from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.sampler import filtered_probs
-from spec.acceptance import Verdict, accept_on_host
-from spec.tree import DraftTree
+from spec.runtime.acceptance import Verdict, accept_on_host
+from spec.runtime.tree import DraftTree
 
 VOCAB = 16
 PROMPT = [1, 5, 7, 3]
@@ -94,7 +94,7 @@ def _exact_distribution(target: Path, params: SamplingParams) -> dict[tuple[int,
 def _sample_runs(
     folders: tuple[Path, Path], params: SamplingParams, topk: int | None = None
 ) -> list[tuple[int, ...]]:
-    """`topk`: draft trees of the top-k shape (spec/tree.py) instead of chains."""
+    """`topk`: draft trees of the top-k shape (spec/runtime/tree.py) instead of chains."""
     target, draft = folders
     llm = LLM(
         str(target),
@@ -167,7 +167,7 @@ def _second_chance_on_host(trees, targets):
 
 @pytest.mark.parametrize("topk", [None, 4])
 def test_the_check_catches_a_broken_acceptance_rule(folders, monkeypatch, topk) -> None:
-    monkeypatch.setattr("spec.host_verify.accept_on_host", _second_chance_on_host)
+    monkeypatch.setattr("spec.runtime.host_verify.accept_on_host", _second_chance_on_host)
     params = SETTINGS["temperature-1"]
     runs = _sample_runs(folders, params, topk=topk)
     p_values = _p_values(runs, _exact_distribution(folders[0], params))

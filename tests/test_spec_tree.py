@@ -1,4 +1,4 @@
-"""Draft token trees (spec/tree.py): `speculative_topk` trees and `num_draft_chains` chains,
+"""Draft token trees (spec/runtime/tree.py): `speculative_topk` trees and `num_draft_chains` chains,
 which are trees that branch at the first draft only. Each step verifies a request's tree in one
 forward and keeps the longest path the target agrees with. Output stays the target's own, every
 fork's rows and every node's slots are returned, and each node is what the draft proposes
@@ -23,7 +23,7 @@ from engine.loader import DEFAULT_DRAFT_CHAINS, EngineArgs, resolve
 from engine.request import Request
 from spec.draft_vocab import DraftHead
 from spec.train.dense import draft_forward, target_forward
-from spec.tree_verify import TreeSlots
+from spec.runtime.tree_verify import TreeSlots
 
 SPEC = "multi-layer-eagle"
 

@@ -1,4 +1,4 @@
-"""The draft tree's own rules (spec/tree.py, spec/acceptance.py): the attention mask of its
+"""The draft tree's own rules (spec/runtime/tree.py, spec/runtime/acceptance.py): the attention mask of its
 nodes against the ancestors found by brute force, the choice of the budget's nodes, and
 acceptance: the longest path the target agrees with (greedy), and tree speculative sampling,
 whose committed tokens are distributed as the target's."""
@@ -14,8 +14,8 @@ from test_spec_sampling import chi_square_p_value
 
 from engine import SamplingParams
 from engine.sampler import filtered_probs
-from spec.acceptance import Verdict, accept_on_host
-from spec.tree import DraftTree, TreeGrowth, TreeShape
+from spec.runtime.acceptance import Verdict, accept_on_host
+from spec.runtime.tree import DraftTree, TreeGrowth, TreeShape
 
 
 def accept_tree(tree: DraftTree, targets: list[int]) -> Verdict:

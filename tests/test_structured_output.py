@@ -215,8 +215,8 @@ def _allowed(bitmask: torch.Tensor, vocab: int) -> set[int]:
 
 def test_forbidden_draft_is_rejected_by_acceptance(default_llm):
     from engine.sampler import sample
-    from spec.acceptance import accept_on_host
-    from spec.tree import DraftTree
+    from spec.runtime.acceptance import accept_on_host
+    from spec.runtime.tree import DraftTree
 
     tokenizer = default_llm.tokenizer
     matcher = _matcher(default_llm, SCHEMAS[0])

@@ -1,6 +1,6 @@
 """The Triton kernel that decides a round of draft trees (engine/kernels/tree_accept.py), a
-fast implementation of the acceptance rule, against its torch reference (spec.acceptance.accept,
-the committed tokens along its path, spec.tree_round.keep_accepted_kv): the same paths,
+fast implementation of the acceptance rule, against its torch reference (spec.runtime.acceptance.accept,
+the committed tokens along its path, spec.runtime.tree_round.keep_accepted_kv): the same paths,
 verdicts and KV moves, for trees from one node to 62 (the most a visibility mask holds), 1 to
 8 levels deep, siblings with distinct tokens (as the engine grows them) or repeated ones, and
 paths of every length."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine.kv_pool import KVPool, ReqToTokenPool
-from spec.acceptance import accept
-from spec.tree_round import keep_accepted_kv
+from spec.runtime.acceptance import accept
+from spec.runtime.tree_round import keep_accepted_kv
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,5 +1,5 @@
 """The verdicts a verify graph of chains computes in its replay (engine.verify_outputs), on a
-GPU: spec.acceptance.chain_verdicts over that replay's logits and tokens (the function itself
+GPU: spec.runtime.acceptance.chain_verdicts over that replay's logits and tokens (the function itself
 against a brute-force rule: tests/test_spec_acceptance.py)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
 from engine.kernels import triton_runs_on
-from spec.acceptance import chain_verdicts
+from spec.runtime.acceptance import chain_verdicts
 
 
 @pytest.mark.gpu

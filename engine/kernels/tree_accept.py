@@ -1,5 +1,5 @@
 """A Triton kernel that decides a round of draft trees on the device in one launch
-(spec.tree_round): a fast implementation of the acceptance rule spec.acceptance.accept (the
+(spec.runtime.tree_round): a fast implementation of the acceptance rule spec.runtime.acceptance.accept (the
 path, and the committed tokens, the target's argmax along it), fused with the move of the
 accepted nodes' KV to the positions the request keeps. In torch the same takes a few dozen
 small kernels, each a call into torch on the host, which a round of trees pays on its

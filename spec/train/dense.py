@@ -114,7 +114,7 @@ def draft_forward(
 ) -> list[torch.Tensor]:
     """Every depth's output [B*T, hidden_size] at every position, teacher-forced: depth d at
     position i reads token x[i+d+1] and depth d-1's output at i (the target's hidden state for
-    d = 0), and predicts x[i+d+2], as spec.draft_extend aligns them at inference. With the
+    d = 0), and predicts x[i+d+2], as spec.runtime.draft_extend aligns them at inference. With the
     target's own greedy tokens as `tokens`, depth d sees here exactly what it sees at decode
     time whenever depths < d drafted correctly."""
     batch = DenseBatch.of(tokens)

@@ -11,9 +11,9 @@ import torch
 
 from engine.kv_pool import KVPool
 from engine.request import Request
-from spec.draft_runner import DraftRunner
-from spec.sample_extend import share_prompt, shared_prompt_len
-from spec.state import DraftState, SpecRequestState
+from spec.runtime.draft_runner import DraftRunner
+from spec.runtime.sample_extend import share_prompt, shared_prompt_len
+from spec.runtime.state import DraftState, SpecRequestState
 
 
 def export_state(req: Request, k: int, hidden_size: int) -> DraftState:

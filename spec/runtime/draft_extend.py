@@ -7,7 +7,7 @@ tokens it reads past x_m are the new chain's drafts (depth d at m-1 reads draft 
 draft d+1). Afterwards valid_d = max(0, m-d), and depth d keeps its output at m-d-1 as the
 boundary: depth d+1's next extend starts there, one position before depth d's does.
 
-A tree's other nodes (spec/tree_extender.py) are forks of the main extend: a node at level l
+A tree's other nodes (spec/runtime/tree_extender.py) are forks of the main extend: a node at level l
 runs depth l over positions [m-l, m-1] alone, whose tokens are its path's drafts, reading the
 main extend's KV before them and, at m-l, the boundary state depth l-1 kept in this extend (the
 output there read x_m, a committed token, on every path)."""
@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from engine.prompt_embeds import InputEmbeds
-from spec.draft_runner import DraftInput
-from spec.state import SpecRequestState
-from spec.tree import DraftTree, TreeShape
+from spec.runtime.draft_runner import DraftInput
+from spec.runtime.state import SpecRequestState
+from spec.runtime.tree import DraftTree, TreeShape
 
 
 class DraftExtend:
@@ -50,7 +50,7 @@ class DraftExtend:
         state.boundary = list(self.old_boundary)  # a list of its own, which `take` writes
         # Depth d's output at m-d-2: the boundary of the state this extend would leave with
         # x_0..x_{m-1} alone, which another sample of the prompt x_0..x_{m-1}, whose x_m is its
-        # own, extends from (spec/sample_extend.py).
+        # own, extends from (spec/runtime/sample_extend.py).
         self.prompt_boundary: list[torch.Tensor | None] | None = None
         if keep_prompt_boundary:
             self.prompt_boundary = [None] * len(state.boundary)

@@ -1,4 +1,4 @@
-"""What the decode step's fixed-shape draft extend (spec/decode_extend.py) reads of its
+"""What the decode step's fixed-shape draft extend (spec/runtime/decode_extend.py) reads of its
 requests: one `FixedExtendItem` per request, their integers gathered into arrays once
 (`GatheredItems`), each depth's slots grown from those arrays, and the chains it proposes read
 back on the host."""
@@ -12,9 +12,9 @@ import torch
 
 from engine.allocator import PADDING_SLOT
 from engine.host_copy import HostCopy
-from spec.draft_runner import DraftRunner, DraftSeq
-from spec.state import SpecRequestState
-from spec.tree import DraftTree
+from spec.runtime.draft_runner import DraftRunner, DraftSeq
+from spec.runtime.state import SpecRequestState
+from spec.runtime.tree import DraftTree
 
 
 @dataclass
@@ -97,7 +97,7 @@ def grow_depths(
     """Each depth's slots up to position m+K of every item (the padding rows write there too):
     when some sequence is short of them, every sequence that holds fewer positions than its
     item may hold takes them all, so that a batch's depths grow together every few rounds (the
-    target grows a few rounds ahead, `spec.device_round.grow_for_next_round`) rather than one
+    target grows a few rounds ahead, `spec.runtime.device_round.grow_for_next_round`) rather than one
     request at a time in almost every round. Entries past those point at the padding slot,
     since the extend reads its KV slots from the row table and an entry there may hold a slot
     that another request owns now (they are overwritten when the sequence grows). A depth with
@@ -176,7 +176,7 @@ def tree_columns(k: int, budget: int) -> slice:
 
 def split_trees(copy: HostCopy, k: int, budget: int) -> list[DraftTree]:
     """Each request's draft tree from the same block, after its chains (columns 2K on: the
-    nodes' tokens, parents and levels; spec/device_tree.py)."""
+    nodes' tokens, parents and levels; spec/runtime/device_tree.py)."""
     copy.wait()
     values = copy.host.numpy()[:, tree_columns(k, budget)].astype(np.int64)
     tokens, parents, levels = (

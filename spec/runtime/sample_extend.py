@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
-from spec.draft_extend import DraftExtend
-from spec.draft_runner import DraftRunner, DraftSeq
-from spec.state import SpecRequestState
-from spec.tree import TreeShape
+from spec.runtime.draft_extend import DraftExtend
+from spec.runtime.draft_runner import DraftRunner, DraftSeq
+from spec.runtime.state import SpecRequestState
+from spec.runtime.tree import TreeShape
 
 
 def shared_prompt_len(num_prompt: int, depth: int) -> int:

@@ -1,5 +1,5 @@
 """Which verify paths can run for one decode step's requests: the worker's answers to the round
-plan's `feasible` (spec.round_plan), each gathered when the plan first asks, and kept for the
+plan's `feasible` (spec.runtime.round_plan), each gathered when the plan first asks, and kept for the
 step that runs that path (`take`).
 
 - "queued_by_device", "queued_by_host": the verify queued behind the last round, of these
@@ -7,8 +7,8 @@ step that runs that path (`take`).
   the device for one the device queued: no chain or tree is read on the host) and the
   fixed-shape extend fits them. A tree verify the device queued whose trees cannot be
   gathered there (a request near its max_tokens) is taken with the trees read on the host.
-- "device": a fresh round on the device (spec.device_round.gather_round,
-  spec.tree_round.gather_tree_round, and `FixedDecodeExtend.fits`).
+- "device": a fresh round on the device (spec.runtime.device_round.gather_round,
+  spec.runtime.tree_round.gather_tree_round, and `FixedDecodeExtend.fits`).
 - "fixed": after the host's verify, the fixed-shape extend fits every request that may go on
   drafting (those that verify drafts; each commits at least one token), from what they hold
   before the step: the requests that go on are some of them, and what fits them all fits
@@ -17,10 +17,10 @@ step that runs that path (`take`).
 from __future__ import annotations
 
 from engine.request import Request
-from spec.decode_extend import FixedDecodeExtend
-from spec.device_round import LaunchedVerify, RoundInputs, gather_round
-from spec.tree import TreeShape
-from spec.tree_round import TreeRoundInputs, gather_tree_round
+from spec.runtime.decode_extend import FixedDecodeExtend
+from spec.runtime.device_round import LaunchedVerify, RoundInputs, gather_round
+from spec.runtime.tree import TreeShape
+from spec.runtime.tree_round import TreeRoundInputs, gather_tree_round
 
 
 class RoundSurvey:

@@ -9,8 +9,8 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from spec.draft_runner import DraftSeq
-from spec.tree import DraftTree
+from spec.runtime.draft_runner import DraftSeq
+from spec.runtime.tree import DraftTree
 
 T = TypeVar("T")
 
@@ -70,7 +70,7 @@ def whole_batch(rows: Sequence[BatchRows | Sequence[torch.Tensor | None]]) -> to
 class DraftsOnTheirWay(Protocol):
     """A batch's next drafts on their way from the device to the host (an extend's block):
     request i's chain, the chain's probabilities and its tree (None: a chain alone), once
-    they have landed (spec.extend_items.PendingDrafts)."""
+    they have landed (spec.runtime.extend_items.PendingDrafts)."""
 
     def drafts(self, i: int) -> tuple[list[int], list[float], DraftTree | None]: ...
 
@@ -111,17 +111,17 @@ class SpecRequestState:
     hidden_at: torch.Tensor | tuple[torch.Tensor, tuple[int, int]] | None = None
 
     # [K] draft tokens for the next verify, their probabilities, and the draft tree it checks
-    # when the engine drafts trees (spec/tree.py; None: the chain alone). Read and written
+    # when the engine drafts trees (spec/runtime/tree.py; None: the chain alone). Read and written
     # through `chain`, `chain_probs` and `tree` below.
     _chain: list[int] = field(default_factory=list, init=False, repr=False)
     _chain_probs: list[float] = field(default_factory=list, init=False, repr=False)
     _tree: DraftTree | None = field(default=None, init=False, repr=False)
-    # The target's hidden states at the positions that plain steps (spec.round_plan) committed
+    # The target's hidden states at the positions that plain steps (spec.runtime.round_plan) committed
     # since the draft's last extend, oldest first: (a step's hidden states [batch, width], this
     # request's row there). Depth 0 reads them when the draft catches up over those positions.
     kept_hidden: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     # The leading positions whose KV in every depth the prefix cache holds for this request
-    # (spec/prefix_drafts.py): its match's, then what it gave the cache.
+    # (spec/runtime/prefix_drafts.py): its match's, then what it gave the cache.
     cached_drafts: int = 0
     # Where the next drafts come from while they are on their way to the host: the batch's
     # drafts and this request's index there.

@@ -1,6 +1,6 @@
 """The round plan: what one decode step of a speculating engine runs, decided once per step by
-`plan_round` from stated inputs, then carried out as it says (spec.worker, spec.round_verify and
-spec.round_extend for the rounds, engine.speculative_steps for plain steps).
+`plan_round` from stated inputs, then carried out as it says (spec.runtime.worker, spec.runtime.round_verify and
+spec.runtime.round_extend for the rounds, engine.speculative_steps for plain steps).
 
 A plan is one of:
 - plain: every request decodes one token, as without speculation. A request's draft then
@@ -8,18 +8,18 @@ A plan is one of:
   (`SpecRequestState.kept_hidden`), so that the draft can catch up over those positions
   without a prefill. A plain plan that catches up (`extend == "general"`) runs the general
   draft extend over them after its tokens are committed: the next step may verify again.
-- a chain of K drafts, or a tree of the engine's shape (spec/tree.py), with where its verify
+- a chain of K drafts, or a tree of the engine's shape (spec/runtime/tree.py), with where its verify
   comes from: queued behind the last round by the device or by the host, run now for a round
-  decided on the device (spec/device_round.py, spec/tree_round.py), or run now for the host's
-  round (spec/host_verify.py); and which draft extend follows: the one queued in the device
-  round, the fixed-shape one (spec/decode_extend.py) or the general one.
+  decided on the device (spec/runtime/device_round.py, spec/runtime/tree_round.py), or run now for the host's
+  round (spec/runtime/host_verify.py); and which draft extend follows: the one queued in the device
+  round, the fixed-shape one (spec/runtime/decode_extend.py) or the general one.
 
 Whether a step speculates: only where some request has drafts to verify (or to catch up), or
 its verify was queued behind the last round (it ran already: taking it costs less than a plain
 forward); never at or above `PlanPolicy.disable_batch_size` requests; always where the policy
 says "always"; otherwise where a round is expected to commit more tokens a second than a plain
 step at this batch size: the running accept length (tokens a request commits per round)
-against the measured cost of a round over a plain step (spec.round_costs, learned online),
+against the measured cost of a round over a plain step (spec.runtime.round_costs, learned online),
 which is never taken below 1 (a round's verify holds a plain step's forward). Which verify
 path a round takes is the first, in the order above, that can run for the step's requests
 (`PlanInputs.feasible`, which the worker answers from what the requests hold, their sampling
@@ -112,7 +112,7 @@ class RoundPlan:
 
 @dataclass(frozen=True)
 class CostFacts:
-    """What the engine measured, at the step's batch size (spec.round_costs): the running
+    """What the engine measured, at the step's batch size (spec.runtime.round_costs): the running
     accept length (tokens a request commits per round, bonus included), a plain step's and a
     round's seconds (None until measured enough) and how many steps at this batch size ago
     each was last measured; round over plain measured at the nearest smaller and larger batch

@@ -6,14 +6,14 @@ node i - 1): from the root, step to the first child (in node order) whose token 
 target's choice at the current span row, while there is one; the committed tokens are the
 target's choices along that path, the last at the row where the walk stopped. A greedy
 request's choice is the target's argmax, a sampled one's its own draw
-(spec.tree_verify.target_draws): each committed token is the target's own choice at its
+(spec.runtime.tree_verify.target_draws): each committed token is the target's own choice at its
 position, so speculation changes speed, never the output distribution. A node's children are
 tried at once, so a tree accepts a child with probability p(c1) + p(c2) + ..., the most any
 rule can, and seeded requests commit what plain decoding would, whatever the tree or batch.
 
 Every path decides with it: the host's round (`accept_on_host`), rounds of chains on the
 device and the verify graphs of chains in their replay (`chain_verdicts`), rounds of trees on
-the device (spec/tree_round.py), where a GPU runs the Triton kernel
+the device (spec/runtime/tree_round.py), where a GPU runs the Triton kernel
 engine/kernels/tree_accept.py instead: the same function, tested against `accept`. Before it,
 the verify's logits are made what plain decoding would see at each position (penalties and
 grammars in the state after the drafts before it)."""
@@ -31,8 +31,8 @@ from engine.logits_processors import TokenHistory, process_logits
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # spec.tree builds on this module
-    from spec.tree import DraftTree
+if TYPE_CHECKING:  # spec.runtime.tree builds on this module
+    from spec.runtime.tree import DraftTree
 
 
 @dataclass

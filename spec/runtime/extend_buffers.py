@@ -1,4 +1,4 @@
-"""The inputs the decode step's fixed-shape draft extend (spec.decode_extend) reads for one
+"""The inputs the decode step's fixed-shape draft extend (spec.runtime.decode_extend) reads for one
 batch size, on the device, with the host mirror it fills them from."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class ExtendBuffers:
         # Each depth's span: its cache positions, from the first one (a request's start).
         self.cache_columns = [torch.arange(width, device=device) for width in widths]
         # Per depth with forks (a tree), each token's visibility bits: the main rows causal
-        # (-1), the fork rows' filled on the device each step (spec/device_tree.py).
+        # (-1), the fork rows' filled on the device each step (spec/runtime/device_tree.py).
         self.bits = [
             torch.full((size, width), -1, dtype=torch.int64, device=device) if forks else None
             for width, forks in zip(widths, fork_rows)

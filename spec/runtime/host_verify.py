@@ -1,6 +1,6 @@
 """The host's round of a decode step: one target forward over each request's newest token and
 its drafts (a chain, or a tree whose nodes see their ancestors only), then acceptance on the
-host, for what the device round (spec/device_round.py) does not decide: sampled requests,
+host, for what the device round (spec/runtime/device_round.py) does not decide: sampled requests,
 logits processing, grammars, logprobs, trees."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from engine.host_copy import int_tensor
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampler import TokenLogprob, compute_logprobs
-from spec.acceptance import accept_on_host, grammar_masked_verify_logits, processed_verify_logits
-from spec.batching import Span, extend_batch
-from spec.device_round import DeviceRound
-from spec.tree import DraftTree
-from spec.tree_verify import TreeSlots, target_draws
+from spec.runtime.acceptance import accept_on_host, grammar_masked_verify_logits, processed_verify_logits
+from spec.runtime.batching import Span, extend_batch
+from spec.runtime.device_round import DeviceRound
+from spec.runtime.tree import DraftTree
+from spec.runtime.tree_verify import TreeSlots, target_draws
 
 
 @dataclass
@@ -30,7 +30,7 @@ class VerifyResult:
     num_proposed: list[int]  # per request: draft tokens checked, every node of its tree
     hidden: list[torch.Tensor]  # per request: the target's at the newest token and kept path
     num_outputs_before: list[int]
-    # Set when the round ran on the device (spec.device_round): the draft extend already ran.
+    # Set when the round ran on the device (spec.runtime.device_round): the draft extend already ran.
     extended: DeviceRound | None = None
 
 

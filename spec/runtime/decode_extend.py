@@ -2,7 +2,7 @@
 as a single CUDA graph per batch size where the engine runs graphs.
 
 After a verify step that accepted a drafts of a request whose newest position was m, depth d
-extends over positions [m-d, m+a] (spec/draft_extend.py): a+1+d positions, which vary with a.
+extends over positions [m-d, m+a] (spec/runtime/draft_extend.py): a+1+d positions, which vary with a.
 Here every request runs K+1+d positions from m-d whatever a is. Rows past m+a read padding and
 write KV past the depth's valid prefix, which the next extend recomputes, and no real row
 attends to them (they come later), so every request of a batch has one shape, and the whole
@@ -28,20 +28,20 @@ from engine.forward_batch import ForwardBatch, device_batch
 from engine.graph_capture import capture_graphs
 from engine.graph_inputs import batch_size_buckets, bucket_for
 from engine.host_copy import HostCopy
-from spec.device_tree import DeviceTree, ForkColumns, TreeLayout
-from spec.draft_runner import DraftRunner
+from spec.runtime.device_tree import DeviceTree, ForkColumns, TreeLayout
+from spec.runtime.draft_runner import DraftRunner
 from spec.draft_vocab import DraftHead
-from spec.extend_buffers import ExtendBuffers
-from spec.extend_items import FixedExtendItem, GatheredItems, PendingDrafts, grow_depths
-from spec.state import BatchRows, SpecRequestState, whole_batch
-from spec.tree import TreeShape
+from spec.runtime.extend_buffers import ExtendBuffers
+from spec.runtime.extend_items import FixedExtendItem, GatheredItems, PendingDrafts, grow_depths
+from spec.runtime.state import BatchRows, SpecRequestState, whole_batch
+from spec.runtime.tree import TreeShape
 
 
 class FixedDecodeExtend:
     """Runs the decode step's draft extend for batches of `FixedExtendItem`s (see the module's
     docstring), eagerly or, with `graph_max_bs`, replaying a graph per batch-size bucket.
     With a tree `shape` (not a chain), each depth also expands the tree's other nodes and the
-    extend proposes each request's next tree (spec/device_tree.py)."""
+    extend proposes each request's next tree (spec/runtime/device_tree.py)."""
 
     def __init__(
         self,
@@ -141,7 +141,7 @@ class FixedDecodeExtend:
         chains [n, K], the same chains and their probabilities in one float64 block [n, 2K]
         (what the host reads: ids are exact in float64; `split_chains`) followed by the
         trees' nodes when the shape is a tree (`split_trees`) and the verdicts it read
-        (K+2 columns, `spec.device_round.read_verdicts`), the boundary states
+        (K+2 columns, `spec.runtime.device_round.read_verdicts`), the boundary states
         [K-1, n, hidden] and the verify's hidden states it read [n, K+1, width].
         With `verdicts` [n, K+2] (row i: the verify's K+1 targets, the first a + 1 of them
         committed, then the accepted count a) and `verify_hidden` [n, K+1, width] on the
@@ -325,7 +325,7 @@ class FixedDecodeExtend:
         if tree is not None:
             parts.append(tree.select())
         # The verdicts the extend read last: a round's one copy home brings its committed
-        # tokens and counts with its next chains (spec.device_round.read_verdicts).
+        # tokens and counts with its next chains (spec.runtime.device_round.read_verdicts).
         parts.append(buffers.verdicts.double())
         return chains, torch.cat(parts, dim=1), boundary
 

@@ -1,7 +1,7 @@
 """The draft depths' KV in the prefix cache (engine.engine_hooks.PrefixCompanion): a cached
 prefix is reused only with every depth's KV of it.
 
-Depth d at position i reads x_{i+d+1} (spec/draft_extend.py), so its KV there depends on the
+Depth d at position i reads x_{i+d+1} (spec/runtime/draft_extend.py), so its KV there depends on the
 K tokens after i (K depths) as well as on those up to i. A cached target slot stands for the
 tokens of its tree path up to its position, and a position where paths part is shared by all of
 them: so the depths' KV of position i is keyed by the target slot of position i + K on the path
@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.request import Request
-from spec.draft_runner import DraftRunner, DraftSeq
-from spec.state import SpecRequestState
+from spec.runtime.draft_runner import DraftRunner, DraftSeq
+from spec.runtime.state import SpecRequestState
 
 
 class DraftPrefixCache:

@@ -1,6 +1,6 @@
-"""The worker's choice of each decode step's plan (spec.round_plan): the plan's inputs gathered
-from the step's requests, the drafts plain steps left behind (spec.catch_up), the verify queued
-behind the last round and the costs the engine measured (spec.round_costs), which the step's
+"""The worker's choice of each decode step's plan (spec.runtime.round_plan): the plan's inputs gathered
+from the step's requests, the drafts plain steps left behind (spec.runtime.catch_up), the verify queued
+behind the last round and the costs the engine measured (spec.runtime.round_costs), which the step's
 plan is then recorded in.
 
 A step launched while the one before it still runs on the device (engine.overlap) is planned
@@ -15,17 +15,17 @@ from collections.abc import Callable
 
 from engine.config import EngineConfig
 from engine.request import Request
-from spec.catch_up import DraftCatchUp
-from spec.decode_extend import FixedDecodeExtend
-from spec.device_round import LaunchedVerify
-from spec.round_costs import StepCosts
-from spec.round_plan import PlanInputs, PlanPolicy, Queued, RoundPlan, plan_round
-from spec.round_survey import RoundSurvey
-from spec.tree import TreeShape
+from spec.runtime.catch_up import DraftCatchUp
+from spec.runtime.decode_extend import FixedDecodeExtend
+from spec.runtime.device_round import LaunchedVerify
+from spec.runtime.round_costs import StepCosts
+from spec.runtime.round_plan import PlanInputs, PlanPolicy, Queued, RoundPlan, plan_round
+from spec.runtime.round_survey import RoundSurvey
+from spec.runtime.tree import TreeShape
 
 
 def plan_policy(config: EngineConfig) -> PlanPolicy:
-    """The round plans an engine of `config` chooses (spec.round_plan)."""
+    """The round plans an engine of `config` chooses (spec.runtime.round_plan)."""
     return PlanPolicy(
         speculation=config.speculative_plan,
         disable_batch_size=config.speculative_disable_batch_size,

@@ -1,15 +1,15 @@
 """The general draft extend: every depth over a batch of `DraftExtend` items (prefill, and the
-decode steps whose shape the fixed extend of spec/decode_extend.py does not fit), growing each
-item's draft tree (spec/tree.py) level by level.
+decode steps whose shape the fixed extend of spec/runtime/decode_extend.py does not fit), growing each
+item's draft tree (spec/runtime/tree.py) level by level.
 
 Each item's main extend runs its depths over the newly committed tokens and, past them, over
 its greedy chain: depth d's last position reads the chain's draft d and proposes draft d + 1.
 The chain's drafts stay on the device until every depth has run: depth d reads them from
 `chains`, so the host queues the next depth while the device runs this one. Items whose shape is
-a tree grow their trees by the rule of the fixed-shape extend (spec.tree.TreeGrowth, on the
+a tree grow their trees by the rule of the fixed-shape extend (spec.runtime.tree.TreeGrowth, on the
 device); after each depth the host reads the nodes the next depth expands beside the greedy
 one (`TreeFork`), each a fork of the depth's sequence that recomputes only the positions whose
-tokens are its path's drafts (spec/draft_extend.py). The two extends differ in how a fork's
+tokens are its path's drafts (spec/runtime/draft_extend.py). The two extends differ in how a fork's
 positions are run, not in the tree: here a fork is a sequence of its own, in slots taken for
 the depth, and a depth short of rows or slots for the forks expands the greedy nodes alone
 (the fixed extend's forks are rows of fixed shape in its spans, which a batch either fits
@@ -22,10 +22,10 @@ import itertools
 import torch
 
 from engine.host_copy import int_tensor
-from spec.draft_extend import DraftExtend
-from spec.draft_runner import DraftInput, DraftRunner, DraftSeq, DraftTokenPatch
+from spec.runtime.draft_extend import DraftExtend
+from spec.runtime.draft_runner import DraftInput, DraftRunner, DraftSeq, DraftTokenPatch
 from spec.draft_vocab import DraftHead
-from spec.tree import DraftTree, TreeGrowth
+from spec.runtime.tree import DraftTree, TreeGrowth
 
 
 class TreeFork:

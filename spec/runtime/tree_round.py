@@ -1,8 +1,8 @@
 """A decode step's round over draft trees decided on the device: the tree counterpart of
-spec/device_round.py's chains.
+spec/runtime/device_round.py's chains.
 
 For greedy requests whose logits need no processing, whose next tree the fixed-shape extend
-grew (spec/device_tree.py) and who hold their own KV slots for all of its nodes, the verify of
+grew (spec/runtime/device_tree.py) and who hold their own KV slots for all of its nodes, the verify of
 every request's tree, acceptance and the next extend are queued back to back, with nothing
 for the host to decide between them:
 - the nodes sit in the request's own slots after its newest token (node i at cache position
@@ -26,7 +26,7 @@ the next round's verify behind the extend, before the host has read anything
 token after it, and its nodes, positions, slots and ancestor masks are written from the
 extend's trees into the graph's buffer. The device then runs the extend and verifies the
 next trees while the host commits this round's tokens, as a round of chains does
-(spec/device_round.py), and the round that takes that verify reads the trees' nodes where
+(spec/runtime/device_round.py), and the round that takes that verify reads the trees' nodes where
 the extend left them, not on the host (`gather_tree_round` with `device_nodes`)."""
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
 from engine.verify_outputs import VerifyOutputs
-from spec.acceptance import accept
-from spec.decode_extend import FixedDecodeExtend
-from spec.device_round import (
+from spec.runtime.acceptance import accept
+from spec.runtime.decode_extend import FixedDecodeExtend
+from spec.runtime.device_round import (
     DeviceRound,
     LaunchedVerify,
     grow_for_next_round,
@@ -54,8 +54,8 @@ from spec.device_round import (
     read_verdicts,
     recorded_behind,
 )
-from spec.extend_items import FixedExtendItem, GatheredItems, tree_columns
-from spec.tree import DraftTree
+from spec.runtime.extend_items import FixedExtendItem, GatheredItems, tree_columns
+from spec.runtime.tree import DraftTree
 
 
 @dataclass
@@ -73,7 +73,7 @@ class TreeRoundInputs:
     items: list[FixedExtendItem]
     gathered: GatheredItems
     num_nodes: int  # N
-    # [n, 3 * N] on the device, float64 (the extend's block, spec/device_tree.py)
+    # [n, 3 * N] on the device, float64 (the extend's block, spec/runtime/device_tree.py)
     device_nodes: torch.Tensor | None = None
 
     @property
@@ -273,7 +273,7 @@ def queue_next_tree_verify(
     graph ran it), queued before the host has read this round's outcome: each request's
     root moves past its accepted nodes to the target's token after them (`committed` [n, K+1]
     at `accepted` [n]), and its nodes are its next tree's (`nodes` [n, 3 * budget], the
-    extend's block: spec/device_tree.py), all on the device. Its requests must hold their
+    extend's block: spec/runtime/device_tree.py), all on the device. Its requests must hold their
     slots for it (`holds_next_round`)."""
     forward.graph.advance_trees(forward, accepted, committed, nodes, k)
     outputs = forward_every_token(forward)

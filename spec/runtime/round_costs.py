@@ -1,5 +1,5 @@
 """What a speculative round and a plain step cost at each batch size, and how many tokens a
-request commits a round: the measured inputs of the adaptive round plan (spec.round_plan).
+request commits a round: the measured inputs of the adaptive round plan (spec.runtime.round_plan).
 
 Learned online, from the engine's own decode steps, rather than calibrated at start-up: what a
 round costs against a plain step depends on the device, the model, the batch size, the
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 
-from spec.round_plan import CostFacts
+from spec.runtime.round_plan import CostFacts
 
 # Measured steps of a kind at a bucket before its cost counts as known, and the most recent
 # ones whose median is the cost: a host shared with other work stalls a step now and then for

@@ -1,8 +1,8 @@
-"""The verify of a speculative round on the path its plan names (spec.round_plan), and the
+"""The verify of a speculative round on the path its plan names (spec.runtime.round_plan), and the
 verify queued behind a round for the next one. The paths: a verify queued before the step (by
-the device or the host) or a fresh one, of chains (spec.device_round) or trees
-(spec.tree_round), accepted on the device; or any drafts, accepted on the host
-(spec.host_verify). This module owns the queued verify: who queued it, who takes it, and who
+the device or the host) or a fresh one, of chains (spec.runtime.device_round) or trees
+(spec.runtime.tree_round), accepted on the device; or any drafts, accepted on the host
+(spec.runtime.host_verify). This module owns the queued verify: who queued it, who takes it, and who
 must settle it before a request's slots change hands (`release`)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from engine.forward_batch import ForwardBatch
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.verify_outputs import VerifyOutputs
-from spec.batching import Span, extend_batch
-from spec.decode_extend import FixedDecodeExtend
-from spec.device_round import (
+from spec.runtime.batching import Span, extend_batch
+from spec.runtime.decode_extend import FixedDecodeExtend
+from spec.runtime.device_round import (
     DeviceRound,
     LaunchedVerify,
     RoundInputs,
@@ -25,13 +25,13 @@ from spec.device_round import (
     launch_verify,
     run_device_round,
 )
-from spec.host_verify import VerifyResult, verify_on_host
-from spec.round_plan import QueueNext, RoundPlan
-from spec.round_survey import RoundSurvey
-from spec.state import SpecRequestState
-from spec.tree import DraftTree
-from spec.tree_round import TreeRoundInputs, run_tree_round
-from spec.tree_verify import TreeSlots
+from spec.runtime.host_verify import VerifyResult, verify_on_host
+from spec.runtime.round_plan import QueueNext, RoundPlan
+from spec.runtime.round_survey import RoundSurvey
+from spec.runtime.state import SpecRequestState
+from spec.runtime.tree import DraftTree
+from spec.runtime.tree_round import TreeRoundInputs, run_tree_round
+from spec.runtime.tree_verify import TreeSlots
 
 
 class RoundVerifier:
@@ -71,11 +71,11 @@ class RoundVerifier:
     def host_round(
         self, requests: list[Request], default_generator: torch.Generator
     ) -> VerifyResult:
-        """The verify of every request's drafts, accepted on the host (spec.host_verify)."""
+        """The verify of every request's drafts, accepted on the host (spec.runtime.host_verify)."""
         runner = self.runner
         if self.fixed_extend.layout is not None:
             # Own slots for every node, this round's and the next's, where the pool has room:
-            # the tree's next rounds can then run on the device (spec.tree_round).
+            # the tree's next rounds can then run on the device (spec.runtime.tree_round).
             budget = self.fixed_extend.layout.budget
             pools = (runner.kv_pool, runner.req_to_token_pool)
             grow_for_next_round(requests, self.k, *pools, span=budget)
@@ -111,7 +111,7 @@ class RoundVerifier:
     ) -> VerifyResult:
         """Acceptance and the draft extend queued behind the verify of `batch`, whose
         `outputs` are queued, and with `queue_next` "device" the next verify where the device
-        can queue it (spec.device_round)."""
+        can queue it (spec.runtime.device_round)."""
         runner = self.runner
         outputs_before = [len(req.output_token_ids) for req in inputs.requests]
         done = run_device_round(
@@ -133,7 +133,7 @@ class RoundVerifier:
         launched: LaunchedVerify | None = None,
     ) -> VerifyResult:
         """The verify of every request's tree, acceptance and the draft extend queued back to
-        back (spec.tree_round): the verify `launched` before this step where it is theirs, and
+        back (spec.runtime.tree_round): the verify `launched` before this step where it is theirs, and
         with `queue_next` "device" the next verify where the device can queue it."""
         runner, k = self.runner, self.k
         outputs_before = [len(req.output_token_ids) for req in inputs.requests]
@@ -158,7 +158,7 @@ class RoundVerifier:
 
     def launch(self, requests: list[Request], next_chains: torch.Tensor) -> None:
         """Queue the next round's verify of `requests`, whose chains are `next_chains` on the
-        device, now (spec.device_round.launch_verify); the next `verify` takes it if it is of
+        device, now (spec.runtime.device_round.launch_verify); the next `verify` takes it if it is of
         the same requests with the same tokens."""
         self.launched = None
         inputs = gather_round(requests, self.k, self.runner.req_to_token_pool.max_context_len)

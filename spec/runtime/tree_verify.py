@@ -18,7 +18,7 @@ from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
 from engine.sampler import sample_on_device
 from engine.step_sampling import position_seed
-from spec.tree import DraftTree
+from spec.runtime.tree import DraftTree
 
 
 class TreeSlots:

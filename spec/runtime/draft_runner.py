@@ -30,7 +30,7 @@ from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from engine.prompt_embeds import InputEmbeds
-from spec.batching import Span, extend_batch
+from spec.runtime.batching import Span, extend_batch
 from spec.draft_model import DraftDepth
 from spec.draft_vocab import DraftHead
 
@@ -102,11 +102,11 @@ class DraftRunner:
         )
         # As many slots as the target, and depth + 1 for each request: a depth holds a
         # request's positions where the target does, but a parallel sample's own positions in
-        # depth d start depth + 1 before its own in the target (spec.sample_extend), so only
+        # depth d start depth + 1 before its own in the target (spec.runtime.sample_extend), so only
         # with those can it not run out where the target did not. Forks hold more within a
         # draft extend, and only where `can_fork` found room. `tree_slots` more for each
         # request: the positions past the target's that a decode step's tree extend holds
-        # (spec/device_tree.py).
+        # (spec/runtime/device_tree.py).
         self.kv_pool = KVPool(
             config.kv_cache_tokens + (depth + 1 + tree_slots) * config.max_num_seqs,
             1,
@@ -230,7 +230,7 @@ class DraftRunner:
 
     def cached_prefix(self, slots: list[int]) -> DraftSeq:
         """A sequence in a row of its own whose first positions are `slots`, a cached prefix's
-        (spec/prefix_drafts.py): valid there, and not its own to free."""
+        (spec/runtime/prefix_drafts.py): valid there, and not its own to free."""
         row = self.req_to_token_pool.allocate_row()
         try:
             self.req_to_token_pool.write(row, 0, slots)
@@ -300,7 +300,7 @@ class DraftRunner:
     def forward_tokens(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor]:
         """This depth's output [T, hidden_size] at the tokens of `batch` (its metadata set,
         its slots in this depth's pools), reading `hidden`: the forward a caller that builds
-        its own batches runs or captures (spec.decode_extend)."""
+        its own batches runs or captures (spec.runtime.decode_extend)."""
         embeds = self.target.embed(batch)
         cos_sin = self.rotary.lookup(batch.positions, embeds.dtype)
         return (self.module(embeds, hidden, batch, cos_sin, self.attention),)

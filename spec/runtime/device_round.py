@@ -5,7 +5,7 @@ The general round reads the verify's targets on the host, walks each request's c
 then queues the draft extend and reads its chains: two waits for the device a step, and the
 host's acceptance walk between them while the device idles. For greedy requests whose logits
 need no processing (no penalty, bias, min_tokens or grammar), that speculate one full chain
-and whose draft state the fixed-shape extend runs (spec/decode_extend.py), acceptance is a
+and whose draft state the fixed-shape extend runs (spec/runtime/decode_extend.py), acceptance is a
 comparison on the device: the accepted count is the length of the prefix where the chain
 equals the target's argmax. The extend reads the targets and the counts where they are, so
 verify, acceptance and extend are queued back to back. The targets and accepted counts come
@@ -49,9 +49,9 @@ from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
 from engine.step_sampling import samples_from_logits_alone
 from engine.verify_outputs import VerifyOutputs
-from spec.acceptance import chain_verdicts
-from spec.decode_extend import FixedDecodeExtend
-from spec.extend_items import FixedExtendItem, GatheredItems, PendingDrafts
+from spec.runtime.acceptance import chain_verdicts
+from spec.runtime.decode_extend import FixedDecodeExtend
+from spec.runtime.extend_items import FixedExtendItem, GatheredItems, PendingDrafts
 
 
 @dataclass
@@ -259,7 +259,7 @@ class LaunchedVerify:
     queued: torch.cuda.Event | None  # recorded behind it on a GPU
     inputs: RoundInputs | None = None
     # A tree round's: the trees it verifies, where the extend that grew them left them
-    # ([n, 3 * nodes], spec.tree_round.gather_tree_round).
+    # ([n, 3 * nodes], spec.runtime.tree_round.gather_tree_round).
     tree_nodes: torch.Tensor | None = None
 
     def settle(self) -> None:

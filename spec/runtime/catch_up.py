@@ -1,10 +1,10 @@
 """Drafts that fall behind over plain steps, and catch up before speculation resumes.
 
-A plain step (spec.round_plan) commits one token a request without running the draft. The
+A plain step (spec.runtime.round_plan) commits one token a request without running the draft. The
 request keeps its draft state as it was: each depth's KV up to where the last extend left it,
 and the target's hidden state at every position a plain step committed since
 (`SpecRequestState.kept_hidden`), which is what depth 0 reads there. Catching up is the
-general draft extend over those positions (spec.draft_extend): the same alignment as an extend
+general draft extend over those positions (spec.runtime.draft_extend): the same alignment as an extend
 after a round that committed that many tokens, so the request's next round verifies the chain
 it would have drafted had it speculated all along, with no prefill of the draft again.
 
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
-from spec.draft_extend import DraftExtend
-from spec.state import SpecRequestState
-from spec.tree import TreeShape
-from spec.tree_extender import TreeExtender
+from spec.runtime.draft_extend import DraftExtend
+from spec.runtime.state import SpecRequestState
+from spec.runtime.tree import TreeShape
+from spec.runtime.tree_extender import TreeExtender
 
 # The most bytes of target hidden states a request keeps while plain steps leave its draft
 # behind (8 MiB: 1,000 positions of a 4096-wide bfloat16 draft input, 170 of a 3 x 8192-wide

@@ -1,11 +1,11 @@
 """The multi-layer EAGLE worker: draft extend after the target's prefill, then per decode step
-the step's round plan (spec.round_plan): verify -> accept -> draft extend, or a plain step
-whose drafts fall behind and catch up later (spec.catch_up). One worker for any number of
-depths and any draft tree shape (spec/tree.py; one chain is a tree too); the alignment of
-tokens, hidden states and positions across depths is spec.draft_extend's, the growth of trees
-spec.tree_extender's; a round's verify runs on the path its plan names (spec.round_verify), its
-draft extend on the kind its plan names (spec.round_extend), and the draft state crosses from a
-prefill node to a decode node through spec.handoff.
+the step's round plan (spec.runtime.round_plan): verify -> accept -> draft extend, or a plain step
+whose drafts fall behind and catch up later (spec.runtime.catch_up). One worker for any number of
+depths and any draft tree shape (spec/runtime/tree.py; one chain is a tree too); the alignment of
+tokens, hidden states and positions across depths is spec.runtime.draft_extend's, the growth of trees
+spec.runtime.tree_extender's; a round's verify runs on the path its plan names (spec.runtime.round_verify), its
+draft extend on the kind its plan names (spec.runtime.round_extend), and the draft state crosses from a
+prefill node to a decode node through spec.runtime.handoff.
 
 A prefill node calls `draft_extend_prefill` after the target's prefill, then sends
 `export_state` and each depth's KV (`depth_kv`). A decode node calls `reserve` before receiving
@@ -20,30 +20,30 @@ from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
-from spec import handoff
-from spec.acceptance import chain_verdicts
-from spec.catch_up import DraftCatchUp
-from spec.decode_extend import FixedDecodeExtend
-from spec.device_round import LaunchedVerify
-from spec.device_tree import TreeLayout
-from spec.draft_extend import DraftExtend
+from spec.runtime import handoff
+from spec.runtime.acceptance import chain_verdicts
+from spec.runtime.catch_up import DraftCatchUp
+from spec.runtime.decode_extend import FixedDecodeExtend
+from spec.runtime.device_round import LaunchedVerify
+from spec.runtime.device_tree import TreeLayout
+from spec.runtime.draft_extend import DraftExtend
 from spec.draft_model import MultiLayerEagleDraft
-from spec.draft_runner import DraftRunner, DraftSeq
+from spec.runtime.draft_runner import DraftRunner, DraftSeq
 from spec.draft_vocab import DraftHead
-from spec.extend_items import FORK_GROW_AHEAD
-from spec.host_verify import VerifyResult
-from spec.prefix_drafts import DraftPrefixCache, starts_at_cached_prefix
-from spec.round_costs import StepCosts
-from spec.round_extend import RoundExtend
-from spec.round_plan import PlanPolicy, RoundPlan
-from spec.round_stats import count_round
-from spec.round_survey import RoundSurvey
-from spec.round_verify import RoundVerifier
-from spec.sample_extend import sample_extend
-from spec.state import DraftState, SpecRequestState
-from spec.step_planner import StepPlanner, plan_policy
-from spec.tree import TreeShape, tree_shape
-from spec.tree_extender import TreeExtender
+from spec.runtime.extend_items import FORK_GROW_AHEAD
+from spec.runtime.host_verify import VerifyResult
+from spec.runtime.prefix_drafts import DraftPrefixCache, starts_at_cached_prefix
+from spec.runtime.round_costs import StepCosts
+from spec.runtime.round_extend import RoundExtend
+from spec.runtime.round_plan import PlanPolicy, RoundPlan
+from spec.runtime.round_stats import count_round
+from spec.runtime.round_survey import RoundSurvey
+from spec.runtime.round_verify import RoundVerifier
+from spec.runtime.sample_extend import sample_extend
+from spec.runtime.state import DraftState, SpecRequestState
+from spec.runtime.step_planner import StepPlanner, plan_policy
+from spec.runtime.tree import TreeShape, tree_shape
+from spec.runtime.tree_extender import TreeExtender
 
 
 class MultiLayerEagleWorker:
@@ -131,14 +131,14 @@ class MultiLayerEagleWorker:
     ) -> None:
         """Run every depth over positions [S, n-1] of freshly prefilled requests, whose first
         sampled token x_n is already appended (kv_len == n), S being the cached prefix that
-        every depth holds already (spec/prefix_drafts.py; 0 without one); `hidden[i]`: the
+        every depth holds already (spec/runtime/prefix_drafts.py; 0 without one); `hidden[i]`: the
         target's hidden states at those positions (ModelRunner.forward(..., keep_hidden=True)), and
         `input_embeds[i]` the input-embedding rows that forward read there, if any
         (ForwardOutput.input_embeds): a depth reading a token given as a vector reads these
         rows, not the placeholder's embedding. Builds each request's first chain and boundary
         states, taking draft slots for n positions. `prompt_sources[i]`, when not None, is
         the index of an earlier request that request i is another parallel sample of: its draft
-        shares that one's prompt KV (spec/sample_extend.py)."""
+        shares that one's prompt KV (spec/runtime/sample_extend.py)."""
         self.costs.interrupted()
         embeds = input_embeds or [None] * len(requests)
         sources = prompt_sources or [None] * len(requests)
@@ -172,12 +172,12 @@ class MultiLayerEagleWorker:
     def depth_kv(
         self, req: Request, num_positions: int, shares_prompt: bool = False
     ) -> list[tuple[KVPool, list[int]]]:
-        """Each depth's pool and the slots of positions [0, num_positions) (spec.handoff)."""
+        """Each depth's pool and the slots of positions [0, num_positions) (spec.runtime.handoff)."""
         return handoff.depth_kv(self.depths, req, num_positions, shares_prompt)
 
     # --- on a decode node, before and after receiving ---
     def reserve(self, req: Request, num_positions: int, prompt_of: Request | None = None) -> None:
-        """Take slots for positions [0, num_positions) in every depth (spec.handoff)."""
+        """Take slots for positions [0, num_positions) in every depth (spec.runtime.handoff)."""
         handoff.reserve(self.depths, req, num_positions, self._new_state, prompt_of)
 
     def adopt(self, req: Request, sent: DraftState) -> None:
@@ -195,11 +195,11 @@ class MultiLayerEagleWorker:
 
     @property
     def costs(self) -> StepCosts:
-        """What this engine's decode steps cost and commit (spec.round_costs)."""
+        """What this engine's decode steps cost and commit (spec.runtime.round_costs)."""
         return self.planner.costs
 
     def plan(self, requests: list[Request], waiting: bool) -> RoundPlan:
-        """The plan of the decode step of `requests` that begins now (spec.step_planner);
+        """The plan of the decode step of `requests` that begins now (spec.runtime.step_planner);
         `waiting`: prompts wait for admission. The step then runs it: `verify` and
         `finish_round` for a round, a plain forward and `after_plain_step` otherwise."""
         planned = self.planner.plan(requests, waiting, self.verifier.launched)
@@ -209,7 +209,7 @@ class MultiLayerEagleWorker:
 
     def plain_plan(self, requests: list[Request], waiting: bool) -> RoundPlan | None:
         """The plan of a step of `requests` launched while the step before it is in flight,
-        where it is a plain step that catches nothing up; None otherwise (spec.step_planner)."""
+        where it is a plain step that catches nothing up; None otherwise (spec.runtime.step_planner)."""
         planned = self.planner.plan(requests, waiting, self.verifier.launched, plain_only=True)
         return None if planned is None else planned[0]
 
@@ -219,7 +219,7 @@ class MultiLayerEagleWorker:
     ) -> VerifyResult:
         """One target forward over each request's newest token and its drafts (requests not
         speculating bring just their newest token): a chain, or a tree whose nodes see their
-        ancestors only; then acceptance; on the path `plan` names (spec.round_plan), which
+        ancestors only; then acceptance; on the path `plan` names (spec.runtime.round_plan), which
         queues the next round's verify behind this one where it says so (`queued_verify`)."""
         survey, self._survey = self._survey, None
         assert plan.speculates and survey is not None and survey.requests is requests

@@ -1,8 +1,8 @@
 """The draft extend after a round's verify, over the tokens it committed, on the kind its plan
-names (spec.round_plan): the one the device queued with the verify ("device", whose chains
+names (spec.runtime.round_plan): the one the device queued with the verify ("device", whose chains
 this applies and, where the plan says, queues the next verify of), the fixed-shape extend
-after the host's verify ("fixed", spec.decode_extend), or the general one ("general",
-spec.tree_extender). Each request that goes on drafting is extended; one that ended, or left
+after the host's verify ("fixed", spec.runtime.decode_extend), or the general one ("general",
+spec.runtime.tree_extender). Each request that goes on drafting is extended; one that ended, or left
 speculation, is not."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from collections.abc import Callable
 
 from engine.host_copy import int_tensor
 from engine.request import Request
-from spec.decode_extend import FixedDecodeExtend
-from spec.device_round import DeviceRound
-from spec.draft_extend import DraftExtend
-from spec.extend_items import FixedExtendItem
-from spec.host_verify import VerifyResult
-from spec.round_plan import RoundPlan
-from spec.round_verify import RoundVerifier
-from spec.tree import TreeShape
-from spec.tree_extender import TreeExtender
+from spec.runtime.decode_extend import FixedDecodeExtend
+from spec.runtime.device_round import DeviceRound
+from spec.runtime.draft_extend import DraftExtend
+from spec.runtime.extend_items import FixedExtendItem
+from spec.runtime.host_verify import VerifyResult
+from spec.runtime.round_plan import RoundPlan
+from spec.runtime.round_verify import RoundVerifier
+from spec.runtime.tree import TreeShape
+from spec.runtime.tree_extender import TreeExtender
 
 # (index in the batch, request, tokens committed this step) of each request that goes on.
 GoingOn = list[tuple[int, Request, int]]
