@@ -194,7 +194,8 @@ def run_soak(args: argparse.Namespace) -> dict:
     try:
         threading.Thread(target=kill_later, daemon=True).start()
         started = time.monotonic()
-        bench = [sys.executable, "-m", "cluster.commands.cli", "bench", "serving", "--url", server.url]
+        bench = [sys.executable, "-m", "cluster.commands.cli", "bench", "serving"]
+        bench += ["--url", server.url]
         bench += ["--dataset", "random", "--input-len", str(args.input_len)]
         bench += ["--output-len", str(args.output_len), "--range-ratio", "0.5"]
         bench += ["--num-prompts", str(args.num_prompts), "--seed", "0"]

@@ -38,10 +38,10 @@ import ray  # noqa: E402
 from bench.report import write_section  # noqa: E402
 from cluster.bench_serving.dataset_args import FLAG_DATASETS  # noqa: E402
 from cluster.control.cache_aware import DEFAULT_LOAD_THRESHOLD  # noqa: E402
+from cluster.control.policies import POLICIES  # noqa: E402
 from cluster.deploy.config import ClusterConfig  # noqa: E402
 from cluster.deploy.launcher import Cluster, describe_nodes, init_ray  # noqa: E402
 from cluster.frontend.openai_api import BackgroundServer, create_app  # noqa: E402
-from cluster.control.policies import POLICIES  # noqa: E402
 from engine.loader import EngineArgs  # noqa: E402
 from engine.weights import resolve_model  # noqa: E402
 from spec.default_draft import resolve_draft_model  # noqa: E402

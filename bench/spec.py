@@ -22,8 +22,8 @@ run, each with its own number of depths unless --num-draft-steps sets one for al
 --num-draft-steps values (steps beyond a draft's depths run its last depth again) and several
 --draft-vocab values: a draft proposing from its folder's vocabulary, then from the whole one;
 and several --speculative-plan values: a round at every step ("always", the default here), or
-rounds only where they are measured to pay (spec/runtime/round_plan.py; the `rounds` column gives the
-share of decode steps that speculated).
+rounds only where they are measured to pay (spec/runtime/round_plan.py; the `rounds` column gives
+the share of decode steps that speculated).
 Each engine runs --repeats passes, alternating with the others; the table shows median tokens/s
 and the range of pass-against-pass speedups. A pass runs its requests (`--requests`, the held-out
 prompts in turn) in waves of BATCH, each wave finished before the next, so the request that

@@ -20,9 +20,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cluster.control.node_state import NodeState  # noqa: E402
 from cluster.frontend.admission import Admission  # noqa: E402
 from cluster.frontend.flights import Flight, FlightTable, next_delta, take_tokens  # noqa: E402
-from cluster.control.node_state import NodeState  # noqa: E402
 from cluster.frontend.protocol import ResponseFormatter  # noqa: E402
 from cluster.frontend.sample_streams import SharedPrefill  # noqa: E402
 from cluster.frontend.streaming import RAW_SEND, EventStreamResponse  # noqa: E402

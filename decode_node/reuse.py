@@ -3,8 +3,8 @@ tokens it does not hold already from its prefill node.
 
 The decode node runs a prefix cache (engine.prefix_cache): a finished request's KV (its prompt
 and its output, the target's and, when it speculates, every draft depth's through
-spec.runtime.prefix_drafts) stays there until the pool needs room. Before it asks a prefill node to run
-a request, the node matches the prompt (all of it but its last token) against that cache and
+spec.runtime.prefix_drafts) stays there until the pool needs room. Before it asks a prefill node to
+run a request, the node matches the prompt (all of it but its last token) against that cache and
 holds the match (`hold_prefix`); the match's length goes to the prefill node in the
 PrefillRequest (`reused_tokens`), which computes the whole prompt as always, announces the same
 count back, and sends the KV of positions [reused_tokens, prompt length) only, in the target

@@ -5,8 +5,8 @@ The samples preallocate together: the first (the *carrier*) takes slots for its 
 first step, each other sample shares the carrier's prompt slots (`KVCacheManager.fork`: a slot
 is freed when its last holder lets go) and takes slots of its own for its first step, and its
 metadata row. In each draft depth d, a sample shares the carrier's slots for the prompt's
-first n-1-d positions, those that read the prompt alone (spec.runtime.sample_extend), and takes its own
-after them. One PrefillRequest names them all; each sample gets a transfer of its own (its first
+first n-1-d positions, those that read the prompt alone (spec.runtime.sample_extend), and takes its
+own after them. One PrefillRequest names them all; each sample gets a transfer of its own (its first
 token, chain, hidden state and each depth's positions from n-1-d on), and the carrier's carries
 the prompt's target KV and all of each depth's. A sample joins the running batch once its
 own transfer and the carrier's have landed; decode only appends, so no shared slot is written

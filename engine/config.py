@@ -79,9 +79,9 @@ class EngineConfig:
     # A draft that ships a vocabulary proposes from it ("draft") or from the target's whole
     # vocabulary ("full"); a draft without one always uses the whole vocabulary.
     draft_vocab: str = "draft"
-    # How each decode step's round plan is chosen (spec/runtime/round_plan.py): "adaptive" speculates
-    # where a round is measured to pay, "always" wherever a request has drafts to verify; at
-    # `speculative_disable_batch_size` requests or more (None: no such size) every step is plain.
+    # How each decode step's round plan is chosen (spec/runtime/round_plan.py): "adaptive"
+    # speculates where a round is measured to pay, "always" wherever a request has drafts to verify;
+    # at `speculative_disable_batch_size` requests or more (None: no such size) every step is plain.
     speculative_plan: str = "adaptive"
     speculative_disable_batch_size: int | None = None
     # float32 linear layers on CPU run through oneDNN with prepacked weights (see cpu_linear.py).

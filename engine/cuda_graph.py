@@ -248,9 +248,9 @@ class CudaGraphs:
         """`advance_uniform` for spans of token trees (a graph set of trees, spans of one
         width loaded by `load`): each span's root moves past kept[i] + 1 positions and brings
         candidates[i, kept[i]]; its nodes are those of `nodes` [n, 3 * count] (tokens, parents
-        with -1 for the root, levels: spec.runtime.device_tree's, in any number type), node j at cache
-        position root + 1 + j and rotary position root + its level, seeing itself, the root and
-        its ancestors (at most `depth` levels above it). A round's next tree verify, queued
+        with -1 for the root, levels: spec.runtime.device_tree's, in any number type), node j at
+        cache position root + 1 + j and rotary position root + its level, seeing itself, the root
+        and its ancestors (at most `depth` levels above it). A round's next tree verify, queued
         before the host has read the trees."""
         n = candidates.shape[0]
         count = nodes.shape[1] // 3

@@ -74,12 +74,12 @@ class LLM:
         `generate(..., speculative=False)` opts it out. With `num_draft_chains` N > 1, greedy
         requests draft N chains that start with depth 0's N most likely tokens, and
         each step keeps the one the target accepts furthest (output unchanged); by default 1.
-        With `speculative_topk` k > 1 every request drafts a token tree instead (spec/runtime/tree.py):
-        each expanded node proposes its k likeliest children, k nodes are expanded per level,
-        and the `num_draft_tokens` likeliest nodes (default k x depths) are verified at once.
-        `draft_vocab`: "draft" proposes only from the vocabulary a draft folder ships (fewer
-        LM-head rows a depth, which a CPU needs), "full" from the target's whole vocabulary
-        (longer accepts); default: "full" on a GPU, "draft" elsewhere.
+        With `speculative_topk` k > 1 every request drafts a token tree instead
+        (spec/runtime/tree.py): each expanded node proposes its k likeliest children, k nodes are
+        expanded per level, and the `num_draft_tokens` likeliest nodes (default k x depths) are
+        verified at once. `draft_vocab`: "draft" proposes only from the vocabulary a draft folder
+        ships (fewer LM-head rows a depth, which a CPU needs), "full" from the target's whole
+        vocabulary (longer accepts); default: "full" on a GPU, "draft" elsewhere.
         `speculative_plan`: "adaptive" (default) speculates at a step only where a round is
         measured to commit more tokens a second than a plain step at that batch size (the
         running accept length against the cost of a round over a plain step, learned as the

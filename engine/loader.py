@@ -82,20 +82,20 @@ class EngineArgs:
     speculative_algorithm: str | None = None
     draft_model: str | None = None
     num_draft_steps: int | None = None
-    # Chains drafted per greedy request, started with depth 0's most likely tokens (spec/runtime/worker.py);
-    # None: DEFAULT_DRAFT_CHAINS.
+    # Chains drafted per greedy request, started with depth 0's most likely tokens
+    # (spec/runtime/worker.py); None: DEFAULT_DRAFT_CHAINS.
     num_draft_chains: int | None = None
-    # A draft token tree (spec/runtime/tree.py): each expanded node's top-k children, num_draft_tokens
-    # nodes verified (default: topk x the draft's depths).
+    # A draft token tree (spec/runtime/tree.py): each expanded node's top-k children,
+    # num_draft_tokens nodes verified (default: topk x the draft's depths).
     speculative_topk: int | None = None
     num_draft_tokens: int | None = None
     # The tokens each draft depth may propose (spec/draft_vocab.py): "draft", the vocabulary
     # its folder ships (if any); "full", the target's whole vocabulary; None: DRAFT_VOCAB_DEFAULT
     # for the device.
     draft_vocab: str | None = None
-    # How each decode step's round plan is chosen (spec/runtime/round_plan.py): "adaptive" speculates
-    # where a round is measured to commit more tokens a second than a plain step, "always" at
-    # every step with drafts to verify; None: engine.env.speculative_plan_default().
+    # How each decode step's round plan is chosen (spec/runtime/round_plan.py): "adaptive"
+    # speculates where a round is measured to commit more tokens a second than a plain step,
+    # "always" at every step with drafts to verify; None: engine.env.speculative_plan_default().
     speculative_plan: str | None = None
     # At this many running requests or more, every decode step is plain; None: no such size.
     speculative_disable_batch_size: int | None = None

@@ -15,9 +15,9 @@ left out of step N+1.
 
 Only steps whose every request samples from its logits alone overlap: penalties and min_tokens
 read the token history, a grammar's mask needs the newest token, logprobs are read on the host.
-A speculating engine's plain steps (the ones its round plan chooses, spec.runtime.round_plan) overlap
-the same way (`PlainStepPlans`): the step launched ahead must be planned a plain step, and keeps
-the target's hidden states for the drafts to catch up over later; a step that verifies drafts
+A speculating engine's plain steps (the ones its round plan chooses, spec.runtime.round_plan)
+overlap the same way (`PlainStepPlans`): the step launched ahead must be planned a plain step, and
+keeps the target's hidden states for the drafts to catch up over later; a step that verifies drafts
 or catches them up first waits for the step in flight, as a plain engine's prefill does. A
 request that joins the running set with its
 KV already cached (from a transfer) joins the next step, its input token known on the host.

@@ -15,8 +15,8 @@ reserves slots for the draft tokens it verifies (`req.lookahead`) beyond the new
 request's draft KV whenever its target KV is freed (finish, retraction, abort, failure). Draft
 KV grows inside the speculator's draft extends, never past the slots the same request holds in
 the target, in pools as large as the target's with room for what parallel samples share less
-there (spec.runtime.draft_runner): a step that fits the target fits every depth, so only the target's
-pool is checked here.
+there (spec.runtime.draft_runner): a step that fits the target fits every depth, so only the
+target's pool is checked here.
 
 With `chunk_size`, a prompt longer than that is prefilled over several steps, one chunk each
 (at most one prompt in chunks at a time; it keeps the head of the queue, and holds its chunks'

@@ -129,7 +129,8 @@ class SpeculativeSteps:
         ]
         for req, _, _, _ in prompts:
             if not req.finished and not req.lookahead and req.spec_state is not None:
-                # A cached prefix's draft state (spec/runtime/prefix_drafts.py) that no chain follows.
+                # A cached prefix's draft state (spec/runtime/prefix_drafts.py) that no chain
+                # follows.
                 self.speculator.release(req)
         if not items:
             return []

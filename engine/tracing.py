@@ -6,8 +6,8 @@ otherwise. A process traces all of its requests or none, so `set_time_batch` loo
 request of a batch only: with tracing off it returns before reading the clock or looping.
 Events are `(name, time_ns)` or `(name, time_ns, args)` tuples (msgpack sends them as arrays;
 tuples of plain values leave the garbage collector alone), stamped with `time.time_ns()` in
-every process; the router aligns each node's clock to its own (cluster.control.tracing) and turns the
-events into Chrome trace events.
+every process; the router aligns each node's clock to its own (cluster.control.tracing) and turns
+the events into Chrome trace events.
 
 Names ending in `_start` / `_end` bound a span (`verify_start` ... `verify_end` is the span
 `verify`); the others are instants. See docs/architecture.md ("Tracing") for every name."""

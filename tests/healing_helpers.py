@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 from cluster_helpers import ensure_ray
 
-from cluster.frontend.backend import BackendError
+from cluster.control.router import Router
 from cluster.deploy.config import ClusterConfig
 from cluster.deploy.launcher import Cluster
-from cluster.control.router import Router
+from cluster.frontend.backend import BackendError
 from engine import SamplingParams
 from engine.loader import EngineArgs
 

@@ -1,4 +1,5 @@
-"""Queue bounds of the HTTP API (cluster.frontend.admission): past --max-queued-requests a request gets a
+"""Queue bounds of the HTTP API (cluster.frontend.admission): past --max-queued-requests a request
+gets a
 429 with Retry-After at once and the others complete; a request with no first token within
 --queue-timeout ends with an error naming it, and its resources are freed on the engine."""
 
@@ -13,12 +14,12 @@ import httpx
 import pytest
 from conftest import TINY_BACKEND_MODEL as MODEL
 
+from cluster.commands.cli import main
+from cluster.control.local_backend import LocalBackend
+from cluster.deploy.config import ServeConfig
 from cluster.frontend.admission import Admission
 from cluster.frontend.api_errors import OpenAIError
 from cluster.frontend.backend import BackendError, TokenDelta, make_usage
-from cluster.commands.cli import main
-from cluster.deploy.config import ServeConfig
-from cluster.control.local_backend import LocalBackend
 from cluster.frontend.openai_api import BackgroundServer, create_app
 from engine import LLM
 

@@ -1,4 +1,5 @@
-"""Several API processes on one port (`pdcluster serve --api-servers 2`, cluster.frontend.api_servers):
+"""Several API processes on one port (`pdcluster serve --api-servers 2`,
+cluster.frontend.api_servers):
 both serve, each request's tokens reach the process that holds its connection, aborts from
 either free the KV on every node, /metrics from either counts every request, and an API
 process killed under load takes only its own streams down, leaves nothing on the nodes, and is

@@ -1,4 +1,5 @@
-"""The cache_aware prefill policy (cluster.control.cache_aware) and the router's tree of what it sent
+"""The cache_aware prefill policy (cluster.control.cache_aware) and the router's tree of what it
+sent
 each node (cluster.control.routed_prefixes): the longest cached prefix wins, a node too busy beyond
 the threshold or a match too short gives way to the least-loaded node, a node's death or
 replacement drops what the router believed it held, and each tree stays within its bound.
@@ -12,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.control.cache_aware import CacheAware
-from cluster.deploy.config import ClusterConfig
 from cluster.control.node_state import NodeState
 from cluster.control.policies import PolicyOptions, create_policy
 from cluster.control.routed_prefixes import RoutedPrefixes
 from cluster.control.router import Router
+from cluster.deploy.config import ClusterConfig
 from metadata.control_auth import new_control_key
 
 

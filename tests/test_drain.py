@@ -1,4 +1,5 @@
-"""Graceful drain (cluster.frontend.admission, cluster.commands.serve): once draining, new requests get a 503 with
+"""Graceful drain (cluster.frontend.admission, cluster.commands.serve): once draining, new requests
+get a 503 with
 Retry-After and /health answers 503 "draining", the requests in flight finish, those left at the
 drain timeout end with an error naming it; `pdcluster serve` drains on SIGTERM and exits 0."""
 

@@ -16,8 +16,8 @@ from conftest import TINY_BACKEND_MODEL as MODEL
 from fastapi.testclient import TestClient
 from tiny_models import byte_tokenizer
 
-from cluster.frontend.backend import BackendError, GenerationBackend, TokenDelta, make_usage
 from cluster.control.local_backend import LocalBackend
+from cluster.frontend.backend import BackendError, GenerationBackend, TokenDelta, make_usage
 from cluster.frontend.openai_api import BackgroundServer, create_app
 from engine import LLM, SamplingParams
 

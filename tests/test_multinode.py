@@ -22,8 +22,8 @@ from tiny_models import make_tiny_llama
 from cluster.client import Client
 from cluster.deploy.config import ClusterConfig
 from cluster.deploy.launcher import Cluster, ClusterStartError, init_ray
-from cluster.frontend.openai_api import BackgroundServer, create_app
 from cluster.deploy.placement import role_demands, shortfall
+from cluster.frontend.openai_api import BackgroundServer, create_app
 from engine import LLM, SamplingParams
 from engine.loader import EngineArgs
 

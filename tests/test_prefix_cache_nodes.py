@@ -19,12 +19,12 @@ from node_builders import built, new_prefill_node
 from prometheus_client.parser import text_string_to_metric_families
 from test_early_announce import Recorder, finish_sends, run_batch
 
-from cluster.frontend.backend import cached_prompt_usage
-from cluster.frontend.choices import total_usage
+from cluster.client_protocol import CompletionUsage
 from cluster.commands.cli import build_parser
 from cluster.commands.cli_commands import engine_args
-from cluster.client_protocol import CompletionUsage
 from cluster.control.local_backend import LocalBackend
+from cluster.frontend.backend import cached_prompt_usage
+from cluster.frontend.choices import total_usage
 from cluster.frontend.openai_api import create_app
 from engine import LLM
 from metadata.messages import PrefillResult

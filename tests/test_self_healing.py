@@ -20,10 +20,10 @@ from healing_helpers import (
 )
 from tiny_models import make_tiny_llama
 
-from cluster.deploy.launcher import Cluster
 from cluster.control.node_state import NodeState
 from cluster.control.pairing import NodeSlot
 from cluster.control.supervisor import NodeRestartPolicy, Supervisor
+from cluster.deploy.launcher import Cluster
 from engine import SamplingParams
 
 ENGINE = dict(max_model_len=512, kv_cache_tokens=8192, max_num_seqs=16)

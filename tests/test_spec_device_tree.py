@@ -1,7 +1,7 @@
 """A decode step's draft tree grown on the device (spec/runtime/device_tree.py): the fixed-shape
 extend's forks beside each depth's main rows. The trees are the ones the general extender
-grows (spec/runtime/tree_extender.py; the two grow by one rule, spec.runtime.tree.TreeGrowth, and run their
-forks each their own way), the output stays the target's, and no fork's slots are left
+grows (spec/runtime/tree_extender.py; the two grow by one rule, spec.runtime.tree.TreeGrowth, and
+run their forks each their own way), the output stays the target's, and no fork's slots are left
 behind."""
 
 from __future__ import annotations

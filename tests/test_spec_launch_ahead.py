@@ -1,4 +1,5 @@
-"""The next speculative round's verify queued before its step (spec.runtime.device_round.LaunchedVerify):
+"""The next speculative round's verify queued before its step
+(spec.runtime.device_round.LaunchedVerify):
 behind the last round's extend, for the requests that round leaves running, reading their
 chains on the device. The step takes it only if it is of the same requests with the same
 tokens; a request joining or aborted in between makes the step verify afresh, and the output

@@ -1,4 +1,5 @@
-"""The next round's tree verify queued from the device (spec.runtime.tree_round.queue_next_tree_verify):
+"""The next round's tree verify queued from the device
+(spec.runtime.tree_round.queue_next_tree_verify):
 behind a round's extend, before the host has read that round's outcome, each request's span
 moved past its accepted path and given its next tree's nodes, positions, slots and ancestor
 masks on the device (CudaGraphs.advance_trees)."""

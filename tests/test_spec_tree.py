@@ -22,8 +22,8 @@ from engine.errors import PdclusterError
 from engine.loader import DEFAULT_DRAFT_CHAINS, EngineArgs, resolve
 from engine.request import Request
 from spec.draft_vocab import DraftHead
-from spec.train.dense import draft_forward, target_forward
 from spec.runtime.tree_verify import TreeSlots
+from spec.train.dense import draft_forward, target_forward
 
 SPEC = "multi-layer-eagle"
 

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 from stream_recorder import CharTokenizer
 
+from cluster.control.node_state import NodeState
 from cluster.frontend.admission import Admission
 from cluster.frontend.backend import BackendError
 from cluster.frontend.flights import Flight, FlightTable, next_delta, take_tokens
-from cluster.control.node_state import NodeState
 from cluster.frontend.protocol import ResponseFormatter
 from cluster.frontend.sample_streams import SharedPrefill
 from cluster.frontend.streaming import RAW_SEND, EventStreamResponse

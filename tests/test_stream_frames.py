@@ -21,12 +21,12 @@ import zmq
 from stream_recorder import CharTokenizer
 from tiny_models import byte_tokenizer
 
+from cluster.control.node_state import NodeState
+from cluster.control.router import Router
 from cluster.frontend.backend import BackendError, TokenDelta, make_usage
 from cluster.frontend.choices import ChoiceDelta
 from cluster.frontend.flights import Flight, FlightTable, NodeDied, next_delta
-from cluster.control.node_state import NodeState
 from cluster.frontend.protocol import ResponseFormatter
-from cluster.control.router import Router
 from cluster.frontend.streaming import EventStreamResponse
 from decode_node.frames import FrameMaker
 from decode_node.token_streams import TokenStreams

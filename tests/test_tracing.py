@@ -13,8 +13,14 @@ import pytest
 from fastapi.testclient import TestClient
 from tiny_drafts import make_good_draft, make_predictable_llama
 
+from cluster.control.tracing import (
+    ROUTER_PID,
+    NodeTimeline,
+    RequestTimeline,
+    chrome_trace,
+    clock_offset_ns,
+)
 from cluster.frontend.openai_api import BackgroundServer, create_app
-from cluster.control.tracing import ROUTER_PID, NodeTimeline, RequestTimeline, chrome_trace, clock_offset_ns
 from engine import LLM, SamplingParams
 from engine.tracing import clock_ns
 
@@ -259,8 +265,8 @@ def _check_trace(trace: dict, request_id: str, usage: dict) -> int:
 
 def test_tracing_flags_and_a_trace_dir_without_tracing():
     from cluster.commands.cli import build_parser
-    from cluster.deploy.config import ClusterConfig
     from cluster.commands.demo import _forwarded_flags
+    from cluster.deploy.config import ClusterConfig
 
     args = build_parser().parse_args(["demo", "--enable-tracing", "--trace-dir", "traces"])
     assert args.enable_tracing and Path(args.trace_dir).is_absolute()

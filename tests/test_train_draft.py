@@ -27,8 +27,8 @@ from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.weights import iter_safetensors
 from spec import load_draft
-from spec.runtime.batching import Span, extend_batch
 from spec.draft_model import MultiLayerEagleDraft
+from spec.runtime.batching import Span, extend_batch
 from spec.runtime.draft_runner import DraftInput, DraftSeq
 from spec.train.batches import make_block
 from spec.train.data import Sequences

@@ -1,9 +1,9 @@
 """The Triton kernel that decides a round of draft trees (engine/kernels/tree_accept.py), a
-fast implementation of the acceptance rule, against its torch reference (spec.runtime.acceptance.accept,
-the committed tokens along its path, spec.runtime.tree_round.keep_accepted_kv): the same paths,
-verdicts and KV moves, for trees from one node to 62 (the most a visibility mask holds), 1 to
-8 levels deep, siblings with distinct tokens (as the engine grows them) or repeated ones, and
-paths of every length."""
+fast implementation of the acceptance rule, against its torch reference
+(spec.runtime.acceptance.accept, the committed tokens along its path,
+spec.runtime.tree_round.keep_accepted_kv): the same paths, verdicts and KV moves, for trees from one
+node to 62 (the most a visibility mask holds), 1 to 8 levels deep, siblings with distinct tokens (as
+the engine grows them) or repeated ones, and paths of every length."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """What the `pdcluster` commands do once their arguments are parsed: `serve`, `demo` and
-`generate` (their arguments are in cluster.commands.cli_args, the parser in cluster.commands.cli)."""
+`generate` (their arguments are in cluster.commands.cli_args, the parser in
+cluster.commands.cli)."""
 
 from __future__ import annotations
 
@@ -93,8 +94,8 @@ def _first_line(path: str) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from cluster.deploy.config import DEFAULT_MAX_REQUEST_BYTES, ClusterConfig, ServeConfig
     from cluster.commands.serve import serve
+    from cluster.deploy.config import DEFAULT_MAX_REQUEST_BYTES, ClusterConfig, ServeConfig
     from metadata.loopback import is_loopback
 
     config = ServeConfig(

@@ -4,8 +4,8 @@ print the URL when ready, and stop every actor on exit.
 With `--api-servers N` above 1 this process is the cluster's controller only (Ray, the nodes'
 health and replacement), and N API processes serve the port (cluster.frontend.api_servers).
 
-SIGTERM or a first Ctrl-C drains (cluster.frontend.admission): new requests are refused with a 503 and
-/health answers 503, the requests in flight get up to the drain timeout to finish, then the HTTP
+SIGTERM or a first Ctrl-C drains (cluster.frontend.admission): new requests are refused with a 503
+and /health answers 503, the requests in flight get up to the drain timeout to finish, then the HTTP
 server and the cluster stop and the process exits 0. A second signal stops at once (exit 130).
 """
 
@@ -16,10 +16,10 @@ import logging
 import signal
 from dataclasses import replace
 
-from cluster.frontend.api_server import event_loop_factory, run_api
-from cluster.frontend.api_servers import ApiServers
 from cluster.deploy.config import ServeConfig, default_api_servers
 from cluster.deploy.launcher import Cluster, describe_nodes
+from cluster.frontend.api_server import event_loop_factory, run_api
+from cluster.frontend.api_servers import ApiServers
 from engine.cpu_tuning import freeze_startup_heap
 
 log = logging.getLogger(__name__)

@@ -3,8 +3,8 @@ prefix of it in its prefix cache, unless that node is busier than the least-load
 than a threshold, or holds too little more of the prompt than the least-loaded node does.
 
 How the router knows what a node holds: it keeps, per node, an approximate radix tree of the
-prompts it sent there (cluster.control.routed_prefixes, SGLang's model gateway does the same), not the
-nodes' own KV events (stored / evicted, as vLLM and llm-d use). The tree needs no new message
+prompts it sent there (cluster.control.routed_prefixes, SGLang's model gateway does the same), not
+the nodes' own KV events (stored / evicted, as vLLM and llm-d use). The tree needs no new message
 and no per-token traffic from nodes, and for what routing needs, a conversation's next turn
 going back to the node that computed its last, it is exact: a prompt's KV is cached on the
 node that prefilled it. Where it is not: a node that evicted a prompt still looks like it holds
@@ -33,7 +33,8 @@ DEFAULT_MIN_SAVED_SHARE = 0.1
 
 
 class CacheAware:
-    """Picks, among the alive `nodes` it is given (cluster.control.policies.NodeView), the node whose
+    """Picks, among the alive `nodes` it is given (cluster.control.policies.NodeView), the node
+    whose
     tree holds the longest prefix of the prompt (ties: the least loaded, then the lowest
     index), where that prefix is longer than what the least-loaded node holds by at least
     `min_saved_share` of the prompt and the node's load exceeds the least-loaded node's by at

@@ -1,6 +1,6 @@
 """`LocalBackend`: one in-process engine behind the GenerationBackend interface. The engine is
-stepped by a thread of its own (cluster.control.local_engine_thread); this side, on the event loop, hands
-it requests and turns what it sends back into each request's stream of deltas.
+stepped by a thread of its own (cluster.control.local_engine_thread); this side, on the event loop,
+hands it requests and turns what it sends back into each request's stream of deltas.
 """
 
 from __future__ import annotations
@@ -9,9 +9,15 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.frontend.backend import BackendError, TokenDelta, cached_prompt_usage, make_usage
-from cluster.control.local_engine_thread import NODE_NAME, EngineThread, RequestStream, StepTokens, joined
+from cluster.control.local_engine_thread import (
+    NODE_NAME,
+    EngineThread,
+    RequestStream,
+    StepTokens,
+    joined,
+)
 from cluster.control.metrics import ClusterMetrics, RequestTimer
+from cluster.frontend.backend import BackendError, TokenDelta, cached_prompt_usage, make_usage
 from engine import LLM, RequestRejectedError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.prompt_embeds import PromptEmbeds

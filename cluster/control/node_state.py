@@ -22,7 +22,8 @@ class NodeState:
     in_flight: int = 0
     error: str | None = None
     stats: Callable[[], Awaitable[dict]] | None = None
-    # Add to the node's trace timestamps to get the router's (cluster.control.tracing.clock_offset_ns).
+    # Add to the node's trace timestamps to get the router's
+    # (cluster.control.tracing.clock_offset_ns).
     clock_offset_ns: int = 0
     # Why the node serves with a fault (a transfer stuck past its timeout), from its probe.
     degraded: str | None = None

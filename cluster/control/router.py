@@ -18,19 +18,19 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from cluster.frontend.backend import BackendError, TokenDelta
 from cluster.control.cache_aware import DEFAULT_LOAD_THRESHOLD
-from cluster.frontend.cluster_status import follow_status
-from cluster.frontend.flights import Flight, FlightTable, next_delta, take_tokens
-from cluster.frontend.frontend_sockets import FrontEndSockets
 from cluster.control.health_watch import watch_health
 from cluster.control.loop_calls import call_in_loop
 from cluster.control.metrics import ClusterMetrics
 from cluster.control.node_state import NodeState, health_report
 from cluster.control.policies import Policy, PolicyOptions, create_policy
 from cluster.control.router_messages import embeddings_spec, sampling_spec
-from cluster.frontend.sample_streams import SharedPrefill
 from cluster.control.tracing import TraceStore
+from cluster.frontend.backend import BackendError, TokenDelta
+from cluster.frontend.cluster_status import follow_status
+from cluster.frontend.flights import Flight, FlightTable, next_delta, take_tokens
+from cluster.frontend.frontend_sockets import FrontEndSockets
+from cluster.frontend.sample_streams import SharedPrefill
 from engine.errors import RequestRejectedError
 from engine.loader import ModelSpec
 from engine.prompt_embeds import PromptEmbeds
@@ -74,11 +74,13 @@ class Router:
         what the router sends and must sign what it receives. `tracing`: keep each request's
         trace (`traces`, GET /v1/traces/{id}) and its summary in `usage`, and write it to
         `trace_dir` if given; the nodes must trace too. `cache_aware_load_threshold`: the
-        cache_aware policy's (cluster.control.cache_aware), which takes `kv_cache_tokens` as a node's.
+        cache_aware policy's (cluster.control.cache_aware), which takes `kv_cache_tokens` as a
+        node's.
 
         One of several API processes (cluster.frontend.api_servers) does not probe the nodes itself
         (`watch_health=False`): it says hello to the cluster's `controller` (an endpoint) and
-        follows the ClusterStatus it sends (cluster.frontend.cluster_status). `frontend_id`: who this
+        follows the ClusterStatus it sends (cluster.frontend.cluster_status). `frontend_id`: who
+        this
         front end is to the nodes (default: drawn at random); `multiprocess_dir`:
         ClusterMetrics'; `prune_trace_files`: TraceStore's."""
         self.spec = spec

@@ -35,8 +35,9 @@ class ClusterConfig:
     gpus_per_node: float = 1.0
     prefill_policy: str = "round_robin"
     decode_policy: str = "least_load"
-    # cache_aware (cluster.control.cache_aware) sends a prompt to the prefill node holding its longest
-    # cached prefix unless that node holds this many more requests than the least-loaded one.
+    # cache_aware (cluster.control.cache_aware) sends a prompt to the prefill node holding its
+    # longest cached prefix unless that node holds this many more requests than the least-loaded
+    # one.
     cache_aware_load_threshold: int = DEFAULT_LOAD_THRESHOLD
     # Decode nodes keep finished requests' KV (a prefix cache, with the engine's) and take only
     # the KV of a prompt's positions past what they hold (decode_node.reuse); the decode policy
@@ -176,15 +177,16 @@ class ServeConfig:
     # /metrics is open to scrapers by default, like /health; this puts it behind the API key.
     metrics_require_api_key: bool = False
     # After SIGTERM (or a first Ctrl-C), how long the requests in flight get to finish while new
-    # ones are refused (cluster.frontend.admission); those left then end with an error naming the drain.
+    # ones are refused (cluster.frontend.admission); those left then end with an error naming the
+    # drain.
     drain_timeout_s: float = 30.0
     # Generation requests in flight (admitted and not finished, waiting or generating) beyond
     # which new ones get a 429; None: no limit.
     max_queued_requests: int | None = None
     # A request with no first token this long after its arrival ends with an error; None: never.
     queue_timeout_s: float | None = None
-    # HTTP front-end processes on the port (cluster.frontend.api_servers); 1: this process serves it;
-    # None: `default_api_servers` for the cluster's device.
+    # HTTP front-end processes on the port (cluster.frontend.api_servers); 1: this process serves
+    # it; None: `default_api_servers` for the cluster's device.
     api_servers: int | None = None
 
     def __post_init__(self) -> None:

@@ -1,9 +1,9 @@
 """Start a cluster on Ray: one actor per prefill and decode node, each in a placement-group
 bundle of its own (one GPU each on GPU, or a share of one; on hosts that carry the role's custom
 resource where the Ray cluster declares one), paired (a data-plane channel per prefill/decode
-pair: cluster.control.pairing) and connected to the router, and watched by a supervisor that replaces
-a node that dies (cluster.control.supervisor). An aggregated cluster starts replicas instead (each an
-engine that prefills its own prompts), with no pairing and no process group.
+pair: cluster.control.pairing) and connected to the router, and watched by a supervisor that
+replaces a node that dies (cluster.control.supervisor). An aggregated cluster starts replicas
+instead (each an engine that prefills its own prompts), with no pairing and no process group.
 `Cluster.shutdown` stops every actor."""
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ from dataclasses import dataclass, field, replace
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from cluster.deploy.config import ClusterConfig
-from cluster.deploy.node_factory import NodeFactory
 from cluster.control.node_state import NodeState
 from cluster.control.pairing import NodeSlot, PairEpochs, pair_cluster, pair_replacement
+from cluster.control.router import Router
+from cluster.control.supervisor import NodeRestartPolicy, Supervisor, kill_for_good
+from cluster.control.tracing import clock_offset_ns
+from cluster.deploy.config import ClusterConfig
+from cluster.deploy.node_factory import NodeFactory
 from cluster.deploy.placement import (
     ClusterStartError,
     cluster_device,
@@ -25,9 +28,6 @@ from cluster.deploy.placement import (
     place_nodes,
 )
 from cluster.deploy.ray_start import forwarded_env, init_ray
-from cluster.control.router import Router
-from cluster.control.supervisor import NodeRestartPolicy, Supervisor, kill_for_good
-from cluster.control.tracing import clock_offset_ns
 from engine.loader import EngineArgs, ModelSpec
 from metadata.control_auth import new_control_key
 from metadata.node_common import AUTO_HOST

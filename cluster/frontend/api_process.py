@@ -3,8 +3,8 @@ own on the cluster's port, started by the controller (cluster.frontend.api_serve
 `python -m cluster.frontend.api_process` and its `ApiProcessConfig` as one JSON line on stdin.
 
 It tokenizes, routes and streams the requests it accepted, exactly as a lone front end does
-(cluster.control.router, cluster.frontend.openai_api): the nodes stream each request's tokens to the process
-that holds its connection. It does not probe the nodes: it follows the controller's
+(cluster.control.router, cluster.frontend.openai_api): the nodes stream each request's tokens to the
+process that holds its connection. It does not probe the nodes: it follows the controller's
 ClusterStatus (a node that died fails its requests here too; a replacement is introduced to at
 its new endpoint), and takes the nodes' stats from it for /metrics. When the controller goes
 away (its end of stdin closes), the process drains and exits."""
@@ -23,8 +23,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.deploy.config import ClusterConfig, ServeConfig
 from cluster.control.node_state import NodeState
+from cluster.deploy.config import ClusterConfig, ServeConfig
 from engine.loader import EngineArgs
 
 log = logging.getLogger(__name__)
@@ -112,8 +112,8 @@ def _drain_when_controller_goes() -> None:
 
 
 def main() -> int:
-    from cluster.control.router import Router
     from cluster.commands.serve import event_loop_factory, run_api
+    from cluster.control.router import Router
     from spec.compose import resolve_model
 
     config = ApiProcessConfig.from_json(sys.stdin.readline())

@@ -14,10 +14,10 @@ from types import FrameType
 
 import uvicorn
 
-from cluster.frontend.admission import Admission
-from cluster.deploy.config import ServeConfig
-from cluster.frontend.openai_api import create_app
 from cluster.control.router import Router
+from cluster.deploy.config import ServeConfig
+from cluster.frontend.admission import Admission
+from cluster.frontend.openai_api import create_app
 from engine.cpu_tuning import freeze_startup_heap
 
 log = logging.getLogger(__name__)

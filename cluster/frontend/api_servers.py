@@ -40,10 +40,10 @@ from pathlib import Path
 import ray
 import zmq
 
-from cluster.frontend.api_process import ApiProcessConfig
-from cluster.frontend.cluster_status import cluster_status
 from cluster.deploy.config import ServeConfig
 from cluster.deploy.launcher import Cluster, driver_engine_args
+from cluster.frontend.api_process import ApiProcessConfig
+from cluster.frontend.cluster_status import cluster_status
 from metadata.control import AsyncInbox, Outbox
 from metadata.messages import ApiServerStatus, FrontendHello
 

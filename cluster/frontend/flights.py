@@ -18,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.frontend.backend import BackendError, TokenDelta, cached_prompt_usage, make_usage
 from cluster.control.metrics import failure_kind
 from cluster.control.node_state import NodeState
 from cluster.control.router_messages import speculation_usage, token_logprob
 from cluster.control.tracing import NodeTimeline, RequestTimeline, TraceStore
+from cluster.frontend.backend import BackendError, TokenDelta, cached_prompt_usage, make_usage
 from metadata.messages import StreamEnd, TokenFrame
 
 

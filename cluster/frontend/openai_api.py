@@ -8,11 +8,11 @@ a 500), an unknown model a 404 with code "model_not_found" (what OpenAI answers)
 wrong API key a 401, a body over the size limit a 413 (400s and 413s count as "rejected"
 failures in the backend's metrics), and a BackendError its own status with a message naming
 the node and stage.
-Generation requests pass the admission gate (cluster.frontend.admission) first: a 503 with Retry-After
-while the server drains (and /health answers 503, status "draining"), a 429 with Retry-After
-when too many are in flight, and a 503 for one with no first token within the queue timeout.
-Work that grows with the prompt (tokenizing, validating) runs on a worker thread, so that the
-event loop keeps answering /health and the streams of other requests.
+Generation requests pass the admission gate (cluster.frontend.admission) first: a 503 with
+Retry-After while the server drains (and /health answers 503, status "draining"), a 429 with
+Retry-After when too many are in flight, and a 503 for one with no first token within the queue
+timeout. Work that grows with the prompt (tokenizing, validating) runs on a worker thread, so that
+the event loop keeps answering /health and the streams of other requests.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from cluster.control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from cluster.deploy.config import DEFAULT_MAX_REQUEST_BYTES
 from cluster.frontend.admission import Admission, AdmittedRequest
 from cluster.frontend.api_errors import (
     COMMON_ERRORS,
@@ -46,9 +48,7 @@ from cluster.frontend.choices import (
     shared_prefill_groups,
     total_usage,
 )
-from cluster.deploy.config import DEFAULT_MAX_REQUEST_BYTES
 from cluster.frontend.http_guards import ApiKeyGuard, BodySizeLimit, NamesApiServer, TrailingSlashes
-from cluster.control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from cluster.frontend.protocol import ResponseFormatter, now
 from cluster.frontend.request_preparation import (
     PreparedRequest,

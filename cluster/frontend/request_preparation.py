@@ -41,7 +41,8 @@ class PreparedRequest:
     prompt: list[int]
     params: SamplingParams
     prompt_embeds: PromptEmbeds | None = None
-    # A chat request's tools: the answer is read back as tool calls (cluster.frontend.structured_output).
+    # A chat request's tools: the answer is read back as tool calls
+    # (cluster.frontend.structured_output).
     tools: ToolUse | None = None
 
 

@@ -1,7 +1,7 @@
 """The bodies of successful answers, as the OpenAPI schema documents them.
 
-cluster.frontend.protocol builds the bodies as plain dicts (the hot path never validates them); these
-models only describe them, so that a client generator, or a conformance test against the
+cluster.frontend.protocol builds the bodies as plain dicts (the hot path never validates them);
+these models only describe them, so that a client generator, or a conformance test against the
 served schema (tests/test_openapi_conformance.py), can hold the server to what it says.
 Objects that carry extensions (`usage`, a node's health) admit fields beyond those named.
 """

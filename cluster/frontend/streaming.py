@@ -59,7 +59,8 @@ def _ended_early() -> BackendError:
 
 
 async def collect_choices(deltas: AsyncIterator[TokenDelta], num_choices: int) -> list[Collected]:
-    """Everything of each choice (deltas tagged with their choice's `index`, cluster.frontend.choices),
+    """Everything of each choice (deltas tagged with their choice's `index`,
+    cluster.frontend.choices),
     until each has finished."""
     results = [Collected() for _ in range(num_choices)]
     pieces: list[list[str]] = [[] for _ in range(num_choices)]
@@ -144,7 +145,8 @@ def joined(deltas: list[TokenDelta]) -> TokenDelta:
 
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# The scope key under which the app puts the server's own `send` (cluster.frontend.openai_api.ApiApp).
+# The scope key under which the app puts the server's own `send`
+# (cluster.frontend.openai_api.ApiApp).
 RAW_SEND = "pdcluster.raw_send"
 
 
@@ -152,8 +154,8 @@ class EventStreamResponse(Response):
     """The SSE response for a stream whose first delta has arrived. Each write carries every
     delta ready at the time (`coalesce`), so a stream gets at most one write per node step, and
     a client that fell behind gets what waited for it at once. With several choices the deltas
-    carry their choice's `index` (cluster.frontend.choices), and the stream ends when each has finished;
-    `total_usage` adds up their usages (by index) for the usage chunk. A failure after the
+    carry their choice's `index` (cluster.frontend.choices), and the stream ends when each has
+    finished; `total_usage` adds up their usages (by index) for the usage chunk. A failure after the
     first byte becomes a final `data: {"error": ...}` event, then `data: [DONE]`.
 
     It listens for the client going away while it streams, whatever the server's ASGI version
@@ -163,8 +165,8 @@ class EventStreamResponse(Response):
     not an anyio cancel scope: a scope cancels every await until it exits, which would break a
     backend that awaits in its generator's `finally` (to send an abort message, say).
 
-    A lone choice whose deltas can be listened to (`listen`, cluster.frontend.sample_streams), served
-    with the server's own `send` (RAW_SEND), has its plain tokens written by the call that
+    A lone choice whose deltas can be listened to (`listen`, cluster.frontend.sample_streams),
+    served with the server's own `send` (RAW_SEND), has its plain tokens written by the call that
     delivers them (`_write_now`), the stream's task staying parked: a node's step then costs
     no task wake-up per stream. A write that has to wait for a slow client finishes in a task
     of its own; until it has, news wakes the stream's task, which waits for that write and

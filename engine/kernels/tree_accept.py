@@ -1,9 +1,9 @@
 """A Triton kernel that decides a round of draft trees on the device in one launch
-(spec.runtime.tree_round): a fast implementation of the acceptance rule spec.runtime.acceptance.accept (the
-path, and the committed tokens, the target's argmax along it), fused with the move of the
-accepted nodes' KV to the positions the request keeps. In torch the same takes a few dozen
-small kernels, each a call into torch on the host, which a round of trees pays on its
-critical path. tests/test_tree_accept_kernel.py holds it to `accept` on random trees."""
+(spec.runtime.tree_round): a fast implementation of the acceptance rule
+spec.runtime.acceptance.accept (the path, and the committed tokens, the target's argmax along it),
+fused with the move of the accepted nodes' KV to the positions the request keeps. In torch the same
+takes a few dozen small kernels, each a call into torch on the host, which a round of trees pays on
+its critical path. tests/test_tree_accept_kernel.py holds it to `accept` on random trees."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ A plain step (spec.runtime.round_plan) commits one token a request without runni
 request keeps its draft state as it was: each depth's KV up to where the last extend left it,
 and the target's hidden state at every position a plain step committed since
 (`SpecRequestState.kept_hidden`), which is what depth 0 reads there. Catching up is the
-general draft extend over those positions (spec.runtime.draft_extend): the same alignment as an extend
-after a round that committed that many tokens, so the request's next round verifies the chain
+general draft extend over those positions (spec.runtime.draft_extend): the same alignment as an
+extend after a round that committed that many tokens, so the request's next round verifies the chain
 it would have drafted had it speculated all along, with no prefill of the draft again.
 
 A request keeps at most `max_kept` hidden states (KEPT_HIDDEN_BYTES of them): the plain step

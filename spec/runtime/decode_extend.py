@@ -2,8 +2,8 @@
 as a single CUDA graph per batch size where the engine runs graphs.
 
 After a verify step that accepted a drafts of a request whose newest position was m, depth d
-extends over positions [m-d, m+a] (spec/runtime/draft_extend.py): a+1+d positions, which vary with a.
-Here every request runs K+1+d positions from m-d whatever a is. Rows past m+a read padding and
+extends over positions [m-d, m+a] (spec/runtime/draft_extend.py): a+1+d positions, which vary with
+a. Here every request runs K+1+d positions from m-d whatever a is. Rows past m+a read padding and
 write KV past the depth's valid prefix, which the next extend recomputes, and no real row
 attends to them (they come later), so every request of a batch has one shape, and the whole
 extend (K depths, each proposing its draft) is one graph: one replay and one copy to the host
@@ -28,9 +28,9 @@ from engine.forward_batch import ForwardBatch, device_batch
 from engine.graph_capture import capture_graphs
 from engine.graph_inputs import batch_size_buckets, bucket_for
 from engine.host_copy import HostCopy
+from spec.draft_vocab import DraftHead
 from spec.runtime.device_tree import DeviceTree, ForkColumns, TreeLayout
 from spec.runtime.draft_runner import DraftRunner
-from spec.draft_vocab import DraftHead
 from spec.runtime.extend_buffers import ExtendBuffers
 from spec.runtime.extend_items import FixedExtendItem, GatheredItems, PendingDrafts, grow_depths
 from spec.runtime.state import BatchRows, SpecRequestState, whole_batch

@@ -1,7 +1,7 @@
 """A draft token tree grown on the device, inside the decode step's fixed-shape draft extend
-(spec/runtime/decode_extend.py): the same tree as spec/runtime/tree_extender.py grows with the host choosing
-each level's nodes, built with tensor operations of fixed shape so that the whole extend stays
-one forward per depth (one CUDA graph for all depths where the engine runs graphs) and one
+(spec/runtime/decode_extend.py): the same tree as spec/runtime/tree_extender.py grows with the host
+choosing each level's nodes, built with tensor operations of fixed shape so that the whole extend
+stays one forward per depth (one CUDA graph for all depths where the engine runs graphs) and one
 copy to the host.
 
 Depth d expands the nodes at level d: the greedy chain's node, which is the depth's main rows
@@ -9,8 +9,8 @@ Depth d expands the nodes at level d: the greedy chain's node, which is the dept
 request's span. A fork at level d reads its path's d drafts at positions m'-d .. m'-1 (m' the
 newest position after the verify: m + a + 1), sees the main rows up to position m'-d-1 and its
 own rows, and reads, at m'-d, depth d-1's main output there and, after it, its parent's
-outputs (the rules of spec/runtime/draft_extend.py). Its rows sit in the depth's cache positions after
-the main rows, which the request's draft sequence holds for this (they are positions it will
+outputs (the rules of spec/runtime/draft_extend.py). Its rows sit in the depth's cache positions
+after the main rows, which the request's draft sequence holds for this (they are positions it will
 only reach later, and every extend rewrites what it reads before reading it).
 
 Each expanded node proposes its `width_at(d)` likeliest children; which nodes the next level

@@ -30,9 +30,9 @@ from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from engine.prompt_embeds import InputEmbeds
-from spec.runtime.batching import Span, extend_batch
 from spec.draft_model import DraftDepth
 from spec.draft_vocab import DraftHead
+from spec.runtime.batching import Span, extend_batch
 
 
 @dataclass

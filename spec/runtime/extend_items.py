@@ -97,8 +97,8 @@ def grow_depths(
     """Each depth's slots up to position m+K of every item (the padding rows write there too):
     when some sequence is short of them, every sequence that holds fewer positions than its
     item may hold takes them all, so that a batch's depths grow together every few rounds (the
-    target grows a few rounds ahead, `spec.runtime.device_round.grow_for_next_round`) rather than one
-    request at a time in almost every round. Entries past those point at the padding slot,
+    target grows a few rounds ahead, `spec.runtime.device_round.grow_for_next_round`) rather than
+    one request at a time in almost every round. Entries past those point at the padding slot,
     since the extend reads its KV slots from the row table and an entry there may hold a slot
     that another request owns now (they are overwritten when the sequence grows). A depth with
     `fork_rows[d]` rows of a tree's forks after its main rows holds real slots up to

@@ -14,7 +14,11 @@ from engine.host_copy import int_tensor
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampler import TokenLogprob, compute_logprobs
-from spec.runtime.acceptance import accept_on_host, grammar_masked_verify_logits, processed_verify_logits
+from spec.runtime.acceptance import (
+    accept_on_host,
+    grammar_masked_verify_logits,
+    processed_verify_logits,
+)
 from spec.runtime.batching import Span, extend_batch
 from spec.runtime.device_round import DeviceRound
 from spec.runtime.tree import DraftTree
@@ -30,7 +34,8 @@ class VerifyResult:
     num_proposed: list[int]  # per request: draft tokens checked, every node of its tree
     hidden: list[torch.Tensor]  # per request: the target's at the newest token and kept path
     num_outputs_before: list[int]
-    # Set when the round ran on the device (spec.runtime.device_round): the draft extend already ran.
+    # Set when the round ran on the device (spec.runtime.device_round): the draft extend already
+    # ran.
     extended: DeviceRound | None = None
 
 

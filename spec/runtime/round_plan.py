@@ -1,6 +1,7 @@
 """The round plan: what one decode step of a speculating engine runs, decided once per step by
-`plan_round` from stated inputs, then carried out as it says (spec.runtime.worker, spec.runtime.round_verify and
-spec.runtime.round_extend for the rounds, engine.speculative_steps for plain steps).
+`plan_round` from stated inputs, then carried out as it says (spec.runtime.worker,
+spec.runtime.round_verify and spec.runtime.round_extend for the rounds, engine.speculative_steps for
+plain steps).
 
 A plan is one of:
 - plain: every request decodes one token, as without speculation. A request's draft then
@@ -10,9 +11,9 @@ A plan is one of:
   draft extend over them after its tokens are committed: the next step may verify again.
 - a chain of K drafts, or a tree of the engine's shape (spec/runtime/tree.py), with where its verify
   comes from: queued behind the last round by the device or by the host, run now for a round
-  decided on the device (spec/runtime/device_round.py, spec/runtime/tree_round.py), or run now for the host's
-  round (spec/runtime/host_verify.py); and which draft extend follows: the one queued in the device
-  round, the fixed-shape one (spec/runtime/decode_extend.py) or the general one.
+  decided on the device (spec/runtime/device_round.py, spec/runtime/tree_round.py), or run now for
+  the host's round (spec/runtime/host_verify.py); and which draft extend follows: the one queued in
+  the device round, the fixed-shape one (spec/runtime/decode_extend.py) or the general one.
 
 Whether a step speculates: only where some request has drafts to verify (or to catch up), or
 its verify was queued behind the last round (it ran already: taking it costs less than a plain

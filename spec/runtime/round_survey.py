@@ -1,6 +1,6 @@
 """Which verify paths can run for one decode step's requests: the worker's answers to the round
-plan's `feasible` (spec.runtime.round_plan), each gathered when the plan first asks, and kept for the
-step that runs that path (`take`).
+plan's `feasible` (spec.runtime.round_plan), each gathered when the plan first asks, and kept for
+the step that runs that path (`take`).
 
 - "queued_by_device", "queued_by_host": the verify queued behind the last round, of these
   requests with their tokens, can be taken for a round on the device: its inputs gather (from

@@ -133,8 +133,8 @@ class RoundVerifier:
         launched: LaunchedVerify | None = None,
     ) -> VerifyResult:
         """The verify of every request's tree, acceptance and the draft extend queued back to
-        back (spec.runtime.tree_round): the verify `launched` before this step where it is theirs, and
-        with `queue_next` "device" the next verify where the device can queue it."""
+        back (spec.runtime.tree_round): the verify `launched` before this step where it is theirs,
+        and with `queue_next` "device" the next verify where the device can queue it."""
         runner, k = self.runner, self.k
         outputs_before = [len(req.output_token_ids) for req in inputs.requests]
         pools = (runner.kv_pool, runner.req_to_token_pool)
@@ -158,8 +158,8 @@ class RoundVerifier:
 
     def launch(self, requests: list[Request], next_chains: torch.Tensor) -> None:
         """Queue the next round's verify of `requests`, whose chains are `next_chains` on the
-        device, now (spec.runtime.device_round.launch_verify); the next `verify` takes it if it is of
-        the same requests with the same tokens."""
+        device, now (spec.runtime.device_round.launch_verify); the next `verify` takes it if it is
+        of the same requests with the same tokens."""
         self.launched = None
         inputs = gather_round(requests, self.k, self.runner.req_to_token_pool.max_context_len)
         if inputs is not None:

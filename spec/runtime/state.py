@@ -116,9 +116,9 @@ class SpecRequestState:
     _chain: list[int] = field(default_factory=list, init=False, repr=False)
     _chain_probs: list[float] = field(default_factory=list, init=False, repr=False)
     _tree: DraftTree | None = field(default=None, init=False, repr=False)
-    # The target's hidden states at the positions that plain steps (spec.runtime.round_plan) committed
-    # since the draft's last extend, oldest first: (a step's hidden states [batch, width], this
-    # request's row there). Depth 0 reads them when the draft catches up over those positions.
+    # The target's hidden states at the positions that plain steps (spec.runtime.round_plan)
+    # committed since the draft's last extend, oldest first: (a step's hidden states [batch, width],
+    # this request's row there). Depth 0 reads them when the draft catches up over those positions.
     kept_hidden: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     # The leading positions whose KV in every depth the prefix cache holds for this request
     # (spec/runtime/prefix_drafts.py): its match's, then what it gave the cache.

@@ -1,7 +1,7 @@
-"""The worker's choice of each decode step's plan (spec.runtime.round_plan): the plan's inputs gathered
-from the step's requests, the drafts plain steps left behind (spec.runtime.catch_up), the verify queued
-behind the last round and the costs the engine measured (spec.runtime.round_costs), which the step's
-plan is then recorded in.
+"""The worker's choice of each decode step's plan (spec.runtime.round_plan): the plan's inputs
+gathered from the step's requests, the drafts plain steps left behind (spec.runtime.catch_up), the
+verify queued behind the last round and the costs the engine measured (spec.runtime.round_costs),
+which the step's plan is then recorded in.
 
 A step launched while the one before it still runs on the device (engine.overlap) is planned
 from requests whose newest token the host has not read yet: it may only be a plain step that

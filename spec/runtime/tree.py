@@ -2,9 +2,9 @@
 spec/runtime/acceptance.py verifies it.
 
 A draft extend grows each request's tree level by level (the general extend,
-spec/runtime/tree_extender.py, and the fixed-shape one on the device, spec/runtime/device_tree.py, by one rule:
-`TreeGrowth`): depth 0 proposes the root's likeliest tokens, and at each deeper level the
-draft's greedy node and the `beam_width - 1` best other nodes by cumulative draft
+spec/runtime/tree_extender.py, and the fixed-shape one on the device, spec/runtime/device_tree.py,
+by one rule: `TreeGrowth`): depth 0 proposes the root's likeliest tokens, and at each deeper level
+the draft's greedy node and the `beam_width - 1` best other nodes by cumulative draft
 log-probability are run through the next depth, each proposing its `node_width` likeliest
 children. The `budget` best nodes of all those proposed are verified in one target forward,
 each node seeing the cached prefix, its ancestors and itself (a tree attention mask); the
@@ -137,8 +137,8 @@ _MIN_PROB = 1e-30
 class TreeGrowth:
     """The rule that grows a batch of `size` draft trees of `shape` over `k` depths, for the
     fixed-shape extend on the device (spec/runtime/device_tree.py) and the general extend
-    (spec/runtime/tree_extender.py) alike: every candidate proposed so far, with its score (its path's
-    draft log-probabilities summed, in float32), and the nodes the next depth expands (their
+    (spec/runtime/tree_extender.py) alike: every candidate proposed so far, with its score (its
+    path's draft log-probabilities summed, in float32), and the nodes the next depth expands (their
     candidate index, score and path). Candidates are numbered in the order they are proposed,
     level by level. Tensor operations of fixed shape: it runs inside a CUDA graph's replay."""
 

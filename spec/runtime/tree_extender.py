@@ -1,6 +1,6 @@
 """The general draft extend: every depth over a batch of `DraftExtend` items (prefill, and the
-decode steps whose shape the fixed extend of spec/runtime/decode_extend.py does not fit), growing each
-item's draft tree (spec/runtime/tree.py) level by level.
+decode steps whose shape the fixed extend of spec/runtime/decode_extend.py does not fit), growing
+each item's draft tree (spec/runtime/tree.py) level by level.
 
 Each item's main extend runs its depths over the newly committed tokens and, past them, over
 its greedy chain: depth d's last position reads the chain's draft d and proposes draft d + 1.
@@ -22,9 +22,9 @@ import itertools
 import torch
 
 from engine.host_copy import int_tensor
+from spec.draft_vocab import DraftHead
 from spec.runtime.draft_extend import DraftExtend
 from spec.runtime.draft_runner import DraftInput, DraftRunner, DraftSeq, DraftTokenPatch
-from spec.draft_vocab import DraftHead
 from spec.runtime.tree import DraftTree, TreeGrowth
 
 

@@ -2,8 +2,8 @@
 spec/runtime/device_round.py's chains.
 
 For greedy requests whose logits need no processing, whose next tree the fixed-shape extend
-grew (spec/runtime/device_tree.py) and who hold their own KV slots for all of its nodes, the verify of
-every request's tree, acceptance and the next extend are queued back to back, with nothing
+grew (spec/runtime/device_tree.py) and who hold their own KV slots for all of its nodes, the verify
+of every request's tree, acceptance and the next extend are queued back to back, with nothing
 for the host to decide between them:
 - the nodes sit in the request's own slots after its newest token (node i at cache position
   m+1+i, its rotary position m + its level), so the verify takes and frees no slot (near its

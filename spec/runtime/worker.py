@@ -2,10 +2,11 @@
 the step's round plan (spec.runtime.round_plan): verify -> accept -> draft extend, or a plain step
 whose drafts fall behind and catch up later (spec.runtime.catch_up). One worker for any number of
 depths and any draft tree shape (spec/runtime/tree.py; one chain is a tree too); the alignment of
-tokens, hidden states and positions across depths is spec.runtime.draft_extend's, the growth of trees
-spec.runtime.tree_extender's; a round's verify runs on the path its plan names (spec.runtime.round_verify), its
-draft extend on the kind its plan names (spec.runtime.round_extend), and the draft state crosses from a
-prefill node to a decode node through spec.runtime.handoff.
+tokens, hidden states and positions across depths is spec.runtime.draft_extend's, the growth of
+trees spec.runtime.tree_extender's; a round's verify runs on the path its plan names
+(spec.runtime.round_verify), its draft extend on the kind its plan names
+(spec.runtime.round_extend), and the draft state crosses from a prefill node to a decode node
+through spec.runtime.handoff.
 
 A prefill node calls `draft_extend_prefill` after the target's prefill, then sends
 `export_state` and each depth's KV (`depth_kv`). A decode node calls `reserve` before receiving
@@ -20,6 +21,8 @@ from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
+from spec.draft_model import MultiLayerEagleDraft
+from spec.draft_vocab import DraftHead
 from spec.runtime import handoff
 from spec.runtime.acceptance import chain_verdicts
 from spec.runtime.catch_up import DraftCatchUp
@@ -27,9 +30,7 @@ from spec.runtime.decode_extend import FixedDecodeExtend
 from spec.runtime.device_round import LaunchedVerify
 from spec.runtime.device_tree import TreeLayout
 from spec.runtime.draft_extend import DraftExtend
-from spec.draft_model import MultiLayerEagleDraft
 from spec.runtime.draft_runner import DraftRunner, DraftSeq
-from spec.draft_vocab import DraftHead
 from spec.runtime.extend_items import FORK_GROW_AHEAD
 from spec.runtime.host_verify import VerifyResult
 from spec.runtime.prefix_drafts import DraftPrefixCache, starts_at_cached_prefix
@@ -172,7 +173,8 @@ class MultiLayerEagleWorker:
     def depth_kv(
         self, req: Request, num_positions: int, shares_prompt: bool = False
     ) -> list[tuple[KVPool, list[int]]]:
-        """Each depth's pool and the slots of positions [0, num_positions) (spec.runtime.handoff)."""
+        """Each depth's pool and the slots of positions [0, num_positions)
+        (spec.runtime.handoff)."""
         return handoff.depth_kv(self.depths, req, num_positions, shares_prompt)
 
     # --- on a decode node, before and after receiving ---
@@ -209,7 +211,8 @@ class MultiLayerEagleWorker:
 
     def plain_plan(self, requests: list[Request], waiting: bool) -> RoundPlan | None:
         """The plan of a step of `requests` launched while the step before it is in flight,
-        where it is a plain step that catches nothing up; None otherwise (spec.runtime.step_planner)."""
+        where it is a plain step that catches nothing up; None otherwise
+        (spec.runtime.step_planner)."""
         planned = self.planner.plan(requests, waiting, self.verifier.launched, plain_only=True)
         return None if planned is None else planned[0]
 
