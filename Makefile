@@ -45,7 +45,7 @@ $(VENV)/.installed: pyproject.toml
 # Converts the default model once into the cache (PDCLUSTER_CACHE_DIR, else ~/.cache/pdcluster);
 # a no-op when the converted copy is already there.
 model: venv
-	$(VENV_PYTHON) -c "from engine.default_model import default_model_path; default_model_path()"
+	$(VENV_PYTHON) -c "from engine.loading.default_model import default_model_path; default_model_path()"
 
 demo: venv model
 	$(VENV)/bin/pdcluster demo

@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 
 from bench.gpu_disagg_cluster import run_cluster
 from bench.host_probe import host_probe
-from engine.kv_pool import KVPool
+from engine.scheduling.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.process_group import create_store_server, destroy_transfer_group, init_transfer_group
 from metadata.transfer import KVReceiver, KVSender, TransferState
@@ -459,7 +459,7 @@ def machine_info(device: str) -> dict:
 
 
 def model_shape(model: str | None) -> Shape:
-    from engine.loader import EngineArgs, resolve
+    from engine.loading.loader import EngineArgs, resolve
 
     config = resolve(EngineArgs(model=model, device="cpu", dtype="bfloat16")).model_config
     return Shape(config.num_layers, config.num_kv_heads, config.head_dim, config.spec_hidden_size)

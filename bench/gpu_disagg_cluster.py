@@ -96,7 +96,7 @@ def run_cluster(model: str | None, device: str, tokens_list: list[int], reps: in
     import cluster.deploy.launcher as launcher
     from cluster.deploy.config import ClusterConfig
     from engine import SamplingParams
-    from engine.loader import EngineArgs
+    from engine.loading.loader import EngineArgs
 
     prefill_cls, decode_cls = _recording_classes()
     launcher._prefill_class = lambda: prefill_cls

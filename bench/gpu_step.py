@@ -208,7 +208,7 @@ def bench_model(
 
     hf = None
     if name == "smollm2" and args.model is not None:
-        from engine.default_model import default_model_path
+        from engine.loading.default_model import default_model_path
 
         engine_model = None if args.model == "default" else args.model
         path = Path(args.model) if engine_model else default_model_path()

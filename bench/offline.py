@@ -110,7 +110,7 @@ def admission_params(args: argparse.Namespace) -> list[SamplingParams]:
 
 def counted_steps(llm: LLM) -> dict[str, int]:
     """Counts, from now on, the engine's scheduled steps and those of them that were mixed
-    (decode steps launched by overlap scheduling are counted apart, engine.overlap)."""
+    (decode steps launched by overlap scheduling are counted apart, engine.executor.overlap)."""
     counts = {"forwards": 0, "mixed": 0}
     scheduler = llm.engine.scheduler
     schedule = scheduler.schedule

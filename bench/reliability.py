@@ -42,7 +42,7 @@ from cluster.deploy.config import ClusterConfig  # noqa: E402
 from cluster.deploy.launcher import Cluster, init_ray  # noqa: E402
 from cluster.frontend.openai_api import BackgroundServer, create_app  # noqa: E402
 from engine import SamplingParams  # noqa: E402
-from engine.loader import EngineArgs  # noqa: E402
+from engine.loading.loader import EngineArgs  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PROMPT = list(range(100, 612))  # 512 tokens
@@ -259,7 +259,7 @@ def main() -> None:
     parser.add_argument("--kill-after", type=float, default=60.0)
     args = parser.parse_args()
     if args.model is None:
-        from engine.default_model import default_model_path
+        from engine.loading.default_model import default_model_path
 
         args.model = str(default_model_path())
     RESULTS.mkdir(parents=True, exist_ok=True)

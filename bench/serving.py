@@ -42,8 +42,8 @@ from cluster.control.policies import POLICIES  # noqa: E402
 from cluster.deploy.config import ClusterConfig  # noqa: E402
 from cluster.deploy.launcher import Cluster, describe_nodes, init_ray  # noqa: E402
 from cluster.frontend.openai_api import BackgroundServer, create_app  # noqa: E402
-from engine.loader import EngineArgs  # noqa: E402
-from engine.weights import resolve_model  # noqa: E402
+from engine.loading.loader import EngineArgs  # noqa: E402
+from engine.loading.weights import resolve_model  # noqa: E402
 from spec.default_draft import resolve_draft_model  # noqa: E402
 
 # A setup's name and its prefill nodes (none: aggregated); one decode node or replica each.

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import engine.host_copy as host_copy  # noqa: E402
+import engine.executor.host_copy as host_copy  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 

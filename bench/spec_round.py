@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT))
 from bench.report import device_description, write_section  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.cpu_tuning import keep_large_allocations_in_heap  # noqa: E402
+from engine.loading.weights import load_hf_config, resolve_model  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.request import spec_totals  # noqa: E402
-from engine.weights import load_hf_config, resolve_model  # noqa: E402
 from spec.draft_model import MultiLayerEagleDraft, save_draft  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -29,7 +29,7 @@ from bench.offline import CHATS  # noqa: E402
 from bench.report import device_description, write_section  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.cpu_tuning import keep_large_allocations_in_heap  # noqa: E402
-from engine.grammar import json_schema_grammar  # noqa: E402
+from engine.sampling.grammar import json_schema_grammar  # noqa: E402
 
 SCHEMA = {
     "type": "array",
@@ -50,9 +50,9 @@ def time_masks(llm: LLM, grammar: str, batch: int, steps: int) -> float:
     """Seconds per step of the grammar's own work alone (fill every row's bitmask, copy, mask
     the logits), the rows advancing along a valid answer: the figure the end-to-end difference
     measures, without the forward's noise on a shared CPU."""
-    from engine.grammar import GrammarCompiler
-    from engine.grammar_mask import mask_request_logits
     from engine.request import Request
+    from engine.sampling.grammar import GrammarCompiler
+    from engine.sampling.grammar_mask import mask_request_logits
 
     config = llm.engine.runner.model_config
     compiler = GrammarCompiler(llm.tokenizer, config.vocab_size, config.eos_token_ids)

@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.random_models import SHAPES, random_model  # noqa: E402
-from engine.loader import EngineArgs, resolve  # noqa: E402
-from engine.model_runner import build_model  # noqa: E402
+from engine.executor.model_runner import build_model  # noqa: E402
+from engine.loading.loader import EngineArgs, resolve  # noqa: E402
+from engine.loading.weights import iter_safetensors  # noqa: E402
 from engine.models.rope import RotaryEmbedding  # noqa: E402
-from engine.weights import iter_safetensors  # noqa: E402
 from spec.draft_model import MultiLayerEagleDraft  # noqa: E402
 from spec.train.batches import make_batches  # noqa: E402
 from spec.train.data import Sequences  # noqa: E402

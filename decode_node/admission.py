@@ -10,9 +10,9 @@ from decode_node.token_streams import TokenStreams
 from decode_node.tracked import Tracked
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
-from engine.prompt_embeds import PromptEmbeds
+from engine.executor.prompt_embeds import PromptEmbeds
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from engine.tracing import set_time
 from metadata.buffers import MetadataBuffers
 from metadata.messages import GenerateRequest, PrefillRequest

@@ -19,10 +19,10 @@ from decode_node.samples import sample_messages
 from decode_node.token_streams import RequestStream, TokenStreams, stream_sink
 from engine.build import build_engine
 from engine.errors import RequestRejectedError
-from engine.loader import EngineArgs
-from engine.prompt_embeds import PromptEmbeds
+from engine.executor.prompt_embeds import PromptEmbeds
+from engine.loading.loader import EngineArgs
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from engine.tracing import set_time
 from metadata.control import Inbox
 from metadata.frontend_links import FrontendLinks, LoadReports

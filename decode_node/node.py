@@ -15,9 +15,9 @@ KV); a result that reports an error fails the request at once, and its slots are
 (void) transfer ends.
 
 When the pool runs short mid-decode, the engine's scheduler retracts running requests (the rule
-is engine.scheduler.retraction_victim's): a retracted request waits in the engine's queue, ahead
-of new preallocations, and runs again here as a prefill of prompt + output so far (this node
-holds the full model), its draft state rebuilt by the draft extend for prefill, its output
+is engine.scheduling.scheduler.retraction_victim's): a retracted request waits in the engine's
+queue, ahead of new preallocations, and runs again here as a prefill of prompt + output so far (this
+node holds the full model), its draft state rebuilt by the draft extend for prefill, its output
 unchanged.
 
 Parallel samples of one prompt (`GenerateRequest.samples`) share one prefill and one transfer
@@ -37,7 +37,7 @@ from decode_node.receives import adopt_landed
 from decode_node.token_streams import TokenStreams, decode_final_stats, stream_sink
 from decode_node.tracked import Tracked, held_pools
 from engine.build import build_engine
-from engine.loader import EngineArgs
+from engine.loading.loader import EngineArgs
 from engine.tracing import set_time, set_time_batch
 from metadata.control import Inbox
 from metadata.frontend_links import FrontendLinks, LoadReports

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from decode_node.reuse import hold_prefix, let_go_prefix
 from decode_node.tracked import Tracked
 from engine.engine_core import EngineCore
-from engine.kv_pool import KVPool
 from engine.request import Request
+from engine.scheduling.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from spec.runtime.sample_extend import shared_prompt_len
 

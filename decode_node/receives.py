@@ -5,9 +5,9 @@ run, and making a landed transfer the request's own (its first token, its draft 
 from __future__ import annotations
 
 from decode_node.tracked import RESULT_WAIT_S, Tracked
-from engine.kv_pool import KVPool
 from engine.request import Request
-from engine.sampler import TokenLogprob
+from engine.sampling.sampler import TokenLogprob
+from engine.scheduling.kv_pool import KVPool
 from engine.tracing import set_time
 from metadata.buffers import MetadataBuffers
 from metadata.faults import DECODE_FAULT_PHASES, PREFILL_FAULT_PHASES, FaultInjector

@@ -1,8 +1,8 @@
 """A decode node's reuse of the KV it holds: a conversation's next turn takes only the KV of the
 tokens it does not hold already from its prefill node.
 
-The decode node runs a prefix cache (engine.prefix_cache): a finished request's KV (its prompt
-and its output, the target's and, when it speculates, every draft depth's through
+The decode node runs a prefix cache (engine.scheduling.prefix_cache): a finished request's KV (its
+prompt and its output, the target's and, when it speculates, every draft depth's through
 spec.runtime.prefix_drafts) stays there until the pool needs room. Before it asks a prefill node to
 run a request, the node matches the prompt (all of it but its last token) against that cache and
 holds the match (`hold_prefix`); the match's length goes to the prefill node in the

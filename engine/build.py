@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from engine.debug_dump import OFFLINE_NODE
 from engine.engine_core import EngineCore
 from engine.engine_hooks import PrefillHandoff, Speculator
-from engine.loader import EngineArgs, ModelSpec, load_runner, resolve
-from engine.model_runner import ModelRunner
+from engine.executor.debug_dump import OFFLINE_NODE
+from engine.executor.model_runner import ModelRunner
+from engine.loading.loader import EngineArgs, ModelSpec, load_runner, resolve
 from engine.speculation import Speculation, chosen_speculation
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.debug_dump import TensorDumpConfig, refuse_cuda_graphs
+from engine.executor.debug_dump import TensorDumpConfig, refuse_cuda_graphs
 from engine.speculative_options import (
     check_draft_tree,
     check_draft_vocab_choice,
@@ -50,22 +50,24 @@ class EngineConfig:
     max_tokens_cap: int | None = None
     kv_cache_tokens: int = 16384
     max_prefill_tokens: int = 8192
-    # Prompts longer than this are prefilled over several steps (engine/scheduler.py); None:
-    # every prompt in one step.
+    # Prompts longer than this are prefilled over several steps (engine/scheduling/scheduler.py);
+    # None: every prompt in one step.
     chunked_prefill_size: int | None = None
     attention_backend: str = "torch"
-    # Decode batches up to this size replay CUDA graphs (engine/cuda_graph.py); 0: none.
+    # Decode batches up to this size replay CUDA graphs (engine/executor/cuda_graph.py); 0: none.
     cuda_graph_max_bs: int = 0
     # Prefill steps of up to this many tokens replay CUDA graphs too (with cuda_graph_max_bs);
     # 0: prefill runs eagerly.
     cuda_graph_max_prefill_tokens: int = 0
-    # Plain decode steps launch the next step before reading their tokens (engine/overlap.py).
+    # Plain decode steps launch the next step before reading their tokens
+    # (engine/executor/overlap.py).
     overlap_schedule: bool = False
     # A step that admits prompts while requests run decodes the running requests in the same
-    # forward (engine/scheduler.py); off: such a step stops them. Speculating engines never mix.
+    # forward (engine/scheduling/scheduler.py); off: such a step stops them. Speculating engines
+    # never mix.
     mixed_prefill: bool = True
-    # Reuse the KV of the longest cached prefix of each prompt (engine/prefix_cache.py); off
-    # by itself where the engine speculates.
+    # Reuse the KV of the longest cached prefix of each prompt (engine/scheduling/prefix_cache.py);
+    # off by itself where the engine speculates.
     enable_prefix_cache: bool = True
     seed: int = 0
     # Draft chains per request when speculating: the draft tree that branches at the first

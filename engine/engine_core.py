@@ -7,8 +7,8 @@ a decode step verifies each request's draft chain, commits the accepted tokens, 
 draft over them (engine.speculative_steps).
 
 Without one, a step that admits prompts while requests run is one forward of both (a mixed
-step, engine.scheduler; `EngineConfig.mixed_prefill`): the running requests decode their next
-token in the prompts' forward instead of waiting for it. A speculating engine keeps its steps
+step, engine.scheduling.scheduler; `EngineConfig.mixed_prefill`): the running requests decode their
+next token in the prompts' forward instead of waiting for it. A speculating engine keeps its steps
 apart (a verify step is not mixed), and so does a prefill node, which runs no decode step."""
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine_hooks import PrefillHandoff, Speculator
-from engine.grammar import GrammarCompiler
-from engine.kv_cache import KVCacheManager
-from engine.model_runner import ModelRunner
-from engine.overlap import OverlapDecoder, overlappable
-from engine.prefix_cache import PrefixCache
-from engine.prompt_embeds import PromptEmbeds
+from engine.executor.model_runner import ModelRunner
+from engine.executor.overlap import OverlapDecoder, overlappable
+from engine.executor.prompt_embeds import PromptEmbeds
 from engine.request import Request, RequestOutput, SpecStats, Usage
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sampling.grammar import GrammarCompiler
+from engine.sampling.sampling_params import SamplingParams
+from engine.sampling.step_sampling import decode_plainly, sample_next_tokens, sample_overlapped
+from engine.sampling.stopping import StopChecker
+from engine.scheduling.kv_cache import KVCacheManager
+from engine.scheduling.prefix_cache import PrefixCache
+from engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from engine.speculative_steps import SpeculativeSteps
-from engine.step_sampling import decode_plainly, sample_next_tokens, sample_overlapped
-from engine.stopping import StopChecker
 from engine.tracing import RequestTrace, set_prefill_end, set_time, set_time_batch
 from engine.validation import validate_request
 
@@ -94,7 +94,7 @@ class EngineCore:
             self.speculative = SpeculativeSteps(
                 speculator, runner, self.scheduler, self.stop_checker, self._fail
             )
-        # Plain decode steps overlap the host's work with the device's (engine.overlap), a
+        # Plain decode steps overlap the host's work with the device's (engine.executor.overlap), a
         # speculating engine's plain steps too.
         self.overlap: OverlapDecoder | None = None
         if config.overlap_schedule and self.stop_checker is not None:
@@ -207,7 +207,7 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that finished in it (with overlap scheduling,
-        those that the step before it finished: engine.overlap)."""
+        those that the step before it finished: engine.executor.overlap)."""
         failed = self._admit_compiled()
         if self.speculative is not None:
             # Slots held for a queued verify: waited for when admission may want them or no
@@ -388,7 +388,8 @@ def make_prefix_cache(
 
 
 def mixed_step_tokens(config: EngineConfig) -> int | None:
-    """The most tokens a mixed step may run (engine.scheduler): where decode steps replay CUDA
+    """The most tokens a mixed step may run (engine.scheduling.scheduler): where decode steps replay
+    CUDA
     graphs, only a step that a prefill graph replays (0 where none is captured); elsewhere
     max_prefill_tokens alone bounds it (None). On a GPU an eager forward costs 13 to 16 ms of
     host dispatch whatever its size, a graph-run decode step about 2: mixed at every

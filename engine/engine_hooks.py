@@ -7,9 +7,9 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.prompt_embeds import InputEmbeds
+from engine.executor.prompt_embeds import InputEmbeds
 from engine.request import Request
-from engine.sampler import TokenLogprob
+from engine.sampling.sampler import TokenLogprob
 
 
 class QueuedWork(Protocol):
@@ -44,7 +44,7 @@ class StepPlan(Protocol):
 
 class PrefixCompanion(Protocol):
     """KV that other pools hold at each of a request's target positions (a speculator's draft
-    depths), cached by the prefix cache together with the target's (engine.kv_cache). The
+    depths), cached by the prefix cache together with the target's (engine.scheduling.kv_cache). The
     companion's KV at a position reads up to `lag` tokens after it, so the cache keys it by the
     target slot `lag` positions later, whose path fixes those tokens: it lives as long as that
     slot stays in the cache, and a match of L tokens gives the companion's KV of L - lag."""
@@ -100,7 +100,7 @@ class Speculator(Protocol):
 
     def plain_plan(self, requests: list[Request], waiting: bool) -> StepPlan | None:
         """The plan of a decode step of `requests` launched while the step before it is in
-        flight (engine.overlap), where it is a plain step that catches no draft up; None,
+        flight (engine.executor.overlap), where it is a plain step that catches no draft up; None,
         recording nothing, otherwise (the step is planned with `plan` once that one is read)."""
 
     def verify(
@@ -125,8 +125,8 @@ class Speculator(Protocol):
         self, requests: list[Request], hidden: torch.Tensor, plan: StepPlan
     ) -> None:
         """After a plain step committed one token for each of `requests`, or launched it
-        (engine.overlap: its tokens are read later, the hidden states still on their way): keep
-        the target's hidden state at the position before it (`hidden` [n, spec_hidden_size])
+        (engine.executor.overlap: its tokens are read later, the hidden states still on their way):
+        keep the target's hidden state at the position before it (`hidden` [n, spec_hidden_size])
         for the request's draft, which is one more position behind; where the plan catches up,
         the drafts extend over every position they are behind."""
 

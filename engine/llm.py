@@ -16,10 +16,10 @@ import torch
 
 from engine.build import build_engine
 from engine.errors import PdclusterError
-from engine.loader import EngineArgs, model_path_arg
-from engine.prompt_embeds import EmbedsArg, PromptEmbeds, per_prompt
+from engine.executor.prompt_embeds import EmbedsArg, PromptEmbeds, per_prompt
+from engine.loading.loader import EngineArgs, model_path_arg
 from engine.request import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from engine.speculation import Speculation
 from engine.tracing import set_time_batch
 from engine.validation import chat_prompt_ids
@@ -85,7 +85,7 @@ class LLM:
         running accept length against the cost of a round over a plain step, learned as the
         engine runs; spec/runtime/round_plan.py), "always" at every step; at
         `speculative_disable_batch_size` running requests or more, every step is plain.
-        `debug_tensor_dump_dir` dumps every forward pass (engine/debug_dump.py) under
+        `debug_tensor_dump_dir` dumps every forward pass (engine/executor/debug_dump.py) under
         DIR/offline/<target|draft-N>/rank0/, keeping only `debug_tensor_dump_layers` if given.
         Prompts longer than `chunked_prefill_size` tokens are prefilled in chunks of it, in or
         between decode steps of the running requests (0: in one step; default 2048 on a CPU,
@@ -96,11 +96,11 @@ class LLM:
         replay CUDA graphs captured here, unless `disable_cuda_graph` or a tensor dump; so do
         prefill steps of up to `cuda_graph_max_prefill_tokens` tokens (default 512; 0: none).
         `overlap_schedule`: prepare each plain decode step while the device runs the one
-        before (engine/overlap.py); default on a GPU, off on a CPU.
+        before (engine/executor/overlap.py); default on a GPU, off on a CPU.
         `mixed_prefill`: a step that admits prompts while others run decodes the running
         requests in the same forward (default); False gives admission steps of their own.
         `enable_prefix_cache`: reuse the KV of the longest cached prefix of each prompt
-        (engine/prefix_cache.py; default); off by itself where the engine speculates.
+        (engine/scheduling/prefix_cache.py; default); off by itself where the engine speculates.
         `gpu_memory_utilization`: the fraction of the GPU's total memory this engine may take,
         for engines that share a GPU (default: the KV pool takes 80% of what is free).
         `enable_tracing` gives each output its timeline (`RequestOutput.trace`, engine.tracing).

@@ -6,14 +6,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.prefill_chunks import HeldChunks
-from engine.prompt_embeds import PromptEmbeds
-from engine.sampler import TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.executor.prompt_embeds import PromptEmbeds
+from engine.sampling.sampler import TokenLogprob
+from engine.sampling.sampling_params import SamplingParams
+from engine.scheduling.prefill_chunks import HeldChunks
 from engine.tracing import RequestTrace
 
 if TYPE_CHECKING:
-    from engine.grammar import GrammarMatcher
+    from engine.sampling.grammar import GrammarMatcher
 
 
 @dataclass
@@ -62,8 +62,8 @@ class Request:
     slots: list[int] = field(default_factory=list)
     kv_len: int = 0
     # The prefix cache's part of `slots`: the first `cached_len` belong to the cache
-    # (engine.prefix_cache), held through `cache_node` while the request reads them; the rest
-    # are the request's own.
+    # (engine.scheduling.prefix_cache), held through `cache_node` while the request reads them; the
+    # rest are the request's own.
     cached_len: int = 0
     cache_node: Any = None
     # Prompt tokens whose KV the first prefill found cached (usage's cached_tokens).
@@ -87,10 +87,10 @@ class Request:
     # kept only for requests that speculate.
     held_chunks: HeldChunks | None = None
     # Parallel samples of this request's prompt that wait for its prefill: they take its prompt
-    # KV (shared slots, engine.kv_cache.KVCacheManager.fork) and sample their own first token
-    # from its last logits instead of prefilling the prompt again.
+    # KV (shared slots, engine.scheduling.kv_cache.KVCacheManager.fork) and sample their own first
+    # token from its last logits instead of prefilling the prompt again.
     forks: list[Request] = field(default_factory=list)
-    # The grammar state of a request whose params carry a grammar (engine.grammar).
+    # The grammar state of a request whose params carry a grammar (engine.sampling.grammar).
     grammar: GrammarMatcher | None = None
 
     def commit(self, token: int) -> None:

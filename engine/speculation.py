@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.engine_hooks import Speculator
-    from engine.loader import EngineArgs
+    from engine.executor.model_runner import ModelRunner
+    from engine.loading.loader import EngineArgs
     from engine.model_config import ModelConfig
-    from engine.model_runner import ModelRunner
 
 ENTRY_POINT_GROUP = "pdcluster.speculation"
 

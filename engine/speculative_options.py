@@ -1,10 +1,10 @@
 """The speculative options of an engine (EngineConfig's draft tree, draft vocabulary and round
 plan) and the checks that refuse a bad value with its reason: one place, used by EngineConfig and
-by the command line before a config is built (engine.loader)."""
+by the command line before a config is built (engine.loading.loader)."""
 
 from __future__ import annotations
 
-from engine.forward_batch import TREE_MAX_TOKENS
+from engine.executor.forward_batch import TREE_MAX_TOKENS
 
 # What a draft may propose from (EngineConfig.draft_vocab).
 DRAFT_VOCAB_CHOICES = ("draft", "full")
@@ -30,7 +30,7 @@ def check_speculative_plan(plan: str, disable_batch_size: int | None) -> None:
 
 
 # A tree's verify span is the newest token then the nodes, each token's visible rows a 64-bit
-# mask (engine.forward_batch.Span.visible).
+# mask (engine.executor.forward_batch.Span.visible).
 MAX_DRAFT_TREE_TOKENS = TREE_MAX_TOKENS - 1
 
 

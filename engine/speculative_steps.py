@@ -4,8 +4,8 @@ speculating requests, which runs the plan the speculator chose for it (spec/runt
 a speculative round (verify each request's draft, commit the accepted tokens, extend the draft
 over them), or a plain step (the forward and sampling of a plain engine's decode step, keeping
 the target's hidden states for the drafts to catch up over). Where the engine overlaps its
-plain steps (engine.overlap) and the requests' sampling allows, a plain step is launched as a
-plain engine's is, and so are the plain steps after it that their plans choose
+plain steps (engine.executor.overlap) and the requests' sampling allows, a plain step is launched as
+a plain engine's is, and so are the plain steps after it that their plans choose
 (`plain_plan`, `launched`): a speculating engine's plain step then costs what a plain
 engine's does, and the round plan weighs rounds against that cost.
 
@@ -19,14 +19,14 @@ from collections.abc import Callable
 import torch
 
 from engine.engine_hooks import QueuedWork, Speculator, StepPlan
-from engine.model_runner import ForwardOutput, ModelRunner
-from engine.overlap import OverlapDecoder
-from engine.prefill_chunks import HeldChunks
-from engine.prompt_embeds import InputEmbeds
+from engine.executor.model_runner import ForwardOutput, ModelRunner
+from engine.executor.overlap import OverlapDecoder
+from engine.executor.prompt_embeds import InputEmbeds
 from engine.request import Request
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.step_sampling import decode_plainly, samples_from_logits_alone
-from engine.stopping import StopChecker
+from engine.sampling.step_sampling import decode_plainly, samples_from_logits_alone
+from engine.sampling.stopping import StopChecker
+from engine.scheduling.prefill_chunks import HeldChunks
+from engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from engine.tracing import set_correct_drafts, set_time_batch
 
 # What the draft extend for prefill reads of a request: the target's hidden states and input
@@ -245,7 +245,7 @@ class SpeculativeSteps:
         self, batch: ScheduledBatch, plan: StepPlan, overlap: OverlapDecoder
     ) -> list[Request]:
         """A plain step launched by `overlap`: its tokens are read once the next step is on
-        its way (engine.overlap), or when the next step's plan is not a plain one."""
+        its way (engine.executor.overlap), or when the next step's plan is not a plain one."""
         requests = batch.requests
         try:
             overlap.launch(requests, self.runner.build_batch(requests), plan=plan)
@@ -254,7 +254,7 @@ class SpeculativeSteps:
             return self.fail(requests, "decode", err)
         return []
 
-    # --- plain steps launched while the step before is in flight (engine.overlap) ---
+    # --- plain steps launched while the step before is in flight (engine.executor.overlap) ---
     def plain_plan(self, requests: list[Request], waiting: bool) -> StepPlan | None:
         plan = self.speculator.plain_plan(requests, waiting)
         if plan is not None:

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.errors import RequestRejectedError
-from engine.prompt_embeds import PromptEmbeds
-from engine.sampling_params import SamplingParams
+from engine.executor.prompt_embeds import PromptEmbeds
+from engine.sampling.sampling_params import SamplingParams
 
 # A signed 64-bit integer: the range OpenAI documents for `seed`, and what msgpack carries to
 # the nodes and a torch int64 tensor holds, so that no value admitted here fails on the way.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_pool import KVPool
+from engine.scheduling.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.channel import Channel
 from metadata.peer_workers import PeerWorkers

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.kv_pool import KVPool
+from engine.scheduling.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.peer_workers import PeerWorkers
 from metadata.transfer_handle import TransferHandle, TransferState

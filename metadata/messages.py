@@ -43,20 +43,21 @@ class SamplingSpec:
     stop_token_ids: list[int]
     ignore_eos: bool
     logprobs: int | None
-    # Logits processors (engine.logits_processors); the defaults ask for none, so a sender
+    # Logits processors (engine.sampling.logits_processors); the defaults ask for none, so a sender
     # that predates them still decodes.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: list[list[Any]] = field(default_factory=list)  # [[token id, bias], ...]
     min_tokens: int = 0
-    # Structured output: llguidance grammar text (engine.grammar), compiled by each node.
+    # Structured output: llguidance grammar text (engine.sampling.grammar), compiled by each node.
     grammar: str | None = None
 
 
 @message
 class EmbeddingsSpec:
-    """Vectors given for some prompt positions (engine.prompt_embeds.PromptEmbeds): `data` is
+    """Vectors given for some prompt positions (engine.executor.prompt_embeds.PromptEmbeds): `data`
+    is
     len(positions) x width float32 values, little-endian, row after row."""
 
     positions: list[int]

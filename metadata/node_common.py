@@ -11,8 +11,8 @@ import torch
 
 from engine.config import default_device
 from engine.cpu_tuning import keep_large_allocations_in_heap
-from engine.kv_pool import KVPool
-from engine.loader import EngineArgs, ModelSpec
+from engine.loading.loader import EngineArgs, ModelSpec
+from engine.scheduling.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.handshake import TransferSpec
 from metadata.transfer import KVReceiver, KVSender, TransferState

@@ -22,9 +22,9 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
-from engine.kv_pool import KVPool
-from engine.loader import ModelSpec
-from engine.model_runner import ModelRunner
+from engine.executor.model_runner import ModelRunner
+from engine.loading.loader import ModelSpec
+from engine.scheduling.kv_pool import KVPool
 from engine.tensor_parallel.kv_links import KVLinks, LinkPlan, LinkSpec, slot_index
 from engine.tensor_parallel.kv_routes import KVHeads, KVRoute, kv_routes
 from engine.tensor_parallel.link_orders import LinkOrder

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.cpu_tuning import freeze_startup_heap
-from engine.kv_cache import KVCacheManager
-from engine.loader import ModelSpec
+from engine.loading.loader import ModelSpec
+from engine.scheduling.kv_cache import KVCacheManager
 from engine.tracing import clock_ns
 from metadata.buffers import MetadataBuffers
 from metadata.control import Inbox

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.kv_pool import KVPool
+from engine.scheduling.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 
 

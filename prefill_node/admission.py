@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from engine.engine_core import EngineCore
 from engine.errors import RequestRejectedError
-from engine.prompt_embeds import PromptEmbeds
+from engine.executor.prompt_embeds import PromptEmbeds
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from engine.tracing import RequestTrace, set_time
 from metadata.messages import PrefillRequest
 from prefill_node.pending import Pending, sample_pending

@@ -35,9 +35,9 @@ import torch
 
 from engine.build import build_engine
 from engine.errors import RequestRejectedError
-from engine.loader import EngineArgs
+from engine.loading.loader import EngineArgs
 from engine.request import Request
-from engine.sampler import TokenLogprob
+from engine.sampling.sampler import TokenLogprob
 from metadata.control import Inbox, Outbox
 from metadata.frontend_links import FrontendLinks, LoadReports
 from metadata.kv_audit import PoolCount, request_pools

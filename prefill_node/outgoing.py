@@ -13,10 +13,10 @@ import logging
 import torch
 
 from engine.errors import RankFailedError
-from engine.kv_cache import KVCacheManager
-from engine.kv_pool import KVPool
 from engine.request import Request
-from engine.sampler import TokenLogprob
+from engine.sampling.sampler import TokenLogprob
+from engine.scheduling.kv_cache import KVCacheManager
+from engine.scheduling.kv_pool import KVPool
 from engine.tracing import set_time
 from metadata.buffers import MetadataBuffers
 from metadata.control import Outbox

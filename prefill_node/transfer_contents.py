@@ -10,8 +10,8 @@ from collections import Counter
 
 import torch
 
-from engine.kv_pool import KVPool
-from engine.sampler import TokenLogprob
+from engine.sampling.sampler import TokenLogprob
+from engine.scheduling.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.wire import PoolMessages
 from prefill_node.pending import Pending

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 
-from engine.loader import EngineArgs, ModelSpec, resolve
+from engine.executor.model_runner import ModelRunner
+from engine.loading.loader import EngineArgs, ModelSpec, resolve
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
 from engine.speculation import Speculation, chosen_speculation, register_speculation
 from spec.config import draft_target_config
 from spec.default_draft import resolve_draft_model

@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.errors import ModelLoadError
-from engine.forward_batch import ForwardBatch
+from engine.executor.forward_batch import ForwardBatch
 from engine.kernels import triton_usable
 from engine.model_config import ModelConfig
 from engine.models.linear import Linear

@@ -10,7 +10,7 @@ import ray
 from cluster.deploy.config import ClusterConfig
 from cluster.deploy.launcher import Cluster, init_ray
 from cluster.frontend.openai_api import BackgroundServer, create_app
-from engine.loader import EngineArgs
+from engine.loading.loader import EngineArgs
 
 
 def ensure_ray() -> None:

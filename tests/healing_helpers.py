@@ -14,7 +14,7 @@ from cluster.deploy.config import ClusterConfig
 from cluster.deploy.launcher import Cluster
 from cluster.frontend.backend import BackendError
 from engine import SamplingParams
-from engine.loader import EngineArgs
+from engine.loading.loader import EngineArgs
 
 
 @dataclass

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from decode_node.node import DecodeNode
-from engine.loader import EngineArgs
+from engine.loading.loader import EngineArgs
 from metadata.control_auth import new_control_key
 from metadata.node_common import NodeOptions
 from metadata.serving_node import ServingNode

@@ -9,11 +9,11 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-from engine.cuda_graph import CudaGraphs
-from engine.forward_batch import Span, extend_batch
-from engine.graph_inputs import IDS, POSITIONS, Q_LENS, Q_STARTS, ROWS, SLOTS, TREE_BITS
+from engine.executor.cuda_graph import CudaGraphs
+from engine.executor.forward_batch import Span, extend_batch
+from engine.executor.graph_inputs import IDS, POSITIONS, Q_LENS, Q_STARTS, ROWS, SLOTS, TREE_BITS
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 
 class ReplayedEagerly(CudaGraphs):

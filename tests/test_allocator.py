@@ -3,10 +3,10 @@ import random
 import pytest
 import torch
 
-from engine.allocator import PADDING_SLOT, SlotAllocator
-from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
+from engine.scheduling.allocator import PADDING_SLOT, SlotAllocator
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool, grow_holders
 
 
 def test_allocate_and_free_keep_counts():

@@ -12,8 +12,8 @@ from devices import DEVICES
 import engine.attention.torch_metadata as torch_metadata
 from engine.attention.torch_backend import SHORT_EXTEND_MAX_TOKENS, TorchAttentionBackend
 from engine.attention.torch_metadata import BatchedGroups, PerRequestMetadata
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.executor.forward_batch import ForwardBatch
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
 
 HEAD_DIM = 16
 NUM_LAYERS = 3

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from bench import spec as spec_bench
-from engine.default_model import default_model_path
-from engine.loader import EngineArgs, resolve
+from engine.loading.default_model import default_model_path
+from engine.loading.loader import EngineArgs, resolve
 from spec.draft_model import MultiLayerEagleDraft, save_draft
 
 ARGS = ["--prompts", "3", "--requests", "5", "--batch-sizes", "2", "--max-tokens", "6",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-import engine.host_copy as host_copy
+import engine.executor.host_copy as host_copy
 from bench import spec_phases
 
 

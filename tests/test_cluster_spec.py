@@ -121,7 +121,7 @@ def test_prompt_embeddings_cross_the_cluster_and_reach_the_draft(folders):
     and draft read them, and the speculative output equals the offline engine's."""
     import torch
 
-    from engine.prompt_embeds import PromptEmbeds
+    from engine.executor.prompt_embeds import PromptEmbeds
 
     target = str(folders / "target")
     offline = LLM(target, device="cpu", **ENGINE)

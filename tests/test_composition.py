@@ -68,7 +68,7 @@ def called_names(source: str) -> set[str]:
 
 def test_engines_are_built_in_one_place() -> None:
     """No package builds an EngineCore or loads a runner but engine/build.py (through
-    engine/loader.py's load_runner): LLM and every node kind go through build_engine."""
+    engine/loading/loader.py's load_runner): LLM and every node kind go through build_engine."""
     builders = {"EngineCore", "ModelRunner", "load_runner"}
     packages = ("engine", "spec", "cluster", "prefill_node", "decode_node", "metadata")
     found = {
@@ -78,7 +78,7 @@ def test_engines_are_built_in_one_place() -> None:
     }
     assert {path: names for path, names in found.items() if names} == {
         "engine/build.py": ["EngineCore", "load_runner"],
-        "engine/loader.py": ["ModelRunner"],
+        "engine/loading/loader.py": ["ModelRunner"],
     }
 
 

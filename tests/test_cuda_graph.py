@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.allocator import PADDING_SLOT
 from engine.attention import resolve_attention_backend
-from engine.forward_batch import Span
-from engine.graph_inputs import (
+from engine.executor.forward_batch import Span
+from engine.executor.graph_inputs import (
     batch_size_buckets,
     bucket_for,
     padded_columns,
@@ -24,8 +23,9 @@ from engine.graph_inputs import (
     uniform_columns,
 )
 from engine.kernels import triton_runs_on
-from engine.kv_pool import ReqToTokenPool
-from engine.loader import EngineArgs, resolve
+from engine.loading.loader import EngineArgs, resolve
+from engine.scheduling.allocator import PADDING_SLOT
+from engine.scheduling.kv_pool import ReqToTokenPool
 
 
 def needs_gpu(test):

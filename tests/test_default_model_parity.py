@@ -10,7 +10,7 @@ import torch
 from family_checks import hf_greedy
 
 from engine import LLM, SamplingParams
-from engine.default_model import default_model_path
+from engine.loading.default_model import default_model_path
 
 CHATS = [
     "What is the capital of France?",

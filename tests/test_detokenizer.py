@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from engine.default_model import default_model_path
 from engine.detokenizer import IncrementalDetokenizer
+from engine.loading.default_model import default_model_path
 
 MULTILINGUAL = "Héllo wörld! 😀🎉 日本語のテキスト, naïve café — ✓ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 👩‍👩‍👧 end."
 

@@ -13,8 +13,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, ByT5Tokenizer, PreTrainedTokenizerFast
 
 import engine.detokenizer as detokenizer_module
-from engine.default_model import default_model_path
 from engine.detokenizer import IncrementalDetokenizer, tokenizer_decoding
+from engine.loading.default_model import default_model_path
 
 MULTILINGUAL = "Héllo wörld! 😀🎉 日本語のテキスト, naïve café — ✓ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 👩‍👩‍👧 end."
 SNIPPETS = [MULTILINGUAL, "The cat's mat isn't red . Yes ! ", "中文字符和emoji🙂🚀", "a\n\n  b\tc"]

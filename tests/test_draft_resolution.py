@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import spec.default_draft as default_draft
 from engine import LLM
-from engine.loader import EngineArgs, resolve
+from engine.loading.loader import EngineArgs, resolve
 from spec import load_draft, resolve_draft_model
 
 

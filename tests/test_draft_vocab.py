@@ -16,11 +16,11 @@ from tiny_models import make_tiny_llama
 from cluster.commands.cli import build_parser
 from cluster.commands.cli_commands import engine_args
 from engine import LLM, ModelLoadError, SamplingParams
-from engine.loader import EngineArgs, resolve
-from engine.model_runner import build_model
+from engine.executor.model_runner import build_model
+from engine.loading.loader import EngineArgs, resolve
+from engine.loading.weights import iter_safetensors
 from engine.models.cpu_linear import PackedLinear, packed_linear_available
 from engine.request import spec_totals
-from engine.weights import iter_safetensors
 from spec import MultiLayerEagleDraft, load_draft, save_draft
 from spec.draft_model import VOCAB_TENSOR
 from spec.draft_vocab import DraftHead, choose_draft_vocab, count_tokens, coverage

@@ -23,9 +23,9 @@ from tiny_drafts import make_random_draft
 import decode_node.tracked as tracked_module
 from decode_node.node import DecodeNode
 from decode_node.tracked import Tracked
-from engine.kv_cache import KVCacheManager
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
+from engine.scheduling.kv_cache import KVCacheManager
 from metadata.buffers import MetadataBuffers
 from metadata.messages import (
     MessageError,

@@ -18,7 +18,7 @@ from tiny_drafts import make_good_draft, make_predictable_llama
 from cluster.control.local_backend import LocalBackend
 from cluster.frontend.openai_api import create_app
 from engine import LLM, RequestRejectedError, SamplingParams
-from engine.prompt_embeds import InputEmbeds, PromptEmbeds
+from engine.executor.prompt_embeds import InputEmbeds, PromptEmbeds
 
 SPEC = "multi-layer-eagle"
 MAX_K = 3

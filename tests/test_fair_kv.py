@@ -27,7 +27,7 @@ from cluster.control.local_backend import LocalBackend
 from cluster.frontend.openai_api import create_app
 from engine import LLM, RequestRejectedError, SamplingParams
 from engine.request import Request
-from engine.scheduler import retraction_victim
+from engine.scheduling.scheduler import retraction_victim
 
 LONG_PROMPT = 8
 SHORT_PROMPT = 6

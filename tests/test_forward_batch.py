@@ -1,4 +1,5 @@
-"""The batch builders of engine.forward_batch: `device_batch` over tensors already on the device
+"""The batch builders of engine.executor.forward_batch: `device_batch` over tensors already on the
+device
 (a CUDA graph's static buffers, the fixed-shape draft extend's), and the in-place token writes
 a batch takes after it was built (a draft depth's patched tokens, a verify's next drafts)."""
 
@@ -7,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from engine.attention import create_attention_backend
-from engine.forward_batch import Span, device_batch, extend_batch
-from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.executor.forward_batch import Span, device_batch, extend_batch
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
 
 
 def _pools() -> tuple[KVPool, ReqToTokenPool]:

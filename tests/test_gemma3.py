@@ -23,8 +23,8 @@ from tiny_drafts import make_random_draft
 from tiny_families import make_tiny_family, write_tiny_gguf
 
 from engine import LLM, ModelLoadError, SamplingParams, UnsupportedModelError
+from engine.loading.weights import SUPPORTED_ARCHITECTURES
 from engine.request import spec_totals
-from engine.weights import SUPPORTED_ARCHITECTURES
 
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -202,7 +202,7 @@ def _metadata_only_gguf(file: Path, block_count: int, scaling: str | None = None
 def test_a_27b_gguf_file_keeps_llama_cpps_attention_scale(tmp_path) -> None:
     """llama.cpp scales a 62-layer Gemma 3's scores by 1 / sqrt(hidden_size / heads) (the
     27B's query_pre_attn_scalar, 168); no field of the file says so."""
-    from engine.default_model import with_what_transformers_drops
+    from engine.loading.default_model import with_what_transformers_drops
 
     config = {"query_pre_attn_scalar": 256, "rope_parameters": {"full_attention": {}}}
     fixed = with_what_transformers_drops(_metadata_only_gguf(tmp_path / "27b.gguf", 62), config)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, ModelLoadError, SamplingParams
-from engine.default_model import GEMMA3_270M_NAME, GEMMA3_270M_PACKAGE
+from engine.loading.default_model import GEMMA3_270M_NAME, GEMMA3_270M_PACKAGE
 
 needs_package = pytest.mark.skipif(
     importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None,
@@ -109,7 +109,7 @@ async def _generate_all(router, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_the_packaged_model_name_says_how_to_install_it(monkeypatch, tmp_path) -> None:
-    from engine import default_model
+    from engine.loading import default_model
 
     monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(default_model, "GEMMA3_270M_PACKAGE", "no_such_package_here")

@@ -30,8 +30,8 @@ ray = pytest.importorskip("ray")
 from cluster.deploy.config import ClusterConfig  # noqa: E402
 from cluster.deploy.launcher import Cluster  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.loader import EngineArgs  # noqa: E402
-from engine.weights import resolve_model  # noqa: E402
+from engine.loading.loader import EngineArgs  # noqa: E402
+from engine.loading.weights import resolve_model  # noqa: E402
 
 MAX_TOKENS = 32
 # The top-1 minus top-2 logprob under which bf16 rounding alone may swap the two: bf16 keeps 8

@@ -1,4 +1,4 @@
-"""The capture recipe every CUDA graph shares (engine.graph_capture) and the attention
+"""The capture recipe every CUDA graph shares (engine.executor.graph_capture) and the attention
 backend's capture hook (AttentionBackend.prepare_for_capture): on a GPU, every size captured,
 largest first, each replay reading the inputs its `load` filled; everywhere, the collector
 paused only while capturing, and a backend that cannot be captured refusing the hook."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from engine.attention import create_attention_backend
-from engine.cuda_graph import CudaGraphs
-from engine.graph_capture import capture_graphs, collection_paused
+from engine.executor.cuda_graph import CudaGraphs
+from engine.executor.graph_capture import capture_graphs, collection_paused
 from engine.kernels import triton_runs_on
-from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
 
 
 def test_collection_is_paused_only_while_capturing() -> None:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_hyper_llama, make_tiny_llama, widen_to_hyper_llama
 
 from engine import LLM, ModelLoadError, SamplingParams, UnsupportedModelError
-from engine.weights import SUPPORTED_ARCHITECTURES
+from engine.loading.weights import SUPPORTED_ARCHITECTURES
 
 PROMPTS = [[1, 17, 99, 4, 250, 31, 8], [1, 200], list(range(3, 40)), [5] * 13]
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from devices import DEVICES
 
-from engine.allocator import PADDING_SLOT
-from engine.kv_pool import KVPool
+from engine.scheduling.allocator import PADDING_SLOT
+from engine.scheduling.kv_pool import KVPool
 
 
 def _numbered_pool(device: str) -> KVPool:

@@ -1,4 +1,5 @@
-"""Mixed steps (engine.scheduler, `mixed_prefill`): a step that admits prompts while requests run
+"""Mixed steps (engine.scheduling.scheduler, `mixed_prefill`): a step that admits prompts while
+requests run
 is one forward of both, the running requests decoding their next token beside the prompts (or
 a prompt's chunk). The output is the output without mixing, token for token, for every kind of
 request (greedy, seeded sampling, chunks, parallel samples, processors, logprobs, grammars,
@@ -21,11 +22,11 @@ from engine import LLM, SamplingParams
 from engine.attention.torch_metadata import PerRequestMetadata, prepare_per_request
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, mixed_step_tokens
-from engine.grammar import json_schema_grammar
 from engine.kernels import triton_runs_on
-from engine.loader import EngineArgs, resolve
+from engine.loading.loader import EngineArgs, resolve
 from engine.request import Request
-from engine.scheduler import ScheduledBatch
+from engine.sampling.grammar import json_schema_grammar
+from engine.scheduling.scheduler import ScheduledBatch
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

@@ -15,7 +15,7 @@ from family_checks import hf_greedy
 from tiny_families import make_tiny_family
 
 from engine import SamplingParams
-from engine.loader import EngineArgs, resolve
+from engine.loading.loader import EngineArgs, resolve
 from metadata.handshake import spec_mismatches
 from metadata.node_common import transfer_spec
 

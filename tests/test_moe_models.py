@@ -21,11 +21,11 @@ from tiny_models import save_chat_template
 
 from engine import LLM, SamplingParams, UnsupportedModelError
 from engine.errors import ModelLoadError
+from engine.loading.weights import SUPPORTED_ARCHITECTURES
 from engine.model_config import MoeConfig
 from engine.models.llama import MLP
 from engine.models.moe import Experts, SparseMoeBlock, grouped_mm_runs, linear_per_group
 from engine.request import spec_totals
-from engine.weights import SUPPORTED_ARCHITECTURES
 
 # name -> (family, seed, overrides). The seeds give greedy outputs that move between tokens.
 MODELS = {

@@ -25,7 +25,7 @@ from cluster.deploy.launcher import Cluster, ClusterStartError, init_ray
 from cluster.deploy.placement import role_demands, shortfall
 from cluster.frontend.openai_api import BackgroundServer, create_app
 from engine import LLM, SamplingParams
-from engine.loader import EngineArgs
+from engine.loading.loader import EngineArgs
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -262,7 +262,7 @@ def test_engines_sharing_a_gpu_size_their_kv_from_their_share(monkeypatch):
 
     import torch
 
-    from engine import loader
+    from engine.loading import loader
 
     config = SimpleNamespace(
         vocab_size=1000,

@@ -14,7 +14,7 @@ import pytest
 from cluster.control.node_state import NodeState
 from cluster.control.policies import LeastLoad
 from cluster.control.router import Router
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from metadata.control import Inbox, Outbox
 from metadata.control_auth import new_control_key
 from metadata.frontend_links import (

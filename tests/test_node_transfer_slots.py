@@ -19,7 +19,7 @@ from stream_recorder import FRONTEND, StreamRecorder
 
 from decode_node.tracked import Tracked
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from metadata.messages import PrefillResult
 from metadata.serving_node import ServingNode
 from metadata.transfer import TransferHandle, TransferState

@@ -1,4 +1,5 @@
-"""Overlap scheduling (engine/overlap.py): each plain decode step is launched before the tokens
+"""Overlap scheduling (engine/executor/overlap.py): each plain decode step is launched before the
+tokens
 of the step before are read, with those tokens fed to it on the device. The output must be
 the output without overlap, token for token, whatever joins, stops, aborts, retracts or fails
 on the way, and every slot must come back. On the CPU host and device are one, so nothing
@@ -83,7 +84,7 @@ def test_on_by_default_on_a_gpu_only_and_off_by_flag(tiny_model_path: Path, tmp_
 
     from cluster.commands.cli_args import add_engine_args
     from cluster.commands.cli_commands import engine_args
-    from engine.loader import EngineArgs, resolve
+    from engine.loading.loader import EngineArgs, resolve
 
     args = EngineArgs(model=str(tiny_model_path), device="cpu", kv_cache_tokens=256)
     assert resolve(args).engine_config.overlap_schedule is False

@@ -6,7 +6,7 @@ import pytest
 from tiny_models import make_tiny_llama
 
 from decode_node import DecodeNode
-from engine.loader import EngineArgs
+from engine.loading.loader import EngineArgs
 from metadata.control_auth import new_control_key
 from metadata.handshake import PairingError, TransferSpec
 from metadata.node_common import NodeOptions

@@ -14,7 +14,7 @@ from tiny_drafts import make_good_draft, make_predictable_llama
 from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
-from engine.allocator import SlotAllocator
+from engine.scheduling.allocator import SlotAllocator
 
 SPEC = "multi-layer-eagle"
 SAMPLED = SamplingParams(n=4, max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)

@@ -1,4 +1,5 @@
-"""Penalties, biases and min_tokens (engine.logits_processors): greedy output token-exact against
+"""Penalties, biases and min_tokens (engine.sampling.logits_processors): greedy output token-exact
+against
 transformers' RepetitionPenaltyLogitsProcessor and a reference for OpenAI's presence and
 frequency penalties written here, with and without speculative decoding (which must stay
 lossless with them); logit_bias forcing and forbidding tokens; min_tokens keeping EOS away."""

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.executor.prompt_embeds import PromptEmbeds
 from engine.kernels import triton_runs_on
-from engine.loader import EngineArgs, resolve
-from engine.prompt_embeds import PromptEmbeds
+from engine.loading.loader import EngineArgs, resolve
 
 
 def needs_gpu(test):

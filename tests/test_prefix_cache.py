@@ -1,7 +1,7 @@
-"""The prefix cache's radix tree (engine.prefix_cache) and its bookkeeping with requests
-(engine.kv_cache.KVCacheManager): longest-prefix matches, split edges, least-recently-used
-eviction of nodes without holds only, reference counts, and the invariants of the interface's
-docstring (check_integrity) after every operation of a random workload."""
+"""The prefix cache's radix tree (engine.scheduling.prefix_cache) and its bookkeeping with requests
+(engine.scheduling.kv_cache.KVCacheManager): longest-prefix matches, split edges,
+least-recently-used eviction of nodes without holds only, reference counts, and the invariants of
+the interface's docstring (check_integrity) after every operation of a random workload."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
-from engine.kv_cache import EVICT_AT_LEAST, KVCacheManager
-from engine.kv_pool import KVPool, ReqToTokenPool
-from engine.prefix_cache import PrefixCache
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
+from engine.scheduling.kv_cache import EVICT_AT_LEAST, KVCacheManager
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
+from engine.scheduling.prefix_cache import PrefixCache
 
 
 def _slots(start: int, n: int) -> list[int]:
@@ -154,7 +154,7 @@ def test_random_workload_keeps_the_invariants():
     assert cache.size == 0 and cache.evictable_size == 0
 
 
-# --- with requests: engine.kv_cache.KVCacheManager ---
+# --- with requests: engine.scheduling.kv_cache.KVCacheManager ---
 
 
 def _manager(capacity: int, rows: int = 8) -> KVCacheManager:

@@ -21,7 +21,7 @@ from tiny_drafts import make_good_draft
 from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
-from engine.grammar import grammar_library_available, json_schema_grammar
+from engine.sampling.grammar import grammar_library_available, json_schema_grammar
 
 ray = pytest.importorskip("ray")
 

@@ -16,7 +16,7 @@ from tiny_drafts import make_random_draft
 from tiny_families import make_tiny_family, write_tiny_gguf
 
 from engine import LLM, SamplingParams, UnsupportedModelError
-from engine.weights import SUPPORTED_ARCHITECTURES
+from engine.loading.weights import SUPPORTED_ARCHITECTURES
 
 # name -> (family, seed, overrides): GQA and MQA, 2 and 3 layers, tied and untied embeddings,
 # a head_dim that is not hidden_size / heads, Qwen2's biases, Qwen3's norms (with and without

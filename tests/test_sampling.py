@@ -11,7 +11,7 @@ from devices import DEVICES
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.sampler import filtered_probs, filtered_probs_batch, sample
+from engine.sampling.sampler import filtered_probs, filtered_probs_batch, sample
 
 PROMPTS = ["Hello world", "The quick brown fox", "a", "Once upon a time, in a land far away"]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_sampling import CHI2_CRITICAL
 
-from engine.sampler import PositionSeed, exponential_noise, hashed_exponential, noise_seeds
-from engine.step_sampling import position_seed
+from engine.sampling.sampler import PositionSeed, exponential_noise, hashed_exponential, noise_seeds
+from engine.sampling.step_sampling import position_seed
 
 _MASK64 = 2**64 - 1
 

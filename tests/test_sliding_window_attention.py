@@ -13,7 +13,7 @@ from test_attention_backend import HEAD_DIM, _assign_rows, _batch, _new_tokens, 
 from engine import UnsupportedModelError
 from engine.attention import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.forward_batch import Span, tree_bits
+from engine.executor.forward_batch import Span, tree_bits
 
 
 def _backends(device: str) -> list[type[AttentionBackend]]:

@@ -15,9 +15,9 @@ from tiny_drafts import make_good_draft, make_predictable_llama, make_random_dra
 from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
-from engine.allocator import PADDING_SLOT
-from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from engine.request import Request
+from engine.scheduling.allocator import PADDING_SLOT
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from spec.runtime.device_round import GROW_AHEAD, grow_for_next_round
 from spec.runtime.extend_items import GatheredItems
 from spec.runtime.round_plan import PlanPolicy

@@ -16,7 +16,7 @@ from tiny_drafts import make_good_draft, make_predictable_llama, make_random_dra
 from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
-from engine.kv_pool import KVPool
+from engine.scheduling.kv_pool import KVPool
 from spec.runtime.device_tree import ForkColumns, TreeLayout
 from spec.runtime.round_plan import PlanPolicy
 from spec.runtime.tree import TreeShape

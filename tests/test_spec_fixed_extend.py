@@ -14,7 +14,7 @@ from tiny_drafts import make_good_draft, make_predictable_llama, make_random_dra
 from tiny_models import make_tiny_llama
 
 from engine import LLM, SamplingParams
-from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from spec.runtime.draft_runner import DraftSeq
 from spec.runtime.extend_items import GatheredItems, grow_depths
 from spec.runtime.round_plan import PlanPolicy

@@ -25,7 +25,7 @@ from tiny_models import make_tiny_hyper_llama, make_tiny_llama, widen_to_hyper_l
 from transformers import LlamaForCausalLM
 
 from engine import LLM, ModelLoadError, SamplingParams
-from engine.loader import ModelSpec
+from engine.loading.loader import ModelSpec
 from metadata.buffers import MetadataBuffers
 from metadata.handshake import PairingError, check_compatible
 from metadata.node_common import transfer_spec

@@ -12,7 +12,7 @@ import torch
 from tiny_drafts import make_good_draft, make_predictable_llama
 
 from engine import LLM, SamplingParams
-from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
 
 K = 3
 PROMPTS = [[1, 17, 99, 4, 250, 31, 8], [1, 200], list(range(3, 40)), [5] * 23, [7]]

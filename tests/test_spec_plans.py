@@ -3,8 +3,9 @@
 kind decodes what plain decoding does, with the acceptance of the host's general round; the
 adaptive plan switches speculation off for a draft that never accepts and keeps it on for one
 that always does; switching on and off mid-request loses nothing and leaks no slot, with the
-plain steps launched ahead by overlap scheduling as a plain engine's are (engine/overlap.py) or
-without; the trace of a step names its plan, and the engine counts plans by label."""
+plain steps launched ahead by overlap scheduling as a plain engine's are
+(engine/executor/overlap.py) or without; the trace of a step names its plan, and the engine counts
+plans by label."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tiny_drafts import make_good_draft, make_predictable_llama, target_config
 
 from cluster.control.tracing import NodeTimeline, RequestTimeline, chrome_trace
 from engine import LLM, SamplingParams
-from engine.grammar import json_schema_grammar
+from engine.sampling.grammar import json_schema_grammar
 from spec.draft_model import MultiLayerEagleDraft, save_draft
 from spec.runtime.round_costs import MIN_ACCEPT_SAMPLES, StepCosts
 from spec.runtime.round_plan import PlanPolicy
@@ -267,9 +268,9 @@ def test_switching_speculation_on_and_off_mid_request_loses_nothing(models, tree
 @pytest.mark.parametrize("tree", [False, True])
 def test_plain_steps_launched_ahead_between_rounds_lose_nothing(models, plain, tree):
     """Overlap scheduling in a speculating engine: rounds and runs of plain steps alternate,
-    each run's steps after its first launched while the one before still runs (engine/overlap.py)
-    and the drafts caught up over them once it was read; the output is plain decoding's and
-    every slot comes back."""
+    each run's steps after its first launched while the one before still runs
+    (engine/executor/overlap.py) and the drafts caught up over them once it was read; the output is
+    plain decoding's and every slot comes back."""
     llm = _llm(models, tree=tree, overlap_schedule=True)
     prompts, params = _workload()
     groups = list(zip(prompts, params))

@@ -26,10 +26,10 @@ from tiny_drafts import make_good_draft, make_predictable_llama
 
 import spec.runtime.tree_round as tree_round
 from engine import LLM, SamplingParams
-from engine.cuda_graph import CudaGraphs
-from engine.forward_batch import Span, ancestor_bits
-from engine.graph_inputs import padded_columns
-from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.executor.cuda_graph import CudaGraphs
+from engine.executor.forward_batch import Span, ancestor_bits
+from engine.executor.graph_inputs import padded_columns
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
 from spec.runtime.tree import DraftTree
 
 SPEC = "multi-layer-eagle"

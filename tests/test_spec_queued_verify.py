@@ -26,8 +26,8 @@ from tiny_drafts import make_good_draft, make_predictable_llama
 
 import spec.runtime.device_round as device_round
 from engine import LLM, SamplingParams
-from engine.cuda_graph import CudaGraphs
-from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.executor.cuda_graph import CudaGraphs
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
 from spec.runtime.device_round import holds_next_round
 
 SPEC = "multi-layer-eagle"

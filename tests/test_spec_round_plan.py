@@ -11,7 +11,7 @@ import pytest
 from cluster.commands.cli import build_parser
 from cluster.commands.cli_commands import engine_args
 from engine.env import speculative_plan_default
-from engine.loader import EngineArgs
+from engine.loading.loader import EngineArgs
 from spec.runtime.round_costs import (
     COST_WINDOW,
     MIN_ACCEPT_SAMPLES,

@@ -14,7 +14,7 @@ from tiny_drafts import make_good_draft, make_predictable_llama
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.sampler import filtered_probs
+from engine.sampling.sampler import filtered_probs
 from spec.runtime.acceptance import Verdict, accept_on_host
 from spec.runtime.tree import DraftTree
 

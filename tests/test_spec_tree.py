@@ -19,7 +19,7 @@ from cluster.commands.cli import build_parser, main
 from cluster.commands.cli_commands import engine_args
 from engine import LLM, SamplingParams
 from engine.errors import PdclusterError
-from engine.loader import DEFAULT_DRAFT_CHAINS, EngineArgs, resolve
+from engine.loading.loader import DEFAULT_DRAFT_CHAINS, EngineArgs, resolve
 from engine.request import Request
 from spec.draft_vocab import DraftHead
 from spec.runtime.tree_verify import TreeSlots

@@ -14,7 +14,7 @@ import torch
 from test_spec_sampling import chi_square_p_value
 
 from engine import SamplingParams
-from engine.sampler import filtered_probs
+from engine.sampling.sampler import filtered_probs
 from spec.runtime.acceptance import Verdict, accept_on_host
 from spec.runtime.tree import DraftTree, TreeGrowth, TreeShape
 

@@ -213,7 +213,7 @@ def test_committing_several_tokens_stops_where_a_check_per_token_does(seed: int)
     stop strings."""
     import random
 
-    from engine.stopping import StopChecker
+    from engine.sampling.stopping import StopChecker
 
     rng = random.Random(seed)
     checker = StopChecker(_Tokenizer(), eos_token_ids=(2, 7), max_model_len=40)

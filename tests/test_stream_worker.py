@@ -16,7 +16,7 @@ from decode_node.frames import FrameMaker
 from decode_node.stream_worker import StreamWorker, StreamWorkerConfig
 from decode_node.token_streams import TokenStreams
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from metadata.control import Inbox
 from metadata.control_auth import new_control_key
 from metadata.frontend_links import FrontendLinks

@@ -280,7 +280,7 @@ def test_an_answer_may_call_several_tools_unless_parallel_tool_calls_is_false(cl
 
 def test_a_complete_answer_ends_before_min_tokens(client):
     """The grammar wins over min_tokens: once the JSON is complete the answer ends, with the
-    tokens it has without min_tokens (engine.grammar_mask)."""
+    tokens it has without min_tokens (engine.sampling.grammar_mask)."""
     for fields in (
         {"response_format": _schema_format(PERSON), "messages": ASK_PERSON},
         {"tools": [WEATHER], "tool_choice": "required", "messages": ASK_WEATHER},
@@ -395,9 +395,9 @@ def test_completions_refuse_tools(client):
 
 
 def test_without_the_grammar_library_a_grammar_request_is_a_400(client, monkeypatch):
-    import engine.grammar
+    import engine.sampling.grammar
 
-    monkeypatch.setattr(engine.grammar, "llguidance", None)
+    monkeypatch.setattr(engine.sampling.grammar, "llguidance", None)
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
             model=MODEL, messages=ASK_PERSON, max_tokens=4, response_format={"type": "json_object"}
@@ -416,7 +416,7 @@ def test_disaggregated_cluster_with_speculation(tmp_path):
     pytest.importorskip("ray")
     from cluster_helpers import launch, serve
 
-    from engine.default_model import default_model_path
+    from engine.loading.default_model import default_model_path
     from spec.default_draft import default_draft_path
 
     cluster = launch(

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.grammar import GrammarCompiler, json_schema_grammar
-from engine.grammar_mask import apply_bitmask, mask_verify_logits, new_bitmask
 from engine.request import Request
+from engine.sampling.grammar import GrammarCompiler, json_schema_grammar
+from engine.sampling.grammar_mask import apply_bitmask, mask_verify_logits, new_bitmask
 
 pytest.importorskip("llguidance")
 
@@ -214,7 +214,7 @@ def _allowed(bitmask: torch.Tensor, vocab: int) -> set[int]:
 
 
 def test_forbidden_draft_is_rejected_by_acceptance(default_llm):
-    from engine.sampler import sample
+    from engine.sampling.sampler import sample
     from spec.runtime.acceptance import accept_on_host
     from spec.runtime.tree import DraftTree
 

@@ -17,7 +17,7 @@ from cluster.frontend.backend import TokenDelta, make_usage
 from cluster.frontend.openai_api import create_app
 from cluster.frontend.request_schema import ChatMessage
 from cluster.frontend.structured_output import Tool, ToolUse
-from engine.grammar_mask import apply_bitmask, new_bitmask
+from engine.sampling.grammar_mask import apply_bitmask, new_bitmask
 
 pytest.importorskip("llguidance")
 

@@ -21,8 +21,8 @@ from tiny_drafts import (
 from cluster.commands.cli import build_parser
 from cluster.commands.cli_commands import engine_args
 from engine import LLM, SamplingParams
-from engine.debug_dump import refuse_cuda_graphs
-from engine.loader import EngineArgs
+from engine.executor.debug_dump import refuse_cuda_graphs
+from engine.loading.loader import EngineArgs
 
 PROMPTS = [[1, 17, 99, 4, 250, 31, 8], [1, 200], [5] * 11]
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

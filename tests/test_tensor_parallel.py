@@ -30,14 +30,14 @@ from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.errors import PdclusterError, TensorParallelError
-from engine.grammar import grammar_library_available, json_schema_grammar
+from engine.loading.weights import load_hf_config
 from engine.model_config import ModelConfig
+from engine.sampling.grammar import grammar_library_available, json_schema_grammar
 from engine.tensor_parallel.layout import (
     TensorParallelLayout,
     check_tensor_parallel,
     check_tensor_parallel_options,
 )
-from engine.weights import load_hf_config
 from metadata.pair_group import PairLink
 from metadata.process_group import create_store_server
 from metadata.rank_kv import RankKV, incoming_pools, outgoing_pools

@@ -20,7 +20,7 @@ from tiny_models import make_tiny_llama
 from cluster.commands.cli import build_parser
 from cluster.deploy.config import ClusterConfig
 from engine import LLM, SamplingParams
-from engine.loader import EngineArgs
+from engine.loading.loader import EngineArgs
 
 # Heads 4 and KV heads 2 (tiny_models' defaults): each rank holds half of both.
 ENGINE = dict(max_model_len=256, kv_cache_tokens=2048, max_num_seqs=8, tensor_parallel_size=2)

@@ -17,7 +17,7 @@ from tiny_drafts import make_good_draft, make_predictable_llama
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.grammar import grammar_library_available, json_schema_grammar
+from engine.sampling.grammar import grammar_library_available, json_schema_grammar
 
 K = 2
 # Longer than CHUNK: prefilled in chunks, the draft's extend with them.

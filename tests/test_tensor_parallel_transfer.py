@@ -29,7 +29,7 @@ from tiny_models import make_tiny_llama
 from cluster.deploy.config import ClusterConfig
 from cluster.deploy.launcher import Cluster
 from engine import LLM, SamplingParams
-from engine.loader import EngineArgs, resolve
+from engine.loading.loader import EngineArgs, resolve
 from metadata.buffers import MetadataBuffers
 from metadata.handshake import PairingError, check_compatible
 from metadata.node_common import transfer_spec

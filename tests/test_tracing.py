@@ -152,7 +152,7 @@ def traced_cluster(folders, tmp_path_factory):
 
     from cluster.deploy.config import ClusterConfig
     from cluster.deploy.launcher import Cluster
-    from engine.loader import EngineArgs
+    from engine.loading.loader import EngineArgs
 
     ensure_ray()
     trace_dir = tmp_path_factory.mktemp("traces")

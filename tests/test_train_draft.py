@@ -22,10 +22,10 @@ from train_helpers import checkpoint, read_log
 
 from engine import LLM
 from engine.errors import ModelLoadError
-from engine.loader import EngineArgs, resolve
-from engine.model_runner import build_model
+from engine.executor.model_runner import build_model
+from engine.loading.loader import EngineArgs, resolve
+from engine.loading.weights import iter_safetensors
 from engine.models.rope import RotaryEmbedding
-from engine.weights import iter_safetensors
 from spec import load_draft
 from spec.draft_model import MultiLayerEagleDraft
 from spec.runtime.batching import Span, extend_batch

@@ -14,10 +14,10 @@ import pytest
 import torch
 from train_helpers import checkpoint, read_log
 
-from engine.loader import EngineArgs, resolve
-from engine.model_runner import build_model
+from engine.executor.model_runner import build_model
+from engine.loading.loader import EngineArgs, resolve
+from engine.loading.weights import iter_safetensors
 from engine.models.rope import RotaryEmbedding
-from engine.weights import iter_safetensors
 from spec.draft_model import MultiLayerEagleDraft
 from spec.train.data import Sequences
 from spec.train.pipeline import TrainDraftConfig, train_draft

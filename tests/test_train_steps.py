@@ -16,10 +16,10 @@ from tiny_models import make_tiny_llama
 
 from cluster.commands.cli import main
 from engine import LLM, ModelLoadError, SamplingParams
-from engine.loader import EngineArgs, resolve
-from engine.model_runner import build_model
+from engine.executor.model_runner import build_model
+from engine.loading.loader import EngineArgs, resolve
+from engine.loading.weights import iter_safetensors
 from engine.models.rope import RotaryEmbedding
-from engine.weights import iter_safetensors
 from spec import load_draft, save_draft
 from spec.config import DraftConfig
 from spec.draft_model import MultiLayerEagleDraft

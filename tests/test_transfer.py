@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 import metadata.kv_receiver as kv_receiver
 import metadata.kv_sender as kv_sender
-from engine.kv_pool import KVPool
+from engine.scheduling.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.process_group import create_store_server, init_transfer_group
 from metadata.transfer import KVReceiver, KVSender, TransferHandle, TransferState

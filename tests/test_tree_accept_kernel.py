@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
 from spec.runtime.acceptance import accept
 from spec.runtime.tree_round import keep_accepted_kv
 

@@ -17,9 +17,15 @@ from test_attention_backend import CAPACITY, HEAD_DIM, NUM_LAYERS, _assign_rows,
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.torch_metadata import BatchedGroups, PerRequestMetadata
-from engine.forward_batch import TREE_MAX_TOKENS, ForwardBatch, Span, extend_batch, tree_bits
+from engine.executor.forward_batch import (
+    TREE_MAX_TOKENS,
+    ForwardBatch,
+    Span,
+    extend_batch,
+    tree_bits,
+)
 from engine.kernels import triton_runs_on
-from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
 
 MAX_CONTEXT = 128
 LAYER = 1
@@ -257,7 +263,7 @@ def test_triton_matches_torch_backend_on_trees(case, num_heads, num_kv_heads, dt
 @needs_gpu
 def test_only_graphs_of_trees_take_tree_spans() -> None:
     from engine.attention.triton_backend import TritonAttentionBackend
-    from engine.cuda_graph import CudaGraphs
+    from engine.executor.cuda_graph import CudaGraphs
 
     backend = TritonAttentionBackend(4, 2, HEAD_DIM)
     kv_pool, req_pool = _pools(2, seed=0, device="cuda")
@@ -279,7 +285,7 @@ def test_only_graphs_of_trees_take_tree_spans() -> None:
 def test_tree_graph_columns_carry_positions_and_masks_and_pad_causally() -> None:
     """A tree graph's static input: each span's rotary positions and masks, then padding
     tokens at position 0 with the causal mask (-1)."""
-    from engine.graph_inputs import padded_columns
+    from engine.executor.graph_inputs import padded_columns
 
     _, req_pool = _pools(2, seed=0, device="cpu")
     spans = _spans([tree(10, 5, seed=1), chain(4, 3)], req_pool, seed=2)

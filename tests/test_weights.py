@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine import default_model
 from engine.errors import ModelLoadError, UnsupportedModelError
-from engine.weights import (
+from engine.loading import default_model
+from engine.loading.weights import (
     SUPPORTED_ARCHITECTURES,
     iter_safetensors,
     load_hf_config,

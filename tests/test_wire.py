@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_pool import KVPool
+from engine.scheduling.kv_pool import KVPool
 from metadata.buffers import MetadataBuffers
 from metadata.wire import (
     KVSource,

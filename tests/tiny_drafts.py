@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from tiny_models import byte_tokenizer, make_tiny_llama
 from transformers import LlamaForCausalLM
 
+from engine.loading.weights import load_hf_config
 from engine.model_config import ModelConfig
-from engine.weights import load_hf_config
 from spec.draft_model import MultiLayerEagleDraft, _fused_layer, save_draft
 
 

@@ -20,7 +20,7 @@ def load_bench_tokenizer(source: str | None) -> Any:
     does), a hub name already in the local cache, or None: the default model's."""
     # Imported here: the engine package imports torch, which the flags and --help never need.
     from engine.errors import ModelLoadError
-    from engine.weights import load_tokenizer, resolve_model
+    from engine.loading.weights import load_tokenizer, resolve_model
 
     if source is None:
         return load_tokenizer(resolve_model(None))

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 
 def engine_args(args: argparse.Namespace):
-    from engine.loader import EngineArgs
+    from engine.loading.loader import EngineArgs
 
     return EngineArgs(
         model=args.model,

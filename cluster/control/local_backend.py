@@ -20,7 +20,7 @@ from cluster.control.metrics import ClusterMetrics, RequestTimer
 from cluster.frontend.backend import BackendError, TokenDelta, cached_prompt_usage, make_usage
 from engine import LLM, RequestRejectedError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-from engine.prompt_embeds import PromptEmbeds
+from engine.executor.prompt_embeds import PromptEmbeds
 from engine.request import Request
 
 

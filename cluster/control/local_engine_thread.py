@@ -19,7 +19,7 @@ from cluster.frontend.backend import BackendError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import EngineCore
 from engine.request import Request
-from engine.sampler import TokenLogprob
+from engine.sampling.sampler import TokenLogprob
 
 log = logging.getLogger(__name__)
 

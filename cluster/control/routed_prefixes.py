@@ -1,9 +1,9 @@
 """The prompts a router sent one node, as a radix tree over token ids with no KV in it: the
 router's guess at what that node's prefix cache holds (cluster.control.cache_aware).
 
-It is a guess because the node's own cache (engine.prefix_cache) may have evicted a prompt the
-tree still holds, or never cached one that failed. The tree is bounded like that cache: past
-`max_tokens` tokens it drops its least recently used leaves, so it forgets old prompts at
+It is a guess because the node's own cache (engine.scheduling.prefix_cache) may have evicted a
+prompt the tree still holds, or never cached one that failed. The tree is bounded like that cache:
+past `max_tokens` tokens it drops its least recently used leaves, so it forgets old prompts at
 about the rate a node with that many KV slots would.
 
 Invariants (checked by `check_integrity`, tested in tests/test_cache_aware.py):

@@ -32,9 +32,9 @@ from cluster.frontend.flights import Flight, FlightTable, next_delta, take_token
 from cluster.frontend.frontend_sockets import FrontEndSockets
 from cluster.frontend.sample_streams import SharedPrefill
 from engine.errors import RequestRejectedError
-from engine.loader import ModelSpec
-from engine.prompt_embeds import PromptEmbeds
-from engine.sampling_params import SamplingParams
+from engine.executor.prompt_embeds import PromptEmbeds
+from engine.loading.loader import ModelSpec
+from engine.sampling.sampling_params import SamplingParams
 from engine.validation import chat_prompt_ids, validate_request
 from metadata.messages import (
     AbortRequest,
@@ -263,7 +263,8 @@ class Router:
         ]
         await self.start()
         timers = self.metrics.samples(len(request_ids))
-        # A prompt given as vectors is not cached (engine.kv_cache): route it by load alone.
+        # A prompt given as vectors is not cached (engine.scheduling.kv_cache): route it by load
+        # alone.
         routed_ids = prompt_token_ids if prompt_embeds is None else []
         decode_node = self._pick(self.decode_nodes, self._decode_role, routed_ids)
         prefill = None

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.prompt_embeds import PromptEmbeds
-from engine.sampler import TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.executor.prompt_embeds import PromptEmbeds
+from engine.sampling.sampler import TokenLogprob
+from engine.sampling.sampling_params import SamplingParams
 from metadata.messages import EmbeddingsSpec, SamplingSpec
 
 SPECULATION_USAGE_KEYS = ("completion_tokens_details", "spec_verify_steps", "spec_accept_length")

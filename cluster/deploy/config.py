@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from cluster.control.cache_aware import DEFAULT_LOAD_THRESHOLD
 from cluster.control.policies import DECODE_POLICIES, POLICIES
-from engine.loader import EngineArgs
+from engine.loading.loader import EngineArgs
 
 # Room for a full long context as text or token ids, and for some prompt_embeds vectors
 # (a 4096-wide vector is about 80 KB of JSON); a body beyond it is refused with a 413.

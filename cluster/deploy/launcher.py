@@ -28,7 +28,7 @@ from cluster.deploy.placement import (
     place_nodes,
 )
 from cluster.deploy.ray_start import forwarded_env, init_ray
-from engine.loader import EngineArgs, ModelSpec
+from engine.loading.loader import EngineArgs, ModelSpec
 from metadata.control_auth import new_control_key
 from metadata.node_common import AUTO_HOST
 from metadata.process_group import create_store_server

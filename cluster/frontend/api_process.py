@@ -25,7 +25,7 @@ from typing import Any
 
 from cluster.control.node_state import NodeState
 from cluster.deploy.config import ClusterConfig, ServeConfig
-from engine.loader import EngineArgs
+from engine.loading.loader import EngineArgs
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from engine import SamplingParams, TokenLogprob
-from engine.prompt_embeds import PromptEmbeds
+from engine.executor.prompt_embeds import PromptEmbeds
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 from cluster.frontend.backend import BackendError, TokenDelta
 from engine import SamplingParams
-from engine.prompt_embeds import PromptEmbeds
+from engine.executor.prompt_embeds import PromptEmbeds
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from cluster.frontend.backend import GenerationBackend
 from cluster.frontend.request_schema import ChatCompletionRequest, CompletionRequest
 from cluster.frontend.structured_output import ToolUse, response_format_grammar, with_tools_prompt
 from engine import RequestRejectedError, SamplingParams
-from engine.prompt_embeds import PromptEmbeds
-from engine.sampling_params import MAX_LOGIT_BIAS
+from engine.executor.prompt_embeds import PromptEmbeds
+from engine.sampling.sampling_params import MAX_LOGIT_BIAS
 
 log = logging.getLogger("cluster.frontend.openai_api")
 

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.frontend.structured_output import ResponseFormat, Tool, ToolChoice
-from engine.sampling_params import MAX_LOGIT_BIAS, MAX_SAMPLES, MAX_TOP_LOGPROBS
+from engine.sampling.sampling_params import MAX_LOGIT_BIAS, MAX_SAMPLES, MAX_TOP_LOGPROBS
 from engine.validation import INT64_MAX, INT64_MIN
 
 NonEmptyText = Annotated[str, Field(min_length=1)]

@@ -1,5 +1,5 @@
 """OpenAI's structured output fields: `response_format` (json_object, json_schema) and `tools`
-with `tool_choice`, turned into the grammar a request carries (engine.grammar), the tools'
+with `tool_choice`, turned into the grammar a request carries (engine.sampling.grammar), the tools'
 description the prompt carries, and tool calls read back from the answer.
 
 The default model's chat template has no tool format, so tools use a JSON envelope: a call is
@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.errors import RequestRejectedError
-from engine.grammar import json_schema_grammar
+from engine.sampling.grammar import json_schema_grammar
 
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engine.errors import UnsupportedModelError
-from engine.forward_batch import ForwardBatch
+from engine.executor.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
@@ -47,7 +47,8 @@ class AttentionBackend(ABC):
         max_q_len: int,
         tree_bits: torch.Tensor | None = None,
     ) -> Any:
-        """The capture hook of a graph runner (engine.graph_capture's callers): metadata over
+        """The capture hook of a graph runner (engine.executor.graph_capture's callers): metadata
+        over
         its static [B] buffers (each request's row, length after the forward, first new token
         in the flat batch, new tokens; `tree_bits` as `ForwardBatch.tree_bits`), which the
         runner fills before each replay, for spans of at most `max_q_len` tokens. The kernels

@@ -34,8 +34,8 @@ from engine.attention.torch_metadata import (
     prepare_batched,
     prepare_per_request,
 )
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
+from engine.executor.forward_batch import ForwardBatch
+from engine.scheduling.kv_pool import KVPool
 
 # `torch.bmm(..., out_dtype=torch.float32)` keeps half/bfloat16 attention scores in float32
 # (as fused attention kernels do); only CUDA implements it, and only recent torch has it.

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.forward_batch import TREE_MAX_TOKENS, ForwardBatch
+from engine.executor.forward_batch import TREE_MAX_TOKENS, ForwardBatch
 
 # What the batched path may hold per layer for one group of requests: their gathered K and V
 # (padded to the group's longest context) and their float32 scores. A batch that needs more

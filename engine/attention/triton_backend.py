@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.forward_batch import ForwardBatch
-from engine.host_copy import int_tensor
+from engine.executor.forward_batch import ForwardBatch
+from engine.executor.host_copy import int_tensor
 from engine.kernels.attention import paged_attention
 from engine.kernels.elementwise import rope_and_store
 

@@ -1,5 +1,5 @@
 """A Triton kernel that moves a graph's uniform spans on past each request's kept tokens, in
-one launch (engine.cuda_graph.CudaGraphs.advance_uniform): in torch it takes about a dozen
+one launch (engine.executor.cuda_graph.CudaGraphs.advance_uniform): in torch it takes about a dozen
 small kernels, each a call into torch on the host, which a speculative round pays on its
 critical path."""
 

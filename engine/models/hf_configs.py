@@ -1,6 +1,6 @@
 """Hugging Face config classes for the architectures of engine.models that transformers does not
 ship, registered with AutoConfig so that their checkpoint folders load like any other. Imported
-only where transformers already is (engine.weights.load_hf_config)."""
+only where transformers already is (engine.loading.weights.load_hf_config)."""
 
 from __future__ import annotations
 

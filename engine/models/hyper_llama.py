@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend
-from engine.forward_batch import ForwardBatch
+from engine.executor.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding

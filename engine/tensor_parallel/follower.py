@@ -48,8 +48,8 @@ def follow(start: RankStart) -> None:
     store.set(joined_key(start.rank), "1")
     group = RankGroup.join(store, start.rank, start.size)
     layout = TensorParallelLayout.of(start.model_config, start.size)
-    # Imported here: engine.loader imports this module (through the leader).
-    from engine.loader import load_rank_runner
+    # Imported here: engine.loading.loader imports this module (through the leader).
+    from engine.loading.loader import load_rank_runner
 
     runner = load_rank_runner(
         start.model_path, start.model_config, start.engine_config, ModelShard(layout, group)

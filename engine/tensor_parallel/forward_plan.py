@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.forward_batch import ForwardBatch, device_batch
-from engine.model_runner import ModelRunner
+from engine.executor.forward_batch import ForwardBatch, device_batch
+from engine.executor.model_runner import ModelRunner
 from engine.tensor_parallel.group import RankGroup
 from engine.tensor_parallel.kv_links import KVLinks
 from engine.tensor_parallel.link_orders import (

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.kv_pool import KVPool
+from engine.scheduling.kv_pool import KVPool
 from engine.tensor_parallel.kv_routes import KVRoute
 
 log = logging.getLogger(__name__)

@@ -19,10 +19,12 @@ import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
 from engine.errors import RankFailedError
-from engine.forward_batch import ForwardBatch
+from engine.executor.forward_batch import ForwardBatch
+from engine.executor.model_runner import ForwardOutput, ModelRunner
+from engine.loading.weights import iter_safetensors
 from engine.model_config import ModelConfig
-from engine.model_runner import ForwardOutput, ModelRunner
 from engine.models.llama import LlamaForCausalLM
+from engine.sampling.verify_outputs import VerifyOutputs
 from engine.tensor_parallel.follower import RankStart, follow
 from engine.tensor_parallel.forward_plan import Order, announce, announce_stop
 from engine.tensor_parallel.group import RankGroup, host_store, joined_key
@@ -37,8 +39,6 @@ from engine.tensor_parallel.link_orders import (
     run_link_order,
 )
 from engine.tensor_parallel.whole_vocabulary import load_vocabulary_model
-from engine.verify_outputs import VerifyOutputs
-from engine.weights import iter_safetensors
 
 # How long a follower gets to leave after the stop order before it is terminated.
 STOP_GRACE_S = 10.0

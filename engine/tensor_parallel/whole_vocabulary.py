@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.loading.weights import iter_safetensors
 from engine.model_config import ModelConfig
 from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM
-from engine.weights import iter_safetensors
 
 # The checkpoint's tensors a model of no layers holds.
 VOCABULARY_WEIGHTS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")

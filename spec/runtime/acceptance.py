@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.grammar_mask import mask_verify_logits
-from engine.logits_processors import TokenHistory, process_logits
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.grammar_mask import mask_verify_logits
+from engine.sampling.logits_processors import TokenHistory, process_logits
+from engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # spec.runtime.tree builds on this module
     from spec.runtime.tree import DraftTree
@@ -147,7 +147,7 @@ def grammar_masked_verify_logits(
     and the bonus token is one the grammar allows. Requests under a grammar verify chains;
     `chains[i]` holds one token per row after the first for the others. `unprocessed`: the
     logits before the processors, where a position's grammar wins over min_tokens
-    (engine.grammar_mask)."""
+    (engine.sampling.grammar_mask)."""
     if all(req.grammar is None for req in requests):
         return logits
     matchers = [req.grammar for req in requests]

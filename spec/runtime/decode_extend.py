@@ -24,10 +24,10 @@ from collections.abc import Callable
 
 import torch
 
-from engine.forward_batch import ForwardBatch, device_batch
-from engine.graph_capture import capture_graphs
-from engine.graph_inputs import batch_size_buckets, bucket_for
-from engine.host_copy import HostCopy
+from engine.executor.forward_batch import ForwardBatch, device_batch
+from engine.executor.graph_capture import capture_graphs
+from engine.executor.graph_inputs import batch_size_buckets, bucket_for
+from engine.executor.host_copy import HostCopy
 from spec.draft_vocab import DraftHead
 from spec.runtime.device_tree import DeviceTree, ForkColumns, TreeLayout
 from spec.runtime.draft_runner import DraftRunner

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.forward_batch import TREE_MAX_TOKENS
+from engine.executor.forward_batch import TREE_MAX_TOKENS
 from spec.runtime.tree import TreeGrowth, TreeShape
 
 

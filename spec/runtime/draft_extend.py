@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.prompt_embeds import InputEmbeds
+from engine.executor.prompt_embeds import InputEmbeds
 from spec.runtime.draft_runner import DraftInput
 from spec.runtime.state import SpecRequestState
 from spec.runtime.tree import DraftTree, TreeShape

@@ -22,14 +22,14 @@ import torch
 
 from engine.attention import create_attention_backend
 from engine.config import EngineConfig
-from engine.cuda_graph import CudaGraphs
-from engine.debug_dump import draft_role, dump_pass, tensor_dumper
-from engine.forward_batch import ForwardBatch
-from engine.graph_inputs import token_buckets
-from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
+from engine.executor.cuda_graph import CudaGraphs
+from engine.executor.debug_dump import draft_role, dump_pass, tensor_dumper
+from engine.executor.forward_batch import ForwardBatch
+from engine.executor.graph_inputs import token_buckets
+from engine.executor.prompt_embeds import InputEmbeds
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
-from engine.prompt_embeds import InputEmbeds
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool, grow_holders
 from spec.draft_model import DraftDepth
 from spec.draft_vocab import DraftHead
 from spec.runtime.batching import Span, extend_batch

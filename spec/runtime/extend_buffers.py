@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.host_copy import PinnedMirror
+from engine.executor.host_copy import PinnedMirror
 
 
 class ExtendBuffers:

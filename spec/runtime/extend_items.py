@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.allocator import PADDING_SLOT
-from engine.host_copy import HostCopy
+from engine.executor.host_copy import HostCopy
+from engine.scheduling.allocator import PADDING_SLOT
 from spec.runtime.draft_runner import DraftRunner, DraftSeq
 from spec.runtime.state import SpecRequestState
 from spec.runtime.tree import DraftTree

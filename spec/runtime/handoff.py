@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kv_pool import KVPool
 from engine.request import Request
+from engine.scheduling.kv_pool import KVPool
 from spec.runtime.draft_runner import DraftRunner
 from spec.runtime.sample_extend import share_prompt, shared_prompt_len
 from spec.runtime.state import DraftState, SpecRequestState

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.host_copy import int_tensor
-from engine.model_runner import ModelRunner
+from engine.executor.host_copy import int_tensor
+from engine.executor.model_runner import ModelRunner
 from engine.request import Request
-from engine.sampler import TokenLogprob, compute_logprobs
+from engine.sampling.sampler import TokenLogprob, compute_logprobs
 from spec.runtime.acceptance import (
     accept_on_host,
     grammar_masked_verify_logits,

@@ -13,7 +13,7 @@ its plan to its end: with overlap scheduling and verifies queued on the device, 
 host time is mostly kernel launches, and the device's work surfaces as waits elsewhere in the
 engine's loop (where the next step reads its tokens); the time between two steps' ends holds
 both, which is what tokens/s sees. A plain step that the engine launches ahead (overlap
-scheduling, engine.overlap) ends when it is launched: in a run of them, each engine step
+scheduling, engine.executor.overlap) ends when it is launched: in a run of them, each engine step
 launches one and reads the one before, so the time from one launch to the next is what a plain
 engine's overlapped step takes, and that is what a round is weighed against. A step right after
 a change of kind or bucket, after a prefill, or that catches drafts up is not measured (it pays

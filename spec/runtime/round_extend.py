@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.host_copy import int_tensor
+from engine.executor.host_copy import int_tensor
 from engine.request import Request
 from spec.runtime.decode_extend import FixedDecodeExtend
 from spec.runtime.device_round import DeviceRound

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.forward_batch import ForwardBatch
-from engine.model_runner import ModelRunner
+from engine.executor.forward_batch import ForwardBatch
+from engine.executor.model_runner import ModelRunner
 from engine.request import Request
-from engine.verify_outputs import VerifyOutputs
+from engine.sampling.verify_outputs import VerifyOutputs
 from spec.runtime.batching import Span, extend_batch
 from spec.runtime.decode_extend import FixedDecodeExtend
 from spec.runtime.device_round import (

@@ -3,8 +3,8 @@ gathered from the step's requests, the drafts plain steps left behind (spec.runt
 verify queued behind the last round and the costs the engine measured (spec.runtime.round_costs),
 which the step's plan is then recorded in.
 
-A step launched while the one before it still runs on the device (engine.overlap) is planned
-from requests whose newest token the host has not read yet: it may only be a plain step that
+A step launched while the one before it still runs on the device (engine.executor.overlap) is
+planned from requests whose newest token the host has not read yet: it may only be a plain step that
 catches nothing up (`plan(..., plain_only=True)`), which such a step's stale view cannot get
 wrong (a plain step is lossless whatever the drafts hold). Any other plan is dropped unrecorded,
 and the engine plans the step again once the step in flight is read."""

@@ -21,7 +21,7 @@ import itertools
 
 import torch
 
-from engine.host_copy import int_tensor
+from engine.executor.host_copy import int_tensor
 from spec.draft_vocab import DraftHead
 from spec.runtime.draft_extend import DraftExtend
 from spec.runtime.draft_runner import DraftInput, DraftRunner, DraftSeq, DraftTokenPatch

@@ -36,14 +36,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.allocator import PADDING_SLOT
-from engine.forward_batch import ForwardBatch, Span
-from engine.host_copy import HostCopy, int_tensor
+from engine.executor.forward_batch import ForwardBatch, Span
+from engine.executor.host_copy import HostCopy, int_tensor
 from engine.kernels import triton_usable
-from engine.kv_pool import KVPool, ReqToTokenPool
 from engine.request import Request
-from engine.step_sampling import samples_from_logits_alone
-from engine.verify_outputs import VerifyOutputs
+from engine.sampling.step_sampling import samples_from_logits_alone
+from engine.sampling.verify_outputs import VerifyOutputs
+from engine.scheduling.allocator import PADDING_SLOT
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
 from spec.runtime.acceptance import accept
 from spec.runtime.decode_extend import FixedDecodeExtend
 from spec.runtime.device_round import (

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.host_copy import int_tensor
-from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.executor.host_copy import int_tensor
 from engine.request import Request
-from engine.sampler import sample_on_device
-from engine.step_sampling import position_seed
+from engine.sampling.sampler import sample_on_device
+from engine.sampling.step_sampling import position_seed
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
 from spec.runtime.tree import DraftTree
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_pool import KVPool
-from engine.model_runner import ModelRunner
-from engine.prompt_embeds import InputEmbeds
+from engine.executor.model_runner import ModelRunner
+from engine.executor.prompt_embeds import InputEmbeds
 from engine.request import Request
+from engine.scheduling.kv_pool import KVPool
 from spec.draft_model import MultiLayerEagleDraft
 from spec.draft_vocab import DraftHead
 from spec.runtime import handoff

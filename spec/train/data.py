@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine import LLM, SamplingParams
-from engine.weights import model_fingerprint
+from engine.loading.weights import model_fingerprint
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend
-from engine.model_runner import run_target
+from engine.executor.model_runner import run_target
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from spec.draft_model import MultiLayerEagleDraft

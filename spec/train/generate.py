@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine import LLM
-from engine.loader import EngineArgs, ModelSpec
+from engine.loading.loader import EngineArgs, ModelSpec
 from spec.train.corpus_report import CorpusPart
 from spec.train.data import Sequences, differing_settings, model_meta, target_answers
 from spec.train.prompts import Conversation, heldout_prompts, training_prompts

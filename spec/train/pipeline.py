@@ -32,12 +32,12 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import ModelLoadError
-from engine.loader import EngineArgs, resolve
+from engine.executor.model_runner import build_model
+from engine.loading.loader import EngineArgs, resolve
+from engine.loading.weights import iter_safetensors, model_fingerprint
 from engine.model_config import ModelConfig
-from engine.model_runner import build_model
 from engine.models.rope import RotaryEmbedding
 from engine.request import spec_totals
-from engine.weights import iter_safetensors, model_fingerprint
 from spec.config import draft_target_config
 from spec.draft_model import MultiLayerEagleDraft, load_draft, save_draft
 from spec.draft_vocab import choose_draft_vocab, count_tokens, coverage

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.request import Request
-from engine.sampler import TokenLogprob
+from engine.sampling.sampler import TokenLogprob
 
 # Decoding a few extra tokens before a stop string's possible start covers tokens that
 # produce no full character on their own (byte fallback).

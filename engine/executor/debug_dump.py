@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from engine.forward_batch import ForwardBatch
+    from engine.executor.forward_batch import ForwardBatch
 
 OFFLINE_NODE = "offline"  # the node name of engine.LLM, which is not part of a cluster
 TARGET_ROLE = "target"

@@ -14,22 +14,22 @@ import torch
 
 from engine.attention import AttentionBackend, create_attention_backend
 from engine.config import EngineConfig
-from engine.cuda_graph import CudaGraphs
-from engine.debug_dump import TARGET_ROLE, dump_pass, tensor_dumper
-from engine.forward_batch import ForwardBatch, Span, extend_batch
-from engine.graph_inputs import batch_size_buckets, token_buckets
-from engine.kv_pool import KVPool, ReqToTokenPool
+from engine.executor.cuda_graph import CudaGraphs
+from engine.executor.debug_dump import TARGET_ROLE, dump_pass, tensor_dumper
+from engine.executor.forward_batch import ForwardBatch, Span, extend_batch
+from engine.executor.graph_inputs import batch_size_buckets, token_buckets
+from engine.executor.prompt_embeds import InputEmbeds
 from engine.model_config import ModelConfig
 from engine.models import model_class
 from engine.models.cpu_linear import pack_linears, packed_linear_available
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
-from engine.prompt_embeds import InputEmbeds
 from engine.request import Request
+from engine.sampling.verify_outputs import ChainVerdicts, VerifyOutputs
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
 from engine.tensor_parallel.kv_links import KVLinks
 from engine.tensor_parallel.layers import ModelShard
 from engine.tensor_parallel.link_orders import LinkOrder, RankStatus, run_link_order
-from engine.verify_outputs import ChainVerdicts, VerifyOutputs
 
 
 @dataclass
@@ -140,7 +140,7 @@ class ModelRunner:
         (speculative verify: the newest token and a draft chain, or with `trees` a draft token
         tree), up to cuda_graph_max_bs requests. No-op when this engine runs no graphs. With
         `verdicts` (chains), the replay also decides their acceptance: the host reads one
-        small block, with no call into torch for it (engine.verify_outputs)."""
+        small block, with no call into torch for it (engine.sampling.verify_outputs)."""
         max_requests = self.config.cuda_graph_max_bs
         if not max_requests:
             return

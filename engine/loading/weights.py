@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.default_model import (
+from engine.env import cache_dir
+from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.loading.default_model import (
     PACKAGED_MODELS,
     convert_gguf,
     default_model_path,
     ensure_converted,
     packaged_model_path,
 )
-from engine.env import cache_dir
-from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.models import MODEL_CLASSES
 
 if TYPE_CHECKING:

@@ -35,14 +35,14 @@ from typing import Protocol
 import torch
 
 from engine.engine_hooks import StepPlan
-from engine.forward_batch import ForwardBatch, Span
-from engine.host_copy import HostCopy, int_tensor
-from engine.kv_cache import KVCacheManager
-from engine.model_runner import ModelRunner
+from engine.executor.forward_batch import ForwardBatch, Span
+from engine.executor.host_copy import HostCopy, int_tensor
+from engine.executor.model_runner import ModelRunner
 from engine.request import Request
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.step_sampling import samples_from_logits_alone
-from engine.stopping import StopChecker
+from engine.sampling.step_sampling import samples_from_logits_alone
+from engine.sampling.stopping import StopChecker
+from engine.scheduling.kv_cache import KVCacheManager
+from engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from engine.tracing import set_time_batch
 
 # (logits [B, V], requests, tokens each request has in flight) -> tokens [B] on the device.

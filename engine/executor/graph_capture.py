@@ -1,5 +1,5 @@
 """The one recipe by which every CUDA graph here is captured: the engine's graph sets
-(engine.cuda_graph) and the speculator's fixed-shape draft extend alike.
+(engine.executor.cuda_graph) and the speculator's fixed-shape draft extend alike.
 
 Per size, largest first: the caller fills that size's inputs, the forward runs once on a side
 stream outside any capture (compiling kernels, setting up cuBLAS), then is captured on that

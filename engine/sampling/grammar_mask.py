@@ -1,6 +1,6 @@
 """Grammar masks on the logits' device: one int32 bitmask [rows, words] filled on the host by
-each row's matcher (engine.grammar), one copy to the device, and the logits of every token it
-forbids set to -inf there, for the whole batch at once.
+each row's matcher (engine.sampling.grammar), one copy to the device, and the logits of every token
+it forbids set to -inf there, for the whole batch at once.
 
 The grammar wins over min_tokens. A grammar that is complete allows end-of-sequence only, which
 min_tokens (or a stop token it also bans) may still forbid: every token of that row would be
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.grammar import GrammarMatcher
 from engine.request import Request
+from engine.sampling.grammar import GrammarMatcher
 
 
 def bitmask_words(vocab_size: int) -> int:

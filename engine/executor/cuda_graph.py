@@ -6,7 +6,7 @@ A graph set (`CudaGraphs`) serves batches whose requests each bring at most `max
 tokens: decode (span 1), captured per batch size, and speculative verify (the newest token
 and the draft chain, or an alternative chain), captured per token count. A graph reads its
 inputs from one static buffer (per token: id, position, KV slot; per request: row, length,
-first token, new tokens; engine.graph_inputs), filled by one host-to-device copy per step.
+first token, new tokens; engine.executor.graph_inputs), filled by one host-to-device copy per step.
 Padded tokens write their K and V to the padding slot, so they never touch a request's KV;
 their outputs are sliced off before anything (sampling, acceptance, statistics, a transfer)
 sees them.
@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
-from engine.forward_batch import ForwardBatch, Span, ancestor_bits, device_batch
-from engine.graph_capture import capture_graphs
-from engine.graph_inputs import (
+from engine.executor.forward_batch import ForwardBatch, Span, ancestor_bits, device_batch
+from engine.executor.graph_capture import capture_graphs
+from engine.executor.graph_inputs import (
     IDS,
     LAST,
     NUM_ROWS,
@@ -41,10 +41,10 @@ from engine.graph_inputs import (
     padded_columns,
     uniform_columns,
 )
-from engine.host_copy import PinnedMirror
+from engine.executor.host_copy import PinnedMirror
+from engine.executor.prompt_embeds import InputEmbeds, concat_input_embeds
 from engine.kernels import triton_usable
-from engine.kv_pool import KVPool, ReqToTokenPool
-from engine.prompt_embeds import InputEmbeds, concat_input_embeds
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class CudaGraphs:
     that was captured: (ForwardBatch, per-token hidden input or None) -> tensors whose first
     dimension is the batch's tokens, then `request_outputs` tensors whose first dimension is
     the batch's request columns (one row per request, read at `ForwardBatch.last_index`, or
-    per span of a uniform load: engine.verify_outputs).
+    per span of a uniform load: engine.sampling.verify_outputs).
     `buckets` are the token counts captured; a graph of T tokens holds up to T requests of at
     most `max_span` tokens each. With `hidden_width`, each token also brings a hidden state of
     that width (a draft depth's input). With `embeds_width`, a token may come as a vector of
@@ -133,7 +133,8 @@ class CudaGraphs:
         )
 
     def capture(self, progress: bool = True) -> None:
-        """Capture every bucket (engine.graph_capture). Each graph ends by copying its outputs
+        """Capture every bucket (engine.executor.graph_capture). Each graph ends by copying its
+        outputs
         into buffers shared by all sizes (allocated outside the pool), so no graph keeps
         memory of its own once captured: the pool holds one graph's intermediates at a time,
         whatever the number of sizes."""

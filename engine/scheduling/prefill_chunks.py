@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.prompt_embeds import InputEmbeds, concat_input_embeds
+from engine.executor.prompt_embeds import InputEmbeds, concat_input_embeds
 
 
 @dataclass

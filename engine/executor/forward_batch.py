@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.host_copy import int_tensor
-from engine.kv_pool import KVPool, ReqToTokenPool
-from engine.prompt_embeds import InputEmbeds, concat_input_embeds
+from engine.executor.host_copy import int_tensor
+from engine.executor.prompt_embeds import InputEmbeds, concat_input_embeds
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool
 
 if TYPE_CHECKING:
     from engine.attention import AttentionBackend
@@ -70,7 +70,7 @@ class ForwardBatch:
     # builder has it there already (a CUDA graph's static buffer); else computed on demand.
     last_index: torch.Tensor | None = None
     # Set when the batch sits in a CUDA graph's static buffers: the graph set that holds it
-    # (engine.cuda_graph.CudaGraphs) and the captured size it is padded to.
+    # (engine.executor.cuda_graph.CudaGraphs) and the captured size it is padded to.
     graph: Any = field(default=None, repr=False)
     graph_batch_size: int | None = None
 

@@ -5,7 +5,7 @@ plain data, so it crosses to prefill and decode nodes as a string); each engine 
 for its tokenizer into a `GrammarMatcher`, the request's parser state. The matcher advances on
 every committed token (`Request.commit`), and each step that predicts a token masks the logits
 with the tokens the grammar allows next: a bitmask filled on the host and applied on the
-logits' device (`engine.grammar_mask`).
+logits' device (`engine.sampling.grammar_mask`).
 
 Compilation runs on a background thread and is cached per grammar text (an LRU), so a new
 schema compiles beside the running batch instead of stalling it, and a schema seen before

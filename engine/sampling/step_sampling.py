@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.grammar_mask import mask_request_logits
-from engine.logits_processors import process_request_logits
 from engine.request import Request
-from engine.sampler import (
+from engine.sampling.grammar_mask import mask_request_logits
+from engine.sampling.logits_processors import process_request_logits
+from engine.sampling.sampler import (
     PositionSeed,
     TokenLogprob,
     compute_logprobs,
@@ -20,7 +20,7 @@ from engine.sampler import (
 )
 
 if TYPE_CHECKING:
-    from engine.model_runner import ForwardOutput, ModelRunner
+    from engine.executor.model_runner import ForwardOutput, ModelRunner
 
 
 def position_seed(seed: int, index: int) -> PositionSeed:
@@ -87,7 +87,8 @@ def sample_overlapped(
     in_flight: list[int],
     default_generator: torch.Generator,
 ) -> torch.Tensor:
-    """The next tokens of requests that sample from their logits alone (engine.overlap), left
+    """The next tokens of requests that sample from their logits alone (engine.executor.overlap),
+    left
     on the device; request i has `in_flight[i]` tokens sampled and not committed yet."""
     params = [req.params for req in requests]
     generators = [step_seed(req, ahead) for req, ahead in zip(requests, in_flight)]

@@ -1,6 +1,6 @@
 """What a captured forward reads: the layout of a graph set's static input buffer, the batch
 sizes and token counts captured, and the buffer's columns for a batch padded to a captured
-size (engine.cuda_graph fills the buffer from them and replays).
+size (engine.executor.cuda_graph fills the buffer from them and replays).
 
 Padded tokens read token 0 at position 0, each as a request of its own over the request
 table's padding row, and write their K and V to the padding slot, which no request owns."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.allocator import PADDING_SLOT
-from engine.forward_batch import Span, tree_bits
+from engine.executor.forward_batch import Span, tree_bits
+from engine.scheduling.allocator import PADDING_SLOT
 
 # The static input buffer: three rows of per-token values, then five of per-request values,
 # then for graphs of token trees each token's visibility mask (ForwardBatch.tree_bits).

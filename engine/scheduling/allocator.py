@@ -61,7 +61,7 @@ class SlotAllocator:
         # many. A slot not here has one holder while used.
         self._holders: dict[int, int] = {}
         # What frees used slots that no one needs when an allocation is short (the prefix
-        # cache's unheld slots, engine.kv_cache); None: nothing does.
+        # cache's unheld slots, engine.scheduling.kv_cache); None: nothing does.
         self.reclaimer: Reclaimer | None = None
 
     @property

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.host_copy import int_tensor, to_device
-from engine.sampling_params import SamplingParams
+from engine.executor.host_copy import int_tensor, to_device
+from engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass
@@ -21,7 +21,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class PositionSeed:
-    """The seed stream of one output position of a seeded request (engine.step_sampling): the
+    """The seed stream of one output position of a seeded request (engine.sampling.step_sampling):
+    the
     generator that draws it is made only where a draw fills noise from it (on a CPU). A GPU
     needs only one number drawn from it (`derived_seed`), kept per position: a speculative
     step asks again for positions the step before verified and did not commit, and a draft

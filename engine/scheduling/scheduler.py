@@ -36,9 +36,9 @@ without mixing, and so does one of more than `mixed_max_tokens` tokens (an engin
 steps replay CUDA graphs mixes only where a prefill graph holds the step: see EngineCore).
 Speculating engines do not mix: their decode step is a verify of its own.
 
-With a prefix cache (engine.kv_cache), a request admitted with no KV starts at the longest
-cached prefix of its tokens (a re-prefill after retraction too): only the rest is computed, and
-the cached slots count as free room wherever no request holds them. What a prefill step
+With a prefix cache (engine.scheduling.kv_cache), a request admitted with no KV starts at the
+longest cached prefix of its tokens (a re-prefill after retraction too): only the rest is computed,
+and the cached slots count as free room wherever no request holds them. What a prefill step
 computes joins the cache at once; what a request decoded joins it when it lets go of its slots
 (finished, retracted or aborted; never after a failure).
 
@@ -51,11 +51,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from engine.kv_cache import KVCacheManager
 from engine.request import Request
-from engine.sampler import TokenLogprob
-from engine.scheduled_batch import ScheduledBatch
-from engine.stopping import StopChecker
+from engine.sampling.sampler import TokenLogprob
+from engine.sampling.stopping import StopChecker
+from engine.scheduling.kv_cache import KVCacheManager
+from engine.scheduling.scheduled_batch import ScheduledBatch
 
 
 class Scheduler:

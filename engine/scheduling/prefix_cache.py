@@ -1,6 +1,6 @@
 """A radix tree over token ids whose nodes hold the KV slots of the tokens on their edge: the
 prefix cache. A request that starts with a cached prefix reads those slots instead of computing
-them again. Plain Python, no torch: the slots are the allocator's (engine.allocator).
+them again. Plain Python, no torch: the slots are the allocator's (engine.scheduling.allocator).
 
 Invariants (checked by `check_integrity`, tested in tests/test_prefix_cache.py):
 - every node but the root has a non-empty edge of tokens and one slot per token on it, and is
@@ -24,7 +24,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.allocator import PADDING_SLOT
+from engine.scheduling.allocator import PADDING_SLOT
 
 
 class PrefixNode:

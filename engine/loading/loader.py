@@ -11,12 +11,13 @@ import torch
 
 from engine.attention import resolve_attention_backend
 from engine.config import EngineConfig, default_device, resolve_dtype
-from engine.debug_dump import OFFLINE_NODE, tensor_dump_config
 from engine.env import speculative_plan_default
 from engine.errors import TensorParallelError
-from engine.kv_pool import KVPool
+from engine.executor.debug_dump import OFFLINE_NODE, tensor_dump_config
+from engine.executor.model_runner import ModelRunner
+from engine.loading.weights import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
+from engine.scheduling.kv_pool import KVPool
 from engine.speculation import Speculation, chosen_speculation
 from engine.speculative_options import (
     check_draft_tree,
@@ -26,7 +27,6 @@ from engine.speculative_options import (
 from engine.tensor_parallel.layers import ModelShard
 from engine.tensor_parallel.layout import check_tensor_parallel, check_tensor_parallel_options
 from engine.tensor_parallel.leader import start_tensor_parallel
-from engine.weights import iter_safetensors, load_hf_config, load_tokenizer, resolve_model
 
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 DEFAULT_GPU_KV_FRACTION = 0.8
@@ -62,7 +62,7 @@ class EngineArgs:
     gpu_memory_utilization: float | None = None
     # "auto": triton on a GPU, torch elsewhere (engine.attention).
     attention_backend: str = "auto"
-    # Decode steps on a GPU replay CUDA graphs (engine/cuda_graph.py) for batches up to
+    # Decode steps on a GPU replay CUDA graphs (engine/executor/cuda_graph.py) for batches up to
     # cuda_graph_max_bs (None: max_num_seqs) unless disabled, or unless tensors are dumped.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
@@ -70,12 +70,13 @@ class EngineArgs:
     # DEFAULT_CUDA_GRAPH_MAX_PREFILL_TOKENS; 0: prefill runs eagerly).
     cuda_graph_max_prefill_tokens: int | None = None
     # The host prepares each plain decode step while the device runs the one before
-    # (engine/overlap.py); None: on a GPU, off on a CPU (where host and device are one).
+    # (engine/executor/overlap.py); None: on a GPU, off on a CPU (where host and device are one).
     overlap_schedule: bool | None = None
     # A step that admits prompts while requests run decodes them in the same forward
-    # (engine/scheduler.py); False: admission steps stop the running requests.
+    # (engine/scheduling/scheduler.py); False: admission steps stop the running requests.
     mixed_prefill: bool = True
-    # Reuse cached prompt prefixes' KV (engine/prefix_cache.py); off where the engine speculates.
+    # Reuse cached prompt prefixes' KV (engine/scheduling/prefix_cache.py); off where the engine
+    # speculates.
     enable_prefix_cache: bool = True
     seed: int = 0
     # Speculative decoding (see spec/ and docs/draft-format.md); off when algorithm is None.
@@ -99,7 +100,7 @@ class EngineArgs:
     speculative_plan: str | None = None
     # At this many running requests or more, every decode step is plain; None: no such size.
     speculative_disable_batch_size: int | None = None
-    # Debugging (engine/debug_dump.py): every module's output per forward pass, under
+    # Debugging (engine/executor/debug_dump.py): every module's output per forward pass, under
     # DIR/<node>/<target|draft-N>/rank0/. Give an absolute path to a cluster: each node resolves
     # a relative one in its own working directory. Layers: the target decoder layers kept.
     debug_tensor_dump_dir: str | None = None

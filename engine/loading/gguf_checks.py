@@ -1,4 +1,5 @@
-"""GGUF files that the conversion through transformers (engine.default_model.convert_gguf) would
+"""GGUF files that the conversion through transformers (engine.loading.default_model.convert_gguf)
+would
 turn into another model than they hold, refused by their metadata before any conversion.
 
 transformers reads the experts of a mixture-of-experts GGUF file for Qwen3-MoE (`qwen3moe`)

@@ -1,8 +1,9 @@
 """Paged KV storage (page size 1): per-layer K and V indexed by slot, and request rows of slots.
 
 Invariants:
-- `KVPool` holds `capacity + 1` slots per layer; slot 0 is the padding slot (see engine.allocator),
-  so padded positions may write there and nobody reads it as real data;
+- `KVPool` holds `capacity + 1` slots per layer; slot 0 is the padding slot (see
+  engine.scheduling.allocator), so padded positions may write there and nobody reads it as real
+  data;
 - `ReqToTokenPool.req_to_token[row, i]` is the slot holding token i of the request in `row`, for
   every i below the request's computed length; rows are handed out and returned whole. One more
   row, `padding_row`, is never handed out and holds only the padding slot: padded rows of a
@@ -17,8 +18,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine.allocator import SlotAllocator
-from engine.host_copy import int_tensor
+from engine.executor.host_copy import int_tensor
+from engine.scheduling.allocator import SlotAllocator
 
 
 class KVPool:
