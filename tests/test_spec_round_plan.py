@@ -284,8 +284,22 @@ def test_the_accept_length_is_known_after_a_few_rounds_of_requests():
     costs.round_committed(0, 0)  # a round where no request verified drafts
     assert costs.facts(1).accept_length == pytest.approx(mean)
     for _ in range(200):
-        costs.round_committed(1, 1)
+        costs.round_committed(16, 16)
     assert costs.facts(1).accept_length == pytest.approx(1.0, abs=1e-6)
+
+
+def test_a_round_weighs_in_the_accept_length_by_its_requests():
+    """A lone request's round (its accepted count swings from 1 to K+1) moves the running
+    accept length far less than a batch's round, an average over many requests; so the
+    last rounds of a thinned batch do not switch speculation off at a larger batch."""
+    costs = StepCosts()
+    costs.round_committed(2 * 16, 16)
+    assert costs.facts(16).accept_length == pytest.approx(2.0)
+    for _ in range(4):  # four unlucky rounds of one request: nothing accepted
+        costs.round_committed(1, 1)
+    assert costs.facts(16).accept_length > 1.95
+    costs.round_committed(16, 16)  # one batch's round with nothing accepted
+    assert costs.facts(16).accept_length < 1.9
 
 
 def test_fixed_costs_stay_whatever_the_steps_take():

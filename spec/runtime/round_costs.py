@@ -41,8 +41,12 @@ COST_WINDOW = 9
 # request's round commits anything from 1 to K+1 tokens, and a good draft's unlucky first
 # round must not switch speculation off.
 MIN_ACCEPT_SAMPLES = 4
-# The weight of a round in the accept length's average.
-ACCEPT_WEIGHT = 0.1
+# The weight of one request's round in the accept length's average; a round of n requests
+# weighs as n of them (1 - (1 - w)^n: 0.15 at 16 requests, 0.01 at one). Weighing each round
+# alike let the last few rounds of a batch that has thinned to one or two requests, whose
+# accepted count alone swings from 1 to K+1, pull the average under the break-even point and
+# switch speculation off; once off, no round updates it again until a probe.
+ACCEPT_WEIGHT = 0.01
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -175,7 +179,8 @@ class StepCosts:
                 self.accept_length = self._accept_tokens / self._accept_rounds
             return
         assert self.accept_length is not None
-        self.accept_length += ACCEPT_WEIGHT * (tokens / requests - self.accept_length)
+        weight = 1.0 - (1.0 - ACCEPT_WEIGHT) ** requests
+        self.accept_length += weight * (tokens / requests - self.accept_length)
 
     def interrupted(self) -> None:
         """Something else ran since the last decode step (a prefill, requests joining): the
