@@ -16,11 +16,13 @@ from spec.runtime.round_costs import (
     COST_WINDOW,
     MIN_ACCEPT_SAMPLES,
     MIN_SAMPLES,
+    PROBE_SAMPLES,
     StepCosts,
     batch_bucket,
 )
 from spec.runtime.round_plan import (
     PROBE_EVERY,
+    PROBE_NEAR_EVERY,
     CostFacts,
     PlanInputs,
     PlanPolicy,
@@ -179,6 +181,47 @@ def test_adaptive_probes_the_kind_it_has_not_run_for_a_while():
     assert not plan_round(far, ADAPTIVE).speculates
 
 
+def test_rounds_off_near_break_even_are_probed_sooner():
+    """While rounds are off no round updates the accept length, so one that switched them
+    off near break-even (a round costs 2 plain steps here) is probed again after
+    PROBE_NEAR_EVERY steps, one far from it only after PROBE_EVERY."""
+    near = _costs(1.9, 0.010, 0.020, round_age=PROBE_NEAR_EVERY, speculating=False)
+    plan = plan_round(_inputs({"device"}, costs=near), ADAPTIVE)
+    assert plan.speculates and "probing" in plan.reason
+    far = _costs(1.5, 0.010, 0.020, round_age=PROBE_NEAR_EVERY, speculating=False)
+    assert not plan_round(_inputs({"device"}, costs=far), ADAPTIVE).speculates
+    sooner = dataclasses.replace(near, round_age=PROBE_NEAR_EVERY - 1)
+    assert not plan_round(_inputs({"device"}, costs=sooner), ADAPTIVE).speculates
+
+
+def test_the_accept_length_is_not_known_after_a_few_unlucky_rounds():
+    """Four request-rounds at 1.75 against a break-even of 1.79 once switched a draft that
+    accepts 2.05 off for good; the estimate waits for MIN_ACCEPT_SAMPLES request-rounds."""
+    costs = StepCosts()
+    costs.round_committed(7, 4)
+    assert costs.facts(4).accept_length is None
+    plan = plan_round(_inputs({"device"}, costs=costs.facts(4)), ADAPTIVE)
+    assert plan.speculates and plan.reason == "measuring a round"
+
+
+def test_a_probe_after_plain_steps_replaces_the_accept_length():
+    """Rounds after plain steps are a probe: it goes on (where the drafts are near) until it
+    has PROBE_SAMPLES request-rounds, whose mean replaces the accept length that no round
+    updated while rounds were off."""
+    costs = StepCosts()
+    costs.round_committed(MIN_ACCEPT_SAMPLES, MIN_ACCEPT_SAMPLES)  # known: 1.0, off
+    costs.step_started(False, False, 4)
+    costs.step_done()
+    costs.step_started(True, False, 4)
+    assert costs.facts(4).probing
+    losing = dataclasses.replace(costs.facts(4), plain_s=0.010, round_s=0.020, speculating=True)
+    plan = plan_round(_inputs({"device"}, costs=losing), ADAPTIVE)
+    assert plan.speculates and "probing" in plan.reason
+    for _ in range(PROBE_SAMPLES // 4):
+        costs.round_committed(3 * 4, 4)
+    assert not costs.facts(4).probing and costs.facts(4).accept_length == pytest.approx(3.0)
+
+
 def test_adaptive_reads_a_new_batch_size_from_the_ones_measured_around_it():
     """A round's cost over a plain step's grows with the batch: one that did not pay at a
     smaller batch does not here, one that paid at a larger batch does."""
@@ -293,7 +336,7 @@ def test_a_round_weighs_in_the_accept_length_by_its_requests():
     accept length far less than a batch's round, an average over many requests; so the
     last rounds of a thinned batch do not switch speculation off at a larger batch."""
     costs = StepCosts()
-    costs.round_committed(2 * 16, 16)
+    costs.round_committed(2 * MIN_ACCEPT_SAMPLES, MIN_ACCEPT_SAMPLES)
     assert costs.facts(16).accept_length == pytest.approx(2.0)
     for _ in range(4):  # four unlucky rounds of one request: nothing accepted
         costs.round_committed(1, 1)

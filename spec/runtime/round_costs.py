@@ -39,8 +39,13 @@ MIN_SAMPLES = 3
 COST_WINDOW = 9
 # Rounds of a request (summed over the batch) before the accept length counts as known: one
 # request's round commits anything from 1 to K+1 tokens, and a good draft's unlucky first
-# round must not switch speculation off.
-MIN_ACCEPT_SAMPLES = 4
+# rounds must not switch speculation off (once off, no round updates the estimate until a
+# probe: four request-rounds at 1.75 against a break-even of 1.79 kept a draft that accepts
+# 2.05 off).
+MIN_ACCEPT_SAMPLES = 32
+# Request-rounds a probe (rounds after plain steps) gathers; their mean replaces the accept
+# length, which no round updated while rounds were off.
+PROBE_SAMPLES = 16
 # The weight of one request's round in the accept length's average; a round of n requests
 # weighs as n of them (1 - (1 - w)^n: 0.15 at 16 requests, 0.01 at one). Weighing each round
 # alike let the last few rounds of a batch that has thinned to one or two requests, whose
@@ -93,6 +98,8 @@ class StepCosts:
         self._accept_tokens = 0
         self._accept_rounds = 0
         self.speculating = True  # what the last step did (a new engine starts speculating)
+        # A probe's (tokens, request-rounds) so far, while it gathers PROBE_SAMPLES of them.
+        self._probe: tuple[int, int] | None = None
         self._fixed: tuple[float, float] | None = None
         # The step running: (speculates, bucket, the end of the step before it where this one
         # is measured); the last one's kind and bucket, and when it ended.
@@ -110,11 +117,20 @@ class StepCosts:
 
     def facts(self, batch_size: int) -> CostFacts:
         bucket = batch_bucket(batch_size)
-        if self._fixed is not None:
-            plain_s, round_s = self._fixed
-            return CostFacts(self.accept_length, plain_s, round_s, speculating=self.speculating)
         plain, round_ = self.plain.get(bucket), self.round.get(bucket)
         steps = self.steps.get(bucket, 0)
+        if self._fixed is not None:
+            # Given costs need no probe of a plain step; rounds are still probed for what
+            # they accept, which no given cost says.
+            plain_s, round_s = self._fixed
+            return CostFacts(
+                self.accept_length,
+                plain_s,
+                round_s,
+                round_age=steps - round_.at_step if round_ else steps,
+                speculating=self.speculating,
+                probing=self._probe is not None,
+            )
         below = above = None
         if not (plain and plain.known and round_ and round_.known):
             below, above = self._neighbour_ratios(bucket)
@@ -127,6 +143,7 @@ class StepCosts:
             ratio_below=below,
             ratio_above=above,
             speculating=self.speculating,
+            probing=self._probe is not None,
         )
 
     def measured(self, batch_size: int) -> tuple[float | None, float | None]:
@@ -155,6 +172,8 @@ class StepCosts:
         steady = self._last == (speculates, bucket) and not catches_up
         self._running = (speculates, bucket, self._last_done if steady else None)
         self._last = (speculates, bucket) if not catches_up else None
+        if speculates and not self.speculating and self.accept_length is not None:
+            self._probe = (0, 0)  # rounds after plain steps: what they accept now
         self.speculating = speculates
 
     def step_done(self) -> None:
@@ -179,6 +198,13 @@ class StepCosts:
                 self.accept_length = self._accept_tokens / self._accept_rounds
             return
         assert self.accept_length is not None
+        if self._probe is not None:
+            probe_tokens, probe_requests = self._probe[0] + tokens, self._probe[1] + requests
+            self._probe = (probe_tokens, probe_requests)
+            if probe_requests >= PROBE_SAMPLES:
+                self.accept_length = probe_tokens / probe_requests
+                self._probe = None
+            return
         weight = 1.0 - (1.0 - ACCEPT_WEIGHT) ** requests
         self.accept_length += weight * (tokens / requests - self.accept_length)
 

@@ -44,10 +44,15 @@ Queued = Literal["none", "by_device", "by_host"]
 SWITCH_ON_MARGIN = 1.05
 # A measured cost is refreshed after this many steps at its batch size of the other kind.
 PROBE_EVERY = 512
+# Rounds off with an accept length within this share of break-even are probed again after
+# PROBE_NEAR_EVERY steps instead: while off, no round updates the accept length, and one
+# that hovers near break-even is as likely to pay on the text being written now.
+NEAR_BREAK_EVEN = 0.9
+PROBE_NEAR_EVERY = 64
 # Positions a request's draft may be behind, on average over the batch, for a step to calibrate
 # or probe rounds: catching up runs every depth over all of them, too dear to spend on a
-# measurement beyond a few positions.
-CALIBRATION_CATCH_UP = 8
+# measurement beyond the steps between two probes near break-even.
+CALIBRATION_CATCH_UP = 64
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,8 @@ class CostFacts:
     round's seconds (None until measured enough) and how many steps at this batch size ago
     each was last measured; round over plain measured at the nearest smaller and larger batch
     sizes (a round's cost over a plain step's grows with the batch: bounds on this one's),
-    and whether the engine's last decode step speculated."""
+    whether the engine's last decode step speculated, and whether a probe of rounds after
+    plain steps is still gathering the accept length it replaces (`probing`)."""
 
     accept_length: float | None = None
     plain_s: float | None = None
@@ -128,6 +134,7 @@ class CostFacts:
     ratio_below: float | None = None
     ratio_above: float | None = None
     speculating: bool = True
+    probing: bool = False
 
 
 @dataclass(frozen=True)
@@ -233,7 +240,7 @@ def _pays(costs: CostFacts, cheap: bool) -> tuple[bool, str]:
             if costs.plain_age >= PROBE_EVERY:
                 return False, "probing a plain step's cost"
             return True, why
-        return _not_paying(costs, cheap, why)
+        return _not_paying(costs, cheap, why, near=accept >= ratio * NEAR_BREAK_EVEN)
     # A round's cost over a plain step's grows with the batch.
     if costs.ratio_below is not None and accept < costs.ratio_below:
         return False, "does not pay at a smaller batch"
@@ -244,10 +251,13 @@ def _pays(costs: CostFacts, cheap: bool) -> tuple[bool, str]:
     return False, "measuring a plain step"
 
 
-def _not_paying(costs: CostFacts, cheap: bool, why: str) -> tuple[bool, str]:
+def _not_paying(costs: CostFacts, cheap: bool, why: str, near: bool = False) -> tuple[bool, str]:
     """Plain, except for a round now and then that measures again what rounds commit and
-    cost (the text, and with it the accept length, changes)."""
-    if costs.round_age >= PROBE_EVERY and cheap:
+    cost (the text, and with it the accept length, changes); sooner where the accept length
+    is `near` break-even. A probe goes on until it has gathered what it measures."""
+    if costs.probing and cheap:
+        return True, "probing what rounds accept"
+    if costs.round_age >= (PROBE_NEAR_EVERY if near else PROBE_EVERY) and cheap:
         return True, "probing a round's cost"
     return False, why
 
