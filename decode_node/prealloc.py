@@ -81,12 +81,11 @@ def fits(requests: list[Request], engine: EngineCore, metadata: MetadataBuffers)
 
 
 def make_draft_room(requests: list[Request], engine: EngineCore) -> None:
-    """Where the target's pool has room for the request but a draft depth's has not, evict
-    from the prefix cache until it has (or nothing is left to evict): the cache holds each
-    depth's KV beside the target's and frees it only with the target's
-    (spec/runtime/prefix_drafts.py), which a target allocation evicts when it needs room, but `fits`
-    checks the depths before anything is taken, so their cached KV would keep the request waiting
-    for good."""
+    """Where the target's pool has room for the request but a draft depth's has not, evict from the
+    prefix cache until it has (or nothing is left to evict): the cache holds each depth's KV beside
+    the target's and frees it only with the target's (spec/runtime/prefix_drafts.py), which a target
+    allocation evicts when it needs room, but `fits` checks the depths before anything is taken, so
+    their cached KV would keep the request waiting for good."""
     kv_cache = engine.kv_cache
     (_, target), *depths = group_needs(requests, engine)
     if not depths or not kv_cache.can_grow(target + engine.scheduler.step_reserve()):

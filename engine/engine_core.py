@@ -389,13 +389,12 @@ def make_prefix_cache(
 
 def mixed_step_tokens(config: EngineConfig) -> int | None:
     """The most tokens a mixed step may run (engine.scheduling.scheduler): where decode steps replay
-    CUDA
-    graphs, only a step that a prefill graph replays (0 where none is captured); elsewhere
-    max_prefill_tokens alone bounds it (None). On a GPU an eager forward costs 13 to 16 ms of
-    host dispatch whatever its size, a graph-run decode step about 2: mixed at every
-    admission, 1,024 prompts through 256 seats (random SmolLM2-135M weights, H100) ran 170
-    eager mixed steps where separate steps ran 88 eager prefill steps, each admitting twice
-    as many prompts. A step too large for a graph keeps what it was, a prefill step."""
+    CUDA graphs, only a step that a prefill graph replays (0 where none is captured); elsewhere
+    max_prefill_tokens alone bounds it (None). On a GPU an eager forward costs 13 to 16 ms of host
+    dispatch whatever its size, a graph-run decode step about 2: mixed at every admission, 1,024
+    prompts through 256 seats (random SmolLM2-135M weights, H100) ran 170 eager mixed steps where
+    separate steps ran 88 eager prefill steps, each admitting twice as many prompts. A step too
+    large for a graph keeps what it was, a prefill step."""
     if not config.cuda_graph_max_bs:
         return None
     return config.cuda_graph_max_prefill_tokens

@@ -57,8 +57,7 @@ class SamplingSpec:
 @message
 class EmbeddingsSpec:
     """Vectors given for some prompt positions (engine.executor.prompt_embeds.PromptEmbeds): `data`
-    is
-    len(positions) x width float32 values, little-endian, row after row."""
+    is len(positions) x width float32 values, little-endian, row after row."""
 
     positions: list[int]
     width: int

@@ -1,6 +1,5 @@
 """Queue bounds of the HTTP API (cluster.frontend.admission): past --max-queued-requests a request
-gets a
-429 with Retry-After at once and the others complete; a request with no first token within
+gets a 429 with Retry-After at once and the others complete; a request with no first token within
 --queue-timeout ends with an error naming it, and its resources are freed on the engine."""
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The cache_aware prefill policy (cluster.control.cache_aware) and the router's tree of what it
-sent
-each node (cluster.control.routed_prefixes): the longest cached prefix wins, a node too busy beyond
-the threshold or a match too short gives way to the least-loaded node, a node's death or
+sent each node (cluster.control.routed_prefixes): the longest cached prefix wins, a node too busy
+beyond the threshold or a match too short gives way to the least-loaded node, a node's death or
 replacement drops what the router believed it held, and each tree stays within its bound.
 tests/test_prefix_cache_cluster.py runs the policy through a cluster of two prefill nodes."""
 

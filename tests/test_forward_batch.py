@@ -1,7 +1,6 @@
 """The batch builders of engine.executor.forward_batch: `device_batch` over tensors already on the
-device
-(a CUDA graph's static buffers, the fixed-shape draft extend's), and the in-place token writes
-a batch takes after it was built (a draft depth's patched tokens, a verify's next drafts)."""
+device (a CUDA graph's static buffers, the fixed-shape draft extend's), and the in-place token
+writes a batch takes after it was built (a draft depth's patched tokens, a verify's next drafts)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Mixed steps (engine.scheduling.scheduler, `mixed_prefill`): a step that admits prompts while
-requests run
-is one forward of both, the running requests decoding their next token beside the prompts (or
-a prompt's chunk). The output is the output without mixing, token for token, for every kind of
-request (greedy, seeded sampling, chunks, parallel samples, processors, logprobs, grammars,
-vectors for prompt positions, stop strings, retraction, aborts, overlap); the decode tokens
-count in the step's token budget; admission keeps the next step's slots free; speculating
-engines and the switch leave the steps apart; traces stamp both kinds of span."""
+requests run is one forward of both, the running requests decoding their next token beside the
+prompts (or a prompt's chunk). The output is the output without mixing, token for token, for every
+kind of request (greedy, seeded sampling, chunks, parallel samples, processors, logprobs, grammars,
+vectors for prompt positions, stop strings, retraction, aborts, overlap); the decode tokens count in
+the step's token budget; admission keeps the next step's slots free; speculating engines and the
+switch leave the steps apart; traces stamp both kinds of span."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Overlap scheduling (engine/executor/overlap.py): each plain decode step is launched before the
-tokens
-of the step before are read, with those tokens fed to it on the device. The output must be
-the output without overlap, token for token, whatever joins, stops, aborts, retracts or fails
-on the way, and every slot must come back. On the CPU host and device are one, so nothing
-overlaps in time, but every path of the bookkeeping runs; the GPU test runs it with graphs."""
+tokens of the step before are read, with those tokens fed to it on the device. The output must be
+the output without overlap, token for token, whatever joins, stops, aborts, retracts or fails on the
+way, and every slot must come back. On the CPU host and device are one, so nothing overlaps in time,
+but every path of the bookkeeping runs; the GPU test runs it with graphs."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Penalties, biases and min_tokens (engine.sampling.logits_processors): greedy output token-exact
-against
-transformers' RepetitionPenaltyLogitsProcessor and a reference for OpenAI's presence and
-frequency penalties written here, with and without speculative decoding (which must stay
-lossless with them); logit_bias forcing and forbidding tokens; min_tokens keeping EOS away."""
+against transformers' RepetitionPenaltyLogitsProcessor and a reference for OpenAI's presence and
+frequency penalties written here, with and without speculative decoding (which must stay lossless
+with them); logit_bias forcing and forbidding tokens; min_tokens keeping EOS away."""
 
 from __future__ import annotations
 

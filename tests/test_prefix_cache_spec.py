@@ -1,9 +1,8 @@
 """The prefix cache in a speculating engine (spec/runtime/prefix_drafts.py): every draft depth's KV
-is
-cached with the target's, a match gives up the positions whose draft KV read tokens past it,
-and greedy output and the drafts' acceptance with the cache equal those without it (chains,
-a tree, chunked prefill, parallel samples, a pool small enough to evict). Every used slot of
-every pool is held by a request or the cache, and the pools hold only the cache's at the end."""
+is cached with the target's, a match gives up the positions whose draft KV read tokens past it, and
+greedy output and the drafts' acceptance with the cache equal those without it (chains, a tree,
+chunked prefill, parallel samples, a pool small enough to evict). Every used slot of every pool is
+held by a request or the cache, and the pools hold only the cache's at the end."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """A speculative round decided on the device (spec/runtime/device_round.py): verify, acceptance and
-the
-fixed draft extend queued back to back and read once. It must commit what the host's round
-commits, with the same statistics, and leave nothing behind; requests whose round needs the
-host (sampling, penalties, logprobs) make their steps take the host's round."""
+the fixed draft extend queued back to back and read once. It must commit what the host's round
+commits, with the same statistics, and leave nothing behind; requests whose round needs the host
+(sampling, penalties, logprobs) make their steps take the host's round."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The next round's verify queued from the device (spec.runtime.device_round.queue_next_verify):
-behind
-a round's extend, before the host has read that round's outcome, each request's verify span
-moved on by its accepted count on the device (CudaGraphs.advance_uniform). Requests that the
-round ends keep their slots until that verify has run (SpeculativeSteps.release_held)."""
+behind a round's extend, before the host has read that round's outcome, each request's verify span
+moved on by its accepted count on the device (CudaGraphs.advance_uniform). Requests that the round
+ends keep their slots until that verify has run (SpeculativeSteps.release_held)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The draft tree's own rules (spec/runtime/tree.py, spec/runtime/acceptance.py): the attention mask
-of its
-nodes against the ancestors found by brute force, the choice of the budget's nodes, and
-acceptance: the longest path the target agrees with (greedy), and tree speculative sampling,
-whose committed tokens are distributed as the target's."""
+of its nodes against the ancestors found by brute force, the choice of the budget's nodes, and
+acceptance: the longest path the target agrees with (greedy), and tree speculative sampling, whose
+committed tokens are distributed as the target's."""
 
 from __future__ import annotations
 

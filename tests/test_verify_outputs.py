@@ -1,6 +1,5 @@
 """The verdicts a verify graph of chains computes in its replay (engine.sampling.verify_outputs), on
-a
-GPU: spec.runtime.acceptance.chain_verdicts over that replay's logits and tokens (the function
+a GPU: spec.runtime.acceptance.chain_verdicts over that replay's logits and tokens (the function
 itself against a brute-force rule: tests/test_spec_acceptance.py)."""
 
 from __future__ import annotations

@@ -34,13 +34,12 @@ DEFAULT_MIN_SAVED_SHARE = 0.1
 
 class CacheAware:
     """Picks, among the alive `nodes` it is given (cluster.control.policies.NodeView), the node
-    whose
-    tree holds the longest prefix of the prompt (ties: the least loaded, then the lowest
+    whose tree holds the longest prefix of the prompt (ties: the least loaded, then the lowest
     index), where that prefix is longer than what the least-loaded node holds by at least
-    `min_saved_share` of the prompt and the node's load exceeds the least-loaded node's by at
-    most `load_threshold` requests; else the least-loaded node (ties: the one whose tree holds
-    least, then the lowest index), which spreads new prompts over the nodes. The node picked
-    is told the prompt (its tree holds it)."""
+    `min_saved_share` of the prompt and the node's load exceeds the least-loaded node's by at most
+    `load_threshold` requests; else the least-loaded node (ties: the one whose tree holds least,
+    then the lowest index), which spreads new prompts over the nodes. The node picked is told the
+    prompt (its tree holds it)."""
 
     def __init__(
         self,

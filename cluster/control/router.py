@@ -70,18 +70,16 @@ class Router:
         multiprocess_dir: str | None = None,
         prune_trace_files: bool = False,
     ) -> None:
-        """`control_key`: the cluster's control-plane key (metadata.control_auth), which signs
-        what the router sends and must sign what it receives. `tracing`: keep each request's
-        trace (`traces`, GET /v1/traces/{id}) and its summary in `usage`, and write it to
-        `trace_dir` if given; the nodes must trace too. `cache_aware_load_threshold`: the
-        cache_aware policy's (cluster.control.cache_aware), which takes `kv_cache_tokens` as a
-        node's.
+        """`control_key`: the cluster's control-plane key (metadata.control_auth), which signs what
+        the router sends and must sign what it receives. `tracing`: keep each request's trace
+        (`traces`, GET /v1/traces/{id}) and its summary in `usage`, and write it to `trace_dir` if
+        given; the nodes must trace too. `cache_aware_load_threshold`: the cache_aware policy's
+        (cluster.control.cache_aware), which takes `kv_cache_tokens` as a node's.
 
         One of several API processes (cluster.frontend.api_servers) does not probe the nodes itself
         (`watch_health=False`): it says hello to the cluster's `controller` (an endpoint) and
         follows the ClusterStatus it sends (cluster.frontend.cluster_status). `frontend_id`: who
-        this
-        front end is to the nodes (default: drawn at random); `multiprocess_dir`:
+        this front end is to the nodes (default: drawn at random); `multiprocess_dir`:
         ClusterMetrics'; `prune_trace_files`: TraceStore's."""
         self.spec = spec
         self.tokenizer = spec.tokenizer

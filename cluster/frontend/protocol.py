@@ -1,5 +1,5 @@
-"""OpenAI response bodies and stream chunks (plain dicts), and the error body every failure
-carries. Extension: `token_ids` in every response choice. The request bodies are in
+"""OpenAI response bodies and stream chunks (plain dicts), and the error body every failure carries.
+Extension: `token_ids` in every response choice. The request bodies are in
 cluster.frontend.request_schema.
 """
 

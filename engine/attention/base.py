@@ -48,12 +48,11 @@ class AttentionBackend(ABC):
         tree_bits: torch.Tensor | None = None,
     ) -> Any:
         """The capture hook of a graph runner (engine.executor.graph_capture's callers): metadata
-        over
-        its static [B] buffers (each request's row, length after the forward, first new token
-        in the flat batch, new tokens; `tree_bits` as `ForwardBatch.tree_bits`), which the
-        runner fills before each replay, for spans of at most `max_q_len` tokens. The kernels
-        must read the buffers where they are, so that a replay needs no metadata work. By
-        default a backend cannot be captured (`supports_cuda_graph` False) and refuses."""
+        over its static [B] buffers (each request's row, length after the forward, first new token
+        in the flat batch, new tokens; `tree_bits` as `ForwardBatch.tree_bits`), which the runner
+        fills before each replay, for spans of at most `max_q_len` tokens. The kernels must read the
+        buffers where they are, so that a replay needs no metadata work. By default a backend cannot
+        be captured (`supports_cuda_graph` False) and refuses."""
         raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
 
     @abstractmethod

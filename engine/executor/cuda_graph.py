@@ -134,8 +134,7 @@ class CudaGraphs:
 
     def capture(self, progress: bool = True) -> None:
         """Capture every bucket (engine.executor.graph_capture). Each graph ends by copying its
-        outputs
-        into buffers shared by all sizes (allocated outside the pool), so no graph keeps
+        outputs into buffers shared by all sizes (allocated outside the pool), so no graph keeps
         memory of its own once captured: the pool holds one graph's intermediates at a time,
         whatever the number of sizes."""
         device = self.kv_pool.device

@@ -1,6 +1,5 @@
 """GGUF files that the conversion through transformers (engine.loading.default_model.convert_gguf)
-would
-turn into another model than they hold, refused by their metadata before any conversion.
+would turn into another model than they hold, refused by their metadata before any conversion.
 
 transformers reads the experts of a mixture-of-experts GGUF file for Qwen3-MoE (`qwen3moe`)
 only, and gives them Qwen3MoeConfig's expert width whatever the file says (it reads no

@@ -22,11 +22,10 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class PositionSeed:
     """The seed stream of one output position of a seeded request (engine.sampling.step_sampling):
-    the
-    generator that draws it is made only where a draw fills noise from it (on a CPU). A GPU
-    needs only one number drawn from it (`derived_seed`), kept per position: a speculative
-    step asks again for positions the step before verified and did not commit, and a draft
-    tree for every node of a level."""
+    the generator that draws it is made only where a draw fills noise from it (on a CPU). A GPU
+    needs only one number drawn from it (`derived_seed`), kept per position: a speculative step asks
+    again for positions the step before verified and did not commit, and a draft tree for every node
+    of a level."""
 
     key: int
 

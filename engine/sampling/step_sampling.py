@@ -88,8 +88,7 @@ def sample_overlapped(
     default_generator: torch.Generator,
 ) -> torch.Tensor:
     """The next tokens of requests that sample from their logits alone (engine.executor.overlap),
-    left
-    on the device; request i has `in_flight[i]` tokens sampled and not committed yet."""
+    left on the device; request i has `in_flight[i]` tokens sampled and not committed yet."""
     params = [req.params for req in requests]
     generators = [step_seed(req, ahead) for req, ahead in zip(requests, in_flight)]
     return sample_on_device(logits, params, generators, default_generator)

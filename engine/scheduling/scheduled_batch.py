@@ -1,6 +1,5 @@
 """What one scheduler step runs (engine.scheduling.scheduler): the requests, and for a prefill step
-how
-far each goes, the parallel samples that join it and the running requests mixed into it."""
+how far each goes, the parallel samples that join it and the running requests mixed into it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""The multi-layer EAGLE worker: draft extend after the target's prefill, then per decode step
-the step's round plan (spec.runtime.round_plan): verify -> accept -> draft extend, or a plain step
-whose drafts fall behind and catch up later (spec.runtime.catch_up). One worker for any number of
-depths and any draft tree shape (spec/runtime/tree.py; one chain is a tree too); the alignment of
-tokens, hidden states and positions across depths is spec.runtime.draft_extend's, the growth of
-trees spec.runtime.tree_extender's; a round's verify runs on the path its plan names
+"""The multi-layer EAGLE worker: draft extend after the target's prefill, then per decode step the
+step's round plan (spec.runtime.round_plan): verify -> accept -> draft extend, or a plain step whose
+drafts fall behind and catch up later (spec.runtime.catch_up). One worker for any number of depths
+and any draft tree shape (spec/runtime/tree.py; one chain is a tree too); the alignment of tokens,
+hidden states and positions across depths is spec.runtime.draft_extend's, the growth of trees
+spec.runtime.tree_extender's; a round's verify runs on the path its plan names
 (spec.runtime.round_verify), its draft extend on the kind its plan names
 (spec.runtime.round_extend), and the draft state crosses from a prefill node to a decode node
 through spec.runtime.handoff.
