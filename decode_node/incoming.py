@@ -153,15 +153,33 @@ class IncomingTransfers:
                 still.append(tracked)
                 continue
             self.totals.record(handle, *received_tokens(tracked.announce))
-            error = None if tracked.aborted else landing_error(tracked, self.faults)
-            if error is None and not tracked.aborted:
-                error = self._write_landed(tracked)
+            if tracked.aborted:
+                error = self._land_aborted(tracked)
             else:
-                self.drop(tracked)
+                error = landing_error(tracked, self.faults)
+                if error is None:
+                    error = self._write_landed(tracked)
+                else:
+                    self.drop(tracked)
             if group is not None:
                 error = group.landed(tracked, error)
             act(tracked, error)
         self.requests = still
+
+    def _land_aborted(self, tracked: Tracked) -> str | None:
+        """The transfer of `tracked`, aborted, ended: its KV heads are dropped, but where it
+        carries its prompt's KV for other samples (decode_node.samples), which landed: then
+        every rank writes its heads as for a request that runs, since the samples read them.
+        Returns why that prompt did not land (None: it did, or `tracked` carries none)."""
+        group = tracked.group
+        if group is None or group.carrier is not tracked:
+            self.drop(tracked)
+            return None
+        handle = tracked.handle
+        if handle.state != TransferState.SUCCESS:
+            self.drop(tracked)
+            return f"KV transfer failed: {handle.error}"
+        return self._write_landed(tracked)
 
     def _write_landed(self, tracked: Tracked) -> str | None:
         """Write what landed beyond rank 0's pool into the ranks' pools, before the request

@@ -24,7 +24,6 @@ from collections import deque
 
 from decode_node.tracked import Tracked
 from metadata.messages import GenerateRequest, ParallelSample
-from metadata.transfer import TransferState
 
 
 class SampleGroup:
@@ -54,12 +53,10 @@ class SampleGroup:
 
     def landed(self, tracked: Tracked, error: str | None) -> str | None:
         """`tracked`'s transfer ended, with `error` (None: it landed). Returns why the sample
-        fails (its own error, or the prompt's), None if it may run."""
+        fails (its own error, or the prompt's), None if it may run. An aborted carrier still
+        brings the prompt for the others: `error` then says whether its KV landed and was
+        written to every rank (IncomingTransfers._land_aborted)."""
         if tracked is self.carrier:
-            if tracked.aborted:
-                # Aborted, it still brought the prompt for the others when its room tag matched.
-                landed = tracked.handle.state == TransferState.SUCCESS
-                error = None if landed else f"KV transfer failed: {tracked.handle.error}"
             if error is None:
                 self.prompt_landed = True
             else:

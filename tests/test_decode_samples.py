@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from node_builders import built, new_decode_node
 from stream_recorder import FRONTEND, StreamRecorder
 
 from decode_node.node import DecodeNode
+from engine import LLM, SamplingParams
 from metadata.messages import (
     AbortRequest,
     GenerateRequest,
@@ -26,6 +29,9 @@ from metadata.messages import (
     SamplingSpec,
     TransferAnnounce,
 )
+from metadata.pair_group import PairLink
+from metadata.process_group import create_store_server
+from metadata.rank_kv import RankKV, outgoing_pools
 from metadata.transfer import TransferHandle, TransferState
 
 CAPACITY = 64
@@ -42,6 +48,7 @@ class Recorder(StreamRecorder):
         super().__init__()
         self.messages: list[object] = []
         self.receives: dict[int, tuple[list[int], TransferHandle]] = {}
+        self.pools: dict[int, list] = {}  # where each room's node channel lands
 
     def send(self, msg) -> None:
         super().send(msg)
@@ -51,6 +58,7 @@ class Recorder(StreamRecorder):
         handle = TransferHandle(room, src_rank)
         handle.advance(TransferState.TRANSFERRING)
         self.receives[room] = ([len(slots) for _, slots in pools], handle)
+        self.pools[room] = pools
         return handle
 
     def discard(self, src_rank, room, message_nbytes) -> None:
@@ -222,3 +230,92 @@ def test_a_sample_aborted_before_preallocation_leaves_the_others_to_it(node):
     (request,) = recorder.of(PrefillRequest)
     assert request.room == ROOMS[1] and [s.room for s in request.samples] == [ROOMS[2]]
     assert decode.kv_cache.kv_pool.allocator.num_used == len(PROMPT) + 2
+
+
+@pytest.fixture(scope="module")
+def prefill_tp2(tiny_model_path: Path) -> Iterator[LLM]:
+    """A prefill end of two ranks: each holds one of the tiny model's two KV heads."""
+    with LLM(
+        str(tiny_model_path),
+        device="cpu",
+        dtype="float32",
+        tensor_parallel_size=2,
+        kv_cache_tokens=256,
+        enable_prefix_cache=False,
+    ) as llm:
+        yield llm
+
+
+def _prefill_and_send(prefill: LLM, sender: RankKV, recorder: Recorder) -> None:
+    """Prefill PROMPT on `prefill`'s ranks and send its KV to the decode node (data-plane
+    rank 1) as a prefill node does for the carrier's room: the ranks' heads through their links,
+    the node channel's part copied here into where the decode node posted it."""
+    engine = prefill.engine
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    req = engine.make_request("p", PROMPT, greedy, False, None)
+    engine.add_request(req)
+    engine.step()  # the prompt's forward
+    slots = list(req.slots[: len(PROMPT)])
+    outgoing, target = outgoing_pools(sender, 1, [(engine.runner.kv_pool, slots)])
+    sender.send(1, ROOMS[0], target, len(slots))
+    (out_pool, out_slots), (in_pool, in_slots) = outgoing[0], recorder.pools[ROOMS[0]][0]
+    in_pool.kv_buffer[torch.tensor(in_slots)] = out_pool.kv_buffer[torch.tensor(out_slots)]
+    engine.abort("p")
+
+
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_an_aborted_carrier_brings_the_prompt_through_every_rank(
+    tiny_model_path, tiny_llm, prefill_tp2, decode_tp
+):
+    """P(TP 2) -> D(TP 1): decode rank 0 takes head 0 through the node channel (staged) and head
+    1 from prefill rank 1 through its link; D(TP 2): decode rank 1 takes head 1 through its
+    own. The carrier, aborted before its transfer landed, still writes the prompt's KV there:
+    the other samples' greedy output is the offline engine's from their first tokens on."""
+    first = {ROOMS[1]: 51, ROOMS[2]: 52}
+    params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    expected = {
+        room: [token] + tiny_llm.generate([PROMPT + [token]], params)[0].token_ids
+        for room, token in first.items()
+    }
+    engine = dict(max_num_seqs=8, max_prefill_tokens=256, tensor_parallel_size=decode_tp)
+    store, port = create_store_server("127.0.0.1")
+    with built(new_decode_node(tiny_model_path, CAPACITY, 4, **engine)) as decode:
+        recorder = Recorder()
+        decode.rank = 1
+        decode.streams = recorder.streams("decode-0")
+        decode.incoming.receiver = recorder
+        decode.prefill_peers.outboxes = {0: recorder}
+        decode.incoming.prefill_ranks = {0: PREFILL_RANK}
+        sender = RankKV(prefill_tp2.engine.runner, True, 2, 2, 30.0)
+        sides = [
+            (sender, PairLink("127.0.0.1", port, 1, 0, decode_tp), PREFILL_RANK),
+            (decode.rank_kv, PairLink("127.0.0.1", port, PREFILL_RANK, 0, 2), 1),
+        ]
+        with ThreadPoolExecutor(2) as pool:  # each side's links wait for the other's
+            list(pool.map(lambda side: side[0].pair([side[1]], side[2]), sides))
+        try:
+            greedy = dataclasses.replace(generate().sampling, temperature=0.0)
+            decode._handle(dataclasses.replace(generate(), sampling=greedy))
+            decode._preallocate()
+            announce(decode, ROOMS[0])
+            for room in ROOMS[1:]:
+                announce(decode, room, prompt_room=ROOMS[0])
+            _prefill_and_send(prefill_tp2, sender, recorder)
+            decode._abort(ROOMS[0])
+            land(decode, recorder, ROOMS[0], 50)
+            for room, token in first.items():
+                land(decode, recorder, room, token)
+            decode._land_transfers()
+            assert sorted(int(r.request_id) for r in decode.engine.scheduler.running) == ROOMS[1:]
+            while decode.engine.scheduler.running:
+                decode._step()
+            served: dict[int, list[int]] = {}
+            for update in recorder.updates:
+                assert update.error is None, update.error
+                served.setdefault(update.room, []).extend(update.token_ids)
+            assert served == expected
+            assert empty(decode)
+        finally:
+            sender.forget(1)
+            decode.rank_kv.forget(PREFILL_RANK)
+            del store
