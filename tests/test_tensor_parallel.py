@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from family_checks import hf_greedy
 from tiny_families import make_tiny_family
 from tiny_models import make_tiny_llama
@@ -33,10 +34,17 @@ from engine.errors import PdclusterError, TensorParallelError
 from engine.loading.weights import load_hf_config
 from engine.model_config import ModelConfig
 from engine.sampling.grammar import grammar_library_available, json_schema_grammar
+from engine.tensor_parallel.group import RankGroup
 from engine.tensor_parallel.layout import (
     TensorParallelLayout,
     check_tensor_parallel,
     check_tensor_parallel_options,
+)
+from engine.tensor_parallel.link_orders import (
+    STATUS_BYTES,
+    RankStatus,
+    encode_status,
+    gather_status,
 )
 from metadata.pair_group import PairLink
 from metadata.process_group import create_store_server
@@ -308,6 +316,64 @@ def test_kv_heads_that_do_not_land_fail_naming_the_ranks(engines) -> None:
         sender.forget(21)
         receiver.forget(20)
         del store
+
+
+def test_a_ranks_failed_landing_fails_that_transfer_and_the_ranks_serve_on(
+    engines, monkeypatch
+) -> None:
+    """A landing that fails on one rank (a follower: slots outside its pool; rank 0: an
+    injected error) ends that transfer with an error naming the rank, and every rank still
+    reaches the status gather: the next transfer lands whole and the engine serves on."""
+    store, port = create_store_server("127.0.0.1")
+    a, b = engines[1].engine.runner, engines[2].engine.runner
+    sender, receiver = RankKV(a, True, 2, 1, 30.0), RankKV(b, False, 2, 2, 30.0)
+    links = [
+        (sender, PairLink("127.0.0.1", port, 31, 0, 2), 30),
+        (receiver, PairLink("127.0.0.1", port, 30, 0, 1), 31),
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda side: side[0].pair([side[1]], side[2]), links))
+    n = 3
+    source, slots = a.kv_pool.allocator.allocate(n), b.kv_pool.allocator.allocate(n)
+
+    def transfer(room: int, into: list[int]) -> str | None:
+        _, landing = incoming_pools(receiver, 30, room, [(b.kv_pool, into)])
+        landing.expect(receiver)
+        sender.send(31, room, source, n)
+        return landing.write(receiver)
+
+    def injected(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    try:
+        outside = [b.kv_pool.kv_buffer.shape[0] + 7] * n
+        error = transfer(1, outside)
+        assert error is not None and error.startswith("decode rank 1: ")
+        assert "decode rank 0" not in error
+        with monkeypatch.context() as patch:
+            patch.setattr(receiver.links, "land", injected)
+            assert transfer(2, slots) == "decode rank 0: RuntimeError: injected"
+        assert transfer(3, slots) is None
+        head_bytes = n * b.kv_pool.num_layers * 2 * b.kv_pool.head_dim * 4
+        assert receiver.landed["prefill 0 -> decode 1"] == 2 * head_bytes
+        assert _tokens(engines[2], GREEDY) == _tokens(engines[1], GREEDY)
+    finally:
+        a.kv_pool.allocator.free(source)
+        b.kv_pool.allocator.free(slots)
+        sender.forget(31)
+        receiver.forget(30)
+        del store
+
+
+def test_a_status_fits_its_buffer_whatever_its_error_escapes_to() -> None:
+    """Control characters take six bytes each in JSON: an error of them is cut until the
+    status fits, and still reads as the start of the rank's error."""
+    group = RankGroup.join(dist.HashStore(), 0, 1)
+    error = "\x01" * 1000
+    assert len(json.dumps(error)) > STATUS_BYTES
+    [status] = gather_status(group, RankStatus(error, {1: 5}))
+    assert status.error and error.startswith(status.error)
+    assert len(encode_status(RankStatus(error))) <= STATUS_BYTES
 
 
 def _running(pid: int) -> bool:

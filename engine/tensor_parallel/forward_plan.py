@@ -14,6 +14,7 @@ transfer between nodes straight to or from the other node's ranks."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,8 @@ from engine.tensor_parallel.link_orders import (
     run_link_order,
 )
 from engine.tensor_parallel.orders import HEADER_SIZE, LINK_ORDERS, Order
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -118,9 +121,16 @@ def run_announced(runner: ModelRunner, announced: Announced, links: KVLinks) -> 
     collectives; its outputs stay unread here."""
     if announced.link_order is not None:
         group = runner.shard.group
-        status = run_link_order(links, announced.link_order, group.rank)
-        if gathers_status(announced.link_order):
-            gather_status(group, status)
+        order = announced.link_order
+        if gathers_status(order):
+            # A failure is this rank's status (run_link_order): the gather is always reached.
+            gather_status(group, run_link_order(links, order, group.rank))
+            return
+        try:
+            run_link_order(links, order, group.rank)
+        except Exception:  # noqa: BLE001 - rank 0 waits for no status: the rank keeps serving
+            # What did not happen shows where the order's transfer lands (its heads fail).
+            log.exception("rank %d: link order %s failed", group.rank, order.kind)
         return
     assert announced.batch is not None
     if announced.order == Order.FORWARD:

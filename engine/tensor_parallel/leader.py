@@ -141,7 +141,8 @@ class TensorParallelRunner(ModelRunner):
 
     def run_link_order(self, order: LinkOrder, links: KVLinks) -> list[RankStatus]:
         """Every rank does `order` on its own links (engine/tensor_parallel/link_orders.py),
-        this one on `links`; their statuses where the order gathers them, else rank 0's."""
+        this one on `links`; their statuses where the order gathers them (a rank's failure
+        among them, the ranks still in step), else rank 0's."""
         self._refuse_closed()
         group = self.followers.group
         try:

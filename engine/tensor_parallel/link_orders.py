@@ -10,6 +10,7 @@ An order is the forward header's fixed seven int64 (forward_plan.HEADER_SIZE), t
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from engine.tensor_parallel.group import RankGroup
 from engine.tensor_parallel.kv_links import KVLinks, LinkPlan
 from engine.tensor_parallel.orders import Order
 
+log = logging.getLogger(__name__)
 # Each rank's status (JSON: its error, the bytes it landed by prefill rank) in this many bytes.
 STATUS_BYTES = 1024
 
@@ -88,7 +90,20 @@ class RankStatus:
 
 
 def run_link_order(links: KVLinks, order: LinkOrder, rank: int) -> RankStatus:
-    """Do `order` on this rank's links."""
+    """Do `order` on this rank's links. Where the order gathers the ranks' statuses, a failure
+    here is this rank's status rather than an exception: every rank still reaches the gather,
+    so the ranks stay in step for the next order, and rank 0 learns which failed and why.
+    Any other order raises."""
+    try:
+        return _run(links, order, rank)
+    except Exception as err:  # noqa: BLE001 - see above
+        if not gathers_status(order):
+            raise
+        log.exception("rank %d: link order %s failed", rank, Order(order.kind).name)
+        return RankStatus(f"{type(err).__name__}: {err}")
+
+
+def _run(links: KVLinks, order: LinkOrder, rank: int) -> RankStatus:
     if order.kind == Order.OPEN_LINKS:
         return RankStatus(links.open(LinkPlan.from_bytes(order.plan), rank))
     if order.kind == Order.SEND_KV:
@@ -111,10 +126,7 @@ def gathers_status(order: LinkOrder) -> bool:
 
 def gather_status(group: RankGroup, status: RankStatus) -> list[RankStatus]:
     """Every rank's status, in rank order (every rank calls it; only rank 0 reads them)."""
-    encoded = json.dumps([status.error, status.landed or {}]).encode()
-    if len(encoded) > STATUS_BYTES:
-        # An error message too long for the status: cut, still naming the rank's failure.
-        encoded = json.dumps([(status.error or "")[: STATUS_BYTES // 2], {}]).encode()
+    encoded = encode_status(status)
     buffer = torch.zeros(STATUS_BYTES, dtype=torch.uint8)
     buffer[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
     statuses = []
@@ -123,3 +135,14 @@ def gather_status(group: RankGroup, status: RankStatus) -> list[RankStatus]:
         error, landed = json.loads(raw.decode())
         statuses.append(RankStatus(error, {int(p): n for p, n in landed.items()}))
     return statuses
+
+
+def encode_status(status: RankStatus) -> bytes:
+    """`status` as JSON of at most STATUS_BYTES bytes: an error message too long for it is cut
+    (its start still names the rank's failure) until its encoding, escapes included, fits."""
+    encoded = json.dumps([status.error, status.landed or {}]).encode()
+    error = status.error or ""
+    while len(encoded) > STATUS_BYTES:
+        error = error[: min(len(error) // 2, STATUS_BYTES)]
+        encoded = json.dumps([error, {}]).encode()
+    return encoded
