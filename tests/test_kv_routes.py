@@ -57,13 +57,32 @@ def test_replicated_heads_are_sent_once_per_decode_rank() -> None:
     assert kv_routes(2, 2, 1) == (KVRoute(0, 0, 0, 1), KVRoute(1, 0, 1, 1))
 
 
-@pytest.mark.parametrize("kv, size", list(itertools.product(HEADS, SIZES)))
+# (KV heads, ranks): each rank's first KV head, and how many it holds. Fewer heads than ranks:
+# each head on consecutive ranks; more: consecutive heads on each rank.
+PLACEMENTS = {
+    (1, 1): ([0], 1),
+    (1, 4): ([0, 0, 0, 0], 1),
+    (2, 1): ([0], 2),
+    (2, 2): ([0, 1], 1),
+    (2, 4): ([0, 0, 1, 1], 1),
+    (2, 8): ([0, 0, 0, 0, 1, 1, 1, 1], 1),
+    (4, 2): ([0, 2], 2),
+    (4, 8): ([0, 0, 1, 1, 2, 2, 3, 3], 1),
+    (8, 2): ([0, 4], 4),
+    (8, 4): ([0, 2, 4, 6], 2),
+    (8, 8): (list(range(8)), 1),
+}
+
+
+@pytest.mark.parametrize("kv, size", list(PLACEMENTS))
 def test_placement_is_the_engines(kv: int, size: int) -> None:
+    """The routes' placement and the engine's layout both give the expected table."""
+    firsts, local = PLACEMENTS[(kv, size)]
     layout = TensorParallelLayout(size, 8 * size, kv, 16, 64 * size, 100)
     heads = KVHeads(size, kv)
-    for rank in range(size):
-        assert heads.first(rank) == layout.first_kv_head(rank)
-        assert heads.local == layout.local_kv_heads
+    assert [heads.first(rank) for rank in range(size)] == firsts
+    assert [layout.first_kv_head(rank) for rank in range(size)] == firsts
+    assert heads.local == layout.local_kv_heads == local
 
 
 def test_sizes_that_cannot_hold_the_heads_say_why() -> None:
