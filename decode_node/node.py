@@ -93,7 +93,9 @@ class DecodeNode(ServingNode):
         self.load_reports = LoadReports(self.frontends, "decode", options.index)
         self.rooms: dict[int, Tracked] = {}
         self.prealloc: deque[Tracked] = deque()
-        self.rank_kv = RankKV.of(self.engine.runner, self.spec, False, options.transfer_timeout_s)
+        self.rank_kv = RankKV.of(
+            self.engine.runner, self.spec, False, options.transfer_timeout_s, options.name
+        )
         self.incoming = IncomingTransfers(self.rank_kv, self.speculator, self.metadata, self.faults)
         self.activity_log = ActivityLog(options.stats_log_interval_s, log)
 

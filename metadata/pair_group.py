@@ -27,13 +27,14 @@ class PairLink:
     """Where and under which key two nodes make their pair's group. `epoch` counts the pair's
     groups: a replacement of either node pairs under a new one. `peer_tp`: the peer's tensor
     parallel size, from which the two nodes' ranks derive their KV links (metadata.rank_kv),
-    made under the pair's key too."""
+    made under the pair's key too. `peer_name`: the peer node's, for errors."""
 
     store_host: str
     store_port: int
     peer_rank: int
     epoch: int
     peer_tp: int = 1
+    peer_name: str = ""
 
     def key(self, own_rank: int) -> str:
         low, high = sorted((own_rank, self.peer_rank))

@@ -37,14 +37,21 @@ log = logging.getLogger(__name__)
 
 
 class RankKV:
-    """The routes of this node (of `tp_size` ranks) with each peer node, and its ranks' links
-    for them; `sends`: this is the prefill end."""
+    """The routes of this node (`name`, of `tp_size` ranks) with each peer node, and its ranks'
+    links for them; `sends`: this is the prefill end."""
 
     def __init__(
-        self, runner: ModelRunner, sends: bool, num_kv_heads: int, tp_size: int, timeout_s: float
+        self,
+        runner: ModelRunner,
+        sends: bool,
+        num_kv_heads: int,
+        tp_size: int,
+        timeout_s: float,
+        name: str,
     ) -> None:
         self.runner = runner
         self.sends = sends
+        self.name = name
         self.heads = KVHeads(tp_size, num_kv_heads)
         self.timeout_s = timeout_s
         self.links = KVLinks(runner.kv_pool)  # rank 0's own
@@ -54,14 +61,17 @@ class RankKV:
         self.landed: Counter[str] = Counter()
 
     @classmethod
-    def of(cls, runner: ModelRunner, spec: ModelSpec, sends: bool, timeout_s: float) -> RankKV:
-        """A node's, whose runner serves `spec`."""
+    def of(
+        cls, runner: ModelRunner, spec: ModelSpec, sends: bool, timeout_s: float, name: str
+    ) -> RankKV:
+        """Node `name`'s, whose runner serves `spec`."""
         tp_size = spec.engine_config.tensor_parallel_size
-        return cls(runner, sends, spec.model_config.num_kv_heads, tp_size, timeout_s)
+        return cls(runner, sends, spec.model_config.num_kv_heads, tp_size, timeout_s, name)
 
     def pair(self, links: list[PairLink], own_rank: int) -> None:
         """Derive the routes with each peer of `links` and open every rank's links for them
-        (each waits for its other end); RuntimeError naming the ranks that could not."""
+        (each waits for its other end); RuntimeError naming this node, its side, the peers and
+        the ranks that could not."""
         specs = [spec for link in links for spec in self._plan(link, own_rank)]
         peers = {link.peer_rank for link in links}
         self._open -= peers
@@ -73,8 +83,16 @@ class RankKV:
             statuses = self.runner.run_link_order(order, self.links)
             errors = [f"rank {r}: {s.error}" for r, s in enumerate(statuses) if s.error]
             if errors:
-                raise RuntimeError("; ".join(errors))
+                names = ", ".join(peer_name(link) for link in links)
+                raise RuntimeError(
+                    f"{self.name} ({self.side} end): opening the KV links with {names} failed: "
+                    + "; ".join(errors)
+                )
         self._open |= peers
+
+    @property
+    def side(self) -> str:
+        return "prefill" if self.sends else "decode"
 
     def _plan(self, link: PairLink, own_rank: int) -> list[LinkSpec]:
         own, peer = self.heads.size, link.peer_tp
@@ -176,7 +194,16 @@ def repair_rank_kv(rank_kv: RankKV, link: PairLink, own_rank: int) -> None:
     try:
         rank_kv.pair([link], own_rank)
     except Exception:  # noqa: BLE001 - see above
-        log.exception("re-opening the KV links with rank %d failed", link.peer_rank)
+        log.exception(
+            "%s (%s end): re-opening the KV links with %s failed",
+            rank_kv.name,
+            rank_kv.side,
+            peer_name(link),
+        )
+
+
+def peer_name(link: PairLink) -> str:
+    return link.peer_name or f"the node of data-plane rank {link.peer_rank}"
 
 
 def _target(runner: ModelRunner, pools: PoolsAndSlots) -> int | None:

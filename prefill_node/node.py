@@ -91,7 +91,9 @@ class PrefillNode(ServingNode):
         self.kv_cache = self.engine.kv_cache
         self.metadata = metadata_buffers(self.spec, options, self.num_draft_steps)
         self.inbox = Inbox(options.host, options.control_key)
-        self.rank_kv = RankKV.of(self.runner, self.spec, True, options.transfer_timeout_s)
+        self.rank_kv = RankKV.of(
+            self.runner, self.spec, True, options.transfer_timeout_s, options.name
+        )
         self.outgoing = OutgoingTransfers(
             options.name,
             self.rank_kv,

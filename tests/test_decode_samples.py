@@ -286,7 +286,7 @@ def test_an_aborted_carrier_brings_the_prompt_through_every_rank(
         decode.incoming.receiver = recorder
         decode.prefill_peers.outboxes = {0: recorder}
         decode.incoming.prefill_ranks = {0: PREFILL_RANK}
-        sender = RankKV(prefill_tp2.engine.runner, True, 2, 2, 30.0)
+        sender = RankKV(prefill_tp2.engine.runner, True, 2, 2, 30.0, "prefill-0")
         sides = [
             (sender, PairLink("127.0.0.1", port, 1, 0, decode_tp), PREFILL_RANK),
             (decode.rank_kv, PairLink("127.0.0.1", port, PREFILL_RANK, 0, 2), 1),

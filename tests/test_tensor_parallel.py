@@ -237,8 +237,8 @@ def _hop(store_port: int, hop: int, source: LLM, target: LLM, slots: tuple) -> d
     bytes landed through the links, by route."""
     room, prefill_id, decode_id = 100 + hop, 2 * hop, 2 * hop + 1
     a, b = (llm.engine.runner for llm in (source, target))
-    sender = RankKV(a, True, 2, source.engine.runner.config.tensor_parallel_size, 30.0)
-    receiver = RankKV(b, False, 2, target.engine.runner.config.tensor_parallel_size, 30.0)
+    sender = RankKV(a, True, 2, source.engine.runner.config.tensor_parallel_size, 30.0, "p")
+    receiver = RankKV(b, False, 2, target.engine.runner.config.tensor_parallel_size, 30.0, "d")
     links = [
         (sender, PairLink("127.0.0.1", store_port, decode_id, 0, receiver.heads.size), prefill_id),
         (receiver, PairLink("127.0.0.1", store_port, prefill_id, 0, sender.heads.size), decode_id),
@@ -295,7 +295,7 @@ def test_kv_heads_that_do_not_land_fail_naming_the_ranks(engines) -> None:
     prefill rank."""
     store, port = create_store_server("127.0.0.1")
     a, b = engines[1].engine.runner, engines[2].engine.runner
-    sender, receiver = RankKV(a, True, 2, 1, 30.0), RankKV(b, False, 2, 2, 30.0)
+    sender, receiver = RankKV(a, True, 2, 1, 30.0, "p"), RankKV(b, False, 2, 2, 30.0, "d")
     links = [
         (sender, PairLink("127.0.0.1", port, 21, 0, 2), 20),
         (receiver, PairLink("127.0.0.1", port, 20, 0, 1), 21),
@@ -318,6 +318,23 @@ def test_kv_heads_that_do_not_land_fail_naming_the_ranks(engines) -> None:
         del store
 
 
+def test_a_failed_pairing_names_the_node_its_side_and_the_peer(engines) -> None:
+    """A peer that never makes its end of the links: the pairing fails after the timeout,
+    naming this node, which end it is, the peer node and the rank."""
+    store, port = create_store_server("127.0.0.1")
+    sender = RankKV(engines[1].engine.runner, True, 2, 1, 1.0, "prefill-0")
+    try:
+        with pytest.raises(RuntimeError) as err:
+            sender.pair([PairLink("127.0.0.1", port, 41, 0, 2, "decode-3")], 40)
+        assert str(err.value).startswith(
+            "prefill-0 (prefill end): opening the KV links with decode-3 failed: "
+            "rank 0: opening its KV links failed: "
+        )
+    finally:
+        sender.forget(41)
+        del store
+
+
 def test_a_ranks_failed_landing_fails_that_transfer_and_the_ranks_serve_on(
     engines, monkeypatch
 ) -> None:
@@ -326,7 +343,7 @@ def test_a_ranks_failed_landing_fails_that_transfer_and_the_ranks_serve_on(
     reaches the status gather: the next transfer lands whole and the engine serves on."""
     store, port = create_store_server("127.0.0.1")
     a, b = engines[1].engine.runner, engines[2].engine.runner
-    sender, receiver = RankKV(a, True, 2, 1, 30.0), RankKV(b, False, 2, 2, 30.0)
+    sender, receiver = RankKV(a, True, 2, 1, 30.0, "p"), RankKV(b, False, 2, 2, 30.0, "d")
     links = [
         (sender, PairLink("127.0.0.1", port, 31, 0, 2), 30),
         (receiver, PairLink("127.0.0.1", port, 30, 0, 1), 31),

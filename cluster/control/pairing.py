@@ -47,6 +47,7 @@ class PairEpochs:
             peer.rank,
             self._epochs.get(_pair(own.rank, peer.rank), 0),
             peer.tp_size,
+            peer.name,
         )
 
     def renew(self, rank: int, peer_rank: int) -> None:
