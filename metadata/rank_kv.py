@@ -141,6 +141,8 @@ class RankKV:
         if not self.uses_links(peer):
             return None
         if slots is not None and peer not in self._open:
+            # Links of a failed re-pairing may remain on some ranks, their receives posted.
+            self.land(peer, room, None)
             return f"the KV links with rank {peer} are not open"
         index = None if slots is None else slot_index(slots)
         order = LinkOrder(Order.LAND_KV, peer, room, len(slots or ()), index, b"", self.timeout_s)

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +35,10 @@ from engine.errors import PdclusterError, TensorParallelError
 from engine.loading.weights import load_hf_config
 from engine.model_config import ModelConfig
 from engine.sampling.grammar import grammar_library_available, json_schema_grammar
+from engine.scheduling.kv_pool import KVPool
 from engine.tensor_parallel.group import RankGroup
+from engine.tensor_parallel.kv_links import KVLinks, LinkPlan, LinkSpec, slot_index
+from engine.tensor_parallel.kv_routes import KVRoute
 from engine.tensor_parallel.layout import (
     TensorParallelLayout,
     check_tensor_parallel,
@@ -316,6 +320,71 @@ def test_kv_heads_that_do_not_land_fail_naming_the_ranks(engines) -> None:
         sender.forget(21)
         receiver.forget(20)
         del store
+
+
+def test_a_landing_refused_as_not_open_drops_the_ranks_receives(engines) -> None:
+    """A re-pairing that failed leaves the peer's earlier links on a rank, whose receives an
+    announcement still posts: refusing the landing drops them rather than leave them posted."""
+    store, port = create_store_server("127.0.0.1")
+    a, b = engines[2].engine.runner, engines[1].engine.runner
+    sender, receiver = RankKV(a, True, 2, 2, 30.0, "p"), RankKV(b, False, 2, 1, 30.0, "d")
+    links = [
+        (sender, PairLink("127.0.0.1", port, 51, 0, 1), 50),
+        (receiver, PairLink("127.0.0.1", port, 50, 0, 2), 51),
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda side: side[0].pair([side[1]], side[2]), links))
+    receiver.timeout_s = 1.0
+    with pytest.raises(RuntimeError, match="opening the KV links"):
+        receiver.pair([PairLink("127.0.0.1", port, 50, 1, 2)], 51)  # its peer never comes
+    slots = b.kv_pool.allocator.allocate(3)
+    try:
+        _, landing = incoming_pools(receiver, 50, 9, [(b.kv_pool, slots)])
+        landing.expect(receiver)
+        assert any(link.receives for link in receiver.links.links[50])
+        assert landing.write(receiver) == "the KV links with rank 50 are not open"
+        assert not any(link.receives for link in receiver.links.links[50])
+    finally:
+        b.kv_pool.allocator.free(slots)
+        sender.forget(51)
+        receiver.forget(50)
+        del store
+
+
+def _open_links(port: int, key: str, timeout_s: float) -> tuple[KVLinks, KVLinks]:
+    """Two ends of one link in this process, its group's timeout `timeout_s`: a prefill node of
+    one rank (holding both KV heads) sends head 1 to rank 1 of a decode node of two."""
+    route = KVRoute(0, 1, 1, 1)
+    ends = [(LinkSpec(11, 0, route, True, key, 1), 0), (LinkSpec(10, 1, route, False, key, 0), 1)]
+
+    def open_end(end: tuple[LinkSpec, int]) -> KVLinks:
+        spec, rank = end
+        links = KVLinks(KVPool(8, 2, 2 if spec.sends else 1, 16, torch.float32, "cpu"))
+        plan = LinkPlan("127.0.0.1", port, timeout_s, None, (spec,))
+        assert links.open(plan, rank) is None
+        return links
+
+    with ThreadPoolExecutor(2) as pool:
+        sender, receiver = pool.map(open_end, ends)
+    return sender, receiver
+
+
+def test_heads_past_their_deadline_fail_without_the_groups_whole_timeout() -> None:
+    """A landing whose deadline has passed (no time left) waits a moment only: a timeout of zero
+    means none of the wait's own to gloo, which waits the link group's instead (the whole
+    transfer timeout, here 10 minutes) for heads that never come."""
+    store, port = create_store_server("127.0.0.1")
+    _, receiver = _open_links(port, "deadline/", 600.0)
+    receiver.expect(10, 4, 3)
+    result: list[str | None] = []
+    waiting = threading.Thread(
+        target=lambda: result.append(receiver.land(10, 4, slot_index([1, 2, 3]), 0.0)),
+        daemon=True,
+    )
+    waiting.start()
+    waiting.join(60.0)  # bounds a wait that would never end; no timing is checked
+    assert result and result[0].startswith("KV heads 1..1 from prefill rank 0 did not land")
+    del store
 
 
 def test_a_failed_pairing_names_the_node_its_side_and_the_peer(engines) -> None:

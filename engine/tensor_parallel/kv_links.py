@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 # A wait that never expires: a gloo wait that times out closes the group's pairs.
 _NO_DEADLINE = timedelta(days=365)
+# The shortest wait for heads past their deadline: a wait of zero is c10d's "no timeout of its
+# own", which waits the link group's timeout (the whole transfer timeout) instead.
+MIN_WAIT_S = 0.001
 
 
 def _tag(room: int) -> int:
@@ -221,7 +224,7 @@ class KVLinks:
             error = receive.error
             if error is None and slots is not None and failure is None:
                 try:
-                    left = max(0.0, deadline - time.monotonic())
+                    left = max(MIN_WAIT_S, deadline - time.monotonic())
                     receive.work.wait(timeout=timedelta(seconds=left))
                 except Exception as err:  # noqa: BLE001 - the link is out of order for good
                     error = link.broken = f"{type(err).__name__}: {err}"
