@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from cluster_helpers import wait_for
 from family_checks import hf_greedy
 from tiny_families import make_tiny_family
 from tiny_models import make_tiny_llama
@@ -366,7 +367,52 @@ def _open_links(port: int, key: str, timeout_s: float) -> tuple[KVLinks, KVLinks
 
     with ThreadPoolExecutor(2) as pool:
         sender, receiver = pool.map(open_end, ends)
+    sender.pool.kv_buffer.copy_(torch.randn_like(sender.pool.kv_buffer))
     return sender, receiver
+
+
+def _head_1(links: KVLinks, slots: list[int]) -> torch.Tensor:
+    return links.pool.kv_buffer[torch.tensor(slots)][:, :, :, 1:2]
+
+
+def test_an_unmatched_send_holds_up_no_other_and_ends_at_the_timeout() -> None:
+    """A send that the decode end never receives stays in flight; later transfers on the same
+    link still land and let go of their buffers as they end, and the unmatched one ends at the
+    link's timeout (10 s here), which breaks the link."""
+    store, port = create_store_server("127.0.0.1")
+    sender, receiver = _open_links(port, "unmatched/", 10.0)
+    sender.send(11, 1, slot_index([1, 2]), 2)  # room 1: never received
+    for room in (2, 3):
+        receiver.expect(10, room, 2)
+        sender.send(11, room, slot_index([room, room + 2]), 2)
+        assert receiver.land(10, room, slot_index([room, room + 2]), 30.0) is None
+    landed = receiver.pool.kv_buffer[torch.tensor([2, 3, 4, 5])]
+    assert torch.equal(landed, _head_1(sender, [2, 3, 4, 5]))
+    assert wait_for(lambda: sender.in_flight(11) == 1)  # room 1's send alone
+    assert wait_for(lambda: sender.in_flight(11) == 0, 60.0)
+    [link] = sender.links[11]
+    assert link.broken is not None
+    sender.forget(11)
+    receiver.forget(10)
+    del store
+
+
+def test_a_room_announced_twice_keeps_its_first_receive_held() -> None:
+    """The first receive of a room announced again is held with its buffer, not replaced
+    while posted: the room's two sends land in order, the second at the landing."""
+    store, port = create_store_server("127.0.0.1")
+    sender, receiver = _open_links(port, "twice/", 30.0)
+    receiver.expect(10, 7, 2)
+    receiver.expect(10, 7, 2)
+    assert receiver.in_flight(10) == 2
+    sender.send(11, 7, slot_index([1, 2]), 2)
+    sender.send(11, 7, slot_index([5, 6]), 2)
+    assert receiver.land(10, 7, slot_index([3, 4]), 30.0) is None
+    assert torch.equal(receiver.pool.kv_buffer[torch.tensor([3, 4])], _head_1(sender, [5, 6]))
+    assert wait_for(lambda: receiver.in_flight(10) == 0 and sender.in_flight(11) == 0)
+    sender.forget(11)
+    receiver.forget(10)
+    del store
 
 
 def test_heads_past_their_deadline_fail_without_the_groups_whole_timeout() -> None:

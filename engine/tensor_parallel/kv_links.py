@@ -13,15 +13,17 @@ fresh tensor when it posts (the prefill node frees the slots when its own part o
 ends, without waiting for the followers'), and a receiving rank lands them in a staging tensor
 that it writes into its pool only when rank 0 says the request is admitted (`land`). So no
 follower ever writes a slot after rank 0 handed it to another request, whatever happens to
-the transfer; a posted operation that is never matched only holds its buffer, until the peer's
-process goes (its sockets close) or the link is re-made."""
+the transfer. The operations that no one waits for (sends, and receives dropped) are each
+waited for by a thread of their own, holding their buffers, and let go as each ends, whatever
+the order: one that is never matched holds only its own buffer, and for the transfer timeout
+at most, after which the link is broken (its pair's transfers fail, and the node is replaced),
+or until the peer's process goes (its sockets close)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import queue
 import threading
 import time
 from collections import Counter
@@ -38,8 +40,6 @@ from engine.tensor_parallel.kv_routes import KVRoute
 
 log = logging.getLogger(__name__)
 
-# A wait that never expires: a gloo wait that times out closes the group's pairs.
-_NO_DEADLINE = timedelta(days=365)
 # The shortest wait for heads past their deadline: a wait of zero is c10d's "no timeout of its
 # own", which waits the link group's timeout (the whole transfer timeout) instead.
 MIN_WAIT_S = 0.001
@@ -94,36 +94,52 @@ class _Receive:
 
 
 class KVLink:
-    """One link: its group, the receives posted on it by room, and a thread that waits for its
-    sends (and for receives no one lands) so that their buffers outlive them."""
+    """One link: its group, the receives posted on it by room, and the operations no one waits
+    for (sends, receives dropped), each waited for by a thread of its own with its buffer, so
+    that the buffer outlives it and an operation never matched holds up no other. A wait ends
+    within `timeout` (the transfer timeout): one that times out breaks the link (gloo closes
+    the group's pairs, which ends every operation on it)."""
 
-    def __init__(self, spec: LinkSpec, group: dist.ProcessGroupGloo) -> None:
+    def __init__(self, spec: LinkSpec, group: dist.ProcessGroupGloo, timeout: timedelta) -> None:
         self.spec = spec
         self.group = group
+        self.timeout = timeout
         self.peer_in_pair = 1 if spec.sends else 0
         self.receives: dict[int, _Receive] = {}
         self.broken: str | None = None
-        self._waits: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._wait_posted, name="kv-link-wait", daemon=True).start()
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Operations handed to `keep_until_done` that have not ended."""
+        with self._lock:
+            return self._in_flight
 
     def keep_until_done(self, work: dist.Work, buffer: torch.Tensor) -> None:
-        self._waits.put((work, buffer))
+        with self._lock:
+            self._in_flight += 1
+        threading.Thread(
+            target=self._wait, args=(work, buffer), name="kv-link-wait", daemon=True
+        ).start()
 
     def close(self) -> None:
+        """Forgotten: its receives still posted are held until they end, as its sends are (the
+        group goes with the last of them)."""
         for receive in self.receives.values():
             if receive.work is not None:
                 self.keep_until_done(receive.work, receive.staging)
         self.receives.clear()
-        self._waits.put(None)
 
-    def _wait_posted(self) -> None:
-        while (item := self._waits.get()) is not None:
-            work, _buffer = item
-            try:
-                work.wait(timeout=_NO_DEADLINE)
-            except Exception as err:  # noqa: BLE001 - the peer went: its node is replaced
-                self.broken = f"{type(err).__name__}: {err}"
-                log.warning("KV link %s: %s", self.spec.key, self.broken)
+    def _wait(self, work: dist.Work, _buffer: torch.Tensor) -> None:
+        try:
+            work.wait(timeout=self.timeout)
+        except Exception as err:  # noqa: BLE001 - the peer went, or never matched it
+            self.broken = f"{type(err).__name__}: {err}"
+            log.warning("KV link %s: %s", self.spec.key, self.broken)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
 
 
 class KVLinks:
@@ -135,6 +151,11 @@ class KVLinks:
         self.links: dict[int, list[KVLink]] = {}
         self.sent: Counter[int] = Counter()
         self.landed: Counter[int] = Counter()
+
+    def in_flight(self, peer: int) -> int:
+        """Operations posted on this rank's links with `peer` that have not ended: receives
+        waiting for their landing, and sends and dropped receives (each holding its buffer)."""
+        return sum(len(link.receives) + link.in_flight for link in self.links.get(peer, []))
 
     def open(self, plan: LinkPlan, rank: int) -> str | None:
         """Open this rank's links of `plan` (replacing any this rank had with their peers),
@@ -161,7 +182,7 @@ class KVLinks:
         for peer in {spec.peer for spec in mine}:
             self.forget(peer)
         for spec, group in zip(mine, groups):
-            self.links.setdefault(spec.peer, []).append(KVLink(spec, group))
+            self.links.setdefault(spec.peer, []).append(KVLink(spec, group, timeout))
         return None
 
     def forget(self, peer: int) -> None:
@@ -199,6 +220,10 @@ class KVLinks:
         for link in self.links.get(peer, []):
             if link.spec.sends:
                 continue
+            earlier = link.receives.pop(room, None)
+            if earlier is not None and earlier.work is not None:
+                # The room announced again: the receive posted first still holds its buffer.
+                link.keep_until_done(earlier.work, earlier.staging)
             staging = torch.empty(self._shape(link.spec.route, num_tokens), dtype=self.pool.dtype)
             receive = _Receive(staging, None)
             try:
