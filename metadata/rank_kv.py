@@ -109,6 +109,10 @@ class RankKV:
             specs.append(LinkSpec(link.peer_rank, rank, route, self.sends, key, local_first))
         return specs
 
+    def is_open(self, peer: int) -> bool:
+        """Whether every rank has its links with `peer` open."""
+        return peer in self._open
+
     def uses_links(self, peer: int) -> bool:
         """Whether transfers with `peer` cross more than the node channel."""
         return any(not route.on_node_channel for route in self.routes.get(peer, ()))

@@ -107,7 +107,12 @@ class ServingNode:
         channel = self._open_pair(link)
         self._channel.attach(link.peer_rank, channel)
         open_channels(self._channel, [link.peer_rank], self._timeout_s)
-        self._on_serving_thread(lambda: repair_rank_kv(self.rank_kv, link, self.rank))
+        # The opening waits up to the transfer timeout for the peer's ends, after whatever
+        # step the serving thread runs: the repair returns once the links are open (or failed).
+        self._on_serving_thread(
+            lambda: repair_rank_kv(self.rank_kv, link, self.rank),
+            PEER_LOST_WAIT_S + self._timeout_s,
+        )
 
     def peer_lost(self, index: int, rank: int, reason: str) -> None:
         """(Ray call) The peer node `index` (data-plane rank `rank`) is dead: every request
@@ -129,9 +134,9 @@ class ServingNode:
         prefill node's), and close its socket. Returns once the serving thread has done so."""
         self._on_serving_thread(lambda: self._drop_frontend(frontend))
 
-    def _on_serving_thread(self, work: Callable[[], None]) -> None:
+    def _on_serving_thread(self, work: Callable[[], None], wait_s: float | None = None) -> None:
         """Run `work` on the serving thread, which owns the engine and sockets, and wait for it
-        (up to PEER_LOST_WAIT_S while a long step runs)."""
+        (up to `wait_s`, by default PEER_LOST_WAIT_S while a long step runs)."""
         done = threading.Event()
 
         def run() -> None:
@@ -142,7 +147,7 @@ class ServingNode:
 
         self._events.put(run)
         if self._thread is not None and self._thread.is_alive():
-            done.wait(PEER_LOST_WAIT_S)
+            done.wait(PEER_LOST_WAIT_S if wait_s is None else wait_s)
 
     def _open_pair(self, link: PairLink):
         return open_pair_channel(
