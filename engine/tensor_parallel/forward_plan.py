@@ -130,7 +130,7 @@ def run_announced(runner: ModelRunner, announced: Announced, links: KVLinks) -> 
             run_link_order(links, order, group.rank)
         except Exception:  # noqa: BLE001 - rank 0 waits for no status: the rank keeps serving
             # What did not happen shows where the order's transfer lands (its heads fail).
-            log.exception("rank %d: link order %s failed", group.rank, order.kind)
+            log.exception("rank %d: link order %s failed", group.rank, Order(order.kind).name)
         return
     assert announced.batch is not None
     if announced.order == Order.FORWARD:
