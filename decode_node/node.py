@@ -3,25 +3,23 @@ prompt's KV and metadata row, then generates and streams tokens to the router.
 
 Life of a request here: GenerateRequest -> prealloc queue (waits while KV or metadata rows are
 short: backpressure) -> slots for the prompt and the first decode step taken (`first_step_slots`;
-past the prefix its prefix cache holds, a conversation's earlier turns: decode_node.reuse)
--> PrefillRequest sent -> TransferAnnounce (sent when the prefill batch is admitted) -> receive
-posted in announcement order, while the prefill runs -> PrefillResult (the first token's top
-logprobs and the prefill timeline, or the prefill's error) -> landed (room tag checked) -> first
-token streamed, request joins the running batch -> decode steps, its KV (the target's and each
-draft depth's) growing step by step -> finished, slots freed (their KV kept in the cache until
-the pool needs room). A transfer is settled once it
-ended and its PrefillResult came (both normally come together: the result is sent before the
-KV); a result that reports an error fails the request at once, and its slots are freed when the
-(void) transfer ends.
+past the prefix its prefix cache holds, a conversation's earlier turns: decode_node.reuse) ->
+PrefillRequest sent -> TransferAnnounce (sent when the prefill batch is admitted) -> receive posted
+in announcement order, while the prefill runs -> PrefillResult (the first token's top logprobs and
+the prefill timeline, or the prefill's error) -> landed (room tag checked) -> first token streamed,
+request joins the running batch -> decode steps, its KV (the target's and each draft depth's)
+growing step by step -> finished, slots freed (their KV kept in the cache until the pool needs
+room). A transfer is settled once it ended and its PrefillResult came (both normally come together:
+the result is sent before the KV); a result that reports an error fails the request at once, and its
+slots are freed when the (void) transfer ends.
 
-When the pool runs short mid-decode, the engine's scheduler retracts running requests (the rule
-is engine.scheduling.scheduler.retraction_victim's): a retracted request waits in the engine's
-queue, ahead of new preallocations, and runs again here as a prefill of prompt + output so far (this
-node holds the full model), its draft state rebuilt by the draft extend for prefill, its output
-unchanged.
+When the pool runs short mid-decode, the engine's scheduler retracts running requests (the rule is
+engine.scheduling.scheduler.retraction_victim's): a retracted request waits in the engine's queue,
+ahead of new preallocations, and runs again as a prefill of prompt + output so far (the node holds
+the whole model), its draft state rebuilt by the draft extend for prefill, its output unchanged.
 
-Parallel samples of one prompt (`GenerateRequest.samples`) share one prefill and one transfer
-of the prompt's KV, in forked slots (decode_node.samples)."""
+Parallel samples of one prompt (`GenerateRequest.samples`) share one prefill and one transfer of the
+prompt's KV, in forked slots (decode_node.samples)."""
 
 from __future__ import annotations
 
