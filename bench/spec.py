@@ -55,6 +55,8 @@ from engine.cpu_tuning import keep_large_allocations_in_heap  # noqa: E402
 from engine.request import spec_totals  # noqa: E402
 from spec.default_draft import default_draft_path  # noqa: E402
 from spec.draft_model import MultiLayerEagleDraft, save_draft  # noqa: E402
+from spec.runtime.round_costs import StepCosts  # noqa: E402
+from spec.runtime.round_plan import PlanPolicy  # noqa: E402
 from spec.train.prompts import heldout_prompts  # noqa: E402
 
 
@@ -162,6 +164,15 @@ def main(argv: list[str] | None = None) -> None:
         default=["always"],
         help="one speculative engine per value: a round at every step, or where it pays",
     )
+    parser.add_argument(
+        "--given-costs",
+        type=float,
+        nargs=2,
+        metavar=("PLAIN_MS", "ROUND_MS"),
+        help="adaptive engines weigh these costs of a plain step and a round (at every batch "
+        "size) instead of measuring them: another device's, to see what the plan decides "
+        "with them and the accept length this host's rounds learn",
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
@@ -184,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
+    if args.given_costs is not None and min(args.given_costs) <= 0:
+        parser.error("--given-costs must be positive")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if args.requests is not None and args.requests < 1:
@@ -293,12 +306,19 @@ def build_engines(
                 speculative_plan=plan,
                 **shape,
             )
+            if plan == "adaptive" and args.given_costs is not None:
+                plain_ms, round_ms = args.given_costs
+                llm.engine.speculator.set_plan_policy(
+                    PlanPolicy("adaptive"), StepCosts.fixed(plain_ms / 1e3, round_ms / 1e3)
+                )
             speculative.append(llm)
             label = name + _vocab_name(llm, vocab) if len(vocabs) > 1 else name
             if len(steps) > 1:
                 label += f", {llm.engine.speculator.num_draft_steps} steps"
             if len(plans) > 1:
                 label += f", {plan} plan"
+            if plan == "adaptive" and args.given_costs is not None:
+                label += ", given costs {:g} / {:g} ms".format(*args.given_costs)
             names.append(label)
     return plain, speculative, names
 

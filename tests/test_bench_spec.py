@@ -118,3 +118,25 @@ def test_the_round_plans_are_compared_side_by_side(capsys) -> None:
     assert always[-4].startswith("- / ")
     assert all(float(ms) > 0 for ms in always[-4].split(" / ")[1:])
     assert always[-1] == adaptive[-1] == "yes |"
+
+
+def test_given_costs_replace_what_adaptive_engines_measure(monkeypatch, capsys) -> None:
+    """--given-costs: the adaptive engine weighs another device's costs (here a round at 1.5
+    plain steps) at every batch size, and its row says so; the always engine is untouched."""
+    built = []
+    build = spec_bench.build_engines
+
+    def recording(*args, **kwargs):
+        plain, speculative, names = build(*args, **kwargs)
+        built.extend(zip(speculative, names))
+        return plain, speculative, names
+
+    monkeypatch.setattr(spec_bench, "build_engines", recording)
+    plans = ["--speculative-plan", "always", "adaptive", "--given-costs", "2", "3"]
+    spec_bench.main(ARGS + plans)
+    (always, always_name), (adaptive, adaptive_name) = built
+    assert adaptive.engine.speculator.costs.measured(64) == (0.002, 0.003)
+    assert always.engine.speculator.costs.measured(64) == (None, None)
+    assert adaptive_name.endswith("adaptive plan, given costs 2 / 3 ms")
+    assert "given costs" not in always_name
+    assert "given costs 2 / 3 ms" in capsys.readouterr().out
