@@ -86,7 +86,8 @@ class LLM:
         engine runs; spec/runtime/round_plan.py), "always" at every step; at
         `speculative_disable_batch_size` running requests or more, every step is plain.
         `debug_tensor_dump_dir` dumps every forward pass (engine/executor/debug_dump.py) under
-        DIR/offline/<target|draft-N>/rank0/, keeping only `debug_tensor_dump_layers` if given.
+        DIR/offline/<target|draft-N>/rank<r>/ (r: the tensor parallel rank), keeping only
+        `debug_tensor_dump_layers` if given.
         Prompts longer than `chunked_prefill_size` tokens are prefilled in chunks of it, in or
         between decode steps of the running requests (0: in one step; default 2048 on a CPU,
         4096 on a GPU).

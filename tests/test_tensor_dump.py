@@ -5,6 +5,7 @@ spec_hidden_size wide; a speculative disaggregated run leaves disjoint trees on 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from pathlib import Path
 
@@ -201,3 +202,32 @@ def test_disaggregated_speculative_run_leaves_disjoint_trees(folders, tmp_path):
     prompt_tokens = sorted(t for r in prefill["target"] for t in r["input_ids"].tolist())
     assert prompt_tokens == sorted(t for p in PROMPTS for t in p)
     assert all(r["extend_lens"].max() <= K + 1 for r in decode["target"])
+
+
+def test_each_tensor_parallel_rank_dumps_its_own_shard(tmp_path):
+    """Two ranks: each dumps its target's forwards into its own folder (rank0, rank1), the
+    same passes with the same inputs; a column-parallel projection holds half the columns
+    on each rank, and what the final norm reads (all-reduced) is the same on both."""
+    from tiny_models import make_tiny_llama
+
+    model = tmp_path / "model"
+    make_tiny_llama(model, seed=3, vocab_size=322)
+    dump = tmp_path / "dump"
+    llm = LLM(str(model), device="cpu", tensor_parallel_size=2, debug_tensor_dump_dir=dump)
+    try:
+        llm.generate([[5, 17, 99, 5]], SamplingParams(max_tokens=3, temperature=0.0))
+    finally:
+        llm.close()
+    ranks = [dump / "offline" / "target" / f"rank{r}" for r in (0, 1)]
+    files = [sorted(folder.glob("forward_*.pt")) for folder in ranks]
+    assert files[0] and [f.name for f in files[0]] == [f.name for f in files[1]]
+    first = [torch.load(f[0], weights_only=True) for f in files]
+    assert torch.equal(first[0]["input_ids"], first[1]["input_ids"])
+    outputs = [dump["outputs"] for dump in first]
+    assert outputs[0].keys() == outputs[1].keys()
+    gate_up = next(name for name in outputs[0] if name.endswith("layers.0.mlp.gate_up_proj"))
+    width = json.loads((model / "config.json").read_text())["intermediate_size"]
+    # Whole, gate and up are 2 x width wide: each rank holds half of each.
+    assert outputs[0][gate_up].shape[-1] == outputs[1][gate_up].shape[-1] == width
+    norm = next(name for name in outputs[0] if name.endswith("norm") and "layers" not in name)
+    torch.testing.assert_close(outputs[0][norm], outputs[1][norm])

@@ -1,7 +1,7 @@
 """`--debug-tensor-dump-dir`: every module's output, one file per forward pass, for debugging.
 
-Each writer (one node, one role: the target or one draft depth) owns one folder,
-`DIR/<node>/<role>/rank0/`, and numbers its files with its own forward counter
+Each writer (one node, one role: the target or one draft depth, one tensor parallel rank) owns
+one folder, `DIR/<node>/<role>/rank<r>/`, and numbers its files with its own forward counter
 (`forward_000042.pt`), so no two writers ever share a path. A file is a dict of CPU tensors,
 written with `torch.save` and readable with `torch.load(path, weights_only=True)`:
 
@@ -42,16 +42,17 @@ def draft_role(depth: int) -> str:
 
 @dataclass(frozen=True)
 class TensorDumpConfig:
-    """Where one engine instance dumps (`root`/`node`/<role>/rank0) and which target decoder
-    layers it keeps (None: all)."""
+    """Where one engine instance dumps (`root`/`node`/<role>/rank<rank>) and which target
+    decoder layers it keeps (None: all). A tensor parallel rank dumps its own shard's
+    activations into its own folder (the draft runs on rank 0 alone)."""
 
     root: str
     node: str
     layers: tuple[int, ...] | None = None
+    rank: int = 0
 
     def folder(self, role: str) -> Path:
-        # rank0: the engine runs each model on one device; tensor parallel ranks would add more.
-        return Path(self.root) / self.node / role / "rank0"
+        return Path(self.root) / self.node / role / f"rank{self.rank}"
 
     def keeps(self, module_name: str) -> bool:
         match = _LAYER_INDEX.search(module_name)

@@ -101,8 +101,9 @@ class EngineArgs:
     # At this many running requests or more, every decode step is plain; None: no such size.
     speculative_disable_batch_size: int | None = None
     # Debugging (engine/executor/debug_dump.py): every module's output per forward pass, under
-    # DIR/<node>/<target|draft-N>/rank0/. Give an absolute path to a cluster: each node resolves
-    # a relative one in its own working directory. Layers: the target decoder layers kept.
+    # DIR/<node>/<target|draft-N>/rank<r>/ (r: the tensor parallel rank). Give an absolute path
+    # to a cluster: each node resolves a relative one in its own working directory. Layers: the
+    # target decoder layers kept.
     debug_tensor_dump_dir: str | None = None
     debug_tensor_dump_layers: tuple[int, ...] | None = None
     # Ranks the model is split over, one process each (engine/tensor_parallel/, CPU only).

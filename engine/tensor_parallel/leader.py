@@ -183,13 +183,12 @@ def start_tensor_parallel(
     size = engine_config.tensor_parallel_size
     layout = TensorParallelLayout.of(model_config, size)
     store = host_store(size)
-    # Only rank 0 dumps tensors: the followers' forwards are its own.
-    follower_config = dataclasses.replace(engine_config, tensor_dump=None)
+    configs = {rank: _rank_config(engine_config, rank) for rank in range(1, size)}
     context = mp.get_context("spawn")
     processes = [
         context.Process(
             target=follow,
-            args=(RankStart(rank, size, store.port, model_path, model_config, follower_config),),
+            args=(RankStart(rank, size, store.port, model_path, model_config, configs[rank]),),
             name=f"pdcluster-tp-rank{rank}",
             daemon=True,
         )
@@ -229,3 +228,11 @@ def _wait_until_joined(store: dist.TCPStore, processes: list[BaseProcess]) -> No
                     "before joining"
                 )
             process.join(timeout=JOIN_POLL_S)
+
+
+def _rank_config(engine_config: EngineConfig, rank: int) -> EngineConfig:
+    """A follower's engine config: rank 0's, its tensor dump (if any) in a folder of its own."""
+    dump = engine_config.tensor_dump
+    if dump is None:
+        return engine_config
+    return dataclasses.replace(engine_config, tensor_dump=dataclasses.replace(dump, rank=rank))
