@@ -294,19 +294,32 @@ def test_kv_heads_cross_per_rank_between_engines_of_any_sizes(engines) -> None:
         del store
 
 
+def _paired(
+    port: int, engines: dict, sizes: tuple[int, int], ranks: tuple[int, int]
+) -> tuple[RankKV, RankKV]:
+    """The RankKV of a prefill engine of `sizes[0]` ranks and a decode engine of `sizes[1]`
+    (two KV heads), their KV links open over the store at `port`; `ranks`: the prefill and
+    decode ends' data-plane ranks."""
+    (p_size, d_size), (p_rank, d_rank) = sizes, ranks
+    a, b = engines[p_size].engine.runner, engines[d_size].engine.runner
+    sender = RankKV(a, True, 2, p_size, 30.0, "p")
+    receiver = RankKV(b, False, 2, d_size, 30.0, "d")
+    links = [
+        (sender, PairLink("127.0.0.1", port, d_rank, 0, d_size), p_rank),
+        (receiver, PairLink("127.0.0.1", port, p_rank, 0, p_size), d_rank),
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda side: side[0].pair([side[1]], side[2]), links))
+    return sender, receiver
+
+
 def test_kv_heads_that_do_not_land_fail_naming_the_ranks(engines) -> None:
     """A prefill end that never sends the heads of a transfer: the decode rank's wait for them
     ends at the deadline, and the landing fails naming the decode rank, the heads and the
     prefill rank."""
     store, port = create_store_server("127.0.0.1")
-    a, b = engines[1].engine.runner, engines[2].engine.runner
-    sender, receiver = RankKV(a, True, 2, 1, 30.0, "p"), RankKV(b, False, 2, 2, 30.0, "d")
-    links = [
-        (sender, PairLink("127.0.0.1", port, 21, 0, 2), 20),
-        (receiver, PairLink("127.0.0.1", port, 20, 0, 1), 21),
-    ]
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda side: side[0].pair([side[1]], side[2]), links))
+    b = engines[2].engine.runner
+    sender, receiver = _paired(port, engines, (1, 2), (20, 21))
     receiver.timeout_s = 1.0
     slots = b.kv_pool.allocator.allocate(3)
     try:
@@ -327,14 +340,8 @@ def test_a_landing_refused_as_not_open_drops_the_ranks_receives(engines) -> None
     """A re-pairing that failed leaves the peer's earlier links on a rank, whose receives an
     announcement still posts: refusing the landing drops them rather than leave them posted."""
     store, port = create_store_server("127.0.0.1")
-    a, b = engines[2].engine.runner, engines[1].engine.runner
-    sender, receiver = RankKV(a, True, 2, 2, 30.0, "p"), RankKV(b, False, 2, 1, 30.0, "d")
-    links = [
-        (sender, PairLink("127.0.0.1", port, 51, 0, 1), 50),
-        (receiver, PairLink("127.0.0.1", port, 50, 0, 2), 51),
-    ]
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda side: side[0].pair([side[1]], side[2]), links))
+    b = engines[1].engine.runner
+    sender, receiver = _paired(port, engines, (2, 1), (50, 51))
     receiver.timeout_s = 1.0
     with pytest.raises(RuntimeError, match="opening the KV links"):
         receiver.pair([PairLink("127.0.0.1", port, 50, 1, 2)], 51)  # its peer never comes
@@ -458,13 +465,7 @@ def test_a_ranks_failed_landing_fails_that_transfer_and_the_ranks_serve_on(
     reaches the status gather: the next transfer lands whole and the engine serves on."""
     store, port = create_store_server("127.0.0.1")
     a, b = engines[1].engine.runner, engines[2].engine.runner
-    sender, receiver = RankKV(a, True, 2, 1, 30.0, "p"), RankKV(b, False, 2, 2, 30.0, "d")
-    links = [
-        (sender, PairLink("127.0.0.1", port, 31, 0, 2), 30),
-        (receiver, PairLink("127.0.0.1", port, 30, 0, 1), 31),
-    ]
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda side: side[0].pair([side[1]], side[2]), links))
+    sender, receiver = _paired(port, engines, (1, 2), (30, 31))
     n = 3
     source, slots = a.kv_pool.allocator.allocate(n), b.kv_pool.allocator.allocate(n)
 
