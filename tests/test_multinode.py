@@ -22,6 +22,7 @@ from tiny_models import make_tiny_llama
 from cluster.client import Client
 from cluster.deploy.config import ClusterConfig
 from cluster.deploy.launcher import Cluster, ClusterStartError, init_ray
+from cluster.deploy.node_factory import node_resources
 from cluster.deploy.placement import role_demands, shortfall
 from cluster.frontend.openai_api import BackgroundServer, create_app
 from engine import LLM, SamplingParams
@@ -198,6 +199,27 @@ def test_bundles_ask_for_a_role_resource_only_where_the_cluster_declares_it():
         {"CPU": 0.01},
     ]
     assert "GPU=2" in shortfall(role_demands(config, True, {"GPU": 2}), {"GPU": 2})
+
+
+def test_a_nodes_bundle_holds_all_its_tensor_parallel_ranks():
+    """A node of N ranks asks for N ranks' resources in its one bundle (one host): a GPU and
+    a core each on GPU, a sliver each on CPU; its actor asks for the same."""
+    config = ClusterConfig(prefill_nodes=1, decode_nodes=2, prefill_tp=4, decode_tp=2)
+    gpus = {"GPU": 8.0, "CPU": 64.0}
+    assert [(d.role, d.count, d.bundle) for d in role_demands(config, True, gpus)] == [
+        ("prefill", 1, {"GPU": 4, "CPU": 4}),
+        ("decode", 2, {"GPU": 2, "CPU": 2}),
+    ]
+    assert shortfall(role_demands(config, True, gpus), gpus) is None
+    assert "GPU=7" in shortfall(role_demands(config, True, {**gpus, "GPU": 7}), {"GPU": 7})
+    assert [d.bundle for d in role_demands(config, False, {"CPU": 2})] == [
+        {"CPU": 0.04},
+        {"CPU": 0.02},
+    ]
+    replicas = ClusterConfig(aggregated=True, replicas=2, engine=EngineArgs(tensor_parallel_size=2))
+    [demand] = role_demands(replicas, True, gpus)
+    assert (demand.count, demand.bundle) == (2, {"GPU": 2, "CPU": 2})
+    assert node_resources(config, "decode", True) == {"GPU": 2, "CPU": 2}
 
 
 def test_pdcluster_serve_joins_the_cluster_and_stops_on_sigint(ray_cluster, tiny_model, tmp_path):

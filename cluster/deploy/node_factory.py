@@ -17,6 +17,18 @@ from metadata.node_common import NodeOptions
 CPU_NODE_SHARE = 0.01
 
 
+def node_resources(config: ClusterConfig, role: str, on_gpu: bool) -> dict[str, float]:
+    """What one node of `role` asks Ray for, its tensor parallel ranks' included: a GPU (or
+    the share `gpus_per_node`) and a core a rank on GPU, a sliver a rank on CPU. One bundle
+    holds them, so the ranks land on one host together."""
+    ranks = config.tensor_parallel_size(role)
+    share = config.gpus_per_node * ranks
+    gpus = int(share) if float(share).is_integer() else share  # a whole GPU reads "1"
+    if on_gpu:
+        return {"GPU": gpus, "CPU": ranks}
+    return {"CPU": CPU_NODE_SHARE * ranks}
+
+
 @dataclass
 class NodeFactory:
     config: ClusterConfig
@@ -64,11 +76,12 @@ class NodeFactory:
             stream_worker=on_gpu if config.stream_worker is None else config.stream_worker,
             control_key=self.control_key,
         )
+        resources = node_resources(config, role, on_gpu)
         return (
             ray.remote(_node_class(role))
             .options(
-                num_gpus=config.gpus_per_node if on_gpu else 0,
-                num_cpus=1 if on_gpu else CPU_NODE_SHARE,
+                num_gpus=resources.get("GPU", 0),
+                num_cpus=resources["CPU"],
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement, placement_group_bundle_index=self.bundle(role, index)
                 ),

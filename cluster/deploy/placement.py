@@ -1,6 +1,6 @@
-"""Where a cluster's nodes go on Ray: what each role asks for (a GPU each, or a share of one; a
-role's custom resource where the Ray cluster declares one), whether the cluster can ever hold
-it, waiting for workers still joining, and the placement group of one bundle per node."""
+"""Where a cluster's nodes go on Ray: what each role asks for (a GPU a tensor parallel rank, or a
+share of one; a role's custom resource where the Ray cluster declares one), whether the cluster can
+ever hold it, waiting for workers still joining, and the placement group of one bundle per node."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from cluster.deploy.config import ClusterConfig
-from cluster.deploy.node_factory import CPU_NODE_SHARE
+from cluster.deploy.node_factory import node_resources
 from engine.errors import PdclusterError
 
 log = logging.getLogger(__name__)
@@ -49,17 +49,15 @@ def describe_nodes(config: ClusterConfig) -> str:
 def role_demands(
     config: ClusterConfig, on_gpu: bool, cluster_resources: dict[str, float]
 ) -> list[RoleDemand]:
-    share = config.gpus_per_node
-    gpus = int(share) if float(share).is_integer() else share  # a whole GPU reads "1"
-    base = {"GPU": gpus, "CPU": 1} if on_gpu else {"CPU": CPU_NODE_SHARE}
     if config.aggregated:
         # A replica is both roles: it asks for no role's resource.
-        return [RoleDemand("replica", config.replicas, base)]
+        return [RoleDemand("replica", config.replicas, node_resources(config, "replica", on_gpu))]
     demands = []
     for role, count, resource in (
         ("prefill", config.prefill_nodes, config.prefill_resource),
         ("decode", config.decode_nodes, config.decode_resource),
     ):
+        base = node_resources(config, role, on_gpu)
         declared = bool(resource) and cluster_resources.get(resource, 0) > 0
         demands.append(RoleDemand(role, count, {resource: 1, **base} if declared else base))
     return demands
