@@ -52,7 +52,7 @@ PROBE_NEAR_EVERY = 64
 # Positions a request's draft may be behind, on average over the batch, for a step to calibrate
 # or probe rounds: catching up runs every depth over all of them, too dear to spend on a
 # measurement beyond the steps between two probes near break-even.
-CALIBRATION_CATCH_UP = 64
+CALIBRATION_CATCH_UP = PROBE_NEAR_EVERY
 
 
 @dataclass(frozen=True)
