@@ -81,6 +81,7 @@ class AggregatedNode(ServingNode):
             "spec_plans": self.engine.plan_counts(),
             "control_rejected": self.inbox.rejected,
             **self._health_stats(),
+            **self._loop_stats(self.engine),
         }
 
     def kv_is_empty(self) -> bool:
@@ -93,11 +94,14 @@ class AggregatedNode(ServingNode):
             while not self._stop.is_set():
                 self._housekeeping()
                 busy = self.engine.has_work()
-                for msg in self.inbox.receive(0 if busy else IDLE_POLL_MS):
+                for msg in self._receive(0 if busy else IDLE_POLL_MS):
                     self._handle(msg)
+                self.loop_clock.lap("other")
                 if self.engine.has_work():
                     self._step()
+                self.loop_clock.lap("engine")
                 self.streams.flush()
+                self.loop_clock.lap("streams")
                 allocator = self.engine.runner.kv_pool.allocator
                 self.load_reports.tick(
                     len(self.rooms), self.kv_cache.num_used_slots, allocator.capacity

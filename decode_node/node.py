@@ -48,12 +48,7 @@ from metadata.messages import (
     TransferAbandoned,
     TransferAnnounce,
 )
-from metadata.node_common import (
-    NodeOptions,
-    metadata_buffers,
-    start_node_process,
-    transfer_spec,
-)
+from metadata.node_common import NodeOptions, metadata_buffers, start_node_process, transfer_spec
 from metadata.node_metrics import Activity, ActivityLog, SpeculationTotals
 from metadata.pair_group import PairLink
 from metadata.rank_kv import RankKV
@@ -139,6 +134,7 @@ class DecodeNode(ServingNode):
             "transfers": self.incoming.totals.as_dict(),
             "control_rejected": self.inbox.rejected,
             **self._health_stats(),
+            **self._loop_stats(self.engine),
         }
 
     def _num_waiting_for_kv(self) -> int:
@@ -153,13 +149,16 @@ class DecodeNode(ServingNode):
         try:
             while not self._stop.is_set():
                 self._housekeeping()
-                for msg in self.inbox.receive(self._poll_timeout_ms()):
+                for msg in self._receive(self._poll_timeout_ms()):
                     self._handle(msg)
                 self._preallocate()
                 self._land_transfers()
+                self.loop_clock.lap("other")
                 if self.engine.has_work():
                     self._step()
+                self.loop_clock.lap("engine")
                 self.streams.flush()
+                self.loop_clock.lap("streams")
                 kv_cache = self.kv_cache
                 self.load_reports.tick(len(self.rooms), kv_cache.num_used_slots, kv_cache.capacity)
                 self.activity_log.tick(self._activity)

@@ -13,12 +13,11 @@ apart (a verify step is not mixed), and so does a prefill node, which runs no de
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
 from engine.engine_hooks import PrefillHandoff, Speculator
 from engine.executor.model_runner import ModelRunner
 from engine.executor.overlap import OverlapDecoder, overlappable
@@ -29,13 +28,13 @@ from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.step_sampling import decode_plainly, sample_next_tokens, sample_overlapped
 from engine.sampling.stopping import StopChecker
 from engine.scheduling.kv_cache import KVCacheManager
-from engine.scheduling.prefix_cache import PrefixCache
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler
+from engine.scheduling.step_setup import make_prefix_cache, mixed_step_tokens
 from engine.speculative_steps import SpeculativeSteps
+from engine.step_counts import StepCounts
 from engine.tracing import RequestTrace, set_prefill_end, set_time, set_time_batch
 from engine.validation import validate_request
 
-log = logging.getLogger(__name__)
 # How long a step with nothing to run waits for a grammar still compiling.
 GRAMMAR_WAIT_S = 0.01
 
@@ -112,6 +111,7 @@ class EngineCore:
         # Tokens that prefill forwards ran (chunks and re-prefills included; a prompt that
         # parallel samples share counts once).
         self.prefill_tokens = 0
+        self.steps = StepCounts()  # forward steps by kind (engine.step_counts)
         # Requests whose grammar is still compiling: they join the scheduler once it is done,
         # so that compiling a new schema never holds up the running batch.
         self.compiling: list[Request] = []
@@ -222,13 +222,21 @@ class EngineCore:
                 return failed + finished + self._fail(list(self.scheduler.running), "decode", err)
             if finished is not None:
                 return failed + finished
+            self.steps.drains += 1
             failed += self.overlap.flush()
         batch = self.scheduler.schedule()
         if batch is None:
             if self.compiling and not failed:
                 self.compiling[0].grammar.wait(GRAMMAR_WAIT_S)  # type: ignore[union-attr]
             return failed
+        self.steps.count(batch)
         return failed + self._run(batch)
+
+    def step_counts(self) -> StepCounts:
+        """The forward steps run so far, by kind (engine.step_counts), those that overlap
+        scheduling launched ahead among the decode steps."""
+        overlapped = 0 if self.overlap is None else self.overlap.num_overlapped_steps
+        return dataclasses.replace(self.steps, decode=self.steps.decode + overlapped)
 
     def _admit_compiled(self) -> list[Request]:
         """Hand the requests whose grammar compiled to the scheduler; end those whose grammar
@@ -372,29 +380,3 @@ class EngineCore:
             prompt_embeds=prompt_embeds,
         )
 
-
-def make_prefix_cache(
-    config: EngineConfig, speculator: Speculator | None, wanted: bool
-) -> PrefixCache | None:
-    """The engine's prefix cache, or None. A speculating engine needs its speculator to cache
-    the draft depths' KV beside the target's (`Speculator.prefix_companion`): a hit needs every
-    depth's KV of the prefix too."""
-    if not (config.enable_prefix_cache and wanted):
-        return None
-    if speculator is not None and speculator.prefix_companion() is None:
-        log.info("prefix cache off: this engine's speculator cannot cache its draft KV")
-        return None
-    return PrefixCache()
-
-
-def mixed_step_tokens(config: EngineConfig) -> int | None:
-    """The most tokens a mixed step may run (engine.scheduling.scheduler): where decode steps replay
-    CUDA graphs, only a step that a prefill graph replays (0 where none is captured); elsewhere
-    max_prefill_tokens alone bounds it (None). On a GPU an eager forward costs 13 to 16 ms of host
-    dispatch whatever its size, a graph-run decode step about 2: mixed at every admission, 1,024
-    prompts through 256 seats (random SmolLM2-135M weights, H100) ran 170 eager mixed steps where
-    separate steps ran 88 eager prefill steps, each admitting twice as many prompts. A step too
-    large for a graph keeps what it was, a prefill step."""
-    if not config.cuda_graph_max_bs:
-        return None
-    return config.cuda_graph_max_prefill_tokens

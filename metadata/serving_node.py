@@ -21,6 +21,7 @@ from metadata.buffers import MetadataBuffers
 from metadata.control import Inbox
 from metadata.faults import FaultInjector
 from metadata.kv_audit import KVAudit, PoolCount, Quarantine
+from metadata.loop_clock import LoopClock
 from metadata.node_common import NodeOptions, open_channels, transfer_spec
 from metadata.pair_group import PairLink, open_pair_channel
 from metadata.rank_kv import RankKV, repair_rank_kv
@@ -77,8 +78,22 @@ class ServingNode:
         self.faults = FaultInjector(options.name)
         self.quarantine = Quarantine()
         self.kv_audit = KVAudit(options.name, options.kv_audit_interval_s)
+        self.loop_clock = LoopClock()
         # Work that Ray calls hand to the serving thread, which owns the engine and sockets.
         self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+
+    def _receive(self, timeout_ms: int) -> list[Any]:
+        """The inbox's messages, waiting up to `timeout_ms` for one; the loop's clock charges
+        the time until now to "other" and the receive to "waiting" (metadata.loop_clock)."""
+        self.loop_clock.lap("other")
+        messages = self.inbox.receive(timeout_ms)
+        self.loop_clock.lap("waiting")
+        return messages
+
+    def _loop_stats(self, engine: Any) -> dict:
+        """For stats(): where the serving thread's time went, and `engine`'s forward steps by
+        kind (engine.step_counts)."""
+        return {"loop_seconds": self.loop_clock.stats(), "steps": engine.step_counts().as_dict()}
 
     def describe(self) -> dict:
         spec = transfer_spec(self.spec, self.num_draft_steps)

@@ -151,6 +151,7 @@ class PrefillNode(ServingNode):
             "transfers": self.outgoing.totals.as_dict(),
             "control_rejected": self.inbox.rejected,
             **self._health_stats(),
+            **self._loop_stats(self.engine),
         }
 
     def _open_channel(self) -> KVSender:
@@ -162,12 +163,14 @@ class PrefillNode(ServingNode):
             while not self._stop.is_set():
                 self._housekeeping()
                 busy = bool(self.waiting or self.prefilling)
-                for msg in self.inbox.receive(poll_timeout_ms(busy, bool(self.outgoing.sending))):
+                for msg in self._receive(poll_timeout_ms(busy, bool(self.outgoing.sending))):
                     self._handle(msg)
                 self.outgoing.finish()
                 self._feed()
+                self.loop_clock.lap("other")
                 if self.engine.has_work():
                     self.engine.step()
+                self.loop_clock.lap("engine")
                 allocator = self.runner.kv_pool.allocator
                 requests = self._num_waiting() + len(self.prefilling) + len(self.outgoing.sending)
                 self.load_reports.tick(requests, self.kv_cache.num_used_slots, allocator.capacity)

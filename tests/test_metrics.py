@@ -240,6 +240,14 @@ def test_speculative_cluster_reports_accept_length_and_acceptance_per_position(t
     assert all(p.labels["kind"] == plan.partition("/")[0] for plan, p in plans.items())
     rounds = sum(p.value for plan, p in plans.items() if plan.startswith("chain/"))
     assert rounds >= steps > 0
+    # Each node's serving thread accounts for its time, and its engine for its steps: the
+    # decode node ran every request's decode steps, the prefill node one prefill a prompt here.
+    for name in ("prefill-0", "decode-0"):
+        assert value(samples, "pdcluster_node_loop_seconds_total", node=name, part="engine") > 0
+        assert value(samples, "pdcluster_node_loop_seconds_total", node=name, part="waiting") > 0
+    assert value(samples, "pdcluster_node_steps_total", node="decode-0", kind="decode") >= steps
+    assert value(samples, "pdcluster_node_steps_total", node="decode-0", kind="prefill") == 0
+    assert value(samples, "pdcluster_node_steps_total", node="prefill-0", kind="prefill") == n
     # The target's KV and each draft depth's cross: more than the plain wire size.
     sent = value(samples, "pdcluster_node_transfer_bytes_total", node="prefill-0")
     assert sent == value(samples, "pdcluster_node_transfer_bytes_total", node="decode-0") > 0
@@ -372,6 +380,22 @@ def test_decode_steps_are_counted_by_plan_and_kind():
         ("plain", "plain/catch_up"): 1,
         ("chain", "chain/device"): 7,
     }
+
+
+def test_loop_seconds_and_steps_are_exported_by_part_and_kind():
+    stats = {
+        "loop_seconds": {"waiting": 2.5, "engine": 7.0, "streams": 0.5, "other": 0.25},
+        "steps": {"decode": 90, "prefill": 3, "mixed": 4, "drains": 6},
+    }
+
+    async def read() -> dict:
+        return stats
+
+    node = SimpleNamespace(name="decode-0", role="decode", alive=True, in_flight=0, stats=read)
+    samples = parse(asyncio.run(ClusterMetrics([node]).render()).decode())
+    parts = {s.labels["part"]: s.value for s in samples["pdcluster_node_loop_seconds_total"]}
+    kinds = {s.labels["kind"]: s.value for s in samples["pdcluster_node_steps_total"]}
+    assert parts == stats["loop_seconds"] and kinds == stats["steps"]
 
 
 def test_transfer_totals_count_successes_bytes_and_latency_buckets():

@@ -20,12 +20,13 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention.torch_metadata import PerRequestMetadata, prepare_per_request
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, mixed_step_tokens
+from engine.engine_core import EngineCore
 from engine.kernels import triton_runs_on
 from engine.loading.loader import EngineArgs, resolve
 from engine.request import Request
 from engine.sampling.grammar import json_schema_grammar
 from engine.scheduling.scheduler import ScheduledBatch
+from engine.scheduling.step_setup import mixed_step_tokens
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

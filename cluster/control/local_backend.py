@@ -197,5 +197,6 @@ class _LocalNode:
             "kv_used": kv_cache.capacity - kv_cache.num_free_slots,
             "kv_capacity": kv_cache.capacity,
             "spec_plans": engine.plan_counts(),
+            "steps": engine.step_counts().as_dict(),
             **kv_cache.prefix_cache_stats(),
         }

@@ -267,6 +267,21 @@ class _NodeFamilies:
             labels=[*labels, "kind", "plan"],
         )
 
+        self.loop_seconds = CounterMetricFamily(
+            "pdcluster_node_loop_seconds",
+            "Time the node's serving thread spent in each part of its loop: waiting (for a "
+            "message, nothing to run), engine (forward steps and their streams' reports), "
+            "streams (handing each step's tokens on), other (messages, transfers, reports).",
+            labels=[*labels, "part"],
+        )
+        self.steps = CounterMetricFamily(
+            "pdcluster_node_steps",
+            "The engine's forward steps by kind: decode, prefill, mixed (prompts beside the "
+            "running requests' decode), and drains (overlap scheduling waiting for the step in "
+            "flight before the batch could change).",
+            labels=[*labels, "kind"],
+        )
+
     def add(self, name: str, role: str, stats: dict) -> None:
         labels = [name, role]
         for family, key in (
@@ -298,6 +313,10 @@ class _NodeFamilies:
             self._add_speculation(labels, stats)
         for plan, steps in (stats.get("spec_plans") or {}).items():
             self.plans.add_metric([*labels, plan.partition("/")[0], plan], steps)
+        for part, seconds in (stats.get("loop_seconds") or {}).items():
+            self.loop_seconds.add_metric([*labels, part], seconds)
+        for kind, count in (stats.get("steps") or {}).items():
+            self.steps.add_metric([*labels, kind], count)
 
     def _add_transfers(self, labels: list[str], totals: dict) -> None:
         labels = [*labels, totals["direction"]]
