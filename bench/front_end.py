@@ -27,7 +27,10 @@ shared with other work the tokens/s vary from run to run, and with them the shar
 rate in the per-token figure, which the above-idle figure leaves out.
 
 With --offline the same prompts go through `engine.LLM` at batch = concurrency first (the
-engine alone: no HTTP, no Ray). Prints one table and rewrites the section TITLE of
+engine alone: no HTTP, no Ray; on a CPU with a node's torch threads). A second table says where
+each generating node's time went over each run, from the cluster's /metrics (bench.node_loop):
+its engine's steps by kind, tokens a step, time a step, and its serving thread's time by part,
+the offline engine's steps beside them. Prints one table and rewrites the section TITLE of
 docs/BENCHMARKS.md (raw figures in docs/bench/<slug>.json)."""
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.node_loop import loop_table, node_counters, node_figures  # noqa: E402
 from bench.report import write_section  # noqa: E402
 
 SETUPS = ("aggregated", "1p1d")
@@ -109,6 +113,8 @@ class Serve:
             command += ["--model", args.model]
         if args.kv_cache_tokens:
             command += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
+        if args.cpu_threads_per_node != 1:
+            command += ["--cpu-threads-per-node", str(args.cpu_threads_per_node)]
         if setup == "aggregated":
             command += ["--aggregated", "--replicas", "1"]
         elif args.gpus_per_node is not None:
@@ -216,9 +222,11 @@ def measure(
             cpu_before = [cpu_seconds(pid) for pid in front_ends]
             controller_before = cpu_seconds(controller) if controller else 0.0
             out = work / f"run-{tag}-{concurrency}"
+            counters = node_counters(serve.url)
             started = time.monotonic()
             figures = load(args, serve.url, concurrency, concurrency * args.prompts_per_stream, out)
             wall_s = time.monotonic() - started
+            nodes = node_figures(counters, node_counters(serve.url), figures["duration_s"])
             front_end_s = sum(cpu_seconds(pid) for pid in front_ends) - sum(cpu_before)
             controller_s = (cpu_seconds(controller) - controller_before) if controller else 0.0
             tokens = max(1, figures["output_tokens"])
@@ -234,6 +242,7 @@ def measure(
                     (front_end_s - idle_rate * wall_s) / tokens * 1e6, 1
                 ),
                 "controller_us_per_token": round(controller_s / tokens * 1e6, 1),
+                "nodes": nodes,
             }
             rows.append(row)
             print(
@@ -272,6 +281,7 @@ def offline_rows(args: argparse.Namespace) -> list[dict]:
             input_len=args.input_len,
             output_len=args.output_len,
             kv_cache_tokens=repr(args.kv_cache_tokens),
+            cpu_threads=args.cpu_threads_per_node,
         )
         result = subprocess.run(
             [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True
@@ -289,18 +299,26 @@ OFFLINE = """
 import json, random, sys, time
 sys.path.insert(0, {root!r})
 from engine import LLM, SamplingParams
+import torch
+from bench.node_loop import offline_figures
+if {device} == "cpu":
+    torch.set_num_threads({cpu_threads})  # as many as a served node has
 llm = LLM({model}, device={device}, max_num_seqs={batch}, kv_cache_tokens={kv_cache_tokens})
 rng = random.Random(0)
 vocab = llm.engine.runner.model_config.vocab_size
 prompts = [[rng.randrange(3, vocab) for _ in range({input_len})] for _ in range({prompts})]
 params = SamplingParams(max_tokens={output_len}, temperature=0, ignore_eos=True)
 llm.generate(prompts[: min(8, len(prompts))], SamplingParams(max_tokens=8, ignore_eos=True))
+before = llm.engine.step_counts()
 start = time.perf_counter()
 outputs = llm.generate(prompts, params)
 elapsed = time.perf_counter() - start
+after = llm.engine.step_counts().as_dict()
+steps = {{kind: after[kind] - n for kind, n in before.as_dict().items()}}
 tokens = sum(len(o.token_ids) for o in outputs)
 print(json.dumps({{"output_tokens": tokens, "duration_s": elapsed,
-                   "output_tokens_per_s": tokens / elapsed}}))
+                   "output_tokens_per_s": tokens / elapsed,
+                   "nodes": [offline_figures(tokens, elapsed, steps)]}}))
 """
 
 
@@ -377,6 +395,13 @@ def main() -> None:
                         help="more flags for pdcluster serve (last)")  # fmt: skip
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument(
+        "--cpu-threads-per-node",
+        type=int,
+        default=1,
+        help="torch threads of each node on a CPU (pdcluster serve's default), which the "
+        "offline engine then runs with too",
+    )
+    parser.add_argument(
         "--idle-seconds",
         type=float,
         default=20.0,
@@ -412,7 +437,7 @@ def main() -> None:
                     rows += measure(args, setup, api_servers, work)
                     if args.json_out is not None:  # kept as it goes: a run cut short keeps some
                         args.json_out.write_text(json.dumps({"command": command, "rows": rows}))
-    text = table(rows)
+    text = table(rows) + "\n\nWhere the generating nodes' time went:\n\n" + loop_table(rows)
     print("\n" + text)
     if args.json_out is not None:
         args.json_out.write_text(json.dumps({"command": command, "rows": rows}, indent=2))

@@ -108,36 +108,12 @@ def admission_params(args: argparse.Namespace) -> list[SamplingParams]:
     ]  # fmt: skip
 
 
-def counted_steps(llm: LLM) -> dict[str, int]:
-    """Counts, from now on, the engine's scheduled steps and those of them that were mixed
-    (decode steps launched by overlap scheduling are counted apart, engine.executor.overlap)."""
-    counts = {"forwards": 0, "mixed": 0}
-    scheduler = llm.engine.scheduler
-    schedule = scheduler.schedule
-
-    def counting():
-        batch = schedule()
-        if batch is not None:
-            counts["forwards"] += 1
-            counts["mixed"] += bool(batch.decoding)
-        return batch
-
-    scheduler.schedule = counting
-    return counts
-
-
 def time_admission(
-    llm: LLM,
-    counts: dict[str, int],
-    prompts: list[list[int]],
-    params: list[SamplingParams],
-    wave: int,
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], wave: int
 ) -> tuple[float, int, int]:
-    """(output tokens/s, forwards, mixed forwards) of generating `prompts` in waves of `wave`;
-    `counts`: the engine's `counted_steps`."""
-    counts.update(forwards=0, mixed=0)
-    overlap = llm.engine.overlap
-    overlapped = 0 if overlap is None else overlap.num_overlapped_steps
+    """(output tokens/s, forwards, mixed forwards) of generating `prompts` in waves of `wave`
+    (the engine's own step counts, engine.step_counts)."""
+    before = llm.engine.step_counts()
     _sync(torch.device(llm.config.device))
     started = time.perf_counter()
     tokens = 0
@@ -145,9 +121,8 @@ def time_admission(
         outputs = llm.generate(prompts[start : start + wave], params[start : start + wave])
         tokens += sum(len(o.token_ids) for o in outputs)
     elapsed = time.perf_counter() - started
-    if overlap is not None:
-        counts["forwards"] += overlap.num_overlapped_steps - overlapped
-    return tokens / elapsed, counts["forwards"], counts["mixed"]
+    after = llm.engine.step_counts()
+    return tokens / elapsed, after.total - before.total, after.mixed - before.mixed
 
 
 def admission_model(args: argparse.Namespace, scratch: Path) -> str | None:
@@ -173,7 +148,6 @@ def run_admission(args: argparse.Namespace) -> None:
             kv_cache_tokens=min(seats, args.num_prompts) * (args.prompt_len + args.max_tokens + 8),
         )
         engines = {mixed: LLM(model, mixed_prefill=mixed, **engine_kw) for mixed in (True, False)}
-        counts = {mixed: counted_steps(llm) for mixed, llm in engines.items()}
         config = engines[True].config
         vocab = engines[True].model_config.vocab_size
         rng = random.Random(0)
@@ -181,15 +155,15 @@ def run_admission(args: argparse.Namespace) -> None:
                    for _ in range(args.num_prompts)]  # fmt: skip
         params = admission_params(args)
         schedules = {"all at once": args.num_prompts, f"waves of {args.wave_size}": args.wave_size}
-        for mixed, llm in engines.items():  # warm-up: kernels compiled for every shape
+        for llm in engines.values():  # warm-up: kernels compiled for every shape
             for wave in schedules.values():
-                time_admission(llm, counts[mixed], prompts, params, wave)
+                time_admission(llm, prompts, params, wave)
         runs: dict[tuple[str, bool], list[tuple[float, int, int]]] = {}
         for _ in range(args.repeats):
             for name, wave in schedules.items():
                 for mixed, llm in engines.items():
                     runs.setdefault((name, mixed), []).append(
-                        time_admission(llm, counts[mixed], prompts, params, wave)
+                        time_admission(llm, prompts, params, wave)
                     )
     rows = [
         {
