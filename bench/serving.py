@@ -212,9 +212,10 @@ def table(rows: list[dict]) -> str:
     header = (
         "| setup | dataset | rate/s | done/failed/lost | req/s | out tok/s | TTFT p50 / p99 ms "
     )
+    header += "| first / later turns TTFT p50 ms "
     header += "| ITL p50 / p99 ms | TPOT p50 ms | goodput/s | accept len | cached % "
     header += "| KV KB / transfer | reused % | pools empty |"
-    lines = [header, "| " + " | ".join(["---"] * 15) + " |"]
+    lines = [header, "| " + " | ".join(["---"] * 16) + " |"]
     for row in rows:
         ttft, itl, tpot = row["ttft_ms"], row["itl_ms"], row["tpot_ms"]
         accept = row.get("spec_accept_length")
@@ -226,6 +227,7 @@ def table(rows: list[dict]) -> str:
             _fmt(row["request_throughput"], 2),
             _fmt(row["output_token_throughput"], 0),
             f"{_fmt(ttft['p50'], 0)} / {_fmt(ttft['p99'], 0)}",
+            _by_turn(row),
             f"{_fmt(itl['p50'], 1)} / {_fmt(itl['p99'], 1)}",
             _fmt(tpot["p50"], 1),
             _fmt(row.get("goodput"), 2),
@@ -237,6 +239,14 @@ def table(rows: list[dict]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _by_turn(row: dict) -> str:
+    """A multi-turn run's TTFT p50 over first turns and over the later ones; "-" otherwise."""
+    first, later = row.get("first_turns_ttft_ms"), row.get("later_turns_ttft_ms")
+    if first is None or later is None:
+        return "-"
+    return f"{_fmt(first['p50'], 0)} / {_fmt(later['p50'], 0)}"
 
 
 def _scaled(value: float | None, scale: float) -> float | None:

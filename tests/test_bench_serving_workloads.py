@@ -189,6 +189,23 @@ def test_each_turn_carries_the_servers_previous_answers(tokenizer):
     assert most_in_flight[0] == 2  # --concurrent-conversations
 
 
+def test_turns_are_numbered_and_their_ttft_is_summarized_first_and_later_apart(tokenizer):
+    async def send(request: BenchRequest, index: int) -> RequestResult:
+        # Conversations are turns 0-2, 3, and 4-5: first turns take 0.5 s, later ones 0.1 s.
+        ttft = 0.5 if index in (0, 3, 4) else 0.1
+        return RequestResult(index, Outcome.COMPLETED, 0.0, 10, 3, ttft, (), 0.6, output_text="a")
+
+    run = replay(scripts_of([3, 1, 2]), send, tokenizer)
+    assert [r.turn for r in run.results] == [0, 1, 2, 0, 0, 1]
+    summary = summarize(run, Slo())
+    assert summary.first_turns_ttft_ms.p50 == pytest.approx(500)
+    assert summary.later_turns_ttft_ms.p50 == pytest.approx(100)
+    assert summary.to_json()["later_turns_ttft_ms"]["p50"] == pytest.approx(100)
+    # Single requests have no turns: nothing is split.
+    single = RunResult(np.inf, 1, 0.0, 1.0, [answered(0, "a")])
+    assert "later_turns_ttft_ms" not in summarize(single, Slo()).to_json()
+
+
 def test_a_conversation_keeps_its_place_between_its_turns(tokenizer):
     order = []
 

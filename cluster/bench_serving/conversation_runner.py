@@ -12,6 +12,7 @@ every rate. Cancelling the run (Ctrl-C) counts the turns in flight as lost, as r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from typing import Any
@@ -56,6 +57,7 @@ class Conversations:
             for turn in range(len(script.user_turns)):
                 request = script.turn_request(turn, answers, self._tokenizer)
                 result = await self._send_turn(self._first_index[number] + turn, request)
+                result = dataclasses.replace(result, turn=turn)
                 self._results.append(result)
                 self._progress.update()
                 if result.outcome is not Outcome.COMPLETED:

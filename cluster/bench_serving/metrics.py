@@ -81,7 +81,11 @@ class RunSummary:
     spec_accept_length: float | None
     errors: dict[str, int]  # failure and loss reasons, most frequent first
     total_cached_tokens: int | None = None  # None: no completed request reported it
-    cached_share: float | None = None  # failure and loss reasons, most frequent first
+    cached_share: float | None = None  # of the prompt tokens of the requests that report it
+    # Multi-turn runs: TTFT of the turns after each conversation's first (whose history a
+    # prefix cache may hold), and of the first turns, apart.
+    later_turns_ttft_ms: LatencyStats | None = None
+    first_turns_ttft_ms: LatencyStats | None = None
 
     @property
     def sent(self) -> int:
@@ -133,6 +137,14 @@ class RunSummary:
             "errors": self.errors,
             "total_cached_tokens": self.total_cached_tokens,
             "cached_share": self.cached_share,
+            **{
+                name: stats.to_json()
+                for name, stats in (
+                    ("later_turns_ttft_ms", self.later_turns_ttft_ms),
+                    ("first_turns_ttft_ms", self.first_turns_ttft_ms),
+                )
+                if stats is not None
+            },
         }
 
 
@@ -157,7 +169,22 @@ def summarize(run: RunResult, slo: Slo) -> RunSummary:
         spec_accept_length=mean_accept_length(completed),
         errors=error_counts(run.results),
         **cached_prompt_tokens(completed),
+        **ttft_by_turn(completed),
     )
+
+
+def ttft_by_turn(results: Sequence[RequestResult]) -> dict[str, LatencyStats | None]:
+    """A multi-turn run's TTFT over its first turns and over the turns after them; nothing
+    for a run of single requests."""
+    turns = [result for result in results if result.turn is not None]
+    if not turns:
+        return {}
+    first = _present(result.ttft_s for result in turns if result.turn == 0)
+    later = _present(result.ttft_s for result in turns if result.turn)
+    return {
+        "first_turns_ttft_ms": LatencyStats.of(first),
+        "later_turns_ttft_ms": LatencyStats.of(later),
+    }
 
 
 def cached_prompt_tokens(results: Sequence[RequestResult]) -> dict[str, Any]:

@@ -40,6 +40,7 @@ class RequestResult:
     spec_verify_steps: int | None = None
     cached_tokens: int | None = None  # prompt tokens the server reused; None: not reported
     output_text: str = ""  # the answer as streamed (a conversation's next turn carries it)
+    turn: int | None = None  # a conversation's turn (0: its first); None outside multi-turn runs
 
     @property
     def tpot_s(self) -> float | None:
@@ -66,6 +67,7 @@ class RequestResult:
             "itl_ms": [milliseconds(gap) for gap in self.itl_s],
             "spec_accept_length": self.spec_accept_length,
             "cached_tokens": self.cached_tokens,
+            "turn": self.turn,
         }
 
 
