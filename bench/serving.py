@@ -93,6 +93,7 @@ def cluster_config(setup: Setup, args: argparse.Namespace) -> ClusterConfig:
         speculative_algorithm="multi-layer-eagle" if setup.speculative else None,
         draft_model=args.draft_model if setup.speculative else None,
         overlap_schedule=False if args.disable_overlap_schedule else None,
+        mixed_prefill=not args.disable_mixed_prefill,
         cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
         enable_prefix_cache=setup.prefix_cache,
     )
@@ -290,6 +291,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu-threads-per-node", type=int, default=1)
     parser.add_argument(
         "--disable-overlap-schedule", action="store_true", help="as pdcluster's flag, for A/B runs"
+    )
+    parser.add_argument(
+        "--disable-mixed-prefill", action="store_true", help="as pdcluster's flag, for A/B runs"
     )
     parser.add_argument(
         "--cuda-graph-max-prefill-tokens", type=int, default=None, help="as pdcluster's flag"
