@@ -9,7 +9,8 @@ through its own link from the prefill rank the routes name, exactly its heads' b
 speculating pairs P(TP 2) -> D(TP 1) and P(TP 1) -> D(TP 2) are lossless (the draft is rank
 0's alone). The pairing check speaks of the whole model's KV heads with each side's size, so
 nodes of different sizes pair, and a size that cannot hold the KV heads, or a model of other
-KV heads, is refused by name."""
+KV heads, is refused by name. A decode rank killed mid-request ends the request with an error
+naming the node and the rank."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from tiny_models import make_tiny_llama
 
 from cluster.deploy.config import ClusterConfig
 from cluster.deploy.launcher import Cluster
+from cluster.frontend.backend import BackendError
 from engine import LLM, SamplingParams
 from engine.loading.loader import EngineArgs, resolve
 from metadata.buffers import MetadataBuffers
@@ -257,5 +259,44 @@ def test_a_rank_killed_while_idle_fails_its_node_which_is_replaced_whole(
         assert again == first
         [new_rank] = follower_ranks(actor_class)
         assert new_rank != rank
+    finally:
+        cluster.shutdown()
+
+
+def test_a_decode_rank_killed_mid_request_ends_it_with_an_error_naming_node_and_rank(model):
+    cluster = launch_healing_cluster(model, ENGINE, prefill_tp=1, decode_tp=2)
+    # Long enough to be running when the rank goes (the context holds the prompt and these).
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    try:
+        router = cluster.router
+        [rank] = follower_ranks(b"DecodeNode")
+
+        async def main():
+            running = asyncio.Event()
+
+            async def consume() -> tuple[int, str | None]:
+                tokens = 0
+                try:
+                    async for delta in router.generate("mid", PROMPTS[0], long):
+                        tokens += len(delta.token_ids)
+                        if tokens >= 3:
+                            running.set()
+                except BackendError as err:
+                    return tokens, str(err)
+                return tokens, None
+
+            try:
+                stream = asyncio.create_task(consume())
+                await asyncio.wait_for(running.wait(), 60)
+                os.kill(rank, signal.SIGKILL)
+                tokens, error = await asyncio.wait_for(stream, 60)
+                await wait_for_node(router, "decode-0", "ok", RESTART_S, restarts=1)
+                return tokens, error
+            finally:
+                await router.close()
+
+        tokens, error = asyncio.run(main())
+        assert tokens < long.max_tokens and error is not None
+        assert "decode-0" in error and "rank 1" in error, error
     finally:
         cluster.shutdown()
