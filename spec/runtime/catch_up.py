@@ -35,11 +35,14 @@ KEPT_HIDDEN_BYTES = 8 << 20
 class Behind:
     """The requests of a step whose drafts plain steps left behind, among those that may
     verify drafts: how many, their positions to catch up in all, and whether some request
-    keeps as many hidden states as it may."""
+    keeps as many hidden states as it may; and `drafting`, whether some other request that may
+    verify drafts has its drafts current (the round plan's `drafting`, found in the same walk
+    over the batch)."""
 
     requests: int = 0
     positions: int = 0
     over_cap: bool = False
+    drafting: bool = False
 
 
 class DraftCatchUp:
@@ -50,34 +53,68 @@ class DraftCatchUp:
         # The draft states that keep hidden states, by id: a step finds none behind at the
         # cost of one test while speculation runs.
         self._behind: set[int] = set()
+        # Those that keep `max_kept` or more: a step finds none over the cap at the cost of
+        # one test while rounds are off (`over_cap`).
+        self._full: set[int] = set()
 
     def behind(self, requests: list[Request]) -> Behind:
         if not self._behind:
-            return Behind()
+            # Nothing behind: the first request that may verify drafts has them current.
+            drafting = any(req.lookahead and req.spec_state is not None for req in requests)
+            return Behind(drafting=drafting)
         count = positions = 0
-        over_cap = False
+        over_cap = drafting = False
+        max_kept = self.max_kept
         for req in requests:
             state = req.spec_state
-            if state is not None and state.kept_hidden and req.lookahead:
+            if state is None or not req.lookahead:
+                continue
+            kept = len(state.kept_hidden)
+            if kept:
                 count += 1
-                positions += len(state.kept_hidden)
-                over_cap = over_cap or len(state.kept_hidden) >= self.max_kept
-        return Behind(count, positions, over_cap)
+                positions += kept
+                over_cap = over_cap or kept >= max_kept
+            else:
+                drafting = True
+        return Behind(count, positions, over_cap, drafting)
+
+    def over_cap(self, requests: list[Request]) -> bool:
+        """`behind(requests).over_cap`, walking the batch only while some request keeps
+        `max_kept` hidden states or more."""
+        if not self._full:
+            return False
+        full = self._full
+        return any(
+            req.lookahead and req.spec_state is not None and id(req.spec_state) in full
+            for req in requests
+        )
 
     def keep(self, requests: list[Request], hidden: torch.Tensor) -> None:
         """After a plain step of `requests` committed one token each: each request still
         running keeps row i of `hidden` [n, width], the target's hidden state at the position
         before its new token."""
+        max_kept = self.max_kept
         for i, req in enumerate(requests):
             state: SpecRequestState | None = req.spec_state
             if state is None or req.finished:
                 continue
-            state.kept_hidden.append((hidden, i))
-            self._behind.add(id(state))
+            kept = state.kept_hidden
+            if not kept:
+                self._behind.add(id(state))
+            kept.append((hidden, i))
+            if len(kept) == max_kept:
+                self._full.add(id(state))
 
     def run(self, requests: list[Request], shape_of: Callable[[Request], TreeShape]) -> None:
         """The general draft extend over the positions each request that may verify drafts
         is behind, drafting its next chain (or tree); depth 0 reads the kept hidden states."""
+        self.extender.run(self.take(requests, shape_of))
+
+    def take(
+        self, requests: list[Request], shape_of: Callable[[Request], TreeShape]
+    ) -> list[DraftExtend]:
+        """The extends `run` runs, each request's kept hidden states taken into its own: its
+        draft counts as current from here on."""
         items = []
         for req in requests:
             state: SpecRequestState | None = req.spec_state
@@ -88,9 +125,11 @@ class DraftCatchUp:
             hidden = torch.stack([batch[row] for batch, row in kept])
             state.kept_hidden = []
             self._behind.discard(id(state))
+            self._full.discard(id(state))
             items.append(DraftExtend(state, req.all_token_ids, hidden, None, shape_of(req)))
-        self.extender.run(items)
+        return items
 
     def forget(self, state: SpecRequestState) -> None:
         """`state` is released."""
         self._behind.discard(id(state))
+        self._full.discard(id(state))

@@ -164,6 +164,8 @@ class PlanInputs:
 
 def plan_round(inputs: PlanInputs, policy: PlanPolicy) -> RoundPlan:
     """The plan of one decode step (see the module's doc)."""
+    if past_disable_batch_size(inputs.batch_size, inputs.queued, policy):
+        return plain_past_limit(policy, inputs.drafting or inputs.behind > 0, inputs.over_cap)
     if not (inputs.drafting or inputs.behind):
         # Requests with one token left verify no draft; a verify queued for them ran already,
         # and taking it costs less than a plain step's forward.
@@ -191,6 +193,28 @@ def plan_round(inputs: PlanInputs, policy: PlanPolicy) -> RoundPlan:
         return RoundPlan(inputs.kind, inputs.num_drafts, verify, extend, reason=reason)
     queue_next = "none" if inputs.waiting else policy.queue_next
     return RoundPlan(inputs.kind, inputs.num_drafts, verify, "device", queue_next, reason)
+
+
+def past_disable_batch_size(batch_size: int, queued: Queued, policy: PlanPolicy) -> bool:
+    """Whether `policy.disable_batch_size` alone decides the plan of a step of `batch_size`
+    requests (`plain_past_limit`): at that many requests or more with no verify queued for
+    them (one that is, which ran already, may still be taken). Such a step's plan reads
+    neither the costs nor the verify paths, nor which requests are behind, only the two
+    answers `plain_past_limit` takes: a plain step's planning costs no walk over the batch
+    beyond those."""
+    limit = policy.disable_batch_size
+    return queued == "none" and limit is not None and batch_size >= limit
+
+
+def plain_past_limit(policy: PlanPolicy, has_drafts: bool, over_cap: bool) -> RoundPlan:
+    """The plan of a step that `past_disable_batch_size` says the limit decides: plain (and
+    catching up where some request keeps as many hidden states as it may); `has_drafts`:
+    some request may verify drafts (has them now, or behind)."""
+    if over_cap:
+        return RoundPlan("plain", extend="general", reason="hidden states kept to the cap")
+    if not has_drafts:
+        return RoundPlan("plain", reason="no drafts to verify")
+    return RoundPlan("plain", reason=f"batch of {policy.disable_batch_size} or more")
 
 
 def _plain(inputs: PlanInputs, reason: str) -> RoundPlan:

@@ -19,7 +19,15 @@ from spec.runtime.catch_up import DraftCatchUp
 from spec.runtime.decode_extend import FixedDecodeExtend
 from spec.runtime.device_round import LaunchedVerify
 from spec.runtime.round_costs import StepCosts
-from spec.runtime.round_plan import PlanInputs, PlanPolicy, Queued, RoundPlan, plan_round
+from spec.runtime.round_plan import (
+    PlanInputs,
+    PlanPolicy,
+    Queued,
+    RoundPlan,
+    past_disable_batch_size,
+    plain_past_limit,
+    plan_round,
+)
 from spec.runtime.round_survey import RoundSurvey
 from spec.runtime.tree import TreeShape
 
@@ -59,15 +67,32 @@ class StepPlanner:
         waiting: bool,
         launched: LaunchedVerify | None,
         plain_only: bool = False,
-    ) -> tuple[RoundPlan, RoundSurvey] | None:
+    ) -> tuple[RoundPlan, RoundSurvey | None] | None:
         """The plan of the decode step of `requests` that begins now, and what it found of
-        the verify paths (`RoundSurvey`, which the step's round takes its inputs from);
+        the verify paths (`RoundSurvey`, which the step's round takes its inputs from; None
+        where the disable batch size alone made it plain);
         `waiting`: prompts wait for admission; `launched`: the verify queued behind the last
         round. With `plain_only`, None (and nothing recorded) unless the plan is a plain step
         that catches nothing up (see the module's doc)."""
         queued: Queued = "none"
         if launched is not None and launched.runs(requests):
             queued = "by_host" if launched.inputs is not None else "by_device"
+        survey = None
+        if past_disable_batch_size(len(requests), queued, self.policy):
+            # The plan plan_round would make, from the two answers it reads here.
+            has_drafts = any(req.lookahead and req.spec_state is not None for req in requests)
+            plan = plain_past_limit(self.policy, has_drafts, self.catch_up.over_cap(requests))
+        else:
+            plan, survey = self._plan(requests, waiting, launched, queued)
+        if plain_only and (plan.speculates or plan.catches_up):
+            return None
+        self.costs.step_started(plan.speculates, plan.catches_up, len(requests))
+        return plan, survey
+
+    def _plan(
+        self, requests: list[Request], waiting: bool, launched: LaunchedVerify | None,
+        queued: Queued,
+    ) -> tuple[RoundPlan, RoundSurvey]:  # fmt: skip
         k = self.num_draft_steps
         survey = RoundSurvey(
             requests, k, self.shape, self.fixed_extend, self.max_context_len,
@@ -78,10 +103,7 @@ class StepPlanner:
             batch_size=len(requests),
             kind="chain" if self.shape.is_chain else "tree",
             num_drafts=k,
-            drafting=any(
-                req.lookahead and req.spec_state is not None and not req.spec_state.kept_hidden
-                for req in requests
-            ),
+            drafting=behind.drafting,
             behind=behind.requests,
             pending_positions=behind.positions,
             over_cap=behind.over_cap,
@@ -90,8 +112,4 @@ class StepPlanner:
             costs=self.costs.facts(len(requests)),
             feasible=survey.feasible,
         )
-        plan = plan_round(inputs, self.policy)
-        if plain_only and (plan.speculates or plan.catches_up):
-            return None
-        self.costs.step_started(plan.speculates, plan.catches_up, len(requests))
-        return plan, survey
+        return plan_round(inputs, self.policy), survey
