@@ -66,6 +66,9 @@ class Measured:
 
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
     at_step: int = 0
+    # The median of `recent`, until the next `add`: every step's plan reads it, one in
+    # several measures a step.
+    _median: float | None = field(default=None, repr=False)
 
     @property
     def known(self) -> bool:
@@ -73,11 +76,14 @@ class Measured:
 
     @property
     def seconds(self) -> float:
-        return median(self.recent)
+        if self._median is None:
+            self._median = median(self.recent)
+        return self._median
 
     def add(self, seconds: float, step: int) -> None:
         self.recent.append(seconds)
         self.at_step = step
+        self._median = None
 
 
 class StepCosts:
