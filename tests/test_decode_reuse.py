@@ -102,12 +102,7 @@ def test_a_decode_node_holds_a_conversations_prefix_until_the_request_lets_go(ti
     cache; the next turn asks the prefill node for the rest only, lands it after the held
     positions, and lets go of its hold whether its prefill node dies or it is aborted."""
     with built(new_decode_node(tiny_model_path, 64, 4, max_num_seqs=8)) as decode:
-        recorder = Recorder()
-        decode.rank = 1
-        decode.streams = recorder.streams("decode-0")
-        decode.incoming.receiver = recorder
-        decode.prefill_peers.outboxes = {0: recorder}
-        decode.incoming.prefill_ranks = {0: PREFILL_RANK}
+        recorder = Recorder().attach(decode)
         sampling = SamplingSpec(3, 0.0, 0, 1.0, None, [], [], True, None)
 
         def ask(room: int, prompt: list[int]) -> PrefillRequest:

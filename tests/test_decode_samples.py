@@ -67,6 +67,16 @@ class Recorder(StreamRecorder):
     def of(self, kind: type) -> list:
         return [m for m in self.messages if isinstance(m, kind)]
 
+    def attach(self, decode: DecodeNode) -> Recorder:
+        """Stand in for `decode`'s front end, its prefill node's outbox and its KV receiver,
+        paired with prefill-0 at data-plane rank PREFILL_RANK (decode-0 being rank 1)."""
+        decode.rank = 1
+        decode.streams = self.streams("decode-0")
+        decode.incoming.receiver = self
+        decode.prefill_peers.outboxes = {0: self}
+        decode.incoming.prefill_ranks = {0: PREFILL_RANK}
+        return self
+
 
 @pytest.fixture
 def node(tiny_model_path: Path) -> Iterator[tuple[DecodeNode, Recorder]]:
@@ -74,12 +84,7 @@ def node(tiny_model_path: Path) -> Iterator[tuple[DecodeNode, Recorder]]:
     paired with prefill-0 (data-plane rank PREFILL_RANK) through the recorder."""
     engine = dict(max_num_seqs=8, max_prefill_tokens=256)
     with built(new_decode_node(tiny_model_path, CAPACITY, 4, **engine)) as decode:
-        recorder = Recorder()
-        decode.rank = 1
-        decode.streams = recorder.streams("decode-0")
-        decode.incoming.receiver = recorder
-        decode.prefill_peers.outboxes = {0: recorder}
-        decode.incoming.prefill_ranks = {0: PREFILL_RANK}
+        recorder = Recorder().attach(decode)
         yield decode, recorder
 
 
@@ -280,12 +285,7 @@ def test_an_aborted_carrier_brings_the_prompt_through_every_rank(
     engine = dict(max_num_seqs=8, max_prefill_tokens=256, tensor_parallel_size=decode_tp)
     store, port = create_store_server("127.0.0.1")
     with built(new_decode_node(tiny_model_path, CAPACITY, 4, **engine)) as decode:
-        recorder = Recorder()
-        decode.rank = 1
-        decode.streams = recorder.streams("decode-0")
-        decode.incoming.receiver = recorder
-        decode.prefill_peers.outboxes = {0: recorder}
-        decode.incoming.prefill_ranks = {0: PREFILL_RANK}
+        recorder = Recorder().attach(decode)
         sender = RankKV(prefill_tp2.engine.runner, True, 2, 2, 30.0, "prefill-0")
         sides = [
             (sender, PairLink("127.0.0.1", port, 1, 0, decode_tp), PREFILL_RANK),
