@@ -14,6 +14,11 @@ STEP_KINDS = ("decode", "prefill", "mixed", "drains")
 PARTS = ("engine", "streams", "other", "waiting")
 
 
+def _forwards(steps: dict[str, int]) -> int:
+    """The forward steps among `steps` (drains are waits, not forwards)."""
+    return steps["decode"] + steps["prefill"] + steps["mixed"]
+
+
 def node_counters(url: str) -> dict[str, dict[str, float]]:
     """Per generating node: its loop seconds by part, its steps by kind and its generated
     tokens, as cumulative counters ("loop:<part>", "steps:<kind>", "tokens")."""
@@ -46,7 +51,7 @@ def node_figures(
         was = before.get(node, {})
         delta = {key: value - was.get(key, 0.0) for key, value in now.items()}
         steps = {kind: int(delta.get(f"steps:{kind}", 0)) for kind in STEP_KINDS}
-        forwards = steps["decode"] + steps["prefill"] + steps["mixed"]
+        forwards = _forwards(steps)
         engine_s = delta.get("loop:engine", 0.0)
         share = {part: delta.get(f"loop:{part}", 0.0) / run_s for part in PARTS[:-1]}
         share["waiting"] = max(0.0, 1.0 - sum(share.values()))
@@ -65,7 +70,7 @@ def node_figures(
 
 def offline_figures(tokens: int, elapsed_s: float, steps: dict[str, int]) -> dict:
     """The offline engine's figures in the same terms (its whole time is its engine's)."""
-    forwards = steps["decode"] + steps["prefill"] + steps["mixed"]
+    forwards = _forwards(steps)
     return {
         "node": "-",
         "steps": steps,

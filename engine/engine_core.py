@@ -111,7 +111,9 @@ class EngineCore:
         # Tokens that prefill forwards ran (chunks and re-prefills included; a prompt that
         # parallel samples share counts once).
         self.prefill_tokens = 0
-        self.steps = StepCounts()  # forward steps by kind (engine.step_counts)
+        # Scheduled steps by kind; the decode steps overlap launched ahead are its own count
+        # (`step_counts` adds them).
+        self._steps = StepCounts()
         # Requests whose grammar is still compiling: they join the scheduler once it is done,
         # so that compiling a new schema never holds up the running batch.
         self.compiling: list[Request] = []
@@ -222,21 +224,21 @@ class EngineCore:
                 return failed + finished + self._fail(list(self.scheduler.running), "decode", err)
             if finished is not None:
                 return failed + finished
-            self.steps.drains += 1
+            self._steps.drains += 1
             failed += self.overlap.flush()
         batch = self.scheduler.schedule()
         if batch is None:
             if self.compiling and not failed:
                 self.compiling[0].grammar.wait(GRAMMAR_WAIT_S)  # type: ignore[union-attr]
             return failed
-        self.steps.count(batch)
+        self._steps.count(batch)
         return failed + self._run(batch)
 
     def step_counts(self) -> StepCounts:
         """The forward steps run so far, by kind (engine.step_counts), those that overlap
         scheduling launched ahead among the decode steps."""
         overlapped = 0 if self.overlap is None else self.overlap.num_overlapped_steps
-        return dataclasses.replace(self.steps, decode=self.steps.decode + overlapped)
+        return dataclasses.replace(self._steps, decode=self._steps.decode + overlapped)
 
     def _admit_compiled(self) -> list[Request]:
         """Hand the requests whose grammar compiled to the scheduler; end those whose grammar

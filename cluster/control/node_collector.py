@@ -266,7 +266,6 @@ class _NodeFamilies:
             "tree) and the plan's label (chain/device, plain/catch_up, ...).",
             labels=[*labels, "kind", "plan"],
         )
-
         self.loop_seconds = CounterMetricFamily(
             "pdcluster_node_loop_seconds",
             "Time the node's serving thread spent in each part of its loop: waiting (for a "
